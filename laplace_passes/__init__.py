@@ -1,0 +1,30 @@
+"""laplace_passes: torch.fx passes that re-tile GLA for Trainium2, and more.
+
+Public API:
+    gla, chunked_gla           the GLA op (reference recurrence) and its chunked form
+    compile, inspect           compile with the passes; report what they did
+    targets, get_target        hardware targets (trn2, cpu)
+    Report, last_report        what a compile did
+"""
+
+from laplace_passes import targets
+from laplace_passes.api import compile, inspect
+from laplace_passes.chunked import chunk_plan, chunked_gla
+from laplace_passes.gla import gla
+from laplace_passes.report import Report, last_report
+from laplace_passes.targets import HardwareTarget, get_target
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HardwareTarget",
+    "Report",
+    "chunk_plan",
+    "chunked_gla",
+    "compile",
+    "get_target",
+    "gla",
+    "inspect",
+    "last_report",
+    "targets",
+]

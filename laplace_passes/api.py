@@ -1,0 +1,88 @@
+"""The user-facing entry points: `compile` and `inspect`."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from laplace_passes.backend import laplace_backend
+from laplace_passes.config import CompileConfig
+from laplace_passes.fx import fla_sites
+from laplace_passes.report import Report
+
+
+def compile(
+    model_or_fn: Callable | None = None,
+    *,
+    target: Any = "trn2",
+    inner: Any = "eager",
+    fullgraph: bool = False,
+    dynamic: bool = False,
+    **options: Any,
+):
+    """Compile a module or function with the laplace passes.
+
+    Decorator or function form::
+
+        @laplace_passes.compile(target="trn2")
+        def step(...): ...
+
+        model = laplace_passes.compile(model, target="cpu", inner="inductor")
+
+    Same semantics as ``torch.compile(obj, backend="laplace", options=...)``;
+    shapes are static by default (``dynamic=False``) because the chunk plan and
+    the Neuron compiler both need them. The result carries the compile's
+    report as ``.laplace_report``.
+    """
+    report = options.pop("report", None) or Report()
+    full_options = {"target": target, "inner": inner, "report": report, **options}
+    CompileConfig.from_options(full_options)  # fail now, not at the first call
+
+    def wrap(obj: Callable):
+        if not callable(obj):
+            raise TypeError(f"laplace_passes.compile expects a module or a function, got {type(obj).__name__}")
+        fla_sites.install()
+        compiled = torch.compile(obj, backend=laplace_backend, options=full_options,
+                                 fullgraph=fullgraph, dynamic=dynamic)
+        compiled.laplace_report = report
+        return compiled
+
+    return wrap if model_or_fn is None else wrap(model_or_fn)
+
+
+def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", **options: Any) -> Report:
+    """Run the passes on the graphs of `model_or_fn(*example_inputs)` and report.
+
+    The function runs once on the examples (with the eager inner compiler, so
+    meta-device models allocate nothing); forward and backward graphs are
+    both captured when an output requires grad. Nothing else is changed:
+    parameter ``.grad`` fields are left as they were.
+    """
+    report = Report()
+    options = {"inner": "eager", **options, "target": target, "report": report}
+    compiled = torch.compile(_fresh(model_or_fn), backend=laplace_backend, options=options, dynamic=False)
+    fla_sites.install()
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        compiled(*example_inputs)
+    if not report.graphs:
+        raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
+    return report
+
+
+def _fresh(model_or_fn: Callable) -> Callable:
+    """A new code object per inspect, so Dynamo's cache never answers for an earlier one."""
+    if isinstance(model_or_fn, torch.nn.Module):
+        module = model_or_fn
+
+        def run_module(*args):
+            return module(*args)
+
+        return run_module
+
+    @functools.wraps(model_or_fn)
+    def run_function(*args):
+        return model_or_fn(*args)
+
+    return run_function

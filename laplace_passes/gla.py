@@ -1,0 +1,185 @@
+"""The canonical GLA op: `laplace::gla`, and its public wrapper `gla`.
+
+The op is the token-by-token recurrence (DESIGN.md section 3), kept as one node
+in Dynamo and AOT graphs so that the re-tiling pass can find it:
+
+    S_t = diag(exp(gk_t)) S_{t-1} + k_t^T v_t
+    o_t = scale * q_t S_t
+
+It is the reference every other implementation is tested against. Its backward
+is the explicit reverse-time recurrence (a second op), so a graph that keeps
+the op (a declined site) still has a traceable backward.
+
+Layout follows flash-linear-attention: q, k, gk ``[B, T, H, K]``, v
+``[B, T, H, V]``, state ``[B, H, K, V]``. Computation is fp32 whatever the
+input dtype; the output is cast back to the input dtype, the final state is
+fp32 (as in fla).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from laplace_passes._checks import check_gla_args, resolve_scale
+
+# `origin` names where a site came from ("laplace.gla", "fla.chunk_gla", ...),
+# so the report can answer "which of my calls was re-tiled?".
+LAPLACE_ORIGIN = "laplace.gla"
+
+
+@torch.library.custom_op("laplace::check_gates", mutates_args=())
+def check_gates(gk: Tensor) -> Tensor:
+    """Return a copy of `gk`, raising ValueError when a gate is positive or NaN.
+
+    `gk` is the log of a per-channel decay in (0, 1], so it must be <= 0. A
+    positive value makes exp(G) grow without bound inside a chunk and the
+    result silently becomes inf/NaN; we refuse it instead. It is an op (not a
+    Python check) so that it also runs inside compiled graphs.
+    """
+    ok = bool((gk <= 0).all())
+    if not ok:
+        worst = gk.float().nan_to_num(nan=float("inf")).max().item()
+        raise ValueError(
+            "gk must be <= 0 everywhere (it is the log of a decay in (0, 1]); "
+            f"found {worst} (use F.logsigmoid(x) or -F.softplus(x) to produce gates)"
+        )
+    return gk.clone()
+
+
+@check_gates.register_fake
+def _check_gates_fake(gk: Tensor) -> Tensor:
+    return torch.empty_like(gk)
+
+
+def _check_gates_backward(ctx, grad: Tensor):
+    return grad
+
+
+check_gates.register_autograd(_check_gates_backward)
+
+
+def _recurrence_states(q, k, v, gk, initial_state):
+    """Run the recurrence in fp32; return (states [T+1, B, H, K, V], decay)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    kf, vf = k.float(), v.float()
+    decay = gk.float().exp()
+    h = q.new_zeros(B, H, K, V, dtype=torch.float32)
+    if initial_state is not None:
+        h = initial_state.float().clone()
+    states = [h]
+    for t in range(T):
+        h = h * decay[:, t, :, :, None] + kf[:, t, :, :, None] * vf[:, t, :, None, :]
+        states.append(h)
+    return torch.stack(states), decay
+
+
+@torch.library.custom_op("laplace::gla", mutates_args=())
+def gla_op(
+    q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None, scale: float, origin: str
+) -> tuple[Tensor, Tensor]:
+    """Token-by-token GLA. Returns (o in q's dtype, final state in fp32)."""
+    check_gates(gk)
+    states, _ = _recurrence_states(q, k, v, gk, initial_state)
+    o = torch.einsum("bthk,tbhkv->bthv", q.float(), states[1:]) * scale
+    return o.to(q.dtype), states[-1]
+
+
+@gla_op.register_fake
+def _gla_fake(q, k, v, gk, initial_state, scale, origin):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32)
+
+
+@torch.library.custom_op("laplace::gla_backward", mutates_args=())
+def gla_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None, scale: float,
+    grad_o: Tensor, grad_final_state: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Reverse-time recurrence: gradients of (o, final state) w.r.t. q, k, v, gk, initial_state.
+
+    With dS the gradient reaching S_t from later tokens:
+        dS_t   = dS + scale * q_t^T do_t
+        dq_t   = scale * S_t do_t        dk_t = dS_t v_t       dv_t = k_t dS_t
+        dgk_t  = exp(gk_t) * rowsum(S_{t-1} * dS_t)
+        dS     = diag(exp(gk_t)) dS_t     (the gradient of S_{t-1})
+    """
+    states, decay = _recurrence_states(q, k, v, gk, initial_state)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    do = grad_o.float()
+    T = q.shape[1]
+    dS = grad_final_state.float().clone()
+    dq, dk, dv, dgk = (torch.empty_like(t, dtype=torch.float32) for t in (q, k, v, gk))
+    for t in range(T - 1, -1, -1):
+        dS = dS + scale * qf[:, t, :, :, None] * do[:, t, :, None, :]
+        dq[:, t] = scale * torch.einsum("bhkv,bhv->bhk", states[t + 1], do[:, t])
+        dk[:, t] = torch.einsum("bhkv,bhv->bhk", dS, vf[:, t])
+        dv[:, t] = torch.einsum("bhkv,bhk->bhv", dS, kf[:, t])
+        dgk[:, t] = decay[:, t] * (states[t] * dS).sum(-1)
+        dS = dS * decay[:, t, :, :, None]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgk.to(gk.dtype), dS
+
+
+@gla_backward_op.register_fake
+def _gla_backward_fake(q, k, v, gk, initial_state, scale, grad_o, grad_final_state):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    state = q.new_empty(B, H, K, V, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gk), state
+
+
+def _gla_setup_context(ctx, inputs, output):
+    q, k, v, gk, initial_state, scale, _origin = inputs
+    ctx.save_for_backward(q, k, v, gk, initial_state)
+    ctx.scale = scale
+    ctx.has_initial_state = initial_state is not None
+
+
+def _gla_backward(ctx, grad_o, grad_final_state):
+    q, k, v, gk, initial_state = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(q, shape=(*q.shape[:3], v.shape[-1]))
+    if grad_final_state is None:
+        B, _, H, K = q.shape
+        grad_final_state = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
+    dq, dk, dv, dgk, dh0 = gla_backward_op(q, k, v, gk, initial_state, ctx.scale, grad_o, grad_final_state)
+    if ctx.has_initial_state:
+        dh0 = dh0.to(initial_state.dtype)
+    else:
+        dh0 = None
+    return dq, dk, dv, dgk, dh0, None, None
+
+
+gla_op.register_autograd(_gla_backward, setup_context=_gla_setup_context)
+
+
+def gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gk: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Gated linear attention with fla's layout and semantics.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; gk: ``[B, T, H, K]``, the log
+            of the per-channel decay (must be <= 0).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` or None (zeros).
+        output_final_state: also return the state after the last token (fp32).
+
+    Returns ``(o, final_state or None)``; ``o`` has v's shape and q's dtype.
+
+    Eagerly this runs the token-by-token recurrence (the reference). Under
+    ``torch.compile(backend="laplace")`` the call is one graph node, which the
+    re-tiling pass replaces by `chunked_gla` at the target's chunk size.
+    """
+    check_gla_args(q, k, v, gk, initial_state, scale)
+    o, final_state = gla_op(q, k, v, gk, initial_state, resolve_scale(scale, q.shape[-1]), LAPLACE_ORIGIN)
+    return o, (final_state if output_final_state else None)

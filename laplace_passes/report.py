@@ -1,0 +1,205 @@
+"""What the passes did, in a form users can read, diff and serialise.
+
+One `Report` gathers every graph a compile produced (the Dynamo graphs, then
+the forward and backward ATen graphs AOT Autograd derives from them), a
+snapshot of each graph before and after every pass, one record per pass run
+(applied or declined, with the reason), and one record per GLA site with its
+chunk plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+
+import torch.fx
+
+STAGES = ("before", "after")
+
+
+@dataclass
+class SiteRecord:
+    """One GLA call found in a graph."""
+
+    graph: str
+    node: str
+    origin: str
+    status: str  # "retiled" or "declined"
+    reason: str | None = None
+    plan: dict | None = None  # T, chunk_size, n_chunks, padding
+    shape: dict | None = None  # B, H, K, V, dtype
+
+
+@dataclass
+class PassRecord:
+    """One pass run over one graph."""
+
+    name: str
+    graph: str
+    modified: bool
+    nodes_before: int
+    nodes_after: int
+    summary: str = ""
+    declined: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GraphRecord:
+    """One graph: its kind and its snapshots (the input, then after each pass)."""
+
+    name: str
+    kind: str  # "dynamo", "forward", "backward" or "inference"
+    snapshots: list[tuple[str, torch.fx.GraphModule]] = field(default_factory=list)
+
+    def snapshot(self, label: str, gm: torch.fx.GraphModule) -> None:
+        # Copy the graph, share the module's attributes: cheap, and later
+        # passes mutating `gm` cannot change what the user inspects.
+        self.snapshots.append((label, torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))))
+
+    @property
+    def before(self) -> torch.fx.GraphModule:
+        return self.snapshots[0][1]
+
+    @property
+    def after(self) -> torch.fx.GraphModule:
+        return self.snapshots[-1][1]
+
+    def op_counts(self, stage: str = "after") -> dict[str, int]:
+        gm = self.before if stage == "before" else self.after
+        return dict(Counter(_op_name(n) for n in gm.graph.nodes if n.op == "call_function"))
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "nodes_before": _node_count(self.before),
+            "nodes_after": _node_count(self.after),
+            "passes": [label for label, _ in self.snapshots[1:]],
+        }
+
+
+class Report:
+    """Everything one compile (or one `inspect`) did."""
+
+    def __init__(self, target: str = "", inner: str = "") -> None:
+        self.target = target
+        self.inner = inner
+        self.graphs: list[GraphRecord] = []
+        self.passes: list[PassRecord] = []
+        self.sites: list[SiteRecord] = []
+        self.notes: list[str] = []
+
+    # -- building -----------------------------------------------------------
+    def new_graph(self, kind: str, gm: torch.fx.GraphModule) -> GraphRecord:
+        index = sum(1 for g in self.graphs if g.kind == kind)
+        record = GraphRecord(name=f"{kind}_{index}", kind=kind)
+        record.snapshot("input", gm)
+        self.graphs.append(record)
+        return record
+
+    # -- reading ------------------------------------------------------------
+    def graph(self, stage: str = "after", name: str | None = None) -> torch.fx.GraphModule:
+        """The graph `name` (default: the first Dynamo graph) before or after the passes."""
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        record = self._find(name)
+        return record.before if stage == "before" else record.after
+
+    def graph_record(self, name: str | None = None) -> GraphRecord:
+        return self._find(name)
+
+    def _find(self, name: str | None) -> GraphRecord:
+        if not self.graphs:
+            raise LookupError("this report holds no graph: nothing was compiled")
+        if name is None:
+            return self.graphs[0]
+        for record in self.graphs:
+            if record.name == name:
+                return record
+        raise LookupError(f"no graph named {name!r}; graphs: {', '.join(g.name for g in self.graphs)}")
+
+    def to_dict(self) -> dict:
+        return {
+            "target": self.target,
+            "inner": self.inner,
+            "graphs": [g.to_dict() for g in self.graphs],
+            "passes": [asdict(p) for p in self.passes],
+            "sites": [asdict(s) for s in self.sites],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        lines = [f"laplace_passes report: target={self.target} inner={self.inner}"]
+        lines += _table(
+            "graphs",
+            ["graph", "kind", "nodes before", "nodes after"],
+            [[g.name, g.kind, _node_count(g.before), _node_count(g.after)] for g in self.graphs],
+        )
+        lines += _table(
+            "passes",
+            ["pass", "graph", "result", "nodes", "summary"],
+            [
+                [p.name, p.graph, "applied" if p.modified else "no change",
+                 f"{p.nodes_before} -> {p.nodes_after}", p.summary]
+                for p in self.passes
+            ],
+        )
+        lines += _table(
+            "GLA sites",
+            ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "reason"],
+            [
+                [s.graph, s.node, s.origin, s.status,
+                 *(_plan_cells(s.plan)), s.reason or ""]
+                for s in self.sites
+            ],
+        )
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _plan_cells(plan: dict | None) -> list:
+    if plan is None:
+        return ["", "", "", ""]
+    return [plan["T"], plan["chunk_size"], plan["n_chunks"], plan["padding"]]
+
+
+def _node_count(gm: torch.fx.GraphModule) -> int:
+    return len(gm.graph.nodes)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", None) if not hasattr(target, "_schema") else str(target)
+
+
+def _table(title: str, header: list[str], rows: list[list]) -> list[str]:
+    if not rows:
+        return [f"{title}: none"]
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = lambda row: "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    return [f"{title}:", fmt(cells[0])] + [fmt(r) for r in cells[1:]]
+
+
+# The reports of recent compiles, newest last, for `last_report()`: users of
+# plain `torch.compile(backend="laplace")` have no other handle on them.
+_RECENT: deque[Report] = deque(maxlen=32)
+
+
+def remember(report: Report) -> None:
+    if not any(r is report for r in _RECENT):
+        _RECENT.append(report)
+
+
+def last_report() -> Report:
+    """The report of the most recent `laplace` compile in this process."""
+    if not _RECENT:
+        raise LookupError("no laplace compile has run in this process yet")
+    return _RECENT[-1]

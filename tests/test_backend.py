@@ -1,0 +1,167 @@
+"""The `laplace` backend: compiled equals eager, the graph holds the chunked GLA, the report says so."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch.testing import FileCheck
+
+import laplace_passes
+import model_zoo
+from laplace_passes.targets import TRN2
+
+# Outputs of an fp32 model whose GLA goes from a token loop to chunked
+# matmuls: the sums are reordered, nothing else.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return model_zoo.build("tiny")
+
+
+def tokens(T, batch=1, seed=0):
+    return torch.randint(0, 128, (batch, T), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model, ids, run=None):
+    """Logits and parameter gradients of `run` (default: the model itself)."""
+    model.zero_grad(set_to_none=True)
+    logits = (run if run is not None else model)(ids)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_compiled_tiny_model_equals_eager_at_2048_tokens():
+    model, ids = tiny_model(), tokens(2048)
+    expected_logits, expected_grads = loss_and_grads(model, ids)
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", options={"target": "trn2", "report": report})
+    logits, grads = loss_and_grads(model, ids, compiled)
+    torch.testing.assert_close(logits, expected_logits, rtol=RTOL, atol=ATOL)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+    # Two layers, two sites, each 16 chunks of 128 tokens.
+    assert [(s.status, s.plan) for s in report.sites] == [
+        ("retiled", {"T": 2048, "chunk_size": 128, "n_chunks": 16, "padding": 0})
+    ] * 2
+    text = str(report)
+    assert "2 of 2 GLA sites re-tiled at chunk 128" in text
+    for kind in ("forward", "backward"):
+        code = report.graph("after", f"{kind}_0").code
+        FileCheck().check_not("laplace.gla").run(code)
+        FileCheck().check("aten.cumsum").run(code)
+    FileCheck().check("laplace.gla.default").run(report.graph("before").code)
+    FileCheck().check_not("laplace.gla.default").check("laplace.check_gates").check("aten.cumsum").run(
+        report.graph("after").code
+    )
+
+
+def test_chunk_size_comes_from_the_target():
+    model, ids = tiny_model(), tokens(256)
+    for target, chunks in (("trn2", 2), ("cpu", 4)):
+        report = laplace_passes.inspect(model, ids, target=target)
+        assert {s.plan["n_chunks"] for s in report.sites} == {chunks}
+        assert report.sites[0].plan["chunk_size"] == laplace_passes.get_target(target).chunk_size
+
+
+def test_decorator_forms_and_report_attribute():
+    q, k, v, gk = (torch.randn(1, 96, 2, 8) for _ in range(4))
+    gk = -gk.abs()
+
+    @laplace_passes.compile
+    def plain(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    @laplace_passes.compile(target="cpu", inner="eager")
+    def configured(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    expected = laplace_passes.gla(q, k, v, gk)[0]
+    for fn, chunk in ((plain, 128), (configured, 64)):
+        torch.testing.assert_close(fn(q, k, v, gk), expected, rtol=RTOL, atol=ATOL)
+        assert fn.laplace_report.sites[0].plan["chunk_size"] == chunk
+        assert fn.laplace_report.sites[0].plan["padding"] == -96 % chunk
+
+
+def test_callable_inner_receives_forward_and_backward_aten_graphs():
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    model, ids = tiny_model(), tokens(64)
+    expected, _ = loss_and_grads(model, ids)
+    compiled = laplace_passes.compile(model, target="cpu", inner=capture)
+    logits, _ = loss_and_grads(model, ids, compiled)
+    torch.testing.assert_close(logits, expected, rtol=RTOL, atol=ATOL)
+    assert len(seen) == 2  # forward, then backward
+    for gm in seen:
+        assert all(n.target != torch.ops.laplace.gla.default for n in gm.graph.nodes)
+
+
+def test_inductor_inner_matches_eager():
+    q, k, v, gk = (torch.randn(1, 64, 2, 8, requires_grad=True) for _ in range(4))
+
+    def f(q, k, v, gk):
+        o, state = laplace_passes.gla(q, k, v, torch.nn.functional.logsigmoid(gk), output_final_state=True)
+        return o.sum() + state.sum()
+
+    expected = f(q, k, v, gk)
+    expected_grads = torch.autograd.grad(expected, (q, k, v, gk))
+    compiled = laplace_passes.compile(f, target="cpu", inner="inductor")
+    got = compiled(q, k, v, gk)
+    grads = torch.autograd.grad(got, (q, k, v, gk))
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-4)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-4)
+
+
+def test_dynamic_sequence_length_is_declined_with_a_reason():
+    def f(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
+    gk = -gk.abs()
+    torch._dynamo.mark_dynamic(q, 1)
+    report = laplace_passes.Report()
+    compiled = torch.compile(f, backend="laplace", dynamic=True, options={"report": report})
+    torch.testing.assert_close(compiled(q, k, v, gk), f(q, k, v, gk))
+    (site,) = report.sites
+    assert site.status == "declined"
+    assert "T = " in site.reason and "is dynamic" in site.reason
+    assert report.passes[0].declined == [f"{site.node}: {site.reason}"]
+    assert "declined" in str(report)
+    # The declined site still runs: the graph keeps the reference op.
+    FileCheck().check("laplace.gla").run(report.graph("after").code)
+
+
+def test_retiling_can_be_switched_off():
+    def f(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
+    report = laplace_passes.inspect(f, q, k, v, -gk.abs(), retile_gla=False)
+    assert report.passes == [] and report.sites == []
+    FileCheck().check("laplace.gla").run(report.graph("after").code)
+
+
+def test_unknown_options_are_named():
+    with pytest.raises(ValueError, match=r"unknown laplace option\(s\) \['chunks'\]"):
+        laplace_passes.compile(lambda x: x, chunks=3)
+    with pytest.raises(ValueError, match=r"unknown target 'trn9'; known targets: cpu, trn2"):
+        laplace_passes.compile(lambda x: x, target="trn9")
+    with pytest.raises(ValueError, match=r"unknown inner compiler 'xla'"):
+        laplace_passes.compile(lambda x: x, inner="xla")
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int, got 0"):
+        laplace_passes.compile(lambda x: x, chunk_size=0)
+
+
+def test_trn2_target_numbers():
+    assert TRN2.chunk_size == TRN2.partitions == 128
+    assert TRN2.sbuf_bytes == 28 * 1024 * 1024
+    assert TRN2.max_graph_instructions == 5_000_000
+    assert TRN2.collectives.all_to_all_equal_splits_only
+    assert [n for n in range(1, 97) if TRN2.collectives.group_size_supported(n)] == [4, 8, 16, 32, 64, 96]

@@ -1,0 +1,104 @@
+"""Bad input gets a clear error naming the argument, from every entry point."""
+
+import pytest
+import torch
+
+import laplace_passes
+from laplace_passes import chunked_gla, gla
+from tests.gla_cases import make_inputs
+
+ENTRY_POINTS = [gla, lambda *a, **kw: chunked_gla(*a, chunk_size=16, **kw)]
+
+
+@pytest.fixture
+def good():
+    q, k, v, gk, _ = make_inputs(1, 20, 2, 8, 6, initial_state=False)
+    return q, k, v, gk
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_mismatched_key_shape(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(ValueError, match=r"k must have the shape of q"):
+        fn(q, k[:, :10], v, gk)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_mismatched_value_shape(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(ValueError, match=r"v must have shape \[B,T,H,V\]"):
+        fn(q, k, v[:, :, :1], gk)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_wrong_rank(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(ValueError, match=r"gk must have 4 dimensions"):
+        fn(q, k, v, gk[0])
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_initial_state_shape(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[B,H,K,V\] = \[1, 2, 8, 6\]"):
+        fn(q, k, v, gk, initial_state=torch.zeros(1, 2, 6, 8))
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_integer_dtype(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(TypeError, match=r"q must have dtype in"):
+        fn(q.long(), k, v, gk)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_mixed_dtypes(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(TypeError, match=r"q, k and v must share one dtype"):
+        fn(q, k.half(), v, gk)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_non_tensor(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(TypeError, match=r"v must be a torch.Tensor, got list"):
+        fn(q, k, [1.0], gk)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_positive_gates_are_refused(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(ValueError, match=r"gk must be <= 0 everywhere"):
+        fn(q, k, v, gk.abs() + 0.1)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_nan_gates_are_refused(fn, good):
+    q, k, v, gk = good
+    gk = gk.clone()
+    gk[0, 3, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"gk must be <= 0 everywhere"):
+        fn(q, k, v, gk)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -128])
+def test_non_positive_chunk_size(chunk_size, good):
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int, got " + str(chunk_size)):
+        chunked_gla(*good, chunk_size=chunk_size)
+
+
+def test_non_integer_chunk_size(good):
+    with pytest.raises(TypeError, match=r"chunk_size must be a positive int, got float"):
+        chunked_gla(*good, chunk_size=128.0)
+
+
+def test_positive_gates_are_refused_inside_compiled_graphs(good):
+    q, k, v, gk = good
+
+    def f(q, k, v, gk):
+        return gla(q, k, v, gk)[0]
+
+    compiled = laplace_passes.compile(f, target="cpu")
+    compiled(q, k, v, gk)  # compiles and runs with valid gates
+    with pytest.raises(ValueError, match=r"gk must be <= 0 everywhere"):
+        compiled(q, k, v, gk.abs() + 0.1)
