@@ -19,9 +19,17 @@ first row:
     of the rows of i and the future of the rows of j;
   * the diagonal block j == i: sum_k Q_ck K_dk exp(G_ck - G_dk) elementwise
     over a [Cs, Cs, K] tensor, exponent <= 0 for d <= c.
-Every exponent is clamped at 0 *before* exp, including entries that the causal
-mask then discards: an inf there would turn into NaN in the backward
+Every exponent is clamped at 0 *before* exp (`_decay`), including entries
+that the causal mask then discards: an inf there would turn into NaN in the backward
 (0 * inf), even though the forward masks it away.
+
+NOTE [flushing tiny decays]
+Strong gates drive exp(G) far below fp32's smallest normal number (1.2e-38).
+Denormal operands make CPU matmuls about 100x slower, so every decay factor
+below exp(-FLUSH_BELOW) (about 1e-13) is set to exactly 0. The terms dropped
+weigh less than 1e-13 against the token's own term (weight 1): far under fp32
+rounding. GPUs and Trainium flush denormals in hardware; this does it in the
+graph, so it holds for every backend.
 
 Padding: T is padded with zero tokens to a multiple of C (q = k = v = 0 and
 gk = 0 leave the state untouched); each chunk is padded likewise to a multiple
@@ -40,6 +48,13 @@ from laplace_passes._checks import check_chunk_size, check_gla_args, resolve_sca
 from laplace_passes.gla import check_gates
 
 DEFAULT_SUB_CHUNK = 16
+FLUSH_BELOW = 30.0  # see NOTE [flushing tiny decays]
+
+
+def _decay(exponent: Tensor) -> Tensor:
+    """exp(exponent) for exponent <= 0 (larger values are clamped), exactly 0 below -FLUSH_BELOW."""
+    factor = torch.exp(exponent.clamp(min=-FLUSH_BELOW, max=0.0))
+    return torch.where(exponent < -FLUSH_BELOW, 0.0, factor)
 
 
 def chunk_plan(seq_len: int, chunk_size: int) -> dict:
@@ -96,10 +111,10 @@ def chunked_gla(
     o_intra = scores @ vc
 
     # Inter-chunk: the only sequential part, one state update per chunk.
-    q_decayed = qc * torch.exp(G)  # exponent <= 0
-    k_to_end = kc * torch.exp((G_last - G).clamp(max=0))  # exponent <= 0
+    q_decayed = qc * _decay(G)
+    k_to_end = kc * _decay(G_last - G)
     chunk_updates = k_to_end.transpose(-1, -2) @ vc  # [B, H, N, K, V]
-    chunk_decay = torch.exp(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
+    chunk_decay = _decay(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
     state = q.new_zeros(B, H, K, V, dtype=torch.float32)
     if initial_state is not None:
         state = initial_state.float()
@@ -116,7 +131,9 @@ def chunked_gla(
 def _to_chunks(x: Tensor, pad_tokens: int, n_chunks: int, chunk: int, sub_chunk: int) -> Tensor:
     """[B, T, H, D] -> [B, H, N, C', D] with zero rows padding T and each chunk."""
     B, _, H, D = x.shape
-    x = F.pad(x, (0, 0, 0, 0, 0, pad_tokens)).transpose(1, 2)
+    # contiguous: matmuls over a transposed [B, T, H, D] view take a strided
+    # path that is an order of magnitude slower on CPU.
+    x = F.pad(x, (0, 0, 0, 0, 0, pad_tokens)).transpose(1, 2).contiguous()
     x = x.reshape(B, H, n_chunks, chunk, D)
     pad_rows = -chunk % sub_chunk
     return F.pad(x, (0, 0, 0, pad_rows)) if pad_rows else x
@@ -138,8 +155,8 @@ def _intra_chunk_scores(q: Tensor, k: Tensor, G: Tensor, sub: int) -> Tensor:
 
     # Blocks against earlier key sub-chunks: one matmul per query sub-chunk
     # against the whole chunk, keeping only key sub-chunks before it.
-    q_anchored = q_sub * torch.exp(G_sub - anchors)  # exponent <= 0
-    k_anchored = k.unsqueeze(-3) * torch.exp((anchors - G.unsqueeze(-3)).clamp(max=0))  # [.., S, C, K]
+    q_anchored = q_sub * _decay(G_sub - anchors)
+    k_anchored = k.unsqueeze(-3) * _decay(anchors - G.unsqueeze(-3))  # [.., S, C, K]
     off_diag = q_anchored @ k_anchored.transpose(-1, -2)  # [.., S, sub, C]
     key_sub = torch.arange(C, device=q.device) // sub
     query_sub = torch.arange(S, device=q.device)
@@ -148,8 +165,8 @@ def _intra_chunk_scores(q: Tensor, k: Tensor, G: Tensor, sub: int) -> Tensor:
 
     # Diagonal blocks, elementwise with their own causal mask.
     k_sub = k.reshape(*lead, S, sub, K)
-    gap = (G_sub.unsqueeze(-2) - G_sub.unsqueeze(-3)).clamp(max=0)  # [.., S, c, d, K]
-    diag = (q_sub.unsqueeze(-2) * k_sub.unsqueeze(-3) * torch.exp(gap)).sum(-1)  # [.., S, sub, sub]
+    gap = G_sub.unsqueeze(-2) - G_sub.unsqueeze(-3)  # [.., S, c, d, K], <= 0 where d <= c
+    diag = (q_sub.unsqueeze(-2) * k_sub.unsqueeze(-3) * _decay(gap)).sum(-1)  # [.., S, sub, sub]
     causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
     diag = torch.where(causal, diag, 0.0)
     eye = torch.eye(S, dtype=diag.dtype, device=q.device)

@@ -38,11 +38,11 @@ One ``step()``:
    gradients are all-reduced and averaged, and every rank updates them
    identically.
 
-All collectives are functional collectives
-(``torch.distributed._functional_collectives``), which lower to
-``_c10d_functional.*`` + ``wait_tensor`` under ``torch.compile``; the
-Newton-Schulz communication lives entirely in ``_muon_shard_step``, a pure
-function of tensors.  With ``backend=None`` it runs eagerly; with any other
+All collectives are functional collectives: the ``_c10d_functional.*`` ops
+that ``torch.distributed._functional_collectives`` issues, each followed by
+``_c10d_functional.wait_tensor``, i.e. exactly the nodes a ``torch.compile``
+FX graph holds.  The Newton-Schulz communication lives entirely in
+``_muon_shard_step``, a pure function of tensors.  With ``backend=None`` it runs eagerly; with any other
 ``backend`` it is run through ``torch.compile(_muon_shard_step,
 backend=backend)`` (later: ``backend="laplace"`` rewrites its collectives
 into two ``all_to_all_single``).
@@ -83,7 +83,15 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-__all__ = ["ShardedMuon", "ShardedMuonStepError", "COMM_MODES", "newton_schulz"]
+__all__ = [
+    "COMM_MODES",
+    "MuonHParams",
+    "RowSplit",
+    "ShardedMuon",
+    "ShardedMuonStepError",
+    "assign_owners",
+    "newton_schulz",
+]
 
 COMM_MODES = ("all_gather", "gather_broadcast")
 
@@ -226,30 +234,44 @@ class MuonHParams:
     adjusted_lr: float
 
 
-def _wait(t: Tensor) -> Tensor:
-    """Wait on an eager functional-collective result (traced ones already are)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+# Collectives.  These are the functional collectives exactly as
+# torch.distributed._functional_collectives issues them (all_gather_single,
+# broadcast, reduce_scatter_single, all_reduce call these ops), minus its eager
+# AsyncCollectiveTensor wrapper: the ``_c10d_functional.*`` op followed by
+# ``_c10d_functional.wait_tensor``, which is also what appears in the FX graph
+# under torch.compile.  (The wrapper imports torch._dynamo on first eager use,
+# seconds per process, which multi-process CPU tests cannot afford.)
+# ``group`` is the process group's name; ranks are ranks within the group.
 
-    if isinstance(t, AsyncCollectiveTensor):
-        return t.wait()
-    return t
+
+def _c10d_functional():
+    return torch.ops._c10d_functional
 
 
-def _all_gather(flat: Tensor, world_size: int, group) -> Tensor:
-    """Functional all-gather of a 1D tensor -> ``[world_size, numel]``."""
+def _all_gather(flat: Tensor, world_size: int, group: str | None) -> Tensor:
+    """all_gather_into_tensor of a 1D tensor -> ``[world_size, numel]``."""
     if world_size == 1:
         return flat.unsqueeze(0)
-    from torch.distributed import _functional_collectives as funcol
+    ops = _c10d_functional()
+    out = ops.wait_tensor(ops.all_gather_into_tensor(flat, world_size, group))
+    return out.view(world_size, -1)
 
-    return _wait(funcol.all_gather_single(flat, 0, group)).view(world_size, -1)
 
-
-def _broadcast(t: Tensor, src: int, world_size: int, group) -> Tensor:
+def _broadcast(t: Tensor, src: int, world_size: int, group: str | None) -> Tensor:
     if world_size == 1:
         return t
-    from torch.distributed import _functional_collectives as funcol
+    ops = _c10d_functional()
+    return ops.wait_tensor(ops.broadcast(t, src, group))
 
-    return _wait(funcol.broadcast(t, src, group))
+
+def _reduce_scatter_sum(flat: Tensor, world_size: int, group: str | None) -> Tensor:
+    ops = _c10d_functional()
+    return ops.wait_tensor(ops.reduce_scatter_tensor(flat, "sum", world_size, group))
+
+
+def _all_reduce_sum(flat: Tensor, group: str | None) -> Tensor:
+    ops = _c10d_functional()
+    return ops.wait_tensor(ops.all_reduce(flat, "sum", group))
 
 
 def assign_owners(splits: tuple[RowSplit, ...], world_size: int) -> tuple[int, ...]:
@@ -391,15 +413,13 @@ def _reduce_scatter_mean(
     """
     if world_size == 1:
         return list(grads)
-    from torch.distributed import _functional_collectives as funcol
-
     out: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
     for _, idx in _by_dtype(grads).items():
         bucket = torch.cat(
             [splits[i].pad_all(grads[i]).reshape(world_size, -1) for i in idx], dim=1
         ).reshape(-1)
         # gloo has no "avg": sum, then divide.
-        shard = _wait(funcol.reduce_scatter_single(bucket, "sum", 0, group)).div_(world_size)
+        shard = _reduce_scatter_sum(bucket, world_size, group).div_(world_size)
         pos = 0
         for i in idx:
             sp = splits[i]
@@ -429,12 +449,10 @@ def _all_gather_rows(
 def _all_reduce_mean(grads: list[Tensor], world_size: int, group) -> list[Tensor]:
     if world_size == 1 or not grads:
         return list(grads)
-    from torch.distributed import _functional_collectives as funcol
-
     out: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
     for _, idx in _by_dtype(grads).items():
         flat = torch.cat([grads[i].reshape(-1) for i in idx])
-        red = _wait(funcol.all_reduce(flat, "sum", group)).div_(world_size)
+        red = _all_reduce_sum(flat, group).div_(world_size)
         pos = 0
         for i in idx:
             g = grads[i]
@@ -523,6 +541,20 @@ class ShardedMuon(Optimizer):
         adamw_kwargs: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad`` for the AdamW parameters (``torch.optim.AdamW``'s
             defaults otherwise).
+
+    ``step()`` raises :class:`ShardedMuonStepError` (parameters and state
+    untouched) if anything fails on this rank or a peer.  For tests,
+    ``opt._fault_hook = fn`` is called as ``fn(phase)`` with ``"reduce"``
+    (before any collective of the step), ``"shard_step"`` (gradients
+    averaged, before the Newton-Schulz collectives) and
+    ``"all_gather_params"`` (before the last collective); raising from it
+    simulates a rank failing there.
+
+    Compile notes: ``_muon_shard_step`` receives ``rank``, the layouts,
+    owners and hyper-parameters as Python constants, so its graph is
+    specialised per rank (own-row slicing; in ``gather_broadcast`` only the
+    owner's graph has the Newton-Schulz ops) and a changed learning rate is
+    a new graph (recompile).
     """
 
     def __init__(
@@ -677,7 +709,8 @@ class ShardedMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        W, rank, pg = self.world_size, self.rank, self.process_group
+        W, rank = self.world_size, self.rank
+        pg = self.process_group.group_name if self.process_group is not None else None
         muon_p: list[Tensor] = []
         muon_g: list[Tensor] = []
         muon_hp: list[MuonHParams] = []

@@ -1,4 +1,4 @@
-"""Spawn a gloo process group on CPU for multi-process tests.
+"""Run a function on W gloo ranks (CPU processes) for multi-process tests.
 
     from tests._dist import run_ranks
 
@@ -8,18 +8,31 @@
 
     results = run_ranks(3, _body, 5, timeout=60)   # [result of rank 0, 1, 2]
 
-Every rank runs ``fn(rank, world_size, *args)`` in a fresh process started
-with ``torch.multiprocessing`` (``spawn`` context) after
-``init_process_group("gloo", tcp://127.0.0.1:<free port>)``.  The return values
-come back in rank order.  If any rank raises, exits without reporting, or the
-whole run exceeds ``timeout`` seconds, :class:`RankFailures` is raised with the
-traceback of every failed rank (survivors are killed after the deadline).
+Every rank runs ``fn(rank, world_size, *args)`` in its own process, started
+with ``torch.multiprocessing``, after
+``init_process_group("gloo", "tcp://127.0.0.1:<free port>")``.  The return
+values come back in rank order.  If any rank raises, exits without reporting,
+or the whole run exceeds ``timeout`` seconds, :class:`RankFailures` is raised
+with the traceback of every failed rank (survivors are killed after the
+deadline).  ``run_ranks_detailed`` returns a :class:`RankResult` per rank
+instead of raising.
 
 A test that *expects* a rank to fail should catch the exception inside ``fn``
 and return a description of it, so that the run itself succeeds.
-
 ``pg_timeout`` is the process group's collective timeout: a rank stuck in a
-collective whose peer has died or hung raises after at most that long.
+collective whose peer has hung raises after about that long (a peer that
+exited is noticed at once: its connections close).
+
+Start method: ``forkserver`` by default.  The fork server is a fresh process
+(never a fork of the test runner) that imports ``preload`` once (torch,
+torch._dynamo and the project's packages: several seconds of CPU, because
+``model_zoo`` imports ``laplace_passes`` which imports ``torch._dynamo``) and
+forks every rank from that state, so a rank starts in milliseconds instead of
+re-importing everything; on a 2-core machine that is most of a multi-process
+test's runtime.  A preload module that fails to import is skipped (the ranks
+then import what they need themselves).  The preload list is fixed when the
+fork server starts (the first call in a test session).
+``start_method="spawn"`` gives fully independent interpreters.
 """
 
 from __future__ import annotations
@@ -107,6 +120,16 @@ def _worker(rank, world_size, port, pg_timeout, threads, fn, args, out_q):
         os._exit(code)
 
 
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "laplace_passes",
+    "model_zoo",
+    "model_zoo.muon",
+)
+
+
 def run_ranks(
     world_size: int,
     fn: Callable[..., Any],
@@ -114,6 +137,8 @@ def run_ranks(
     timeout: float = 60.0,
     pg_timeout: float = 30.0,
     threads: int = 1,
+    start_method: str = "forkserver",
+    preload: tuple[str, ...] = DEFAULT_PRELOAD,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -123,7 +148,14 @@ def run_ranks(
     from oversubscribing a small machine).
     """
     results = run_ranks_detailed(
-        world_size, fn, *args, timeout=timeout, pg_timeout=pg_timeout, threads=threads
+        world_size,
+        fn,
+        *args,
+        timeout=timeout,
+        pg_timeout=pg_timeout,
+        threads=threads,
+        start_method=start_method,
+        preload=preload,
     )
     if not all(r.ok for r in results):
         raise RankFailures(results, f"{sum(not r.ok for r in results)} of {world_size} ranks failed:")
@@ -137,13 +169,19 @@ def run_ranks_detailed(
     timeout: float = 60.0,
     pg_timeout: float = 30.0,
     threads: int = 1,
+    start_method: str = "forkserver",
+    preload: tuple[str, ...] = DEFAULT_PRELOAD,
 ) -> list[RankResult]:
     """Like run_ranks, but return a RankResult per rank instead of raising."""
     import torch.multiprocessing as mp
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(preload))
     out_q = ctx.Queue()
     port = free_port()
     procs = [

@@ -1,0 +1,452 @@
+"""ShardedMuon (model_zoo.muon) against torch.optim.Muon + torch.optim.AdamW.
+
+Multi-rank tests run W gloo processes on CPU (tests/_dist.py).  Every rank
+compares its result with the reference applied to the full, unsharded
+parameters with the rank-averaged gradient.
+
+Why bit-identical (torch.equal) is the right bar: ShardedMuon runs
+Newton-Schulz on exactly the full matrix the reference sees (same shape, same
+bf16 values; in "gather_broadcast" the owner runs it, in "all_gather" every
+rank does), and every other operation (momentum lerp, Nesterov lerp, bf16 cast,
+weight decay, update) is elementwise, so a row shard gives the same bits as
+the full tensor.  The one thing that could differ is the order in which the
+ranks' gradients are summed (the collective's order vs. the reference's
+``sum(0)``); the test gradients are multiples of 1/32 in [-2, 2), whose sums
+are exact in fp32 in any order, so that cannot differ either.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+
+import pytest
+import torch
+
+from model_zoo.muon import COMM_MODES, ShardedMuon, ShardedMuonStepError, RowSplit
+from tests._dist import run_ranks
+
+# Muon matrices (tall, wide, square, rows not divisible by 2/3/4, fewer rows
+# than ranks, divisible) plus non-2D parameters that go to AdamW.
+AUTO_SHAPES = [(10, 6), (6, 10), (7, 7), (33, 16), (16, 33), (1, 5), (12, 8), (9,), (2, 3, 2)]
+EMBED_SHAPE = (11, 4)  # 2D, but in a use_muon=False group: AdamW
+LR_GROUP_SHAPE = (5, 9)  # Muon, own group with its own lr / weight decay
+
+CONFIGS = {
+    "default": dict(lr=0.02),
+    "variant": dict(
+        lr=0.01,
+        momentum=0.9,
+        nesterov=False,
+        weight_decay=0.05,
+        ns_steps=3,
+        adjust_lr_fn="match_rms_adamw",
+    ),
+}
+ADAMW_KWARGS = dict(lr=3e-3, betas=(0.8, 0.99), weight_decay=0.02)
+STEPS = 3
+
+
+def _make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    auto = [torch.randn(s, generator=g) for s in AUTO_SHAPES]
+    emb = torch.randn(EMBED_SHAPE, generator=g)
+    lrp = torch.randn(LR_GROUP_SHAPE, generator=g)
+    return auto, emb, lrp
+
+
+def _build(auto, emb, lrp, cfg, comm="all_gather", **kw):
+    """ShardedMuon and the reference optimizers over copies of the same params."""
+    a = [p.clone().requires_grad_() for p in auto]
+    e = emb.clone().requires_grad_()
+    l = lrp.clone().requires_grad_()
+    opt = ShardedMuon(
+        [
+            {"params": a},
+            {"params": [e], "use_muon": False, "adamw_lr": 0.01},
+            {"params": [l], "lr": 0.05, "weight_decay": 0.0},
+        ],
+        comm=comm,
+        adamw_kwargs=ADAMW_KWARGS,
+        **kw,
+        **cfg,
+    )
+    ra = [p.clone().requires_grad_() for p in auto]
+    re_ = emb.clone().requires_grad_()
+    rl = lrp.clone().requires_grad_()
+    ref_muon = torch.optim.Muon(
+        [{"params": [p for p in ra if p.ndim == 2]}, {"params": [rl], "lr": 0.05, "weight_decay": 0.0}],
+        **cfg,
+    )
+    ref_adamw = torch.optim.AdamW(
+        [{"params": [p for p in ra if p.ndim != 2]}, {"params": [re_], "lr": 0.01}], **ADAMW_KWARGS
+    )
+    return opt, a + [e, l], (ref_muon, ref_adamw), ra + [re_, rl]
+
+
+def _grads(step, world_size, shapes):
+    """Per-rank gradients of one step: [W, *shape] each, exact-sum values."""
+    out = []
+    for i, s in enumerate(shapes):
+        gen = torch.Generator().manual_seed(1000 * step + i)
+        out.append(torch.randint(-64, 64, (world_size, *s), generator=gen).to(torch.float32) / 32)
+    return out
+
+
+def _reload(opt, params):
+    """A new ShardedMuon over copies of `params`, same groups, loaded from opt.state_dict()."""
+    params2 = [p.detach().clone().requires_grad_() for p in params]
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [params2[index[id(p)]] for p in g["params"]]}
+        for g in opt.param_groups
+    ]
+    opt2 = ShardedMuon(groups, comm=opt.comm)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    return params2, opt2
+
+
+def _compare(tag, mine, ref, failures):
+    for i, (x, y) in enumerate(zip(mine, ref)):
+        if not torch.equal(x, y):
+            failures.append(
+                f"{tag}: param {i} {tuple(x.shape)} differs, max abs diff {(x - y).abs().max().item():.3e}"
+            )
+
+
+def _check_momentum(tag, opt, params, ref_muon, ref_params, rank, world_size, failures):
+    """Each rank's momentum state is exactly its rows of the reference buffer, zero padded."""
+    for p, rp in zip(params, ref_params):
+        if rp not in ref_muon.state:
+            continue
+        ref_buf = ref_muon.state[rp]["momentum_buffer"]
+        buf = opt.state[p]["momentum_buffer"]
+        sp = RowSplit(p.shape[0], p.shape[1], world_size)
+        lo, n = sp.offset(rank), sp.size(rank)
+        if tuple(buf.shape) != (sp.shard_rows, sp.cols):
+            failures.append(f"{tag}: momentum shard shape {tuple(buf.shape)} for {tuple(p.shape)}")
+        elif not torch.equal(buf[:n], ref_buf[lo : lo + n]) or buf[n:].any():
+            failures.append(f"{tag}: momentum shard of {tuple(p.shape)} differs")
+
+
+def _run_and_compare(rank, world_size, comm, cfg_name, failures, backend=None):
+    auto, emb, lrp = _make_params()
+    opt, params, (ref_muon, ref_adamw), ref_params = _build(
+        auto, emb, lrp, CONFIGS[cfg_name], comm=comm, backend=backend
+    )
+    shapes = [p.shape for p in params]
+    for step in range(STEPS):
+        for p, rp, g in zip(params, ref_params, _grads(step, world_size, shapes)):
+            p.grad = g[rank].clone()
+            rp.grad = g.sum(0) / world_size
+        opt.step()
+        ref_muon.step()
+        ref_adamw.step()
+        _compare(f"W={world_size} {comm} {cfg_name} step {step}", params, ref_params, failures)
+    _check_momentum(f"W={world_size} {comm} {cfg_name}", opt, params, ref_muon, ref_params, rank, world_size, failures)
+    return opt, params
+
+
+def _body_equal(rank, world_size):
+    failures: list[str] = []
+    for comm in COMM_MODES:
+        for cfg_name in CONFIGS:
+            opt, params = _run_and_compare(rank, world_size, comm, cfg_name, failures)
+    # state_dict round trip: a fresh optimizer loaded from this rank's state
+    # continues exactly like the original.
+    params2, opt2 = _reload(opt, params)
+    shapes = [p.shape for p in params]
+    for p, p2, g in zip(params, params2, _grads(99, world_size, shapes)):
+        p.grad = g[rank].clone()
+        p2.grad = g[rank].clone()
+    opt.step()
+    opt2.step()
+    _compare(f"W={world_size} state_dict round trip", params2, params, failures)
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sharded_equals_reference(world_size):
+    """Both comm modes, two hyper-parameter sets, 3 steps: bit-identical to the reference."""
+    results = run_ranks(world_size, _body_equal, timeout=120)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- compile
+
+
+def _recording_backend(gm, example_inputs):
+    """Like backend="eager", and remembers the graph."""
+    _recording_backend.graphs.append(gm)
+    return gm.forward
+
+
+_recording_backend.graphs = []
+
+
+def _body_compiled(rank, world_size):
+    failures: list[str] = []
+    ops = {}
+    for comm in COMM_MODES:
+        _recording_backend.graphs.clear()
+        _run_and_compare(rank, world_size, comm, "default", failures, backend=_recording_backend)
+        ops[comm] = (
+            len(_recording_backend.graphs),
+            sorted(
+                {
+                    str(n.target)
+                    for gm in _recording_backend.graphs
+                    for n in gm.graph.nodes
+                    if n.op == "call_function" and "c10d" in str(n.target)
+                }
+            ),
+        )
+    return failures, ops
+
+
+def test_compiled_step_captures_functional_collectives():
+    """torch.compile captures the shard step as one graph with the functional collectives."""
+    results = run_ranks(2, _body_compiled, timeout=120)
+    for rank, (failures, ops) in enumerate(results):
+        assert not failures, "\n".join(failures)
+        n_graphs, targets = ops["all_gather"]
+        assert n_graphs == 1, f"rank {rank}: graph breaks or recompiles: {n_graphs} graphs"
+        assert targets == ["_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor"]
+        n_graphs, targets = ops["gather_broadcast"]
+        assert n_graphs == 1, f"rank {rank}: graph breaks or recompiles: {n_graphs} graphs"
+        assert targets == [
+            "_c10d_functional.all_gather_into_tensor",
+            "_c10d_functional.broadcast",
+            "_c10d_functional.wait_tensor",
+        ]
+
+
+# ---------------------------------------------------------------- failures
+
+PG_TIMEOUT = 3.0
+
+
+def _body_fault(rank, world_size, comm, phase, mode):
+    """Rank 1 raises at `phase` of the second step; return what each rank saw."""
+    auto, emb, lrp = _make_params()
+    opt, params, _, _ = _build(auto, emb, lrp, CONFIGS["default"], comm=comm)
+    shapes = [p.shape for p in params]
+    for step in range(2):
+        for p, g in zip(params, _grads(step, world_size, shapes)):
+            p.grad = g[rank].clone()
+        if step == 0:
+            opt.step()
+            before_params = [p.detach().clone() for p in params]
+            before_state = copy.deepcopy(opt.state_dict()["state"])
+            continue
+
+        def hook(ph):
+            if rank == 1 and ph == phase:
+                raise RuntimeError("injected failure")
+
+        opt._fault_hook = hook
+        t0 = time.monotonic()
+        try:
+            opt.step()
+            outcome = ("returned", "")
+        except ShardedMuonStepError as e:
+            outcome = ("ShardedMuonStepError", str(e))
+        except Exception as e:  # wrong exception type: report it
+            outcome = (type(e).__name__, str(e))
+        elapsed = time.monotonic() - t0
+    if rank == 1 and mode == "hang":
+        # Stay alive with connections open: the peers must notice through
+        # the process group timeout, not through closed sockets.
+        time.sleep(PG_TIMEOUT + 1.5)
+    params_unchanged = all(torch.equal(p, b) for p, b in zip(params, before_params))
+    after_state = opt.state_dict()["state"]
+    state_unchanged = before_state.keys() == after_state.keys() and all(
+        before_state[k].keys() == after_state[k].keys()
+        and all(torch.equal(before_state[k][n], after_state[k][n]) for n in before_state[k])
+        for k in before_state
+    )
+    return outcome, params_unchanged, state_unchanged, elapsed
+
+
+@pytest.mark.parametrize(
+    "world_size,comm,phase,mode",
+    [
+        (2, "all_gather", "reduce", "exit"),
+        (3, "gather_broadcast", "shard_step", "hang"),
+        (3, "all_gather", "all_gather_params", "exit"),
+        (4, "all_gather", "all_gather_params", "hang"),
+    ],
+)
+def test_rank_failure_mid_step(world_size, comm, phase, mode):
+    """One rank raises mid-step: every rank raises, nothing is modified anywhere."""
+    results = run_ranks(
+        world_size, _body_fault, comm, phase, mode, timeout=60, pg_timeout=PG_TIMEOUT
+    )
+    for rank, ((kind, msg), params_unchanged, state_unchanged, elapsed) in enumerate(results):
+        assert kind == "ShardedMuonStepError", f"rank {rank}: {kind}: {msg}"
+        assert f"rank {rank} of {world_size}" in msg, msg
+        assert "No parameter or optimizer state was modified" in msg, msg
+        assert params_unchanged, f"rank {rank}: parameters modified by a failed step"
+        assert state_unchanged, f"rank {rank}: optimizer state modified by a failed step"
+        if rank == 1:
+            assert "injected failure" in msg and f"during '{phase}'" in msg, msg
+        else:
+            assert f"{PG_TIMEOUT:g}s" in msg, msg  # names the process group timeout
+            if mode == "hang":
+                # detected through the process group timeout
+                assert "timed out" in msg.lower(), msg
+                assert elapsed < PG_TIMEOUT + 20, elapsed
+
+
+# ---------------------------------------------------------------- W = 1
+
+
+def _single_process_compare(cfg, comm, backend=None, steps=STEPS):
+    auto, emb, lrp = _make_params(seed=1)
+    opt, params, (ref_muon, ref_adamw), ref_params = _build(auto, emb, lrp, cfg, comm=comm, backend=backend)
+    assert opt.world_size == 1
+    for step in range(steps):
+        for p, rp in zip(params, ref_params):
+            g = torch.randn(p.shape)  # arbitrary floats: no averaging at W=1
+            p.grad = g.clone()
+            rp.grad = g.clone()
+        opt.step()
+        ref_muon.step()
+        ref_adamw.step()
+        for i, (x, y) in enumerate(zip(params, ref_params)):
+            assert torch.equal(x, y), f"step {step}: param {i} {tuple(x.shape)} differs"
+    for p, rp in zip(params, ref_params):
+        if rp in ref_muon.state:
+            assert torch.equal(opt.state[p]["momentum_buffer"], ref_muon.state[rp]["momentum_buffer"])
+        else:
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][k], ref_adamw.state[rp][k]), k
+
+
+@pytest.mark.parametrize("comm", COMM_MODES)
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+def test_single_process_equals_torch_muon(comm, cfg_name):
+    assert not torch.distributed.is_initialized()
+    _single_process_compare(CONFIGS[cfg_name], comm)
+
+
+def test_single_process_compiled_eager_backend():
+    _single_process_compare(CONFIGS["default"], "all_gather", backend="eager", steps=2)
+
+
+def test_only_muon_params_equals_torch_muon_exactly():
+    """The plain drop-in: ShardedMuon(params) vs torch.optim.Muon(params), all defaults."""
+    torch.manual_seed(3)
+    ps = [torch.randn(s) for s in [(8, 3), (3, 8), (4, 4)]]
+    a = [p.clone().requires_grad_() for p in ps]
+    b = [p.clone().requires_grad_() for p in ps]
+    opt, ref = ShardedMuon(a), torch.optim.Muon(b)
+    for _ in range(4):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape)
+            y.grad = x.grad.clone()
+        opt.step()
+        ref.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # At W=1 the state is torch.optim.Muon's.
+    sd, rsd = opt.state_dict(), ref.state_dict()
+    for k in rsd["state"]:
+        assert torch.equal(sd["state"][k]["momentum_buffer"], rsd["state"][k]["momentum_buffer"])
+
+
+def test_single_process_state_dict_round_trip():
+    auto, emb, lrp = _make_params(seed=2)
+    opt, params, _, _ = _build(auto, emb, lrp, CONFIGS["default"])
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+    params2, opt2 = _reload(opt, params)
+    for p, p2 in zip(params, params2):
+        p.grad = torch.randn(p.shape)
+        p2.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    assert all(torch.equal(x, y) for x, y in zip(params, params2))
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_signature_matches_torch_muon():
+    ref = inspect.signature(torch.optim.Muon.__init__).parameters
+    ours = inspect.signature(ShardedMuon.__init__).parameters
+    for name, prm in ref.items():
+        if name in ("self", "params"):
+            continue
+        assert name in ours, name
+        assert ours[name].default == prm.default, (name, ours[name].default, prm.default)
+    extra = set(ours) - set(ref)
+    assert extra == {"comm", "process_group", "backend", "adamw_kwargs"}
+    assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in extra)
+
+
+def _p(*shape):
+    return torch.zeros(shape, requires_grad=True)
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: ShardedMuon([_p(3, 3)], comm="all_to_all"), ValueError, "unknown comm='all_to_all'"),
+        (lambda: ShardedMuon([{"params": [_p(3)], "use_muon": True}]), ValueError, r"only supports 2D.*\(3,\)"),
+        (lambda: ShardedMuon([{"params": [_p(2, 2, 2)], "use_muon": True}]), ValueError, "only supports 2D"),
+        (lambda: ShardedMuon([{"params": [_p(3, 3)], "use_muon": "yes"}]), ValueError, "use_muon"),
+        (lambda: ShardedMuon([_p(3, 3)], adamw_kwargs={"momentum": 0.9}), TypeError, "unknown adamw_kwargs"),
+        (lambda: ShardedMuon([_p(3, 3)], adamw_kwargs={"betas": (0.9, 1.0)}), ValueError, "beta"),
+        (lambda: ShardedMuon([_p(3, 3)], lr=-1.0), ValueError, "Learning rate"),
+        (lambda: ShardedMuon([_p(3, 3)], momentum=-0.1), ValueError, "momentum"),
+        (lambda: ShardedMuon([_p(3, 3)], weight_decay=-0.1), ValueError, "weight decay"),
+        (lambda: ShardedMuon([_p(3, 3)], adjust_lr_fn="bogus"), ValueError, "bogus"),
+        (lambda: ShardedMuon([_p(3, 3)], ns_steps=100), ValueError, "ns_steps"),
+        (lambda: ShardedMuon([_p(3, 3)], ns_coefficients=(1.0, 2.0)), ValueError, "ns_coefficients"),
+        (lambda: ShardedMuon([_p(3, 3)], backend=3), TypeError, "backend"),
+        (lambda: ShardedMuon([_p(3, 3)], process_group=object()), RuntimeError, "not initialised"),
+        (lambda: ShardedMuon([torch.zeros(3, 3, dtype=torch.complex64)]), ValueError, "complex"),
+        (lambda: ShardedMuon([{"params": [_p(3, 3)], "lr": -1.0}]), ValueError, "Learning rate"),
+    ],
+)
+def test_bad_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_add_param_group_validates():
+    opt = ShardedMuon([_p(3, 3)])
+    with pytest.raises(ValueError, match="only supports 2D"):
+        opt.add_param_group({"params": [_p(4)], "use_muon": True})
+
+
+def test_state_from_other_world_size_is_rejected():
+    p = _p(5, 3)
+    opt = ShardedMuon([p])
+    opt.state[p]["momentum_buffer"] = torch.zeros(3, 3)  # a W=2 shard
+    p.grad = torch.ones(5, 3)
+    with pytest.raises(RuntimeError, match="another world size"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(5, 3))
+
+
+def test_row_split():
+    for rows in range(0, 13):
+        for W in (1, 2, 3, 4, 5):
+            sp = RowSplit(rows, 2, W)
+            sizes = [sp.size(r) for r in range(W)]
+            assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1
+            assert sp.shard_rows == max(sizes)
+            assert [sp.offset(r) for r in range(W)] == [sum(sizes[:r]) for r in range(W)]
+            full = torch.arange(rows * 2, dtype=torch.float32).view(rows, 2)
+            padded = sp.pad_all(full)
+            assert padded.shape == (W, sp.shard_rows, 2)
+            assert torch.equal(sp.unpad_all(padded), full)
+            for r in range(W):
+                own = sp.own(full, r)
+                assert torch.equal(own, padded[r])
+                assert not own[sizes[r]:].any()
