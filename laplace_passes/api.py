@@ -62,6 +62,7 @@ def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", *
     """
     report = Report()
     options = {"inner": "eager", **options, "target": target, "report": report}
+    CompileConfig.from_options(options)  # a clear error now, not one wrapped by Dynamo
     compiled = torch.compile(_fresh(model_or_fn), backend=laplace_backend, options=options, dynamic=False)
     fla_sites.install()
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):

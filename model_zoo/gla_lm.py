@@ -257,6 +257,12 @@ class GLALM(nn.Module):
         logits = self.lm_head(self.norm(x))
         return (logits, states) if output_final_states else logits
 
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs):
+        """Prefill then recurrent decode; see `model_zoo.generate.generate`."""
+        from model_zoo.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
     def num_parameters(self) -> int:
         """Counts the tied embedding / head weight once."""
         return sum(p.numel() for p in self.parameters())

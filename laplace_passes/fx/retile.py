@@ -31,7 +31,7 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from laplace_passes.chunked import chunk_plan, chunked_gla
-from laplace_passes.fx.sites import GlaSite, fake_value, find_gla_sites, tuple_users
+from laplace_passes.fx.sites import GlaSite, bind_site, fake_value, is_gla_node, tuple_users
 from laplace_passes.passes import GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
 
@@ -49,8 +49,10 @@ class RetileGLA(GraphPass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
         records, declined = [], []
-        for site in find_gla_sites(gm.graph):
-            record = self._rewrite(gm, site)
+        for node in [n for n in gm.graph.nodes if is_gla_node(n)]:
+            # Bind just before rewriting: inlining an earlier site replaced the
+            # getitem nodes a later site may read (GLA layers feed each other).
+            record = self._rewrite(gm, bind_site(node))
             records.append(record)
             if record.status == "declined":
                 declined.append(f"{record.node}: {record.reason}")

@@ -39,10 +39,11 @@ def is_gla_node(node: torch.fx.Node) -> bool:
 
 
 def find_gla_sites(graph: torch.fx.Graph) -> list[GlaSite]:
-    return [_bind(node) for node in graph.nodes if is_gla_node(node)]
+    """Sites bound now: rewriting one site can replace the nodes another site reads."""
+    return [bind_site(node) for node in graph.nodes if is_gla_node(node)]
 
 
-def _bind(node: torch.fx.Node) -> GlaSite:
+def bind_site(node: torch.fx.Node) -> GlaSite:
     values = dict(zip(GLA_ARG_NAMES, node.args))
     values.update(node.kwargs)
     return GlaSite(node=node, **{name: values.get(name) for name in GLA_ARG_NAMES})

@@ -1,0 +1,159 @@
+"""The `laplace-passes` command.
+
+    laplace-passes demo [--steps N] [--world-size W] ...   the main job (MQAR training)
+    laplace-passes inspect MODEL [--json] [--dump DIR]      what the passes do to MODEL
+    laplace-passes bench NAME [args...]                     run a benchmark script
+
+MODEL is a model_zoo config name (tiny, small, laplace-3b) or
+`package.module:attr`, where attr is an nn.Module taking token ids, or a
+callable returning `(model_or_fn, example_inputs_tuple)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, LookupError, ImportError) as error:
+        print(f"laplace-passes {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="laplace-passes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_demo(commands)
+    _add_inspect(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _add_demo(commands) -> None:
+    from laplace_passes.demo import DemoConfig
+
+    defaults = DemoConfig()
+    demo = commands.add_parser("demo", help="train the tiny GLA model on MQAR through backend='laplace'")
+    demo.add_argument("--steps", type=int, default=defaults.steps)
+    demo.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step and rank")
+    demo.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    demo.add_argument("--num-pairs", type=int, default=defaults.num_pairs, help="key-value pairs to recall")
+    demo.add_argument("--target", default=defaults.target)
+    demo.add_argument("--inner", default=defaults.inner)
+    demo.add_argument("--world-size", type=int, default=defaults.world_size,
+                      help="data-parallel ranks (local gloo processes)")
+    demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--json", action="store_true", help="print the result as JSON")
+    demo.set_defaults(run=_run_demo)
+
+
+def _run_demo(args) -> int:
+    from laplace_passes.demo import DemoConfig, run_demo
+
+    config = DemoConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
+                        target=args.target, inner=args.inner, world_size=args.world_size, seed=args.seed,
+                        progress=not args.no_progress)
+    result = run_demo(config)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.report)
+        print(result.summary())
+    return 0
+
+
+def _add_inspect(commands) -> None:
+    inspect = commands.add_parser("inspect", help="run the passes on MODEL and print the report")
+    inspect.add_argument("model", help="model_zoo config name or package.module:attr")
+    inspect.add_argument("--seq-len", type=int, default=2048)
+    inspect.add_argument("--batch", type=int, default=1)
+    inspect.add_argument("--target", default="trn2")
+    inspect.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
+    inspect.add_argument("--dump", metavar="DIR", help="write every graph before/after each pass to DIR")
+    inspect.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args) -> int:
+    import laplace_passes
+    from laplace_passes.dump import dump_report
+
+    model, example_inputs = load_model(args.model, args.batch, args.seq_len)
+    report = laplace_passes.inspect(model, *example_inputs, target=args.target)
+    print(report.to_json(indent=2) if args.json else report)
+    if args.dump:
+        written = dump_report(report, args.dump)
+        print(f"wrote {len(written)} files to {args.dump}", file=sys.stderr)
+    return 0
+
+
+def load_model(spec: str, batch: int, seq_len: int):
+    """Resolve MODEL to (model_or_fn, example_inputs)."""
+    import torch
+
+    import model_zoo
+
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"--batch and --seq-len must be positive, got {batch} and {seq_len}")
+    if ":" not in spec:
+        if spec not in model_zoo.CONFIG_NAMES:
+            raise ValueError(f"unknown model {spec!r}: use one of {', '.join(model_zoo.CONFIG_NAMES)} "
+                             "or package.module:attr")
+        model = model_zoo.build(spec)
+        device = next(model.parameters()).device
+        ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+        return model, (ids,)
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except AttributeError as error:
+        raise LookupError(f"{module_name} has no attribute {attr!r}") from error
+    if isinstance(obj, torch.nn.Module):
+        vocab = getattr(getattr(obj, "config", None), "vocab_size", None)
+        if vocab is None:
+            raise TypeError(f"{spec} is a module without config.vocab_size: give a callable returning "
+                            "(model_or_fn, example_inputs) instead")
+        return obj, (torch.zeros(batch, seq_len, dtype=torch.long),)
+    if callable(obj):
+        made = obj()
+        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], tuple)):
+            raise TypeError(f"{spec}() must return (model_or_fn, example_inputs_tuple), got {type(made).__name__}")
+        return made
+    raise TypeError(f"{spec} is a {type(obj).__name__}: expected an nn.Module or a callable")
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark script (needs a source checkout)")
+    bench.add_argument("name", help="benchmark name, e.g. gla (benchmarks/bench_gla.py)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    bench.set_defaults(run=_run_bench)
+
+
+def available_benchmarks() -> list[str]:
+    return sorted(p.stem.removeprefix("bench_") for p in BENCHMARKS_DIR.glob("bench_*.py"))
+
+
+def _run_bench(args) -> int:
+    names = available_benchmarks()
+    if not names:
+        raise LookupError(f"no benchmark scripts at {BENCHMARKS_DIR}: `bench` runs from a source checkout")
+    if args.name not in names:
+        raise ValueError(f"unknown benchmark {args.name!r}; available: {', '.join(names)}")
+    command = [sys.executable, "-m", f"benchmarks.bench_{args.name}", *args.args]
+    return subprocess.run(command, cwd=BENCHMARKS_DIR.parent, check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The main job: train the `tiny` GLA model on MQAR through backend="laplace".
+
+    laplace-passes demo                    # defaults: under 2 minutes on 2 CPU cores
+    laplace-passes demo --world-size 2     # data-parallel over 2 local gloo processes
+
+Each step: the compiled model (GLA re-tiled into chunks of the target's size)
+predicts the recalled values, and ShardedMuon updates the hidden matrices
+(AdamW the embeddings and norms). At the end: recall accuracy on a fresh
+batch against chance, and the pass report.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from laplace_passes.progress import Progress
+
+
+@dataclass
+class DemoConfig:
+    steps: int = 300
+    batch: int = 32
+    seq_len: int = 64
+    num_pairs: int = 8
+    target: str = "trn2"
+    inner: str = "eager"
+    world_size: int = 1
+    seed: int = 0
+    muon_lr: float = 0.02
+    adamw_lr: float = 3e-3
+    eval_batch: int = 256
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "seq_len", "num_pairs", "world_size", "eval_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass
+class DemoResult:
+    losses: list[float]
+    accuracy: float
+    chance: float
+    tokens_per_s: float
+    seconds: float
+    report: str = ""
+    report_dict: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (
+            f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} over {len(self.losses)} steps; "
+            f"recall accuracy {self.accuracy:.1%} (chance {self.chance:.1%}); "
+            f"{self.tokens_per_s:,.0f} training tokens/s; {self.seconds:.1f}s"
+        )
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("report")
+        return data
+
+
+def run_demo(config: DemoConfig) -> DemoResult:
+    if config.world_size == 1:
+        return _train(0, 1, config)
+    return _run_data_parallel(config)
+
+
+def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
+    import laplace_passes
+    import model_zoo
+    from model_zoo.mqar import IGNORE, MQARTask, recall_accuracy
+    from model_zoo.muon import ShardedMuon
+
+    torch.manual_seed(config.seed)  # same initial weights on every rank
+    task = MQARTask(vocab_size=model_zoo.config("tiny").vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
+    model = model_zoo.build("tiny")
+    compiled = laplace_passes.compile(model, target=config.target, inner=config.inner)
+    optimizer = ShardedMuon(_param_groups(model), lr=config.muon_lr, weight_decay=0.0,
+                            adamw_kwargs={"lr": config.adamw_lr, "weight_decay": 0.0})
+    data = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
+    progress = Progress(config.steps, "train", enabled=config.progress and rank == 0)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        ids, targets = task.batch(config.batch, data)
+        logits = compiled(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        elapsed = time.perf_counter() - start
+        progress.update(step, loss=losses[-1], **{"tok/s": world_size * step * config.batch * config.seq_len / elapsed})
+    progress.close()
+    seconds = time.perf_counter() - start
+    eval_ids, eval_targets = task.batch(config.eval_batch, torch.Generator().manual_seed(10_000 + config.seed))
+    with torch.no_grad():
+        accuracy = recall_accuracy(compiled(eval_ids), eval_targets)
+    report = compiled.laplace_report
+    return DemoResult(
+        losses=losses,
+        accuracy=accuracy,
+        chance=task.chance,
+        tokens_per_s=world_size * config.steps * config.batch * config.seq_len / seconds,
+        seconds=seconds,
+        report=str(report),
+        report_dict=report.to_dict(),
+    )
+
+
+def _param_groups(model: torch.nn.Module) -> list[dict]:
+    """Muon for the hidden matrices; AdamW for embeddings (tied to the head), norms and biases."""
+    hidden, other = [], []
+    for name, param in model.named_parameters():
+        (hidden if param.ndim == 2 and not name.startswith("embeddings") else other).append(param)
+    return [{"params": hidden}, {"params": other, "use_muon": False}]
+
+
+def _run_data_parallel(config: DemoConfig) -> DemoResult:
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, config, port, results), daemon=True)
+        for rank in range(config.world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    failures = [o for o in outcomes if o[0] == "error"]
+    if failures:
+        raise RuntimeError("data-parallel demo failed:\n" + "\n".join(f"rank {r}: {msg}" for _, r, msg in failures))
+    return next(result for _, rank, result in outcomes if rank == 0)
+
+
+def _rank_main(rank: int, config: DemoConfig, port: int, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # W processes share the machine's cores
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size)
+        result = _train(rank, config.world_size, config)
+        dist.destroy_process_group()
+        results.put(("ok", rank, result))
+    except Exception as error:  # reported to the parent, which raises
+        results.put(("error", rank, f"{type(error).__name__}: {error}"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,71 @@
+"""Recurrent generation: prefill once, then decode one token per step from the state.
+
+A GLA model's memory of the context is one fixed-size state per layer
+(``[B, H, K, V]`` fp32), so decoding costs the same at token 10 and token
+100,000, and many sequences decode side by side as one batch.
+
+Prefill may run through any callable with the model's signature, e.g. the
+model compiled with ``backend="laplace"`` (chunked GLA); decode then
+continues from the states it returns with the token recurrence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Generation:
+    tokens: Tensor  # [B, prompt + new]
+    logits: Tensor | None  # [B, new, vocab]: the logits each new token was chosen from
+    state_bytes_per_sequence: int
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    prefill: Callable | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_logits: bool = False,
+) -> Generation:
+    """Greedy (temperature 0) or sampled continuation of every sequence in `input_ids`."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    run_prefill = prefill if prefill is not None else model
+    logits, states = run_prefill(input_ids, output_final_states=True)
+    step_logits = logits[:, -1]
+    tokens, chosen_from = [input_ids], []
+    for _ in range(max_new_tokens):
+        next_token = _choose(step_logits, temperature, generator)
+        tokens.append(next_token[:, None])
+        if return_logits:
+            chosen_from.append(step_logits)
+        if len(tokens) - 1 == max_new_tokens:
+            break
+        logits, states = model(next_token[:, None], initial_states=states, output_final_states=True)
+        step_logits = logits[:, -1]
+    state_bytes = sum(s[0].numel() * s.element_size() for s in states)
+    return Generation(
+        tokens=torch.cat(tokens, dim=1),
+        logits=torch.stack(chosen_from, dim=1) if return_logits else None,
+        state_bytes_per_sequence=state_bytes,
+    )
+
+
+def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

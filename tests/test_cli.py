@@ -1,0 +1,99 @@
+"""The `laplace-passes` command, in-process and as a subprocess."""
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from laplace_passes.cli import available_benchmarks, main
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "laplace_passes.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_lowers_the_loss(capsys):
+    assert main(["demo", "--steps", "30", "--batch", "16", "--no-progress", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    losses = result["losses"]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2
+    assert 0 <= result["accuracy"] <= 1 and result["chance"] == pytest.approx(1 / 64)
+    assert [s["plan"]["chunk_size"] for s in result["report_dict"]["sites"]][:2] == [128, 128]
+
+
+def test_demo_subprocess_prints_progress_report_and_summary():
+    done = run_cli("demo", "--steps", "3", "--batch", "4")
+    assert done.returncode == 0, done.stderr
+    assert "train [" in done.stderr and "3/3" in done.stderr
+    assert "retile_gla" in done.stdout and "recall accuracy" in done.stdout
+
+
+def test_demo_data_parallel_two_ranks():
+    done = run_cli("demo", "--steps", "3", "--batch", "4", "--world-size", "2", "--no-progress", "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["losses"]) == 3
+
+
+def test_inspect_json_has_the_documented_fields():
+    done = run_cli("inspect", "tiny", "--seq-len", "256", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert set(data) == {"target", "inner", "graphs", "passes", "sites", "notes"}
+    assert {"name", "kind", "nodes_before", "nodes_after", "passes"} <= set(data["graphs"][0])
+    assert {"name", "graph", "modified", "nodes_before", "nodes_after", "summary", "declined"} <= set(data["passes"][0])
+    assert {"graph", "node", "origin", "status", "reason", "plan", "shape"} <= set(data["sites"][0])
+    assert data["sites"][0]["plan"] == {"T": 256, "chunk_size": 128, "n_chunks": 2, "padding": 0}
+
+
+def test_inspect_dump_writes_readable_python_and_graphviz(tmp_path, capsys):
+    pydot = pytest.importorskip("pydot")
+    assert main(["inspect", "tiny", "--seq-len", "128", "--target", "cpu", "--dump", str(tmp_path)]) == 0
+    assert "retile_gla" in capsys.readouterr().out
+    py_files = sorted(tmp_path.glob("*.py"))
+    dot_files = sorted(tmp_path.glob("*.dot"))
+    names = {p.name for p in py_files}
+    assert {"dynamo_0.0.input.py", "dynamo_0.1.retile_gla.py", "forward_0.0.input.py", "backward_0.0.input.py"} <= names
+    for path in py_files:
+        ast.parse(path.read_text())
+    for path in dot_files:
+        (graph,) = pydot.graph_from_dot_data(path.read_text())
+        assert graph.get_node_list()
+    diff = (tmp_path / "dynamo_0.diff").read_text()
+    assert "-    gla_default = torch.ops.laplace.gla.default" in diff
+    assert "+    check_gates = torch.ops.laplace.check_gates.default" in diff
+    assert json.loads((tmp_path / "report.json").read_text())["target"] == "cpu"
+
+
+def test_inspect_module_attr_form(capsys):
+    assert main(["inspect", "tests.cli_models:two_layer_gla", "--target", "cpu"]) == 0
+    assert "2 of 2 GLA sites re-tiled at chunk 64" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["inspect", "huge"], "unknown model 'huge': use one of tiny, small, laplace-3b"),
+        (["inspect", "tiny", "--seq-len", "0"], "--batch and --seq-len must be positive"),
+        (["inspect", "tests.cli_models:missing"], "has no attribute 'missing'"),
+        (["inspect", "tests.cli_models:NOT_A_MODEL"], "expected an nn.Module or a callable"),
+        (["inspect", "tiny", "--target", "tpu"], "unknown target 'tpu'"),
+        (["demo", "--steps", "0"], "steps must be a positive int"),
+        (["bench", "nope"], "unknown benchmark 'nope'; available: "),
+    ],
+)
+def test_errors_are_clear(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_runs_a_benchmark_script():
+    assert "gla" in available_benchmarks()
+    done = run_cli("bench", "gla", "--T", "64", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["shape"] == {"B": 1, "T": 64, "H": 1, "K": 8, "V": 8}
+    assert result["speedup_vs_recurrence"] > 0 and result["fraction_of_matmul"] > 0
