@@ -3,11 +3,13 @@
     python -m benchmarks.bench_gla            # B=1, T=2048, H=4, K=128, V=256, fp32
     python -m benchmarks.bench_gla --json
 
-Forward plus backward. Reports:
-  * speed-up of chunked_gla over the token-by-token recurrence (the
-    `laplace::gla` reference op) and over fla's naive_recurrent_gla when
-    installed;
-  * achieved GFLOP/s of chunked_gla by DESIGN.md's formula (forward
+Forward plus backward. Two chunked versions are measured: `chunked_gla`
+run eagerly, and `laplace_passes.gla` compiled with backend="laplace" and
+inner="inductor" (the re-tiled graph, fused by Inductor; `--no-compiled`
+skips its ~1 minute compile). Reports:
+  * speed-up of each over the token-by-token recurrence (the `laplace::gla`
+    reference op) and over fla's naive_recurrent_gla when installed;
+  * achieved GFLOP/s by DESIGN.md's formula (forward
     2TC(K+V) + 4TKV, backward with recomputation 4TC(K+V) + 10TKV, per batch
     and head) as a fraction of a dense fp32 matmul measured in the same run.
 """
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import interleaved_medians, once
+import laplace_passes
 from laplace_passes import chunked_gla, gla
 
 
@@ -46,10 +49,11 @@ def forward_backward(fn, inputs, **kwargs):
     return run
 
 
-def matmul_gflops(n: int, repeats: int) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    seconds = interleaved_medians({"mm": lambda: a @ b}, repeats=repeats)["mm"]
-    return 2 * n**3 / seconds / 1e9
+def compiled_gla(chunk_size: int):
+    def call_gla(q, k, v, gk):
+        return gla(q, k, v, gk)
+
+    return laplace_passes.compile(call_gla, target="cpu", chunk_size=chunk_size, inner="inductor")
 
 
 def main(argv=None) -> dict:
@@ -61,21 +65,27 @@ def main(argv=None) -> dict:
     parser.add_argument("--V", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-compiled", action="store_true", help="skip the inductor-compiled version")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
     inputs = make_inputs(args.B, args.T, args.H, args.K, args.V)
-    chunked = forward_backward(chunked_gla, inputs, chunk_size=args.chunk_size)
-    timed = interleaved_medians(
-        {"chunked": chunked, "matmul_probe": lambda: matmul_gflops(1024, 1)}, repeats=args.repeats
-    )
-    mm_rate = matmul_gflops(2048, args.repeats)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    candidates = {
+        "chunked": forward_backward(chunked_gla, inputs, chunk_size=args.chunk_size),
+        "matmul": lambda: a @ b,
+    }
+    if not args.no_compiled:
+        candidates["compiled"] = forward_backward(compiled_gla(args.chunk_size), inputs)
+    timed = interleaved_medians(candidates, repeats=args.repeats)
     results = {
         "shape": {k: getattr(args, k) for k in ("B", "T", "H", "K", "V")},
         "chunk_size": args.chunk_size,
         "threads": torch.get_num_threads(),
         "chunked_s": timed["chunked"],
+        "compiled_s": timed.get("compiled"),
         "recurrence_s": once(forward_backward(gla, inputs)),
+        "matmul_gflops": 2 * 2048**3 / timed["matmul"] / 1e9,
     }
     try:
         from fla.ops.gla.naive import naive_recurrent_gla
@@ -84,26 +94,34 @@ def main(argv=None) -> dict:
     else:
         results["fla_naive_s"] = once(forward_backward(naive_recurrent_gla, inputs))
     flops = gla_flops(args.B, args.T, args.H, args.K, args.V, args.chunk_size)
-    results["chunked_gflops"] = flops / results["chunked_s"] / 1e9
-    results["matmul_gflops"] = mm_rate
-    results["speedup_vs_recurrence"] = results["recurrence_s"] / results["chunked_s"]
-    if results["fla_naive_s"] is not None:
-        results["speedup_vs_fla_naive"] = results["fla_naive_s"] / results["chunked_s"]
-    results["fraction_of_matmul"] = results["chunked_gflops"] / mm_rate
+    for name in ("chunked", "compiled"):
+        seconds = results[f"{name}_s"]
+        if seconds is None:
+            continue
+        results[f"{name}_gflops"] = flops / seconds / 1e9
+        results[f"{name}_fraction_of_matmul"] = results[f"{name}_gflops"] / results["matmul_gflops"]
+        results[f"{name}_speedup_vs_recurrence"] = results["recurrence_s"] / seconds
+        if results["fla_naive_s"] is not None:
+            results[f"{name}_speedup_vs_fla_naive"] = results["fla_naive_s"] / seconds
     print(json.dumps(results, indent=2) if args.json else _text(results))
     return results
 
 
 def _text(r: dict) -> str:
-    lines = [
-        f"GLA forward+backward {r['shape']} fp32, chunk {r['chunk_size']}, {r['threads']} threads",
-        f"  chunked_gla             {r['chunked_s'] * 1e3:9.1f} ms   {r['chunked_gflops']:7.1f} GFLOP/s",
-        f"  token recurrence        {r['recurrence_s'] * 1e3:9.1f} ms   x{r['speedup_vs_recurrence']:.1f} slower",
-    ]
+    lines = [f"GLA forward+backward {r['shape']} fp32, chunk {r['chunk_size']}, {r['threads']} threads"]
+    for name, label in (("chunked", "chunked_gla (eager)"), ("compiled", "laplace + inductor")):
+        if r[f"{name}_s"] is None:
+            continue
+        lines.append(
+            f"  {label:<24}{r[f'{name}_s'] * 1e3:9.1f} ms  {r[f'{name}_gflops']:7.1f} GFLOP/s "
+            f"= {r[f'{name}_fraction_of_matmul']:.1%} of matmul; x{r[f'{name}_speedup_vs_recurrence']:.1f} "
+            "faster than the recurrence"
+            + (f", x{r[f'{name}_speedup_vs_fla_naive']:.1f} than fla naive" if r["fla_naive_s"] else "")
+        )
+    lines.append(f"  {'token recurrence':<24}{r['recurrence_s'] * 1e3:9.1f} ms")
     if r["fla_naive_s"] is not None:
-        lines.append(f"  fla naive_recurrent_gla {r['fla_naive_s'] * 1e3:9.1f} ms   x{r['speedup_vs_fla_naive']:.1f} slower")
-    lines.append(f"  dense fp32 matmul                   {r['matmul_gflops']:7.1f} GFLOP/s")
-    lines.append(f"  chunked / matmul rate   {r['fraction_of_matmul']:.1%}")
+        lines.append(f"  {'fla naive_recurrent_gla':<24}{r['fla_naive_s'] * 1e3:9.1f} ms")
+    lines.append(f"  {'dense fp32 matmul':<24}{'':9} {r['matmul_gflops']:7.1f} GFLOP/s (2048 x 2048, same run)")
     return "\n".join(lines)
 
 
