@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Callable
 
 import torch
@@ -73,17 +74,22 @@ def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", *
 
 
 def _fresh(model_or_fn: Callable) -> Callable:
-    """A new code object per inspect, so Dynamo's cache never answers for an earlier one."""
+    """A new code object per inspect, so Dynamo's cache never answers for an earlier one.
+
+    Dynamo keeps its cache (and its recompile limit of 8) on the code object
+    of the frame it traces; a new closure alone would share one code object.
+    """
     if isinstance(model_or_fn, torch.nn.Module):
         module = model_or_fn
 
-        def run_module(*args):
+        def run(*args):
             return module(*args)
 
-        return run_module
+    else:
 
-    @functools.wraps(model_or_fn)
-    def run_function(*args):
-        return model_or_fn(*args)
+        @functools.wraps(model_or_fn)
+        def run(*args):
+            return model_or_fn(*args)
 
-    return run_function
+    fresh = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
+    return functools.update_wrapper(fresh, run)
