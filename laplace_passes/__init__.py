@@ -5,12 +5,15 @@ Public API:
     compile, inspect           compile with the passes; report what they did
     targets, get_target        hardware targets (trn2, cpu)
     Report, last_report        what a compile did
+    export_stablehlo           every ATen graph as StableHLO, with a manifest (laplace_passes.lowering)
+    preflight                  what neuronx-cc / TorchNeuron would reject, found on any machine
 """
 
 from laplace_passes import targets
 from laplace_passes.api import compile, inspect
 from laplace_passes.chunked import chunk_plan, chunked_gla
 from laplace_passes.gla import gla
+from laplace_passes.lowering import export_stablehlo, preflight
 from laplace_passes.report import Report, last_report
 from laplace_passes.targets import HardwareTarget, get_target
 
@@ -22,9 +25,11 @@ __all__ = [
     "chunk_plan",
     "chunked_gla",
     "compile",
+    "export_stablehlo",
     "get_target",
     "gla",
     "inspect",
     "last_report",
+    "preflight",
     "targets",
 ]

@@ -19,6 +19,7 @@ from laplace_passes.fx import fla_sites
 from laplace_passes.passes import run_passes
 from laplace_passes.pipeline import aten_passes, dynamo_passes
 from laplace_passes.report import remember
+from laplace_passes.unroll import compile_graph
 
 # Looking the backend up (torch.compile(backend="laplace")) imports this
 # module before Dynamo traces anything: the moment fla calls must become
@@ -55,7 +56,8 @@ def _aten_compiler(config: CompileConfig, kind: str) -> Callable:
     def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         record = config.report.new_graph(kind, gm)
         gm = run_passes(gm, aten_passes(config, kind), record, config.report)
-        return config.inner.compile(gm, example_inputs, kind)
+        # A graph the budget pass cut into partitions: each compiled on its own.
+        return compile_graph(config.inner, gm, example_inputs, kind)
 
     compile_aten_graph.__name__ = f"laplace_{kind}_compiler"
     return compile_aten_graph

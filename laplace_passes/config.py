@@ -12,10 +12,14 @@ from laplace_passes.targets import HardwareTarget, get_target
 
 OPTION_DOCS = {
     "target": "hardware target name or HardwareTarget (default 'trn2')",
-    "inner": "compiler for the ATen graphs: 'eager', 'inductor' or a callable (default 'eager')",
+    "inner": "compiler for the ATen graphs: 'eager', 'inductor', 'stablehlo', 'iree', 'neuron' "
+    "(laplace_passes.lowering) or a callable (default 'eager')",
     "chunk_size": "GLA chunk size; default: the target's partition count",
     "retile_gla": "run the GLA re-tiling pass (default True)",
     "report": "a laplace_passes.Report to fill (default: a new one, see last_report())",
+    "muon_all_to_all": "rewrite a sharded Muon step's gathers into paired all-to-alls (default True)",
+    "max_graph_instructions": "estimated instructions one compiled graph may hold; a graph over it is "
+    "cut into partitions that fit (default: the target's, 5,000,000 on trn2; None: no limit)",
 }
 
 
@@ -26,6 +30,8 @@ class CompileConfig:
     chunk_size: int
     retile_gla: bool
     report: Report
+    muon_all_to_all: bool = True
+    max_graph_instructions: int | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> CompileConfig:
@@ -45,4 +51,16 @@ class CompileConfig:
             raise TypeError(f"report must be a laplace_passes.Report, got {type(report).__name__}")
         report.target = target.name
         report.inner = inner.name
-        return cls(target, inner, chunk_size, retile, report)
+        muon_all_to_all = options.get("muon_all_to_all", True)
+        if not isinstance(muon_all_to_all, bool):
+            raise TypeError(f"muon_all_to_all must be a bool, got {type(muon_all_to_all).__name__}")
+        budget = _check_budget(options.get("max_graph_instructions", target.max_graph_instructions))
+        return cls(target, inner, chunk_size, retile, report, muon_all_to_all, max_graph_instructions=budget)
+
+
+def _check_budget(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_graph_instructions must be a positive int or None, got {value!r}")
+    return value

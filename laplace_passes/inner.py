@@ -7,6 +7,7 @@ ATen-graph compiler or want to capture the graphs.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +24,9 @@ class InnerCompiler:
     # What AOT Autograd should apply before handing graphs over (None: its defaults).
     decompositions: Callable[[], dict] | None = None
     partition_fn: Callable | None = None
+    # Passes this compiler needs on each ATen graph, run after the pipeline's:
+    # (config, kind) -> list of GraphPass (e.g. making the graph lowerable).
+    aten_passes: Callable[[Any, str], list] | None = None
 
 
 def _eager(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
@@ -47,11 +51,34 @@ def _min_cut_partition(*args, **kwargs):
     return min_cut_rematerialization_partition(*args, **kwargs)
 
 
+def _lazy(module: str, name: str) -> Callable:
+    """`module.name`, imported on first call: the lowering compilers (laplace_passes.lowering)
+    need torch-mlir, IREE or torch-neuronx only when they are used."""
+
+    def call(*args):
+        return getattr(importlib.import_module(module), name)(*args)
+
+    call.__name__ = name
+    return call
+
+
+def _lowering(name: str, compile_fn: str, decompositions: str, passes: str) -> InnerCompiler:
+    module = f"laplace_passes.lowering.{name}"
+    return InnerCompiler(
+        name, _lazy(module, compile_fn), decompositions=_lazy(module, decompositions), aten_passes=_lazy(module, passes)
+    )
+
+
 INNER_COMPILERS: dict[str, InnerCompiler] = {
     "eager": InnerCompiler("eager", _eager),
     "inductor": InnerCompiler(
         "inductor", _inductor, decompositions=_inductor_decompositions, partition_fn=_min_cut_partition
     ),
+    # torch-mlir -> StableHLO (the graph then runs eagerly); that StableHLO run by IREE on the CPU;
+    # TorchNeuron when torch-neuronx is installed (options: laplace_passes.lowering.neuron_compiler).
+    "stablehlo": _lowering("stablehlo", "compile_stablehlo", "torch_mlir_decompositions", "torch_mlir_passes"),
+    "iree": _lowering("iree", "compile_iree", "torch_mlir_decompositions", "torch_mlir_passes"),
+    "neuron": _lowering("neuron", "compile_neuron", "neuron_decompositions", "neuron_passes"),
 }
 
 

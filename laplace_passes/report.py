@@ -30,6 +30,7 @@ class SiteRecord:
     reason: str | None = None
     plan: dict | None = None  # T, chunk_size, n_chunks, padding
     shape: dict | None = None  # B, H, K, V, dtype
+    saved_bytes: int | None = None  # kept for the explicit backward: q, k, v, gk, initial_state
 
 
 @dataclass
@@ -46,12 +47,77 @@ class PassRecord:
 
 
 @dataclass
+class TrafficRecord:
+    """Per-rank communication and Newton-Schulz work of one graph, before and after a rewrite.
+
+    Bytes are those of the worst rank; `before` / `after` hold one entry per
+    collective ({"node", "op", "sent", "received"}). `lower_bound_bytes` is
+    2 (W-1) G / W^2 for G = `matrix_bytes`, what two all-to-alls with one
+    owner per matrix must receive at least.
+    """
+
+    graph: str
+    world_size: int
+    ownership: str  # "uniform" (same slots on every rank) or "balanced" (cond per owner)
+    matrices: int
+    padding_matrices: int
+    matrix_bytes: int
+    lower_bound_bytes: int
+    before: list[dict]
+    after: list[dict]
+    sent_before: int
+    received_before: int
+    sent_after: int
+    received_after: int
+    received_ratio: float  # received_before / received_after
+    ns_flops_before: int
+    ns_flops_after: int
+
+
+@dataclass
+class LoopRecord:
+    """One sequential loop in a graph: unrolled into straight-line code, or declined and why."""
+
+    node: str
+    kind: str  # "laplace.chunked_gla", "laplace.chunked_gla_backward", "scan" or "while_loop"
+    trip_count: int | None
+    status: str  # "unrolled" or "declined"
+    reason: str | None = None
+
+
+@dataclass
+class PartitionRecord:
+    """One piece of a graph cut to fit the instruction budget, compiled on its own."""
+
+    index: int
+    nodes: int
+    instructions: int
+    bytes_in: int  # bytes it receives from earlier partitions
+
+
+@dataclass
+class SizeRecord:
+    """A graph's estimated size against the target's budget (see `laplace_passes.unroll.size`)."""
+
+    nodes: int
+    instructions: int  # estimated
+    budget: int | None  # None: the target sets no limit
+    partitions: list[PartitionRecord] = field(default_factory=list)  # empty: compiled whole
+    cut_bytes: list[int] = field(default_factory=list)  # bytes crossing the cut after partition i
+    saved_for_backward_bytes: int | None = None  # backward graphs: activations the forward kept
+    note: str | None = None  # e.g. why an over-budget graph could not be cut
+
+
+@dataclass
 class GraphRecord:
     """One graph: its kind and its snapshots (the input, then after each pass)."""
 
     name: str
     kind: str  # "dynamo", "forward", "backward" or "inference"
     snapshots: list[tuple[str, torch.fx.GraphModule]] = field(default_factory=list)
+    loops: list[LoopRecord] = field(default_factory=list)
+    size: SizeRecord | None = None
+    traffic: TrafficRecord | None = None  # set by the Muon all-to-all rewrite
 
     def snapshot(self, label: str, gm: torch.fx.GraphModule) -> None:
         # Copy the graph, share the module's attributes: cheap, and later
@@ -77,6 +143,9 @@ class GraphRecord:
             "nodes_before": _node_count(self.before),
             "nodes_after": _node_count(self.after),
             "passes": [label for label, _ in self.snapshots[1:]],
+            "loops": [asdict(loop) for loop in self.loops],
+            "size": asdict(self.size) if self.size is not None else None,
+            "traffic": asdict(self.traffic) if self.traffic is not None else None,
         }
 
 
@@ -106,6 +175,11 @@ class Report:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         record = self._find(name)
         return record.before if stage == "before" else record.after
+
+    @property
+    def traffic(self) -> list[TrafficRecord]:
+        """The Muon rewrite's traffic records, one per rewritten graph."""
+        return [g.traffic for g in self.graphs if g.traffic is not None]
 
     def graph_record(self, name: str | None = None) -> GraphRecord:
         return self._find(name)
@@ -151,17 +225,85 @@ class Report:
         )
         lines += _table(
             "GLA sites",
-            ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "reason"],
+            ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "saved for bwd", "reason"],
             [
                 [s.graph, s.node, s.origin, s.status,
-                 *(_plan_cells(s.plan)), s.reason or ""]
+                 *(_plan_cells(s.plan)), _bytes(s.saved_bytes) if s.saved_bytes is not None else "",
+                 s.reason or ""]
                 for s in self.sites
             ],
         )
+        lines += _loop_and_size_tables(self.graphs)
+        if self.traffic:
+            lines += _traffic_tables(self.traffic)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _loop_and_size_tables(graphs: list[GraphRecord]) -> list[str]:
+    """Loops per graph (grouped by kind and trip count), then sizes against the budget."""
+    groups: dict[tuple, int] = {}
+    for g in graphs:
+        for loop in g.loops:
+            key = (g.name, loop.kind, loop.trip_count, loop.status, loop.reason or "")
+            groups[key] = groups.get(key, 0) + 1
+    lines = _table(
+        "loops",
+        ["graph", "kind", "trips", "count", "status", "reason"],
+        [[name, kind, "" if trips is None else trips, n, status, reason]
+         for (name, kind, trips, status, reason), n in groups.items()],
+    )
+    sized = [g for g in graphs if g.size is not None]
+    lines += _table(
+        "graph sizes (estimated instructions)",
+        ["graph", "nodes", "instructions", "budget", "partitions", "bytes across cuts", "saved for bwd", "note"],
+        [[g.name, g.size.nodes, g.size.instructions, "none" if g.size.budget is None else g.size.budget,
+          len(g.size.partitions) or 1, ", ".join(_bytes(b) for b in g.size.cut_bytes),
+          "" if g.size.saved_for_backward_bytes is None else _bytes(g.size.saved_for_backward_bytes),
+          g.size.note or ""]
+         for g in sized],
+    )
+    parts = [(g.name, p) for g in sized for p in g.size.partitions]
+    if parts:
+        lines += _table(
+            "partitions",
+            ["graph", "partition", "nodes", "instructions", "bytes in"],
+            [[name, p.index, p.nodes, p.instructions, _bytes(p.bytes_in)] for name, p in parts],
+        )
+    return lines
+
+
+def _traffic_tables(records: list[TrafficRecord]) -> list[str]:
+    lines = _table(
+        "Muon traffic per rank (worst rank)",
+        ["graph", "W", "ownership", "matrices", "zero pads", "received before", "received after", "ratio",
+         "lower bound", "NS GFLOP before", "NS GFLOP after"],
+        [
+            [t.graph, t.world_size, t.ownership, t.matrices, t.padding_matrices, _bytes(t.received_before),
+             _bytes(t.received_after), f"{t.received_ratio:.2f}x", _bytes(t.lower_bound_bytes),
+             f"{t.ns_flops_before / 1e9:.3g}", f"{t.ns_flops_after / 1e9:.3g}"]
+            for t in records
+        ],
+    )
+    return lines + _table(
+        "Muon collectives per rank",
+        ["graph", "stage", "node", "op", "sent", "received"],
+        [
+            [t.graph, stage, c["node"], c["op"], _bytes(c["sent"]), _bytes(c["received"])]
+            for t in records
+            for stage, entries in (("before", t.before), ("after", t.after))
+            for c in entries
+        ],
+    )
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
 
 
 def _plan_cells(plan: dict | None) -> list:

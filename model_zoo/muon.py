@@ -44,8 +44,9 @@ that ``torch.distributed._functional_collectives`` issues, each followed by
 FX graph holds.  The Newton-Schulz communication lives entirely in
 ``_muon_shard_step``, a pure function of tensors.  With ``backend=None`` it runs eagerly; with any other
 ``backend`` it is run through ``torch.compile(_muon_shard_step,
-backend=backend)`` (later: ``backend="laplace"`` rewrites its collectives
-into two ``all_to_all_single``).
+backend=backend, dynamic=False)``; ``backend="laplace"`` rewrites its
+gathers into two ``all_to_all_single`` with one owner per matrix
+(``laplace_passes.collectives``; bit-identical results).
 
 Numerics: Newton-Schulz always runs on the *same full matrix* (same shape,
 same bf16 values) as ``torch.optim.Muon`` would, and every other operation is
@@ -293,12 +294,12 @@ def _muon_shard_step(
     momentum_shards: list[Tensor],
     grad_shards: list[Tensor],
     param_shards: list[Tensor],
+    rank: Tensor,
     *,
     splits: tuple[RowSplit, ...],
     hparams: tuple[MuonHParams, ...],
     owners: tuple[int, ...],
     comm: str,
-    rank: int,
     world_size: int,
     group: Any,
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -306,90 +307,112 @@ def _muon_shard_step(
 
     Inputs, per matrix i (all ``[splits[i].shard_rows, cols]``, zero-padded,
     identical shapes on every rank): the momentum buffer shard, the averaged
-    gradient shard, the parameter shard.  Returns new momentum shards and new
-    parameter shards; inputs are not modified.  Pure function of tensors
-    apart from the collectives on ``group``:
+    gradient shard, the parameter shard; and ``rank``, this rank as a 0-d
+    int64 tensor.  Returns new momentum shards and new parameter shards;
+    inputs are not modified.  Pure function of tensors apart from the
+    collectives on ``group``.
+
+    The rank is data, not a Python constant, so the captured graph is the
+    same on every rank: "my rows" are picked with ``index_select(., 0,
+    rank)`` on the ``[W, shard_rows, cols]`` layout of a result, and in
+    ``gather_broadcast`` the owner-only Newton-Schulz is a ``torch.cond`` on
+    ``rank == owner`` (under ``torch.compile``; a Python ``if`` in eager).
 
     ``comm="all_gather"``::
 
         u_i    = nesterov(lerp(momentum_i, grad_i)).bfloat16()      # local
         g      = all_gather_into_tensor(cat(flatten(u_i)))          # + wait_tensor
         o_i    = NS(unpad(g[:, slice_i]))                            # every rank, every i
-        mine_i = own rows of o_i
+        mine_i = index_select(pad_all(o_i), 0, rank)                 # own rows
 
     ``comm="gather_broadcast"``: same all-gather (the "gather"); for each
-    owner rank o: ``b = NS(...) of the matrices o owns`` computed on o only,
-    ``b = broadcast(cat(flatten(...)), src=o)`` (+ wait_tensor); every rank
-    keeps its own rows.
+    owner rank o: ``o_i = cond(rank == o, NS, zeros)(unpad(g[:, slice_i]))``
+    for the matrices o owns (only the owner computes), ``b =
+    broadcast(cat(flatten(o_i)), src=o)`` (+ wait_tensor); every rank keeps
+    its own rows of each ``o_i`` taken from ``b``.
 
     Then, locally: ``param_i * (1 - lr*wd) - adjusted_lr * mine_i``.
     """
-    n = len(splits)
+    new_bufs, updates = _momentum_updates(momentum_shards, grad_shards, hparams)
+    if not splits:
+        ortho: list[Tensor] = []
+    elif comm == "all_gather":
+        ortho = _orthogonalise_all_gather(updates, rank, splits, hparams, world_size, group)
+    elif comm == "gather_broadcast":
+        ortho = _orthogonalise_gather_broadcast(updates, rank, splits, hparams, owners, world_size, group)
+    else:
+        raise ValueError(f"unknown comm {comm!r}; expected one of {COMM_MODES}")
+    new_params: list[Tensor] = []
+    for shard, mine, hp in zip(param_shards, ortho, hparams):
+        p = shard.mul(1 - hp.lr * hp.weight_decay)
+        p.add_(mine, alpha=-hp.adjusted_lr)
+        new_params.append(p)
+    return new_bufs, new_params
+
+
+def _momentum_updates(momentum_shards, grad_shards, hparams) -> tuple[list[Tensor], list[Tensor]]:
+    """New momentum shards and the (bf16) Nesterov updates to orthogonalise."""
     new_bufs: list[Tensor] = []
     updates: list[Tensor] = []
-    for i in range(n):
-        hp = hparams[i]
-        buf = momentum_shards[i].lerp(grad_shards[i], 1 - hp.momentum)
+    for m, g, hp in zip(momentum_shards, grad_shards, hparams):
+        buf = m.lerp(g, 1 - hp.momentum)
         new_bufs.append(buf)
-        upd = grad_shards[i].lerp(buf, hp.momentum) if hp.nesterov else buf
+        upd = g.lerp(buf, hp.momentum) if hp.nesterov else buf
         # Newton-Schulz casts to bf16 first; casting the shards before the
         # gather is elementwise-identical and halves the bytes sent.
         updates.append(upd.bfloat16())
+    return new_bufs, updates
 
-    ortho: list[Tensor] = [None] * n  # type: ignore[list-item]  # own rows, padded, bf16
-    if n:
-        send = torch.cat([u.reshape(-1) for u in updates])
-        gathered = _all_gather(send, world_size, group)  # [W, sum shard_numel]
-        offsets = [0]
-        for sp in splits:
-            offsets.append(offsets[-1] + sp.shard_numel)
 
-        def full_matrix(i: int) -> Tensor:
+def _gather_full_matrices(updates, splits, world_size, group) -> list[Tensor]:
+    """Every rank's shards all-gathered and reassembled into full ``[rows, cols]`` matrices."""
+    gathered = _all_gather(torch.cat([u.reshape(-1) for u in updates]), world_size, group)
+    full, pos = [], 0
+    for sp in splits:
+        full.append(sp.unpad_all(gathered[:, pos : pos + sp.shard_numel]))
+        pos += sp.shard_numel
+    return full
+
+
+def _own_rows(full: Tensor, split: RowSplit, rank: Tensor) -> Tensor:
+    """This rank's padded row shard of ``full``, selected by the rank tensor."""
+    return split.pad_all(full).index_select(0, rank.view(1)).squeeze(0)
+
+
+def _ns(x: Tensor, hp: MuonHParams) -> Tensor:
+    return newton_schulz(x, hp.ns_coefficients, hp.ns_steps, hp.eps)
+
+
+def _orthogonalise_all_gather(updates, rank, splits, hparams, world_size, group) -> list[Tensor]:
+    full = _gather_full_matrices(updates, splits, world_size, group)
+    return [_own_rows(_ns(f, hp), sp, rank) for f, sp, hp in zip(full, splits, hparams)]
+
+
+def _owner_only_ns(full: Tensor, hp: MuonHParams, rank: Tensor, owner: int) -> Tensor:
+    """NS(full) on the owner rank, zeros elsewhere (the value other ranks send is ignored)."""
+    if torch.compiler.is_compiling():
+        # A Python branch on the rank would specialise the graph per rank.
+        # Both branches must agree on strides: NS of a tall matrix is a transposed view.
+        return torch.cond(rank == owner, lambda x: _ns(x, hp).contiguous(), torch.zeros_like, (full,))
+    return _ns(full, hp) if int(rank) == owner else torch.zeros_like(full)
+
+
+def _orthogonalise_gather_broadcast(updates, rank, splits, hparams, owners, world_size, group) -> list[Tensor]:
+    full = _gather_full_matrices(updates, splits, world_size, group)
+    ortho: list[Tensor] = [None] * len(splits)  # type: ignore[list-item]
+    for owner in range(world_size):
+        mine = [i for i in range(len(splits)) if owners[i] == owner]
+        if not mine:
+            continue
+        results = [_owner_only_ns(full[i], hparams[i], rank, owner) for i in mine]
+        packed = _broadcast(torch.cat([r.reshape(-1) for r in results]), owner, world_size, group)
+        pos = 0
+        for i in mine:
             sp = splits[i]
-            return sp.unpad_all(gathered[:, offsets[i] : offsets[i + 1]])
-
-        if comm == "all_gather":
-            for i in range(n):
-                hp = hparams[i]
-                o = newton_schulz(full_matrix(i), hp.ns_coefficients, hp.ns_steps, hp.eps)
-                ortho[i] = splits[i].own(o, rank)
-        elif comm == "gather_broadcast":
-            for owner in range(world_size):
-                mine = [i for i in range(n) if owners[i] == owner]
-                if not mine:
-                    continue
-                numel = sum(splits[i].rows * splits[i].cols for i in mine)
-                if rank == owner:
-                    packed = torch.cat(
-                        [
-                            newton_schulz(
-                                full_matrix(i),
-                                hparams[i].ns_coefficients,
-                                hparams[i].ns_steps,
-                                hparams[i].eps,
-                            ).reshape(-1)
-                            for i in mine
-                        ]
-                    )
-                else:
-                    packed = torch.empty(numel, dtype=torch.bfloat16, device=send.device)
-                packed = _broadcast(packed, owner, world_size, group)
-                pos = 0
-                for i in mine:
-                    sp = splits[i]
-                    o = packed[pos : pos + sp.rows * sp.cols].view(sp.rows, sp.cols)
-                    pos += sp.rows * sp.cols
-                    ortho[i] = sp.own(o, rank)
-        else:
-            raise ValueError(f"unknown comm {comm!r}; expected one of {COMM_MODES}")
-
-    new_params: list[Tensor] = []
-    for i in range(n):
-        hp = hparams[i]
-        p = param_shards[i].mul(1 - hp.lr * hp.weight_decay)
-        p.add_(ortho[i], alpha=-hp.adjusted_lr)
-        new_params.append(p)
-    return new_bufs, new_params
+            o = packed[pos : pos + sp.rows * sp.cols].view(sp.rows, sp.cols)
+            pos += sp.rows * sp.cols
+            ortho[i] = _own_rows(o, sp, rank)
+    return ortho
 
 
 # --------------------------------------------------------------------------
@@ -550,11 +573,14 @@ class ShardedMuon(Optimizer):
     ``"all_gather_params"`` (before the last collective); raising from it
     simulates a rank failing there.
 
-    Compile notes: ``_muon_shard_step`` receives ``rank``, the layouts,
-    owners and hyper-parameters as Python constants, so its graph is
-    specialised per rank (own-row slicing; in ``gather_broadcast`` only the
-    owner's graph has the Newton-Schulz ops) and a changed learning rate is
-    a new graph (recompile).
+    Compile notes: ``_muon_shard_step`` receives the rank as a tensor, so its
+    graph is the same on every rank (own rows picked by ``index_select``,
+    the owner-only Newton-Schulz of ``gather_broadcast`` in a ``torch.cond``),
+    and ``backend="laplace"`` rewrites its gathers into two all-to-alls
+    (``laplace_passes.collectives``). The layouts, owners and
+    hyper-parameters are Python constants: a changed learning rate is a new
+    graph (a recompile; Dynamo stops compiling after its recompile limit).
+    Shapes are compiled static (``dynamic=False``).
     """
 
     def __init__(
@@ -696,7 +722,9 @@ class ShardedMuon(Optimizer):
             if self.backend is None:
                 self._step_fn = _muon_shard_step
             else:
-                self._step_fn = torch.compile(_muon_shard_step, backend=self.backend)
+                # Static shapes: the layouts are Python constants anyway, and the
+                # collective rewrite plans with concrete sizes.
+                self._step_fn = torch.compile(_muon_shard_step, backend=self.backend, dynamic=False)
         return self._step_fn
 
     # ---- step ------------------------------------------------------------
@@ -776,11 +804,11 @@ class ShardedMuon(Optimizer):
                     momentum_shards,
                     grad_shards,
                     param_shards,
+                    torch.tensor(rank, dtype=torch.int64, device=muon_p[0].device),
                     splits=tuple(splits),
                     hparams=tuple(muon_hp),
                     owners=assign_owners(tuple(splits), W),
                     comm=self.comm,
-                    rank=rank,
                     world_size=W,
                     group=pg,
                 )

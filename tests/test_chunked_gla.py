@@ -1,18 +1,35 @@
 """chunked_gla against the token-by-token recurrence, with fla's stress cases.
 
 Criterion: relative RMSE <= 0.005 (fla's own), on the output, the final state
-and the gradient of every input, initial_state included.
+and the gradient of every input, initial_state included. Two backward paths
+are checked on the same inputs:
+  * "explicit": `chunked_gla`, whose backward is the reverse recurrence over
+    chunks (`laplace::chunked_gla_backward`);
+  * "autograd": autograd through the forward's standard ops
+    (`chunked_forward`), an independent derivation of the same gradients.
 """
 
+import functools
 import itertools
 
 import pytest
 import torch
 
 from laplace_passes import chunked_gla, gla
+from laplace_passes.chunked_forward import chunked_forward
 from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
 
 TOLERANCE = 0.005
+
+
+def autograd_chunked_gla(q, k, v, gk, *, chunk_size=128, sub_chunk_size=16, scale=None,
+                         initial_state=None, output_final_state=False):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, state = chunked_forward(q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size)
+    return o, (state if output_final_state else None)
+
+
+BACKWARDS = {"explicit": chunked_gla, "autograd": autograd_chunked_gla}
 
 
 def forward_backward(fn, q, k, v, gk, h0, **kwargs):
@@ -34,13 +51,84 @@ def assert_all_close(actual, expected, label):
 STRESS = list(itertools.product([63, 1024, 2048], [60, 64, 128], [0.1, 1.0, 10.0]))
 
 
-@pytest.mark.parametrize("T,D,gate_divisor", STRESS)
-def test_chunked_matches_recurrence_fp32(T, D, gate_divisor):
-    # V differs from K so a transposed state cannot pass.
+@functools.lru_cache(maxsize=1)  # the cases run path after path: one reference per case
+def recurrence_reference(T, D, gate_divisor):
     inputs = make_inputs(1, T, 2, D, D + 4, gate_divisor=gate_divisor)
-    expected = forward_backward(gla, *inputs)
-    actual = forward_backward(chunked_gla, *inputs, chunk_size=128)
-    assert_all_close(actual, expected, f"T={T} D={D} n={gate_divisor}")
+    return inputs, forward_backward(gla, *inputs)
+
+
+@pytest.mark.parametrize("T,D,gate_divisor,backward", [(*case, b) for case in STRESS for b in BACKWARDS])
+def test_chunked_matches_recurrence_fp32(T, D, gate_divisor, backward):
+    # V differs from K so a transposed state cannot pass.
+    inputs, expected = recurrence_reference(T, D, gate_divisor)
+    actual = forward_backward(BACKWARDS[backward], *inputs, chunk_size=128)
+    assert_all_close(actual, expected, f"{backward} T={T} D={D} n={gate_divisor}")
+
+
+def plain_recurrence(q, k, v, gk, h0, scale):
+    """S_t = diag(exp(gk_t)) S_{t-1} + k_t^T v_t ; o_t = scale q_t S_t, written out (differentiable)."""
+    h = h0
+    outputs = []
+    for t in range(q.shape[1]):
+        h = h * gk[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outputs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], h))
+    return torch.stack(outputs, 1), h
+
+
+@pytest.mark.parametrize("initial_state", [True, False])
+@pytest.mark.parametrize("final_state_grad", [True, False])
+def test_explicit_backward_matches_autograd_of_the_recurrence(initial_state, final_state_grad):
+    """Every gradient, against autograd of the written-out recurrence in float64.
+
+    Several chunks, padded T and sub-chunks, strong gates; with and without an
+    initial state and a gradient reaching the final state.
+    """
+    B, T, H, K, V = 2, 45, 2, 6, 5
+    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, gate_divisor=0.3, initial_state=initial_state)
+    h0 = h0 if initial_state else torch.zeros(B, H, K, V)
+    leaves = [x.double().requires_grad_() for x in (q, k, v, gk, h0)]
+    expected_o, expected_h = plain_recurrence(*leaves, K**-0.5)
+    do, dh = output_cotangents(B, T, H, K, V)
+    dh = dh if final_state_grad else torch.zeros_like(dh)
+    expected = torch.autograd.grad((expected_o * do).sum() + (expected_h * dh).sum(), leaves)
+
+    inputs = [x.detach().float().requires_grad_() for x in leaves]
+    o, h = chunked_gla(*inputs[:4], initial_state=inputs[4] if initial_state else None,
+                       output_final_state=True, chunk_size=16, sub_chunk_size=4)
+    torch.testing.assert_close(o.double(), expected_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.double(), expected_h, rtol=1e-5, atol=1e-5)
+    loss = (o * do).sum() + ((h * dh).sum() if final_state_grad else 0)
+    n = 5 if initial_state else 4
+    got = torch.autograd.grad(loss, inputs[:n])
+    for name, g, e in zip("q k v gk initial_state".split(), got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+
+def test_backward_keeps_only_the_inputs():
+    """Saved for backward: q, k, v, gk and the initial state, nothing of size T x C or T x Cs x K."""
+    q, k, v, gk, h0 = (x.requires_grad_() for x in make_inputs(1, 512, 2, 32, 48))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, _ = chunked_gla(q, k, v, gk, initial_state=h0, chunk_size=128)
+    kept = sum(t.numel() * t.element_size() for t in saved)
+    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, gk, h0))
+    # check_gates hands the op a copy of gk: it is the only tensor saved besides the inputs.
+    assert kept == inputs
+    assert all(t.shape[1:] == x.shape[1:] for t, x in zip(saved, (q, k, v, gk, h0)))
+
+
+def test_gradient_when_only_the_output_is_used():
+    q, k, v, gk, _ = make_inputs(1, 200, 2, 16, 8, gate_divisor=0.5, initial_state=False)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, gk)]
+    expected = torch.autograd.grad(gla(*leaves)[0].square().sum(), leaves)
+    got = torch.autograd.grad(chunked_gla(*leaves, chunk_size=64)[0].square().sum(), leaves)
+    for g, e in zip(got, expected):
+        assert relative_rmse(g, e) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -50,6 +138,7 @@ def test_chunked_matches_recurrence_low_precision(dtype, gate_divisor):
     expected = forward_backward(gla, *inputs)
     actual = forward_backward(chunked_gla, *inputs, chunk_size=128)
     assert actual[0].dtype == dtype and actual[1].dtype == torch.float32
+    assert all(g.dtype == dtype for g in actual[2:6])
     assert_all_close(actual, expected, f"{dtype} n={gate_divisor}")
 
 

@@ -10,64 +10,79 @@ Before (one site, T = 2048, trn2):
 After (16 chunks of 128 tokens, sub-chunks of 16; see `laplace_passes.chunked`):
 
     check_gates = torch.ops.laplace.check_gates.default(gk)
-    view = aten.view(transpose(pad(q)), [B, H, 16, 128, K]) ...
+    chunked_gla = torch.ops.laplace.chunked_gla.default(q, k, v, check_gates, None, 0.0884, 128, 16)
+    o = chunked_gla[0]
+    state = chunked_gla[1]
+
+`laplace::chunked_gla` is a GLA chunk-loop op: its autograd is the explicit
+reverse recurrence over chunks (`laplace::chunked_gla_backward`), so AOT
+Autograd places one forward op in the forward graph and one backward op in
+the backward graph, and saves only q, k, v, gk (and the initial state). The
+ATen-level unroll pass (`laplace_passes.unroll`) then expands both into
+straight-line chunked code, one state update per chunk:
+
     cumsum = aten.cumsum(gates, -2)                 # G inside each chunk
     ... sub-chunk scores, tril(A) @ V ...
     mul_15 = aten.mul(exp_last_15, add_14); add_15 = aten.add(mul_15, update_15)   # 16 state updates
-    o = aten.transpose(...)
-    state = add_15
+
+Sites inside the body of a scan or while_loop are rewritten there (in a copy
+of the body); the unroll pass then makes them one chunk-loop op per trip.
 
 Declined sites keep their `laplace::gla` node (the token recurrence: correct,
 slow) and the report says why: a sequence length or head size that is not
-static, inputs the op rejects, or a tuple result used as a whole.
+static, or inputs the op rejects.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import copy
 
 import torch
 import torch.fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from laplace_passes.chunked import chunk_plan, chunked_gla
-from laplace_passes.fx.sites import GlaSite, bind_site, fake_value, is_gla_node, tuple_users
+from laplace_passes._checks import check_gla_args
+from laplace_passes.chunked import chunk_plan, saved_for_backward_bytes
+from laplace_passes.fx.sites import GlaSite, bind_site, fake_value, is_gla_node
 from laplace_passes.passes import GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
 
+# Meta that describes where a node came from: the chunk-loop node inherits
+# the site's, so reports and per-layer accounting still see the user's layer.
+_PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
+
 
 class RetileGLA(GraphPass):
-    """Replace each `laplace::gla` node by the chunked computation, inlined."""
+    """Replace each `laplace::gla` node by a `laplace::chunked_gla` node at the target's chunk size."""
 
     name = "retile_gla"
 
     def __init__(self, chunk_size: int, sub_chunk_size: int) -> None:
         self.chunk_size = chunk_size
         self.sub_chunk_size = sub_chunk_size
-        # Layers share shapes: trace the chunked form once per signature.
-        self._traces: dict[tuple, torch.fx.GraphModule] = {}
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
         records, declined = [], []
-        for node in [n for n in gm.graph.nodes if is_gla_node(n)]:
-            # Bind just before rewriting: inlining an earlier site replaced the
-            # getitem nodes a later site may read (GLA layers feed each other).
-            record = self._rewrite(gm, bind_site(node))
-            records.append(record)
-            if record.status == "declined":
-                declined.append(f"{record.node}: {record.reason}")
+        # The graph and the bodies of its loops (scan, while_loop): a site in
+        # a body becomes one site per trip when the loop is unrolled.
+        graphs = [gm] + _bodies_with_sites(gm)
+        for graph_module in graphs:
+            for node in [n for n in graph_module.graph.nodes if is_gla_node(n)]:
+                # Bind just before rewriting: rewriting an earlier site replaces
+                # nodes a later site may read (GLA layers feed each other).
+                record = self._rewrite(graph_module, bind_site(node))
+                records.append(record)
+                if record.status == "declined":
+                    declined.append(f"{record.node}: {record.reason}")
+        for body in graphs[1:]:
+            body.recompile()
         retiled = sum(r.status == "retiled" for r in records)
-        if records:
-            gm.graph.eliminate_dead_code()
         summary = f"{retiled} of {len(records)} GLA sites re-tiled at chunk {self.chunk_size}"
         return PassOutcome(gm, modified=retiled > 0, summary=summary, declined=declined, sites=records)
 
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> SiteRecord:
         record = SiteRecord(graph="", node=site.node.name, origin=site.origin, status="declined")
         values = [fake_value(n) for n in site.tensor_inputs()]
-        reason = _static_shape_problem(values)
-        if reason is None:
-            reason = _user_problem(site.node)
+        reason = _static_shape_problem(values) or _input_problem(site, values)
         if reason is not None:
             record.reason = reason
             return record
@@ -75,38 +90,45 @@ class RetileGLA(GraphPass):
         B, T, H, K = q.shape
         record.shape = {"B": B, "H": H, "K": K, "V": v.shape[-1], "dtype": str(q.dtype).removeprefix("torch.")}
         record.plan = chunk_plan(T, self.chunk_size)
-        try:
-            traced = self._trace(site, values)
-        except (TypeError, ValueError) as error:  # the op's own argument checks
-            record.reason = f"inputs rejected by chunked_gla: {error}"
-            return record
-        _inline(gm, site, traced)
+        initial_state = values[4] if site.initial_state is not None else None
+        record.saved_bytes = saved_for_backward_bytes(*values[:4], initial_state)
+        self._install_chunk_loop(gm.graph, site)
         record.status = "retiled"
         return record
 
-    def _trace(self, site: GlaSite, values: list) -> torch.fx.GraphModule:
-        key = (tuple((tuple(t.shape), t.dtype, t.device) for t in values), site.scale)
-        if key not in self._traces:
-            fn = partial(
-                _chunked_site,
-                chunk_size=self.chunk_size,
-                sub_chunk_size=self.sub_chunk_size,
-                scale=site.scale,
+    def _install_chunk_loop(self, graph: torch.fx.Graph, site: GlaSite) -> None:
+        """check_gates + laplace::chunked_gla in place of the site; same (o, state) outputs."""
+        provenance = {key: site.node.meta[key] for key in _PROVENANCE_KEYS if key in site.node.meta}
+        with graph.inserting_before(site.node):
+            gates = graph.create_node(
+                "call_function", torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates"
             )
-            examples = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in values]
-            # Outside Dynamo's tracing context: its fake mode carries a shape
-            # environment that would turn our static shapes into symbols.
-            with torch._guards.tracing(None):
-                self._traces[key] = make_fx(fn, tracing_mode="fake")(*examples)
-        return self._traces[key]
+            chunked = graph.create_node(
+                "call_function",
+                torch.ops.laplace.chunked_gla.default,
+                (site.q, site.k, site.v, gates, site.initial_state, site.scale, self.chunk_size, self.sub_chunk_size),
+                name="chunked_gla",
+            )
+        gates.meta.update(provenance)
+        chunked.meta.update(provenance)
+        for key in ("example_value", "val"):  # same shapes and dtypes as the reference op's
+            if key in site.gk.meta:
+                gates.meta[key] = site.gk.meta[key]
+            if key in site.node.meta:
+                chunked.meta[key] = site.node.meta[key]
+        site.node.replace_all_uses_with(chunked)
+        graph.erase_node(site.node)
 
 
-def _chunked_site(q, k, v, gk, initial_state=None, *, chunk_size, sub_chunk_size, scale):
-    o, state = chunked_gla(
-        q, k, v, gk, chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, scale=scale,
-        initial_state=initial_state, output_final_state=True,
-    )
-    return o, state
+def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """Loop bodies holding a GLA site, each replaced by a copy first: earlier snapshots share the original."""
+    bodies = []
+    for name, module in list(gm.named_modules()):
+        if name and isinstance(module, torch.fx.GraphModule) and any(is_gla_node(n) for n in module.graph.nodes):
+            copied = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+            gm.set_submodule(name, copied)
+            bodies.append(copied)
+    return bodies
 
 
 def _static_shape_problem(values: list) -> str | None:
@@ -120,33 +142,12 @@ def _static_shape_problem(values: list) -> str | None:
     return None
 
 
-def _user_problem(node: torch.fx.Node) -> str | None:
-    if tuple_users(node) is None:
-        return "the (o, state) tuple is used as a whole, not through indexing"
+def _input_problem(site: GlaSite, values: list) -> str | None:
+    """The op's own argument checks, run on the fake inputs."""
+    q, k, v, gk = values[:4]
+    initial_state = values[4] if site.initial_state is not None else None
+    try:
+        check_gla_args(q, k, v, gk, initial_state, site.scale)
+    except (TypeError, ValueError) as error:
+        return f"inputs rejected by chunked_gla: {error}"
     return None
-
-
-def _inline(gm: torch.fx.GraphModule, site: GlaSite, traced: torch.fx.GraphModule) -> None:
-    """Copy `traced` into `gm` in place of the site node."""
-    graph = gm.graph
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    value_map = dict(zip(placeholders, site.tensor_inputs()))
-    with graph.inserting_before(site.node):
-        for node in traced.graph.nodes:
-            if node.op == "get_attr":
-                value_map[node] = _copy_attribute(gm, traced, node)
-        outputs = graph.graph_copy(traced.graph, value_map)
-    for index, user in tuple_users(site.node).items():
-        user.replace_all_uses_with(outputs[index])
-        graph.erase_node(user)
-    graph.erase_node(site.node)
-
-
-def _copy_attribute(gm: torch.fx.GraphModule, traced: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
-    value = getattr(traced, node.target)
-    name = f"_laplace_{node.target}"
-    suffix = 0
-    while hasattr(gm, f"{name}_{suffix}"):
-        suffix += 1
-    gm.register_buffer(f"{name}_{suffix}", value)
-    return gm.graph.get_attr(f"{name}_{suffix}")

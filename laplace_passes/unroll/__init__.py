@@ -1,6 +1,31 @@
-"""Static unrolling of chunk-sequential loops and graph-size budgeting.
+"""Static unrolling of sequential loops, and keeping every graph under the compiler's size budget.
 
-Not built yet: see the project's open issue on static unrolling. Today the
-chunked GLA reaches the inner compiler already as straight-line code, because
-`chunked_gla` is traced with a static chunk count.
+    UnrollLoops        scan / while_loop with a static trip count (Dynamo and ATen graphs) and
+                       the GLA chunk-loop ops (ATen graphs) -> straight-line code
+    SizeModel          node count and an instruction estimate per graph, from shapes
+    FitGraphToBudget   measure each ATen graph; cut one over the budget into partitions
+    compile_graph      hand a graph, or each of its partitions, to the inner compiler
+
+Where they run: `laplace_passes.pipeline`. What they record: each graph's
+`loops` and `size` in the report.
 """
+
+from laplace_passes.unroll.budget import FitGraphToBudget, saved_for_backward_bytes
+from laplace_passes.unroll.partition import PartitionPlan, plan_partitions
+from laplace_passes.unroll.size import GraphSize, SizeModel
+from laplace_passes.unroll.split import PARTITION_PREFIX, compile_graph, partition_calls, split_graph
+from laplace_passes.unroll.unroll_pass import UnrollLoops
+
+__all__ = [
+    "PARTITION_PREFIX",
+    "FitGraphToBudget",
+    "GraphSize",
+    "PartitionPlan",
+    "SizeModel",
+    "UnrollLoops",
+    "compile_graph",
+    "partition_calls",
+    "plan_partitions",
+    "saved_for_backward_bytes",
+    "split_graph",
+]

@@ -1,0 +1,179 @@
+"""StableHLO size and IREE compile time against sequence length (chunks) and depth (layers).
+
+    python -m benchmarks.bench_lowering                  # both sweeps, IREE compile times included (minutes)
+    python -m benchmarks.bench_lowering --no-iree        # op counts only (seconds)
+    python -m benchmarks.bench_lowering --json
+
+For the GLA model (tiny: d 64, 2 heads) at trn2's chunk of 128 tokens:
+  * chunks: T = 256 .. 4096 (2 .. 32 chunks), 2 layers;
+  * layers: 1, 2, 4, 8 layers at T = 1024 (8 chunks).
+Each point exports the forward and backward ATen graphs as StableHLO
+(`laplace_passes.export_stablehlo`), counts their ops, and (unless --no-iree)
+compiles each with IREE for llvm-cpu, timing it (the fastest of --repeats),
+and counts the distinct kernels (dispatch executables) IREE forms. Linear
+least-squares fits (slope, intercept, R^2) show whether growth is linear.
+
+Calibration: the unroll issue's instruction estimate (`laplace_passes.unroll.
+SizeModel`, 128 x 512 tiles per op, what the budget pass and the preflight
+use) against the StableHLO op count, per sweep and pooled over every point
+(tiny and small models): estimate = a * ops + b.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+import laplace_passes
+import model_zoo
+from benchmarks.common import once
+from laplace_passes.targets import TRN2
+from laplace_passes.unroll import SizeModel
+
+CHUNK_SWEEP_T = (256, 512, 1024, 2048, 4096)
+LAYER_SWEEP = (1, 2, 4, 8)
+LAYER_SWEEP_T = 1024
+
+
+@dataclass
+class Point:
+    model: str
+    T: int
+    chunks: int
+    layers: int
+    forward_ops: int
+    backward_ops: int
+    estimated_instructions: int
+    kernels: int | None  # distinct IREE dispatch executables, forward + backward
+    iree_compile_s: float | None
+
+    @property
+    def ops(self) -> int:
+        return self.forward_ops + self.backward_ops
+
+
+def measure(model_name: str, T: int, layers: int, compile_iree: bool, repeats: int = 1) -> Point:
+    # Every point is a new Dynamo compile of the same wrapper code: without a
+    # reset, Dynamo's recompile limit (8) stops capturing graphs.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = model_zoo.build(model_name, num_layers=layers)
+    ids = torch.randint(0, model.config.vocab_size, (1, T))
+    with tempfile.TemporaryDirectory() as out_dir:
+        exported = laplace_passes.export_stablehlo(model, ids, target="trn2", out_dir=out_dir)
+        graphs = {g["kind"]: g for g in exported.manifest["graphs"]}
+        texts = [exported.path(g["name"]).read_text() for g in exported.manifest["graphs"]]
+    size_model = SizeModel.for_target(TRN2)
+    instructions = sum(
+        size_model.measure(exported.report.graph("after", g["name"])).instructions for g in exported.manifest["graphs"]
+    )
+    seconds = sum(_iree_seconds(text, repeats) for text in texts) if compile_iree else None
+    kernels = sum(_iree_kernels(text) for text in texts) if compile_iree else None
+    return Point(
+        model=model_name, T=T, chunks=-(-T // TRN2.chunk_size), layers=layers,
+        forward_ops=graphs["forward"]["total_ops"], backward_ops=graphs["backward"]["total_ops"],
+        estimated_instructions=instructions, kernels=kernels, iree_compile_s=seconds,
+    )
+
+
+def _iree_seconds(text: str, repeats: int) -> float:
+    """Fastest of `repeats` compiles: the machine is shared, the minimum is the least disturbed."""
+    from laplace_passes.lowering.iree import compile_vmfb
+
+    return min(once(lambda: compile_vmfb(text)) for _ in range(repeats))
+
+
+def _iree_kernels(text: str) -> int:
+    """Distinct dispatch executables IREE forms (identical ones, e.g. across layers, are shared)."""
+    from laplace_passes.lowering.iree import compile_vmfb
+
+    flow = compile_vmfb(text, flags=("--iree-llvmcpu-target-cpu=host", "--compile-to=flow"))
+    return len(re.findall(rb"flow\.executable private @", flow))
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> dict:
+    """Least squares y = slope * x + intercept, with R^2."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx
+    intercept = mean_y - slope * mean_x
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
+    ss_tot = sum((y - mean_y) ** 2 for y in ys)
+    return {"slope": slope, "intercept": intercept, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0}
+
+
+def calibration_fit(points: list[Point]) -> dict:
+    return linear_fit([p.ops for p in points], [p.estimated_instructions for p in points])
+
+
+def sweep_fits(points: list[Point], axis: str) -> dict:
+    xs = [getattr(p, axis) for p in points]
+    fits = {
+        "ops": linear_fit(xs, [p.ops for p in points]),
+        "estimated_instructions": linear_fit(xs, [p.estimated_instructions for p in points]),
+    }
+    if all(p.iree_compile_s is not None for p in points):
+        fits["kernels"] = linear_fit(xs, [p.kernels for p in points])
+        fits["iree_compile_s"] = linear_fit(xs, [p.iree_compile_s for p in points])
+    return fits
+
+
+def print_sweep(title: str, points: list[Point], axis: str, fits: dict) -> None:
+    print(f"\n{title}")
+    print(f"  {'T':>5} {'chunks':>6} {'layers':>6} {'fwd ops':>8} {'bwd ops':>8} {'total':>7} "
+          f"{'est. instr':>10} {'kernels':>7} {'IREE s':>7}")
+    for p in points:
+        seconds = f"{p.iree_compile_s:7.1f}" if p.iree_compile_s is not None else "      -"
+        kernels = f"{p.kernels:>7}" if p.kernels is not None else "      -"
+        print(f"  {p.T:>5} {p.chunks:>6} {p.layers:>6} {p.forward_ops:>8} {p.backward_ops:>8} {p.ops:>7} "
+              f"{p.estimated_instructions:>10} {kernels} {seconds}")
+    for quantity, fit in fits.items():
+        print(f"  fit {quantity} = {fit['slope']:.2f} * {axis} + {fit['intercept']:.1f}   (R^2 = {fit['r2']:.4f})")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-iree", action="store_true", help="op counts only, no IREE compile")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--repeats", type=int, default=1, help="IREE compiles per graph; the fastest counts")
+    args = parser.parse_args(argv)
+    compile_iree = not args.no_iree
+
+    chunk_points = [measure("tiny", T, 2, compile_iree, args.repeats) for T in CHUNK_SWEEP_T]
+    layer_points = [measure("tiny", LAYER_SWEEP_T, n, compile_iree, args.repeats) for n in LAYER_SWEEP]
+    small_points = [measure("small", T, 2, False) for T in (256, 1024, 4096)]
+    calibration = {
+        "tiny, chunks": calibration_fit(chunk_points),
+        "tiny, layers": calibration_fit(layer_points),
+        "small, chunks": calibration_fit(small_points),
+        "pooled": calibration_fit(chunk_points + layer_points + small_points),
+    }
+    result = {
+        "chunks": {"points": [asdict(p) for p in chunk_points], "fits": sweep_fits(chunk_points, "chunks")},
+        "layers": {"points": [asdict(p) for p in layer_points], "fits": sweep_fits(layer_points, "layers")},
+        "small": {"points": [asdict(p) for p in small_points], "fits": sweep_fits(small_points, "chunks")},
+        "calibration": calibration,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return result
+    print_sweep("StableHLO ops and IREE compile time against chunks (tiny, 2 layers, chunk 128)",
+                chunk_points, "chunks", result["chunks"]["fits"])
+    print_sweep(f"... against layers (tiny, T = {LAYER_SWEEP_T})", layer_points, "layers", result["layers"]["fits"])
+    print_sweep("small model (d 256, 4 heads), 2 layers: calibration points", small_points, "chunks",
+                sweep_fits(small_points, "chunks"))
+    print("\ncalibration: SizeModel's estimated instructions against StableHLO ops (forward + backward)")
+    for name, fit in calibration.items():
+        print(f"  {name:<14} estimate = {fit['slope']:8.2f} * ops + {fit['intercept']:10.0f}   (R^2 = {fit['r2']:.4f})")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Muon's communication: gathers against the paired all-to-alls of `laplace_passes.collectives`.
+
+    python -m benchmarks.bench_muon                       # both parts, one run
+    python -m benchmarks.bench_muon --part traffic --models small
+    python -m benchmarks.bench_muon --part time --repeats 15 --threads 1
+
+1. Per-rank bytes received, from graphs captured at each world size W (no
+   data moves; a fake process group and meta tensors stand in for W ranks):
+   - model_zoo "small": `ShardedMuon(backend=laplace)` steps once per W, for
+     comm="all_gather" and comm="gather_broadcast"; the laplace report's
+     traffic record gives the bytes of the captured graph before and after
+     the rewrite.
+   - model_zoo "laplace-3b" (shapes only): the same shard step traced with
+     make_fx (Dynamo needs minutes for its 360 matrices) and rewritten with
+     the public `rewrite_muon_step`; all-gather baseline.
+   Muon matrices are the 2D parameters except the embedding, which goes to
+   AdamW as is usual for Muon. Printed against the targets: received
+   W/2 times less than all-gather, and within 5% of 2 (W-1) G / W^2.
+2. Step time of `ShardedMuon.step()` on 4 gloo processes for the "small"
+   model's parameters: laplace with muon_all_to_all off (baseline) and on,
+   steps interleaved (off, on, off, on, ...) in one run, median per rank,
+   the slowest rank's median reported; ratio = baseline / rewritten. Three
+   cases: comm="all_gather" and "gather_broadcast" with the embedding on
+   AdamW (the usual split), and "all_gather" with every 2D parameter on Muon
+   (ShardedMuon's default grouping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import laplace_passes
+import model_zoo
+from laplace_passes.backend import laplace_backend
+from laplace_passes.collectives import rewrite_muon_step
+from model_zoo.muon import MuonHParams, RowSplit, ShardedMuon, _adjust_lr, _muon_shard_step, assign_owners
+
+WORLD_SIZES = (2, 4, 8, 16, 32, 48, 64)
+TIMED_WORLD_SIZE = 4
+MUON_LR = 0.02
+
+
+def muon_shapes(model_name: str) -> list[tuple[int, int]]:
+    model = model_zoo.build(model_name, device="meta")
+    return [tuple(p.shape) for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name]
+
+
+def _laplace(report: laplace_passes.Report, **options):
+    return functools.partial(laplace_backend, options={"target": "cpu", "report": report, **options})
+
+
+def _outputs_only(gm: torch.fx.GraphModule, example_inputs) -> object:
+    """Inner compiler that runs nothing: meta outputs of the right shapes (a cond cannot branch on meta)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = [n.meta["val"] for n in output.args[0]]
+    return lambda *args: [torch.empty(v.shape, dtype=v.dtype, device="meta") for v in values]
+
+
+# ---------------------------------------------------------------- part 1: traffic
+
+
+def _fake_world(world_size: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def traffic_through_backend(shapes, world_size: int, comm: str):
+    """One ShardedMuon step on meta tensors over a fake group of `world_size`: the report's traffic."""
+    _fake_world(world_size)
+    torch._dynamo.reset()  # a new world size is a new graph; keep clear of the recompile limit
+    report = laplace_passes.Report()
+    params = [torch.empty(s, device="meta", requires_grad=True) for s in shapes]
+    opt = ShardedMuon(params, lr=MUON_LR, comm=comm, backend=_laplace(report, inner=_outputs_only))
+    for p in params:
+        p.grad = torch.empty(p.shape, device="meta")
+    opt.step()
+    (traffic,) = report.traffic
+    return traffic
+
+
+def traffic_through_make_fx(shapes, world_size: int):
+    """The all_gather shard step traced at `world_size` with fake tensors, rewritten by the public API."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    splits = tuple(RowSplit(r, c, world_size) for r, c in shapes)
+    hparams = tuple(
+        MuonHParams(MUON_LR, 0.1, 0.95, True, (3.4445, -4.7750, 2.0315), 5, 1e-7, _adjust_lr(MUON_LR, None, r, c))
+        for r, c in shapes
+    )
+    step = functools.partial(_muon_shard_step, splits=splits, hparams=hparams,
+                             owners=assign_owners(splits, world_size), comm="all_gather",
+                             world_size=world_size, group="0")
+    shards = lambda: [torch.empty(sp.shard_rows, sp.cols, device="meta") for sp in splits]  # noqa: E731
+    gm = make_fx(torch.func.functionalize(step), tracing_mode="fake")(
+        shards(), shards(), shards(), torch.tensor(0, device="meta")
+    )
+    result = rewrite_muon_step(gm, world_size=world_size)
+    if not result.modified:
+        raise RuntimeError(f"rewrite declined at W={world_size}: {result.declined}")
+    return result.traffic
+
+
+def print_traffic(model_name: str, rows: list[tuple[int, str, object]]) -> None:
+    print(f"\n[traffic] {model_name}: per-rank bytes received by the Muon step (worst rank)")
+    header = (f"{'W':>3} {'baseline':>16} {'G':>10} {'baseline rcvd':>14} {'all-to-all':>12} {'ratio':>8} "
+              f"{'W/2':>5} {'ratio/(W/2)':>11} {'bound':>11} {'a2a/bound':>9} {'plan':>9} "
+              f"{'NS GFLOP/rank before':>20} {'after':>7}  targets")
+    print(header)
+    for world_size, comm, t in rows:
+        ratio = t.received_ratio
+        over_bound = t.received_after / t.lower_bound_bytes
+        meets = []
+        if comm == "all_gather":
+            meets.append("ratio>=W/2 " + ("yes" if ratio >= world_size / 2 else "NO"))
+        meets.append("<=5% over bound " + ("yes" if over_bound <= 1.05 else "NO"))
+        print(f"{world_size:>3} {comm:>16} {_mb(t.matrix_bytes):>10} {_mb(t.received_before):>14} "
+              f"{_mb(t.received_after):>12} {ratio:>7.2f}x {world_size / 2:>5g} {ratio / (world_size / 2):>11.3f} "
+              f"{_mb(t.lower_bound_bytes):>11} {over_bound:>9.3f} {t.ownership:>9} "
+              f"{t.ns_flops_before / 1e9:>20.2f} {t.ns_flops_after / 1e9:>7.2f}  {', '.join(meets)}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.3f} MB"
+
+
+def run_traffic(models: list[str], world_sizes: tuple[int, ...]) -> None:
+    if "small" in models:
+        shapes = muon_shapes("small")
+        print(f"\nsmall: {len(shapes)} Muon matrices, {sum(r * c for r, c in shapes) / 1e6:.2f} M elements")
+        rows = []
+        for world_size in world_sizes:
+            for comm in ("all_gather", "gather_broadcast"):
+                start = time.perf_counter()
+                rows.append((world_size, comm, traffic_through_backend(shapes, world_size, comm)))
+                print(f"  captured W={world_size} {comm} in {time.perf_counter() - start:.0f}s", flush=True)
+        print_traffic("small (ShardedMuon + laplace backend, fake process group)", rows)
+    if "laplace-3b" in models:
+        shapes = muon_shapes("laplace-3b")
+        print(f"\nlaplace-3b: {len(shapes)} Muon matrices, {sum(r * c for r, c in shapes) / 1e9:.2f} G elements")
+        rows = []
+        for world_size in world_sizes:
+            start = time.perf_counter()
+            rows.append((world_size, "all_gather", traffic_through_make_fx(shapes, world_size)))
+            print(f"  captured W={world_size} in {time.perf_counter() - start:.0f}s", flush=True)
+        print_traffic("laplace-3b (make_fx + rewrite_muon_step)", rows)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- part 2: step time
+
+# (comm, which parameters Muon gets): the usual split sends the embedding to
+# AdamW; ShardedMuon's own default (use_muon=None) gives Muon every 2D one.
+TIMED_CASES = (
+    ("all_gather", "embedding to AdamW"),
+    ("gather_broadcast", "embedding to AdamW"),
+    ("all_gather", "every 2D parameter to Muon"),
+)
+
+
+def _split(model: torch.nn.Module, grouping: str) -> tuple[list, list]:
+    named = list(model.named_parameters())
+    is_muon = (lambda n, p: p.ndim == 2) if grouping.startswith("every") else (
+        lambda n, p: p.ndim == 2 and "embed" not in n)
+    return [p for n, p in named if is_muon(n, p)], [p for n, p in named if not is_muon(n, p)]
+
+
+def _time_rank(rank, world_size, comm, grouping, repeats):
+    """Median seconds of ShardedMuon.step() with the rewrite off and on, interleaved.
+
+    Also the median of its middle part, shard step + AdamW, timed between the
+    optimizer's phase hooks ("shard_step" .. "all_gather_params"): the rest of
+    a step (gradient reduce-scatter, parameter all-gather) is the same work
+    with and without the rewrite.
+    """
+    muon, other = _split(model_zoo.build("small"), grouping)
+    gen = torch.Generator().manual_seed(100 + rank)
+    grads = [torch.randn(p.shape, generator=gen) for p in muon + other]
+    runs, reports = {}, {}
+    for label, rewrite in (("baseline", False), ("all_to_all", True)):
+        copies = [p.detach().clone().requires_grad_() for p in muon + other]
+        reports[label] = laplace_passes.Report()
+        opt = ShardedMuon(
+            [{"params": copies[: len(muon)]}, {"params": copies[len(muon) :], "use_muon": False}],
+            lr=MUON_LR, comm=comm, backend=_laplace(reports[label], muon_all_to_all=rewrite),
+        )
+        runs[label] = (opt, copies)
+    steps = {label: [] for label in runs}
+    middles = {label: [] for label in runs}
+    for repeat in range(repeats + 2):  # two warm-up rounds: compile, first-touch
+        for label, (opt, copies) in runs.items():
+            stamps = {}
+            opt._fault_hook = lambda phase: stamps.__setitem__(phase, time.perf_counter())  # timestamps only
+            for p, g in zip(copies, grads):
+                p.grad = g
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            if repeat >= 2:
+                steps[label].append(time.perf_counter() - start)
+                middles[label].append(stamps["all_gather_params"] - stamps["shard_step"])
+    rewritten = [p.modified for p in reports["all_to_all"].passes if p.name == "muon_all_to_all"]
+    medians = {label: (statistics.median(steps[label]), statistics.median(middles[label])) for label in runs}
+    return medians, rewritten, len(muon)
+
+
+def run_time(repeats: int, threads: int) -> None:
+    from tests._dist import run_ranks
+
+    print(f"\n[step time] ShardedMuon.step(), model_zoo 'small' parameters, {TIMED_WORLD_SIZE} gloo processes, "
+          f"{threads} thread(s) each, {repeats} interleaved steps, median; slowest rank")
+    for comm, grouping in TIMED_CASES:
+        results = run_ranks(TIMED_WORLD_SIZE, _time_rank, comm, grouping, repeats, timeout=1500, threads=threads)
+        assert all(rewritten == [True] for _, rewritten, _ in results), "the rewrite did not apply"
+        base, base_mid = (max(r["baseline"][k] for r, _, _ in results) for k in (0, 1))
+        new, new_mid = (max(r["all_to_all"][k] for r, _, _ in results) for k in (0, 1))
+        ratio = base / new
+        print(f"  comm={comm:<16} {grouping} ({results[0][2]} Muon matrices): "
+              f"step {base * 1e3:7.1f} -> {new * 1e3:7.1f} ms, {ratio:4.2f}x "
+              f"(target 1.63x: {'met' if ratio >= 1.63 else 'NOT met'}); "
+              f"shard step + AdamW {base_mid * 1e3:7.1f} -> {new_mid * 1e3:6.1f} ms, {base_mid / new_mid:4.2f}x")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("traffic", "time", "both"), default="both")
+    parser.add_argument("--models", nargs="+", default=["small", "laplace-3b"], choices=("small", "laplace-3b"))
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.part in ("traffic", "both"):
+        run_traffic(args.models, tuple(args.world_sizes))
+    if args.part in ("time", "both"):
+        run_time(args.repeats, args.threads)
+
+
+if __name__ == "__main__":
+    main()

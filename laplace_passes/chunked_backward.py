@@ -1,0 +1,103 @@
+"""The explicit backward of chunked GLA: a reverse recurrence over chunks, states recomputed.
+
+NOTE [explicit chunked backward]
+Per chunk, in the chunk layout (Q already scaled, Qd = Q * exp(G), Kd =
+K * exp(G_last - G), S the state entering the chunk, S' the state leaving it,
+dS' its gradient, M = tril(A)):
+
+    O  = Qd S + M V                 S' = exp(G_last)^T * S + Kd^T V
+
+so, with dO given and dS' = dh_n coming from the chunk after:
+
+    dS   = exp(G_last)^T * dS' + Qd^T dO         (reverse over chunks; dS of chunk 0 is dh0)
+    dV   = M^T dO + Kd dS'
+    dQ   = (dO S^T) * exp(G)            + [intra: dM = dO V^T through M]
+    dK   = (V dS'^T) * exp(G_last - G)  + [intra]
+    dG   = Q * dQ - K * dK              (every exp(G_i - G_j) term: +1 on i, -1 on j)
+    dG_last += rowsum over the chunk of K * dK_inter + exp(G_last) * rowsum_v(S * dS')
+    dgk  = reverse cumsum of dG inside the chunk (G_last is the last row of G)
+
+The intra-chunk part reuses the forward's sub-chunk anchors (IntraChunk), so
+every exponent stays <= 0 and flushed decays have zero gradient, exactly as
+in the forward. The anchor's own derivative cancels term by term (each term
+is exp(G_i - a) exp(a - G_j), or 0 when flushed), so the dG rule above holds.
+
+What is saved: nothing but the op's inputs q, k, v, gk (and initial_state).
+The states entering each chunk are recomputed here (one batched matmul and N
+elementwise updates), and so is tril(A). Autograd through the forward keeps
+the anchored keys and decays of every sub-chunk level alive instead,
+O(T x K x C/Cs) and more: at B=1, T=2048, H=4, K=128, V=256 under Inductor's
+min-cut partitioner, 164 MB of activations against 4 MB here (a copy of gk)
+besides q, k, v, gk themselves.
+
+Checked against autograd of the token recurrence (tests/test_chunked_gla.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from laplace_passes.chunked_forward import ChunkedInputs, IntraChunk, entering_states, nested_sub_chunks
+
+
+def leaving_state_gradients(
+    q_decayed: Tensor, grad_o: Tensor, chunk_decay: Tensor, grad_final_state: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """dh_n, the gradient of the state leaving chunk n ([B, H, N, K, V]), and dh0.
+
+    The one sequential loop of the backward, in reverse: dS_n = exp(G_last) * dS_{n+1} + Qd^T dO.
+    """
+    local = q_decayed.transpose(-1, -2) @ grad_o  # [B, H, N, K, V]: every chunk at once
+    B, H, N, K, V = local.shape
+    grad = local.new_zeros(B, H, K, V) if grad_final_state is None else grad_final_state.float()
+    leaving: list[Tensor] = [grad] * N
+    for n in reversed(range(N)):
+        leaving[n] = grad
+        grad = chunk_decay[:, :, n] * grad + local[:, :, n]
+    return torch.stack(leaving, dim=2), grad
+
+
+def chunked_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gk: Tensor,
+    initial_state: Tensor | None,
+    grad_o: Tensor,
+    grad_final_state: Tensor | None,
+    scale: float,
+    chunk_size: int,
+    sub_chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dgk in the inputs' dtypes; dh0 in fp32) of `chunked_forward`.
+
+    `grad_final_state=None` means the final state was not used.
+    """
+    x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)
+    do = x.layout.to_chunks(grad_o)
+    q_decay, k_decay, chunk_decay = x.inter_chunk_decays()
+    q_decayed, k_to_end = x.q * q_decay, x.k * k_decay
+    states, _ = entering_states(k_to_end, x.v, chunk_decay, initial_state)
+    leaving, dh0 = leaving_state_gradients(q_decayed, do, chunk_decay, grad_final_state)
+
+    intra = IntraChunk(x.q, x.k, x.G, nested_sub_chunks(x.layout.sub))
+    dq_intra, dk_intra = intra.gradients(do @ x.v.transpose(-1, -2))
+    dv = intra.scores().transpose(-1, -2) @ do + k_to_end @ leaving
+    dq = dq_intra + (do @ states.transpose(-1, -2)) * q_decay  # gradient of the scaled q
+    dk_inter = (x.v @ leaving.transpose(-1, -2)) * k_decay
+    dk = dk_intra + dk_inter
+
+    dG = x.q * dq - x.k * dk
+    dG_last = (x.k * dk_inter).sum(-2, keepdim=True) + (chunk_decay * (states * leaving).sum(-1, keepdim=True)).transpose(-1, -2)
+    dG = torch.cat([dG[..., :-1, :], dG[..., -1:, :] + dG_last], dim=-2)
+    dgk = dG.flip(-2).cumsum(-2).flip(-2)
+
+    layout = x.layout
+    return (
+        layout.from_chunks(dq * scale, q.dtype),
+        layout.from_chunks(dk, k.dtype),
+        layout.from_chunks(dv, v.dtype),
+        layout.from_chunks(dgk, gk.dtype),
+        dh0,
+    )

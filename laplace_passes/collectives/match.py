@@ -1,0 +1,444 @@
+"""Finding the gather pattern of a sharded Muon step in an ATen graph.
+
+A bucket is one `all_gather_into_tensor` whose result, viewed `[W, N]`, is
+cut into column blocks, one per matrix (every rank's padded row shard of
+it). For each block the pattern is
+
+    block = slice(gathered, 1, a, b)                       # [W, numel]
+    full  = unpad(block)                                   # any closed computation
+    then either ("all_gather": every rank computes)
+        result = NewtonSchulz(full)
+    or ("gather_broadcast": the owner computes, then broadcasts)
+        r = cond(rank == owner, NewtonSchulz, zeros_like, (full,))[0]
+        b = wait_tensor(broadcast(cat([..., view(r, [-1]), ...]), owner))
+        result = view(slice(b, 0, offset, offset + numel), shape)
+    mine = select_own(layout(result))                      # layout: [W, ...], any closed computation
+
+where `select_own` takes this rank's entry of the world dimension:
+`index_select(., 0, i)` or `index(., [i])` with `i` a graph input (the rank
+as data), or `select(., 0, r)` with `r` this process's rank in the group.
+Every node from the all-gather to the selections must serve only this
+pattern, so that all of it dies once the selections are replaced.
+Anything else is declined with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from laplace_passes.collectives.newton_schulz import NewtonSchulz, find_newton_schulz
+from laplace_passes.collectives.regions import (
+    Region,
+    RegionError,
+    closed_region,
+    fake_value,
+    live_nodes,
+    live_users,
+    signature,
+)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+Node = torch.fx.Node
+
+ALL_GATHER = c10d.all_gather_into_tensor.default
+BROADCAST = c10d.broadcast.default
+WAIT = c10d.wait_tensor.default
+
+
+class NoMatch(Exception):
+    """The pattern is absent or broken here; the message is the reason."""
+
+
+@dataclass
+class MatrixSite:
+    block: Node  # the matrix's column block of the gathered buffer
+    offset: int
+    numel: int
+    unpad: Region  # block -> full matrix
+    newton_schulz: NewtonSchulz
+    ns_template: Region  # copied onto each owned matrix
+    owner: int | None  # None: every rank computes ("all_gather")
+    result: Node
+    layout: Region  # result -> [W, ...]
+    selection: Node
+    transport: tuple[Node, ...] = ()  # gather_broadcast: cond ... broadcast ... slice
+
+    @property
+    def key(self) -> tuple:
+        shape = tuple(fake_value(self.selection).shape)
+        return (self.numel, shape, signature(self.unpad), signature(self.ns_template), signature(self.layout))
+
+    @property
+    def nodes(self) -> set[Node]:
+        ns_nodes = self.newton_schulz.region.node_set if self.owner is None else frozenset()
+        return {self.block, *self.unpad.nodes, *ns_nodes, *self.transport, self.result,
+                *self.layout.nodes, self.selection, *_index_plumbing(self.selection)}
+
+
+@dataclass
+class GatherBucket:
+    all_gather: Node
+    send: Node
+    group: str
+    world_size: int
+    sites: list[MatrixSite]
+    infrastructure: set[Node] = field(default_factory=set)  # wait, views, broadcasts: die with the sites
+
+    @property
+    def comm(self) -> str:
+        return "gather_broadcast" if self.sites[0].owner is not None else "all_gather"
+
+    @property
+    def broadcasts(self) -> list[Node]:
+        return sorted({n for n in self.infrastructure if n.target is BROADCAST}, key=lambda n: n.name)
+
+
+@dataclass(frozen=True)
+class _OwnerOnly:
+    """A cond(rank == owner, NewtonSchulz, zeros_like, (full,)) and its getitem."""
+
+    cond: Node
+    getitem: Node
+    pred: Node
+    owner: int
+    newton_schulz: NewtonSchulz
+    body: Region
+
+
+def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[GatherBucket], list[str]]:
+    """The Muon buckets of `gm`, and why anything close was not one."""
+    declined: list[str] = []
+    outer, misses = find_newton_schulz(gm.graph)
+    declined += misses
+    live = live_nodes(gm.graph)
+    owner_only = _owner_only_conds(gm, live, declined)
+    ns_by_input = {ns.region.input: ns for ns in outer}
+    buckets = []
+    for node in gm.graph.nodes:
+        if node.target is ALL_GATHER:
+            try:
+                buckets.append(_match_bucket(node, world_size, ns_by_input, owner_only, live))
+            except (NoMatch, RegionError) as reason:
+                declined.append(f"{node.name}: {reason}")
+    return buckets, declined
+
+
+# ---------------------------------------------------------------- conds
+
+
+def _owner_only_conds(gm: torch.fx.GraphModule, live: set[Node], declined: list[str]) -> dict[Node, _OwnerOnly]:
+    """cond nodes that run Newton-Schulz on the owner only, by their operand."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.higher_order.cond or node not in live:
+            continue
+        try:
+            info = _owner_only(gm, node, live)
+        except (NoMatch, RegionError) as reason:
+            declined.append(f"{node.name}: {reason}")
+            continue
+        if info is not None:
+            found[info.cond.args[3][0]] = info
+    return found
+
+
+def _owner_only(gm: torch.fx.GraphModule, cond: Node, live: set[Node]) -> _OwnerOnly | None:
+    """The owner-only Newton-Schulz of `cond`; None when its true branch has nothing like it."""
+    pred, true_attr, false_attr, operands = cond.args[:4]
+    true_gm, false_gm = getattr(gm, true_attr.target), getattr(gm, false_attr.target)
+    (ns_list, misses) = find_newton_schulz(true_gm.graph)
+    if not ns_list and not misses:
+        return None
+    if len(operands) != 1:
+        raise NoMatch("cond takes more than one operand; expected cond(rank == owner, NS, zeros_like, (full,))")
+    owner = _owner_of(pred)
+    if len(ns_list) != 1:
+        detail = f" ({'; '.join(misses)})" if misses else ""
+        raise NoMatch(f"the true branch holds {len(ns_list)} Newton-Schulz regions, expected 1{detail}")
+    body = _branch_body(true_gm)
+    extra = set(body.nodes) - ns_list[0].region.node_set - {ns_list[0].region.input}
+    if any(n.target not in _LAYOUT_ONLY for n in extra):
+        raise NoMatch(f"the true branch computes more than Newton-Schulz: {sorted(n.name for n in extra)}")
+    if ns_list[0].region.input is not body.input:
+        raise NoMatch("the true branch's Newton-Schulz does not start from its operand")
+    zero = _branch_output(false_gm)
+    if not _is_zeros(zero):
+        raise NoMatch(f"the false branch returns {zero.target}, not zeros")
+    getitem = _sole_user(cond, "cond", live)
+    return _OwnerOnly(cond, getitem, pred, owner, ns_list[0], body)
+
+
+_LAYOUT_ONLY = {aten.clone.default, aten.view.default, aten._unsafe_view.default}
+
+
+def _owner_of(pred: Node) -> int:
+    if not isinstance(pred, Node) or pred.target is not aten.eq.Scalar or not isinstance(pred.args[1], int):
+        raise NoMatch(f"predicate {getattr(pred, 'name', pred)} is not `rank == owner`")
+    _rank_input(pred.args[0])
+    return pred.args[1]
+
+
+def _branch_output(branch: torch.fx.GraphModule) -> Node:
+    output = next(n for n in branch.graph.nodes if n.op == "output")
+    (value,) = output.args[0]
+    return value
+
+
+def _branch_body(branch: torch.fx.GraphModule) -> Region:
+    (placeholder,) = [n for n in branch.graph.nodes if n.op == "placeholder"]
+    return closed_region(placeholder, _branch_output(branch))
+
+
+def _is_zeros(node: Node) -> bool:
+    if node.target in (aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default):
+        return True
+    return node.target is aten.full.default and node.args[1] == 0  # zeros_like, decomposed
+
+
+# ---------------------------------------------------------------- buckets
+
+
+def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, live: set[Node]) -> GatherBucket:
+    send, group_size, group = all_gather.args
+    if group_size != world_size:
+        raise NoMatch(f"gathers over {group_size} ranks, but world_size={world_size}")
+    wait = _sole_user(all_gather, "all_gather_into_tensor", live)
+    gathered = _sole_user(wait, "wait_tensor", live)
+    width = fake_value(send).numel()
+    if gathered.target is not aten.view.default or list(fake_value(gathered).shape) != [world_size, width]:
+        raise NoMatch(f"the gathered buffer is not viewed as [{world_size}, {width}] (rank, element)")
+    infrastructure = {wait, gathered}
+    sites = []
+    for block, offset, numel in _column_blocks(gathered, width, live):
+        full = _full_matrix(block, ns_by_input, owner_only)
+        unpad = closed_region(block, full)
+        if full in ns_by_input:
+            ns = ns_by_input[full]
+            site = _finish_site(block, offset, numel, unpad, ns, ns.region, None, ns.region.output, (),
+                                world_size, group, live)
+        else:
+            info = owner_only[full]
+            result, transport = _through_broadcast(info, group, live)
+            site = _finish_site(block, offset, numel, unpad, info.newton_schulz, info.body, info.owner,
+                                result, transport, world_size, group, live)
+            infrastructure |= {n for n in transport if n.target in (BROADCAST, WAIT)}
+        sites.append(site)
+    if len({s.owner is None for s in sites}) > 1:
+        raise NoMatch("mixes matrices every rank orthogonalises with owner-only ones")
+    bucket = GatherBucket(all_gather, send, group, world_size, sites, infrastructure)
+    _check_contained(bucket, live)
+    return bucket
+
+
+def _column_blocks(gathered: Node, width: int, live: set[Node]) -> list[tuple[Node, int, int]]:
+    blocks = []
+    users = live_users(gathered, live)
+    for user in users:
+        if user.target is aten.slice.Tensor and user.args[1] == 1:
+            start, end = user.args[2], min(user.args[3], width)
+            blocks.append((user, start, end - start))
+        elif len(users) == 1:
+            blocks.append((gathered, 0, width))  # one matrix: the whole buffer
+        else:
+            raise NoMatch(f"{user.name} uses the gathered buffer other than as a column block")
+    blocks.sort(key=lambda b: b[1])
+    covered = 0
+    for _, start, numel in blocks:
+        if start != covered:
+            raise NoMatch(f"column blocks do not tile the gathered buffer (gap or overlap at {covered})")
+        covered += numel
+    if covered != width:
+        raise NoMatch(f"column blocks cover {covered} of {width} gathered elements")
+    return blocks
+
+
+def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
+    """The first node downstream of `block` that Newton-Schulz (direct or owner-only) consumes."""
+    seen, frontier = set(), [block]
+    while frontier:
+        node = frontier.pop(0)
+        if node in ns_by_input or node in owner_only:
+            return node
+        for user in node.users:
+            if user not in seen and user.op == "call_function":
+                seen.add(user)
+                frontier.append(user)
+    raise NoMatch(
+        f"column block {block.name} feeds no Newton-Schulz region: not a Muon step "
+        "(another optimizer, or Newton-Schulz written in a form this pass does not recognise)"
+    )
+
+
+def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[Node, tuple[Node, ...]]:
+    """Follow the owner's result through cat -> broadcast -> wait -> slice -> view; check offsets."""
+    flat = _sole_user(info.getitem, "cond result", live)
+    if flat.target is not aten.view.default or list(flat.args[1]) not in ([-1], [fake_value(info.getitem).numel()]):
+        raise NoMatch(f"{flat.name}: the owner's result is not flattened before the broadcast")
+    packed = _sole_user(flat, "flattened result", live)
+    if packed.target is not aten.cat.default:
+        raise NoMatch(f"{packed.name}: results are not concatenated before the broadcast")
+    pieces = packed.args[0]
+    offset = sum(fake_value(p).numel() for p in pieces[: pieces.index(flat)])
+    numel = fake_value(flat).numel()
+    bcast = _sole_user(packed, "broadcast payload", live)
+    if bcast.target is not BROADCAST or bcast.args[2] != group:
+        raise NoMatch(f"{bcast.name}: the owner's results are not broadcast on the gather's group")
+    if bcast.args[1] != info.owner:
+        raise NoMatch(f"{bcast.name}: broadcast from rank {bcast.args[1]}, but rank {info.owner} computed it")
+    wait = _sole_user(bcast, "broadcast", live)
+    piece = [u for u in wait.users if u.target is aten.slice.Tensor and u.args[1:3] == (0, offset)]
+    if len(piece) != 1 or min(piece[0].args[3], fake_value(wait).numel()) != offset + numel:
+        raise NoMatch(f"{wait.name}: no unique slice [{offset}:{offset + numel}] takes back {info.cond.name}'s result")
+    result = _sole_user(piece[0], "broadcast slice", live)
+    if result.target is not aten.view.default or fake_value(result).shape != fake_value(info.getitem).shape:
+        raise NoMatch(f"{result.name}: the broadcast slice is not viewed back to the matrix shape")
+    transport = (info.pred, info.cond, info.getitem, flat, packed, bcast, wait, piece[0])
+    return result, transport
+
+
+def _finish_site(block, offset, numel, unpad, ns, template, owner, result, transport, world_size, group, live):
+    selection = _own_row_selection(result, world_size, group, live)
+    layout = closed_region(result, selection.args[0])
+    if fake_value(layout.output).numel() != world_size * numel:
+        raise NoMatch(
+            f"{selection.name} selects from a layout of {fake_value(layout.output).numel()} elements, "
+            f"not one {numel}-element shard per rank like the gathered block {block.name}"
+        )
+    return MatrixSite(block, offset, numel, unpad, ns, template, owner, result, layout, selection, transport)
+
+
+def _own_row_selection(result: Node, world_size: int, group: str, live: set[Node]) -> Node:
+    found, seen, frontier = [], set(), [result]
+    while frontier:
+        node = frontier.pop(0)
+        for user in live_users(node, live):
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output":
+                raise NoMatch(f"Newton-Schulz result {result.name} reaches the graph output unsharded")
+            if _is_selection(user, world_size, group):
+                found.append(user)
+            else:
+                frontier.append(user)
+    if len(found) != 1:
+        raise NoMatch(
+            f"Newton-Schulz result {result.name}: expected one selection of this rank's rows "
+            f"(index_select(., 0, rank) on a [{world_size}, ...] layout), found {len(found)}"
+        )
+    return found[0]
+
+
+def _is_selection(node: Node, world_size: int, group: str) -> bool:
+    if node.op != "call_function" or not isinstance(node.args[0], Node):
+        return False
+    source = fake_value(node.args[0])
+    if source is None or source.dim() == 0 or source.shape[0] != world_size:
+        return False
+    if node.target is aten.index_select.default and node.args[1] == 0:
+        _rank_input(node.args[2])
+        return True
+    if node.target is aten.index.Tensor and len(node.args[1]) == 1:
+        _rank_input(node.args[1][0])
+        return True
+    if node.target is aten.select.int and node.args[1] == 0:
+        rank = _this_rank(group)
+        if rank is None or node.args[2] != rank:
+            raise NoMatch(f"{node.name} selects rank {node.args[2]}'s rows, and this process is rank {rank}")
+        return True
+    return False
+
+
+_INDEX_PLUMBING = {aten.view.default, aten.unsqueeze.default, aten.squeeze.dim, aten._unsafe_view.default}
+
+
+def rank_input(site: MatrixSite) -> Node | None:
+    """The graph input holding the rank, when the site selects its rows with it (not a constant)."""
+    chain = _index_plumbing(site.selection)
+    if chain:
+        return chain[-1].args[0]
+    if site.selection.target is aten.index_select.default:
+        return site.selection.args[2]
+    if site.selection.target is aten.index.Tensor:
+        return site.selection.args[1][0]
+    return None
+
+
+def _index_plumbing(selection: Node) -> list[Node]:
+    """The reshapes between the rank input and `selection`'s index (they die with it)."""
+    if selection.target is aten.index_select.default:
+        node = selection.args[2]
+    elif selection.target is aten.index.Tensor:
+        node = selection.args[1][0]
+    else:
+        return []
+    chain = []
+    while isinstance(node, Node) and node.target in _INDEX_PLUMBING:
+        chain.append(node)
+        node = node.args[0]
+    return chain
+
+
+def _rank_input(index: Node) -> None:
+    """The rank as data: a graph input, possibly reshaped."""
+    node = index
+    while isinstance(node, Node) and node.target in _INDEX_PLUMBING:
+        node = node.args[0]
+    if not (isinstance(node, Node) and node.op == "placeholder"):
+        raise NoMatch(f"{getattr(index, 'name', index)} is not the rank: not a graph input")
+    value = fake_value(node)
+    if value is None or value.dtype not in (torch.int32, torch.int64) or value.numel() != 1:
+        raise NoMatch(f"{node.name} is not the rank: expected a one-element integer tensor")
+
+
+def _this_rank(group: str) -> int | None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group).rank()
+    except (RuntimeError, ValueError, KeyError):  # a group name this process does not know
+        return None
+
+
+def _sole_user(node: Node, what: str, live: set[Node]) -> Node:
+    users = live_users(node, live)
+    if len(users) != 1:
+        raise NoMatch(f"{node.name}: the {what} has {len(users)} users, expected 1")
+    return users[0]
+
+
+def _check_contained(bucket: GatherBucket, live: set[Node]) -> None:
+    """Everything the rewrite removes must be used only inside the pattern."""
+    dying = set(bucket.infrastructure)
+    for site in bucket.sites:
+        dying |= site.nodes
+    keep = {site.selection for site in bucket.sites}
+    for node in dying - keep:
+        for user in node.users:
+            if user in dying:
+                continue
+            if user not in live:  # e.g. a view functionalization left behind: dies too
+                bucket.infrastructure |= _with_descendants(user)
+                continue
+            raise NoMatch(f"{node.name} is also used by {user.name}, outside the gather pattern")
+
+
+def _with_descendants(node: Node) -> set[Node]:
+    found, stack = {node}, [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+

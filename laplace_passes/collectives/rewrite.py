@@ -1,0 +1,317 @@
+"""The Muon rewrite: gather-then-orthogonalise becomes two all-to-alls with one owner per matrix.
+
+NOTE [muon_all_to_all: before and after]
+Before (ShardedMuon, comm="all_gather", W = 2, a 10 x 6 and a 7 x 7 matrix;
+`u_i` is this rank's bf16 row shard of matrix i, zero-padded to 5 x 6 and
+4 x 7; arg4_1 is the rank as a tensor):
+
+    cat = aten.cat([view(u_0, [-1]), view(u_1, [-1])])                    # [58]
+    all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(cat, 2, '0')
+    view_2 = aten.view(wait_tensor(all_gather_into_tensor), [2, -1])       # [W, 58]
+    slice_1 = aten.slice(view_2, 1, 0, 30)   ... _unsafe_view -> [10, 6]   # unpad
+    permute = aten.permute(_unsafe_view, [1, 0]); ... addmm ... permute_3  # Newton-Schulz, every rank
+    view_7 = aten.view(permute_3, [2, 5, 6])                               # layout per rank
+    index_select = aten.index_select(view_7, 0, view(arg4_1, [1]))         # my rows
+    (the same for matrix 1, from slice(view_2, 1, 30, 58))
+    add = aten.add(mul, squeeze(index_select), alpha=-lr')                # the update
+
+After (rank 0 owns the 10 x 6 matrix, rank 1 the 7 x 7 one: a "balanced"
+plan, see plan.py; no rank constant anywhere):
+
+    slice_tensor = aten.slice(cat, 0, 0, 30); slice_tensor_1 = aten.slice(cat, 0, 30, 58)
+    cat_default = aten.cat([slice_tensor, slice_tensor_1, full_default])  # to owner 0 | to owner 1 (+2 zeros)
+    all_to_all_single_default = _c10d_functional.all_to_all_single(cat_default, [30, 30], [30, 30], '0')
+    view_default = aten.view(wait_tensor(all_to_all_single_default), [2, 30])   # [W sources, chunk]
+    cond = higher_order.cond(eq(arg4_1, 0), _laplace_muon_owner_0_0, _laplace_muon_not_owner_0, (view_default,))
+    cond_1 = higher_order.cond(eq(arg4_1, 1), _laplace_muon_owner_1_0, _laplace_muon_not_owner_0, (view_default,))
+    where_self = aten.where(eq(arg4_1, 1), cond_1[0], cond[0])                 # this rank's owner work
+    all_to_all_single_default_1 = _c10d_functional.all_to_all_single(view(where_self, [-1]), [30, 30], [30, 30], '0')
+    view_default_2 = aten.view(wait_tensor(all_to_all_single_default_1), [2, 30])  # [W owners, chunk]
+    view_default_3 = aten.view(aten.slice(aten.select(view_default_2, 0, 0), 0, 0, 30), [1, 5, 6])
+    add = aten.add(mul, squeeze(view_default_3), alpha=-lr')              # the update, unchanged
+
+    _laplace_muon_owner_0_0(received):   # the original ops, copied: unpad, Newton-Schulz, layout
+        view_3 = aten.view(aten.slice(received, 1, 0, 30), [2, 5, 6]) ... permute ... addmm ...
+        return (aten.cat([aten.view(clone(view_7), [2, 30])], 1),)          # [W destinations, chunk]
+
+When every shape group's count is a multiple of W (a "uniform" plan), there
+is no cond: every rank runs the same slots, e.g. one 10 x 6 and one 7 x 7
+matrix each when there are two of both. With comm="gather_broadcast" the
+baseline holds `cond(rank == owner, NS, zeros_like)` and one broadcast per
+owner; the rewritten graph is the same.
+
+Where it runs: on the ATen inference graph (`pipeline.aten_passes`), not on
+the Dynamo graph. There, every op is canonical (`x @ x.T` is aten.mm and
+aten.permute however the user spelled it, `x.bfloat16()` is _to_copy or
+nothing), the graph is functional (no in-place update to reason about),
+every node carries its shape in meta["val"] for planning, and the result is
+exactly the graph the inner compiler (TorchNeuron) compiles, so its
+rank-independence is what the compile cache sees. A Muon step runs under
+no_grad, so AOT Autograd hands it over as one inference graph.
+
+What it matches: see `match.py` (the gather, the per-matrix unpad / layout /
+rank selection) and `newton_schulz.py` (the iteration). Declines, each with
+its reason in the report: no all-gather (W = 1), no Newton-Schulz behind a
+gathered block (another optimizer), a near miss of the Newton-Schulz
+pattern, a gathered value used outside the pattern, a world size the
+target's all-to-all does not support.
+
+Numerics: each owner rebuilds the full matrix with the original graph's own
+ops from the same bf16 shards and runs the original Newton-Schulz ops on it,
+so results are bit-identical to the all-gather step on the eager inner
+compiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from laplace_passes.collectives.emit import emit_all_to_all
+from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket, find_buckets, rank_input
+from laplace_passes.collectives.newton_schulz import find_newton_schulz
+from laplace_passes.collectives.plan import OwnershipPlan, plan_ownership
+from laplace_passes.collectives.regions import fake_value
+from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, per_rank_totals
+from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.report import GraphRecord, TrafficRecord
+from laplace_passes.targets import HardwareTarget
+
+@dataclass
+class MuonRewrite:
+    """What `rewrite_muon_step` did."""
+
+    graph_module: torch.fx.GraphModule
+    modified: bool
+    declined: list[str] = field(default_factory=list)
+    plans: list[OwnershipPlan] = field(default_factory=list)
+    traffic: TrafficRecord | None = None
+
+
+def rewrite_muon_step(
+    graph_module: torch.fx.GraphModule, world_size: int, target: HardwareTarget | str | None = None
+) -> MuonRewrite:
+    """Rewrite the gathers of a sharded Muon step in an ATen graph into paired all-to-alls (in place).
+
+    `graph_module` must be an ATen-level graph with shapes in meta["val"]
+    (AOT Autograd's graphs, or make_fx with fake tensors). `target` (optional)
+    adds its all-to-all constraints (e.g. trn2's group sizes).
+    """
+    outcome = RewriteMuonStep(world_size=world_size, target=target)(graph_module)
+    if outcome.modified:  # what the backend's pass runner does after every pass
+        outcome.graph_module.graph.lint()
+        outcome.graph_module.recompile()
+    return MuonRewrite(outcome.graph_module, outcome.modified, outcome.declined,
+                       outcome.plans, outcome.traffic)
+
+
+@dataclass
+class _Outcome(PassOutcome):
+    plans: list[OwnershipPlan] = field(default_factory=list)
+    traffic: TrafficRecord | None = None
+
+
+class RewriteMuonStep(GraphPass):
+    """The pass: one entry point, `__call__(graph_module)` (see the NOTE above)."""
+
+    name = "muon_all_to_all"
+
+    def __init__(
+        self,
+        world_size: int | None = None,
+        target: HardwareTarget | str | None = None,
+        record: GraphRecord | None = None,
+    ) -> None:
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if isinstance(target, str):
+            from laplace_passes.targets import get_target
+
+            target = get_target(target)
+        self.world_size = world_size
+        self.target = target
+        self.record = record  # the report's entry for the graph this pass instance runs on
+
+    def call(self, gm: torch.fx.GraphModule) -> _Outcome:
+        reason = self._absent(gm)
+        if reason is not None:
+            return _Outcome(gm, modified=False, summary="no Muon gather pattern", declined=[reason])
+        world_size = self.world_size or _gather_group_size(gm)
+        buckets, declined = find_buckets(gm, world_size)
+        unsupported = self._unsupported(world_size)
+        if buckets and unsupported:
+            declined.append(unsupported)
+            buckets = []
+        if not buckets:
+            return _Outcome(gm, modified=False, summary="no Muon gather pattern rewritten", declined=declined)
+        before = collective_bytes(gm, world_size)
+        flops_before = _ns_flops_before(buckets, world_size)
+        original = set(gm.graph.nodes)
+        plans = [_rewrite_bucket(gm, bucket) for bucket in buckets]
+        _refresh_shapes(gm, set(gm.graph.nodes) - original)
+        graph_name = self.record.name if self.record is not None else ""
+        traffic = _traffic(graph_name, buckets, plans, before, collective_bytes(gm, world_size), flops_before)
+        if self.record is not None:
+            self.record.traffic = traffic
+        return _Outcome(gm, modified=True, summary=_summary(buckets, plans, traffic), declined=declined,
+                        plans=plans, traffic=traffic)
+
+    def _absent(self, gm: torch.fx.GraphModule) -> str | None:
+        if self.world_size == 1:
+            return "world_size is 1: there is no communication to rewrite"
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if any(fake_value(n) is None for n in placeholders):
+            return "the graph carries no shapes (meta['val']): trace it with fake tensors (AOT Autograd, make_fx)"
+        if any(_symbolic(n) for n in placeholders):
+            return "dynamic shapes: the ownership plan needs static sizes (compile with dynamic=False)"
+        if any(n.target is ALL_GATHER for n in gm.graph.nodes):
+            return None
+        if find_newton_schulz(gm.graph)[0] or any(n.target is torch.ops.higher_order.cond for n in gm.graph.nodes):
+            return ("Newton-Schulz found, but no all_gather_into_tensor gathers its input "
+                    "(world size 1, or communication this pass does not know)")
+        if any(n.op == "call_method" for n in gm.graph.nodes):
+            return "this is a torch-level (Dynamo) graph; the rewrite works on ATen graphs (after AOT Autograd)"
+        return "no all_gather_into_tensor in the graph"
+
+    def _unsupported(self, world_size: int) -> str | None:
+        if self.target is None or self.target.collectives.group_size_supported(world_size):
+            return None
+        rules = self.target.collectives
+        return (f"{self.target.name}'s all-to-all supports groups of {', '.join(map(str, rules.all_to_all_group_sizes))}"
+                f" or multiples of {rules.all_to_all_group_size_multiple} ranks, not {world_size}; "
+                "the gathers are kept")
+
+
+def _symbolic(node: torch.fx.Node) -> bool:
+    value = fake_value(node)
+    return value is not None and any(not isinstance(d, int) for d in value.shape)
+
+
+def _gather_group_size(gm: torch.fx.GraphModule) -> int:
+    return next(n.args[1] for n in gm.graph.nodes if n.target is ALL_GATHER)
+
+
+def _rewrite_bucket(gm: torch.fx.GraphModule, bucket: GatherBucket) -> OwnershipPlan:
+    sites = bucket.sites
+    ranks = {rank_input(s) for s in sites}
+    rank = ranks.pop() if len(ranks) == 1 else None  # balanced plans gate each owner's work on it
+    plan = plan_ownership(
+        [s.key for s in sites], [s.numel for s in sites], [s.newton_schulz.flops for s in sites],
+        bucket.world_size, allow_balanced=rank is not None,
+    )
+    emit_all_to_all(gm, bucket, plan, rank)
+    _erase_dead(gm, bucket)
+    remaining = set(gm.graph.nodes)
+    left = [n.name for n in (bucket.all_gather, *bucket.broadcasts) if n in remaining]
+    if left:  # the pass's promise: no gather or broadcast left for the bucket's matrices
+        raise RuntimeError(f"muon_all_to_all: {left} still in the graph after rewriting their bucket")
+    return plan
+
+
+def _erase_dead(gm: torch.fx.GraphModule, bucket: GatherBucket) -> None:
+    """Remove what the rerouted selections left unused: the gathers, broadcasts and their math."""
+    dying = {bucket.all_gather, *bucket.infrastructure}
+    for site in bucket.sites:
+        dying |= site.nodes
+    for node in list(dying):
+        if node.target is torch.ops.higher_order.cond:
+            dying |= {node.args[1], node.args[2]}  # the branch subgraphs' get_attr nodes
+    for node in reversed(list(gm.graph.nodes)):
+        if node in dying and not node.users:
+            gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+
+
+def _refresh_shapes(gm: torch.fx.GraphModule, new_nodes: set[torch.fx.Node]) -> None:
+    """meta["val"] for the nodes the rewrite added (inner compilers and later passes read it).
+
+    Only the new nodes are run on fake tensors: the rest of the graph kept
+    its values, and a whole-graph propagation costs seconds on a large step.
+    """
+    inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode(inputs)
+    if mode is None:
+        return
+    for node in gm.graph.nodes:
+        if node not in new_nodes or node.op != "call_function":
+            continue
+        if node.target is torch.ops.higher_order.cond:
+            node.meta["val"] = _propagate_branches(gm, node, mode)
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        with mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+
+
+def _propagate_branches(gm: torch.fx.GraphModule, cond: torch.fx.Node, mode) -> tuple:
+    """Fill both branches' meta["val"] (inductor reads them); the cond's value is the true branch's."""
+    operands = [fake_value(n) for n in cond.args[3]]
+    results = [
+        FakeTensorProp(getattr(gm, branch.target), mode=mode).propagate_dont_convert_inputs(*operands)
+        for branch in cond.args[1:3]
+    ]
+    return tuple(results[0])
+
+
+def _ns_flops_before(buckets: list[GatherBucket], world_size: int) -> int:
+    per_rank = [0] * world_size
+    for bucket in buckets:
+        for site in bucket.sites:
+            for rank in range(world_size) if site.owner is None else (site.owner,):
+                per_rank[rank] += site.newton_schulz.flops
+    return max(per_rank)
+
+
+def _traffic(graph_name, buckets, plans, before: list[CollectiveBytes], after: list[CollectiveBytes],
+             flops_before: int) -> TrafficRecord:
+    W = buckets[0].world_size
+    matrix_bytes = sum(fake_value(s.result).numel() * fake_value(s.result).element_size()
+                       for b in buckets for s in b.sites)
+    sent_before, received_before = per_rank_totals(before, W)
+    sent_after, received_after = per_rank_totals(after, W)
+    return TrafficRecord(
+        graph=graph_name,
+        world_size=W,
+        ownership=", ".join(sorted({p.kind for p in plans})),
+        matrices=sum(len(b.sites) for b in buckets),
+        padding_matrices=sum(p.padding_matrices for p in plans),
+        matrix_bytes=matrix_bytes,
+        lower_bound_bytes=2 * (W - 1) * matrix_bytes // W**2,
+        before=[c.as_dict() for c in before],
+        after=[c.as_dict() for c in after],
+        sent_before=sent_before,
+        received_before=received_before,
+        sent_after=sent_after,
+        received_after=received_after,
+        received_ratio=received_before / received_after if received_after else float("inf"),
+        ns_flops_before=flops_before,
+        ns_flops_after=sum(p.flops_per_rank for p in plans),
+    )
+
+
+def _summary(buckets: list[GatherBucket], plans: list[OwnershipPlan], traffic: TrafficRecord) -> str:
+    n = sum(len(b.sites) for b in buckets)
+    pads = sum(p.padding_matrices for p in plans)
+    comms = ", ".join(sorted({b.comm for b in buckets}))
+    return (
+        f"{n} Muon matrices ({comms}) in {len(buckets)} bucket(s) -> 2 all_to_all_single each, "
+        f"{traffic.ownership} ownership, {pads} zero matrices; received per rank {traffic.received_before} -> "
+        f"{traffic.received_after} bytes ({traffic.received_ratio:.2f}x less)"
+    )
+
+
+def is_candidate(gm: torch.fx.GraphModule) -> bool:
+    """Whether the pass has anything to look at: a gather or broadcast, or Newton-Schulz (even at W = 1).
+
+    The backend skips other graphs entirely, so their reports stay free of a
+    pass that never applied to them.
+    """
+    graphs = [gm.graph] + [
+        getattr(gm, n.args[1].target).graph for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond
+    ]
+    if any(n.target in (ALL_GATHER, BROADCAST) for n in gm.graph.nodes):
+        return True
+    return any(any(find_newton_schulz(graph)) for graph in graphs)

@@ -1,0 +1,49 @@
+"""One call into torch-mlir: FX graph -> StableHLO module, its diagnostics captured.
+
+torch-mlir prints the useful part of a failure ("failed to legalize operation
+... name = \"torch.aten._linalg_eigh\"") to stderr through MLIR's diagnostic
+handler, and raises with only "Failure while executing pass pipeline". We give
+the importer our own MLIR context with a handler that keeps the messages, so
+the error can name the op (see `diagnose.py`) and stderr stays quiet.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from laplace_passes.lowering import _deps
+
+
+class TorchMlirFailure(RuntimeError):
+    """torch-mlir failed; `diagnostics` holds its messages and its exception text."""
+
+    def __init__(self, diagnostics: str) -> None:
+        super().__init__(diagnostics)
+        self.diagnostics = diagnostics
+
+
+def import_stablehlo(gm: torch.fx.GraphModule):
+    """`torch_mlir.fx.stateless_fx_import(gm, output_type="stablehlo")`; the function is named `main`."""
+    tm_fx = _deps.torch_mlir_fx()
+    from torch_mlir import ir
+    from torch_mlir.compiler_utils import TorchMlirCompilerError
+    from torch_mlir.dialects import torch as torch_dialect
+    from torch_mlir.extras.fx_importer import FxImporter
+
+    context = ir.Context()
+    torch_dialect.register_dialect(context)
+    messages: list[str] = []
+
+    def keep(diagnostic) -> bool:
+        messages.append(f"error: {diagnostic.message}")
+        return True  # handled: not printed
+
+    handler = context.attach_diagnostic_handler(keep)
+    try:
+        return tm_fx.stateless_fx_import(
+            gm, output_type="stablehlo", fx_importer=FxImporter(context=context), model_name="main"
+        )
+    except TorchMlirCompilerError as error:
+        raise TorchMlirFailure("\n".join([*messages, str(error)])) from error
+    finally:
+        handler.detach()

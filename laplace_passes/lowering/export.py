@@ -1,0 +1,122 @@
+"""`export_stablehlo`: every ATen graph of a model as a StableHLO file, with a manifest.
+
+    exported = laplace_passes.export_stablehlo(model, ids, target="trn2", out_dir="hlo/")
+    # hlo/forward_0.mlir, hlo/backward_0.mlir, hlo/manifest.json
+
+The graphs are exactly those inner="stablehlo" lowers: the laplace passes,
+AOT Autograd with torch-mlir's decompositions, the lowering passes
+(gate checks become clamps, see `laplace_passes.lowering.legalize`). The
+manifest lists, per graph: its name and kind, the file, its inputs and
+outputs (name, shape, dtype), its op counts by op name, and for Trainium
+targets the neuronx-cc command TorchNeuron would run on it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+
+from laplace_passes.report import Report
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "laplace_passes.stablehlo_export/1"
+
+
+@dataclass
+class StableHLOExport:
+    out_dir: Path
+    manifest: dict
+    report: Report
+
+    def path(self, graph: str) -> Path:
+        for entry in self.manifest["graphs"]:
+            if entry["name"] == graph:
+                return self.out_dir / entry["file"]
+        raise LookupError(f"no graph {graph!r}; exported: {', '.join(g['name'] for g in self.manifest['graphs'])}")
+
+
+def export_stablehlo(
+    model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", out_dir: str | Path, **options: Any
+) -> StableHLOExport:
+    """Lower every graph of `model_or_fn(*example_inputs)` and write one .mlir per graph plus manifest.json."""
+    from laplace_passes.api import inspect
+    from laplace_passes.inner import InnerCompiler
+    from laplace_passes.lowering._deps import torch_mlir_fx
+    from laplace_passes.lowering.stablehlo import lowered_graph, torch_mlir_decompositions, torch_mlir_passes
+
+    # Checked here, not first inside the compile, where Dynamo would wrap the install hint in its own error.
+    torch_mlir_fx("export_stablehlo")
+    captured: list[tuple[str, Any]] = []
+
+    def capture(gm: torch.fx.GraphModule, inputs: list, kind: str):
+        captured.append((kind, lowered_graph(gm, inputs)))
+        return make_boxed_func(gm.forward)
+
+    compiler = InnerCompiler(
+        "stablehlo", capture, decompositions=torch_mlir_decompositions, aten_passes=torch_mlir_passes
+    )
+    report = inspect(model_or_fn, *example_inputs, target=target, inner=compiler, **options)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = [
+        _write_graph(out_dir, name, kind, lowered, report.target)
+        for name, (kind, lowered) in zip(_graph_names(report, len(captured)), captured, strict=True)
+    ]
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "target": report.target,
+        "versions": _versions(),
+        "notes": [
+            "laplace::check_gates is lowered as clamp(gk, max=0): lowered graphs do not refuse positive "
+            "gates (see laplace_passes.lowering.legalize)",
+        ],
+        "graphs": entries,
+    }
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return StableHLOExport(out_dir, manifest, report)
+
+
+def _graph_names(report: Report, compiled: int) -> list[str]:
+    """The report's name of each graph the inner compiler got, in compile order.
+
+    A graph the budget pass cut into partitions reaches the inner compiler
+    partition by partition: forward_0_partition_0, forward_0_partition_1, ...
+    """
+    names = []
+    for record in report.graphs:
+        if record.kind == "dynamo":
+            continue
+        size = getattr(record, "size", None)
+        partitions = len(size.partitions) if size is not None else 0
+        names += [f"{record.name}_partition_{i}" for i in range(partitions)] if partitions else [record.name]
+    if len(names) != compiled:
+        raise RuntimeError(f"the inner compiler got {compiled} graphs but the report lists {names}")
+    return names
+
+
+def _write_graph(out_dir: Path, name: str, kind: str, lowered, target: str) -> dict:
+    from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
+
+    file = f"{name}.mlir"
+    (out_dir / file).write_text(lowered.text)
+    entry = {"name": name, "kind": kind, "file": file, **lowered.to_dict()}
+    if target in NEURON_TARGETS:
+        entry["neuronx_cc"] = format_command(neuronx_cc_command(file, target=target))
+    return entry
+
+
+def _versions() -> dict:
+    versions = {"torch": torch.__version__}
+    for package in ("torch-mlir", "laplace_passes"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions

@@ -1,0 +1,92 @@
+"""Compile StableHLO with IREE for the host CPU and run it: the `iree` inner compiler.
+
+inner="iree" runs every ATen graph (forward, backward, ...) through the
+StableHLO that torch-mlir produced, compiled by IREE's llvm-cpu backend, so a
+training step really executes the lowered IR: what Trainium would receive,
+checked for numbers on a laptop.
+
+    lowered = lower_to_stablehlo(gm)
+    module = IreeModule(lowered)          # iree.compiler.compile_str(..., input_type="stablehlo")
+    outputs = module(*tensors)            # torch tensors in, torch tensors out
+
+Tensors cross as NumPy arrays (bf16 through ml_dtypes, a dependency of
+iree-base-runtime); only CPU tensors can.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+
+from laplace_passes.lowering import _deps
+
+# inner="iree" lowers exactly as inner="stablehlo" does.
+from laplace_passes.lowering.stablehlo import (  # noqa: F401
+    LoweredGraph,
+    lowered_graph,
+    torch_mlir_decompositions,
+    torch_mlir_passes,
+)
+
+# Code for this machine's CPU (the module runs where it is compiled); without
+# a CPU named, IREE warns and targets a generic, slow x86-64.
+DEFAULT_FLAGS = ("--iree-llvmcpu-target-cpu=host",)
+
+
+def compile_vmfb(stablehlo_text: str, flags: tuple[str, ...] = DEFAULT_FLAGS) -> bytes:
+    """StableHLO module text -> an IREE VM flatbuffer for the llvm-cpu backend."""
+    compiler = _deps.iree_compiler()
+    return compiler.compile_str(
+        stablehlo_text, target_backends=["llvm-cpu"], input_type="stablehlo", extra_args=list(flags)
+    )
+
+
+class IreeModule:
+    """A lowered graph compiled by IREE, callable with torch tensors."""
+
+    def __init__(self, lowered: LoweredGraph, flags: tuple[str, ...] = DEFAULT_FLAGS) -> None:
+        runtime = _deps.iree_runtime()
+        self.lowered = lowered
+        self.vmfb = compile_vmfb(lowered.text, flags)
+        context = runtime.SystemContext(config=runtime.Config("local-task"))
+        context.add_vm_module(runtime.VmModule.copy_buffer(context.instance, self.vmfb))
+        self._context = context  # keeps the module's device and buffers alive
+        self._main = context.modules.module["main"]
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        """Outputs in the ATen graph's order (None where the graph returns None)."""
+        if len(inputs) != len(self.lowered.inputs):
+            raise TypeError(f"the module takes {len(self.lowered.inputs)} tensors, got {len(inputs)}")
+        results = self._main(*(_to_numpy(t, spec.name) for t, spec in zip(inputs, self.lowered.inputs, strict=True)))
+        if not isinstance(results, (tuple, list)):
+            results = (results,)
+        return self.lowered.assemble_outputs([_to_torch(r.to_host()) for r in results])
+
+
+def _to_numpy(tensor: torch.Tensor, name: str):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"input {name} is a {type(tensor).__name__}; IREE modules take tensors only")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"input {name} is on {tensor.device}; inner='iree' runs on the CPU only")
+    tensor = tensor.detach().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def _to_torch(array) -> torch.Tensor:
+    import numpy as np  # present: iree-base-runtime depends on it
+
+    # Copied: the host view may be backed by a buffer IREE reuses.
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def compile_iree(gm: torch.fx.GraphModule, example_inputs: list, kind: str):
+    """inner="iree": lower the graph, compile it with IREE, run it on every call."""
+    module = IreeModule(lowered_graph(gm, example_inputs))
+    return make_boxed_func(module)

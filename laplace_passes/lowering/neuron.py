@@ -1,0 +1,173 @@
+"""The `neuron` inner compiler: each ATen graph handed to TorchNeuron (torch-neuronx).
+
+TorchNeuron's own pipeline (DESIGN.md section 6) is Dynamo -> AOT Autograd
+(its forward compiler, reused for the backward) -> torch-mlir -> StableHLO ->
+neuronx-cc -> NEFF. Our passes need the ATen graphs, so we run AOT Autograd
+ourselves and call TorchNeuron's ATen-graph compiler with each graph, with
+TorchNeuron's decomposition table. Its internal names come from a source
+snapshot of torch-neuronx 2.13/2.14 and may change between releases, so they
+are resolved at run time (`NEURON_ENTRY_POINTS`) and a missing one is a
+clear error, never a fallback to another compiler.
+
+Before a graph is handed over, the Neuron preflight
+(`laplace_passes.lowering.preflight`) checks it; its findings are in the
+report, and by default any finding stops the compile (`PreflightError`,
+from the `require_clean_preflight` pass) instead of a neuronx-cc failure
+minutes later.
+
+TorchNeuron's constraints are honoured: shapes are static (preflight finds
+dynamic ones; `laplace_passes.compile` uses dynamic=False) and `mode` is
+"default" (the only mode it supports; the `laplace` backend never takes
+another).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx
+
+from laplace_passes.inner import InnerCompiler
+from laplace_passes.lowering.legalize import lowering_passes
+from laplace_passes.lowering.preflight import RequireCleanPreflight, preflight_pass
+from laplace_passes.targets import HardwareTarget, get_target
+
+# (module, attribute) of each TorchNeuron entry point we call.
+NEURON_ENTRY_POINTS = {
+    "compile_fx": ("torch_neuronx.neuron_dynamo_backend.backend", "neuron_backend_fx_compiler"),
+    "decompositions": ("torch_neuronx.neuron_dynamo_backend.decompositions", "get_compile_decomposition_table"),
+}
+
+# TorchNeuron's executor otherwise falls back to running the graph eagerly
+# when the NEFF fails to execute: a silent fallback we never want.
+NO_FALLBACK_ENV = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
+
+NEURON_UNAVAILABLE = (
+    "inner='neuron' hands the ATen graphs to TorchNeuron (the torch-neuronx package), which is not "
+    "installed here ({error}). torch-neuronx and neuronx-cc come from the AWS Neuron SDK's own pip "
+    "repository (the PyPI projects of those names are placeholders) and run on Trainium instances "
+    "(trn1, trn2) with the Neuron driver and runtime: install them there, beside torch 2.13 or 2.14, "
+    "as the Neuron SDK setup guide describes. Without Trainium, see and check exactly what it would "
+    "receive with inner='stablehlo' or inner='iree', laplace_passes.export_stablehlo(...) and "
+    "laplace_passes.preflight(...). laplace_passes never falls back to another compiler."
+)
+
+# The neuronx-cc command line TorchNeuron runs on the StableHLO it lowered (DESIGN.md section 6).
+NEURONX_CC_FLAGS = ("--framework", "XLA", "--lnc", "2", "--model-type", "transformer", "-O2")
+NEURON_TARGETS = ("trn1", "trn2")
+
+
+class NeuronUnavailableError(ImportError):
+    """torch-neuronx, or one of the entry points we call in it, is missing."""
+
+
+@dataclass(frozen=True)
+class NeuronEntryPoints:
+    compile_fx: Callable  # (gm, example_inputs, pre_processing_analysis_info, options) -> boxed callable
+    decompositions: Callable[[], dict]
+    version: str
+
+
+def resolve_torch_neuronx() -> NeuronEntryPoints:
+    """Find TorchNeuron's ATen-graph compiler and decomposition table, or explain what is missing."""
+    try:
+        torch_neuronx = importlib.import_module("torch_neuronx")
+    except ImportError as error:
+        raise NeuronUnavailableError(NEURON_UNAVAILABLE.format(error=error)) from error
+    version = getattr(torch_neuronx, "__version__", "unknown version")
+    found = {}
+    for role, (module_name, attribute) in NEURON_ENTRY_POINTS.items():
+        try:
+            found[role] = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise NeuronUnavailableError(
+                f"torch-neuronx {version} is installed but has no {module_name}.{attribute} ({error}); "
+                "laplace_passes calls TorchNeuron's ATen-graph compiler by the names of torch-neuronx "
+                "2.13/2.14 (laplace_passes.lowering.neuron.NEURON_ENTRY_POINTS): this release moved it"
+            ) from error
+    return NeuronEntryPoints(version=version, **found)
+
+
+@dataclass(frozen=True)
+class NeuronCompiler:
+    """Settings of the neuron inner compiler; `inner_compiler()` gives what `inner=` takes."""
+
+    # Passed through to TorchNeuron's compiler as its `options` (model_name, ...).
+    options: dict[str, Any] = field(default_factory=dict)
+    # Stop on any preflight finding (False: report them and hand the graph over anyway).
+    strict_preflight: bool = True
+
+    def __post_init__(self) -> None:
+        if self.options.get("dynamic", False) is not False:
+            raise ValueError("TorchNeuron compiles static shapes only: options['dynamic'] must be False")
+        if self.options.get("mode", "default") != "default":
+            raise ValueError(f"TorchNeuron supports mode='default' only, got mode={self.options['mode']!r}")
+
+    def decompositions(self) -> dict:
+        return resolve_torch_neuronx().decompositions()
+
+    def aten_passes(self, config, kind: str) -> list:
+        preflight = preflight_pass(config, kind)
+        gate = [RequireCleanPreflight(preflight)] if self.strict_preflight else []
+        return [*lowering_passes(config, kind), preflight, *gate]
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        entry_points = resolve_torch_neuronx()
+        os.environ.setdefault(NO_FALLBACK_ENV, "1")
+        options = {**self.options, "dynamic": False}
+        return entry_points.compile_fx(gm, example_inputs, None, options)
+
+    def inner_compiler(self) -> InnerCompiler:
+        return InnerCompiler("neuron", self.compile, decompositions=self.decompositions, aten_passes=self.aten_passes)
+
+
+def neuron_compiler(options: dict[str, Any] | None = None, *, strict_preflight: bool = True) -> InnerCompiler:
+    """inner="neuron" with TorchNeuron `options` passed through, e.g. ``{"model_name": "gla"}``."""
+    return NeuronCompiler(dict(options or {}), strict_preflight).inner_compiler()
+
+
+DEFAULT_NEURON = NeuronCompiler()
+
+
+# The functions inner="neuron" resolves lazily (laplace_passes.inner).
+def compile_neuron(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+    return DEFAULT_NEURON.compile(gm, example_inputs, kind)
+
+
+def neuron_decompositions() -> dict:
+    return DEFAULT_NEURON.decompositions()
+
+
+def neuron_passes(config, kind: str) -> list:
+    return DEFAULT_NEURON.aten_passes(config, kind)
+
+
+def neuronx_cc_command(
+    mlir_path: str | os.PathLike,
+    *,
+    target: str | HardwareTarget = "trn2",
+    output: str | os.PathLike | None = None,
+    extra_flags: tuple[str, ...] = (),
+) -> list[str]:
+    """The neuronx-cc invocation TorchNeuron uses, for a StableHLO module exported by hand.
+
+        neuronx-cc compile --framework XLA forward_0.mlir --target trn2 --lnc 2
+            --model-type transformer -O2 --output forward_0.neff
+
+    neuronx-cc is not on PyPI, so this command is not run (or verified) here.
+    """
+    name = get_target(target).name
+    if name not in NEURON_TARGETS:
+        raise ValueError(f"neuronx-cc compiles for Trainium targets {NEURON_TARGETS}, not {name!r}")
+    path = os.fspath(mlir_path)
+    output = os.fspath(output) if output is not None else os.path.splitext(path)[0] + ".neff"
+    framework, flags = NEURONX_CC_FLAGS[:2], NEURONX_CC_FLAGS[2:]
+    return ["neuronx-cc", "compile", *framework, path, "--target", name, *flags, *extra_flags, "--output", output]
+
+
+def format_command(command: list[str]) -> str:
+    return shlex.join(command)

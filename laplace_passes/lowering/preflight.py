@@ -1,0 +1,171 @@
+"""The Neuron preflight: what neuronx-cc or TorchNeuron will reject, found in seconds on any machine.
+
+    report = laplace_passes.preflight(model, ids, target="trn2")
+    print(report)           # one line per finding: the check, graph, node, what is wrong, the fix
+    assert report.ok
+
+It runs the passes and AOT Autograd as inner="neuron" would (with
+torch-mlir's decomposition table standing in for TorchNeuron's, which ships
+with torch-neuronx), then checks every ATen graph:
+
+    dynamic-shape          a symbolic size: neuronx-cc compiles static shapes only
+    loop                   while_loop / scan / map left in the graph
+    f64                    float64 tensors: no f64 on Trainium, TorchNeuron demotes them
+    instruction-budget     estimated instructions over the target's budget (neuronx-cc [XTP002])
+                           that the budget pass will not cut into partitions that fit
+    all-to-all-splits      unequal split sizes (TorchNeuron's all-to-all: equal splits only)
+    all-to-all-group-size  a group size the target does not support (trn2: 4, 8, 16, multiples of 32)
+    unlowerable-op         an op torch-mlir cannot lower: the lowering is tried, the op named
+
+inner="neuron" runs the same checks as its last ATen pass (`NeuronPreflight`),
+so the findings are in its report and stop the compile before TorchNeuron
+starts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+
+from laplace_passes.lowering.checks import Finding, check_graph
+from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.report import Report
+from laplace_passes.targets import HardwareTarget
+
+
+class PreflightError(RuntimeError):
+    """The Neuron preflight found problems; raised before the graph reaches TorchNeuron."""
+
+    def __init__(self, findings: list[Finding]) -> None:
+        self.findings = list(findings)
+        lines = "\n".join(f"  {f}" for f in self.findings)
+        super().__init__(
+            f"Neuron preflight: {len(self.findings)} finding(s); neuronx-cc or TorchNeuron would reject "
+            f"this graph:\n{lines}\n(pass strict_preflight=False to neuron_compiler() to compile anyway)"
+        )
+
+
+class NeuronPreflight(GraphPass):
+    """Run the preflight checks; keep the findings in `findings` and the report (graph unchanged).
+
+    NOTE [neuron_preflight: before and after]
+    The graph is unchanged. A backward graph that kept a declined GLA site:
+
+        gla_backward = torch.ops.laplace.gla_backward.default(primals_1, ...)
+
+    gets the finding
+
+        [unlowerable-op] backward_0: node gla_backward (laplace.gla_backward.default): torch-mlir
+        cannot lower this op (...). Fix: the re-tiling pass declined this GLA site ...
+
+    in the report (this pass's `declined` list and its summary).
+    """
+
+    name = "neuron_preflight"
+
+    def __init__(self, target: HardwareTarget, graph_name: str = "", partition_budget: int | None = None) -> None:
+        self.target = target
+        self.graph_name = graph_name
+        self.partition_budget = partition_budget
+        self.findings: list[Finding] = []
+
+    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+        self.findings = check_graph(gm, self.target, self.graph_name, self.partition_budget)
+        if self.findings:
+            counts = ", ".join(f"{check} x{n}" for check, n in Counter(f.check for f in self.findings).items())
+            summary = f"{len(self.findings)} finding(s) for {self.target.name}: {counts}"
+        else:
+            summary = "no finding: nothing here that neuronx-cc or TorchNeuron is known to reject"
+        return PassOutcome(gm, modified=False, summary=summary, declined=[str(f) for f in self.findings])
+
+
+class RequireCleanPreflight(GraphPass):
+    """Stop the compile (PreflightError) when the `NeuronPreflight` run before it found anything.
+
+    NOTE [require_clean_preflight: before and after]
+    The graph is unchanged; it reaches TorchNeuron only when the preflight
+    found nothing. A separate pass, so that the preflight's findings are in
+    the report before the compile stops.
+    """
+
+    name = "require_clean_preflight"
+
+    def __init__(self, preflight: NeuronPreflight) -> None:
+        self.preflight = preflight
+
+    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+        if self.preflight.findings:
+            raise PreflightError(self.preflight.findings)
+        return PassOutcome(gm, modified=False, summary="preflight clean: the graph goes to TorchNeuron")
+
+
+def preflight_pass(config, kind: str) -> NeuronPreflight:
+    """The preflight for the graph the backend is compiling now (its newest record)."""
+    current = config.report.graphs[-1].name if config.report.graphs else kind
+    return NeuronPreflight(config.target, graph_name=current, partition_budget=config.max_graph_instructions)
+
+
+@dataclass
+class PreflightReport:
+    target: str
+    findings: list[Finding]
+    graphs: list[str]
+    report: Report
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def by_check(self, check: str) -> list[Finding]:
+        return [f for f in self.findings if f.check == check]
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "graphs": self.graphs, "findings": [asdict(f) for f in self.findings]}
+
+    def __str__(self) -> str:
+        head = f"Neuron preflight ({self.target}): {len(self.graphs)} graph(s) checked"
+        if self.ok:
+            return f"{head}, no finding"
+        return "\n".join([f"{head}, {len(self.findings)} finding(s):", *(f"  {f}" for f in self.findings)])
+
+    __repr__ = __str__
+
+
+def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", **options: Any) -> PreflightReport:
+    """Check the graphs `model_or_fn(*example_inputs)` would hand to TorchNeuron; nothing is compiled by it.
+
+    Runs once on the examples (the ATen graphs execute eagerly), forward and
+    backward when an output requires grad; `options` are the backend's
+    (chunk_size, retile_gla, ...).
+    """
+    from laplace_passes.api import inspect
+    from laplace_passes.inner import InnerCompiler
+    from laplace_passes.lowering.legalize import lowering_passes
+    from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
+
+    runs: list[NeuronPreflight] = []
+
+    def passes(config, kind: str) -> list[GraphPass]:
+        runs.append(preflight_pass(config, kind))
+        return [*lowering_passes(config, kind), runs[-1]]
+
+    def run_eagerly(gm: torch.fx.GraphModule, example_inputs: list, kind: str):
+        return make_boxed_func(gm.forward)
+
+    compiler = InnerCompiler(
+        "neuron-preflight", run_eagerly, decompositions=torch_mlir_decompositions, aten_passes=passes
+    )
+    report = inspect(model_or_fn, *example_inputs, target=target, inner=compiler, **options)
+    findings = [f for run in runs for f in run.findings]
+    return PreflightReport(report.target, findings, [run.graph_name for run in runs], report)
+
+
+__all__ = [
+    "Finding", "NeuronPreflight", "PreflightError", "PreflightReport", "RequireCleanPreflight", "check_graph",
+    "preflight",
+]

@@ -1,0 +1,232 @@
+"""ATen graph -> StableHLO with torch-mlir, and the `stablehlo` inner compiler.
+
+`lower_to_stablehlo(gm)` returns a `LoweredGraph`: the module's text, its
+inputs and outputs (shapes, dtypes) and its op counts by op name. The
+`LowerToStableHLO` pass runs it as the last ATen pass of the lowering inner
+compilers, so the report shows every graph's op count and a graph torch-mlir
+cannot lower fails at compile time, naming the op.
+
+inner="stablehlo" lowers every graph (forward, backward, inference, every
+partition) and then runs the ATen graph itself eagerly: StableHLO needs an
+executor, which is what inner="iree" adds. Use
+`laplace_passes.export_stablehlo` to write the modules to files.
+
+A graph the budget pass (laplace_passes.unroll) cut into partitions reaches
+the inner compiler partition by partition: each partition is lowered (and,
+with inner="iree", compiled) on its own; the pass's report entry is the
+whole graph's.
+
+torch-mlir's FX importer cannot return None: AOT Autograd's backward
+returns None for inputs without a gradient (token ids). Those outputs are
+left out of the module and put back by `LoweredGraph.assemble_outputs`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+
+from laplace_passes.lowering import _deps
+from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
+from laplace_passes.lowering.diagnose import LoweringError, lowering_error
+from laplace_passes.lowering.legalize import lowering_passes
+from laplace_passes.passes import GraphPass, PassOutcome
+
+# Where the lowering pass leaves its result for the inner compiler.
+LOWERED_META_KEY = "laplace_stablehlo"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output; a symbolic size is written as its symbol ("s0")."""
+
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, node: torch.fx.Node) -> TensorSpec:
+        value = node.meta["val"]
+        if not isinstance(value, torch.Tensor):  # a symbolic size passed as an input
+            return cls(node.name, (), type(value).__name__)
+        shape = tuple(s if isinstance(s, int) else str(s) for s in value.shape)
+        return cls(node.name, shape, str(value.dtype).removeprefix("torch."))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass
+class LoweredGraph:
+    """One ATen graph as a StableHLO module (function `main`)."""
+
+    text: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    # The ATen graph returns `output_count` values; the module returns the
+    # tensors among them, which go to `output_positions` (the rest are None).
+    output_positions: list[int]
+    output_count: int
+    op_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_ops(self) -> int:
+        return sum(self.op_counts.values())
+
+    def assemble_outputs(self, values) -> tuple:
+        """The module's results in the ATen graph's output order, None where it returned None."""
+        outputs = [None] * self.output_count
+        for position, value in zip(self.output_positions, values, strict=True):
+            outputs[position] = value
+        return tuple(outputs)
+
+    def summary(self) -> str:
+        top = ", ".join(f"{name.removeprefix('stablehlo.')} {n}" for name, n in _most_common(self.op_counts, 4))
+        loops = self.op_counts.get("stablehlo.while", 0)
+        calls = self.op_counts.get("stablehlo.custom_call", 0)
+        return f"{self.total_ops} StableHLO ops ({top}); {loops} while, {calls} custom_call"
+
+    def to_dict(self) -> dict:
+        return {
+            "inputs": [s.to_dict() for s in self.inputs],
+            "outputs": [s.to_dict() for s in self.outputs],
+            "op_counts": dict(sorted(self.op_counts.items())),
+            "total_ops": self.total_ops,
+        }
+
+
+def _most_common(counts: dict[str, int], n: int) -> list[tuple[str, int]]:
+    return Counter(counts).most_common(n)
+
+
+def torch_mlir_decompositions() -> dict:
+    """torch-mlir's decomposition table: what AOT Autograd applies for the lowering compilers.
+
+    It turns ops torch-mlir has no lowering for (silu_backward, addmm, ...)
+    into ones it has, the same table `torch_mlir.fx.export_and_import` uses.
+    """
+    _deps.torch_mlir_fx("decomposing ATen graphs for torch-mlir")
+    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+
+    return get_decomposition_table()
+
+
+def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> LoweredGraph:
+    """Lower `gm` with torch-mlir; raise LoweringError naming the ops it cannot lower.
+
+    `gm` itself is not changed. Nodes without a fake value (`meta["val"]`)
+    get one from FakeTensorProp over `example_inputs` first.
+    """
+    ensure_fake_values(gm, example_inputs)
+    lowering_gm, positions, count = _without_none_outputs(gm)
+    try:
+        module = import_stablehlo(lowering_gm)
+    except TorchMlirFailure as failure:
+        raise lowering_error(gm, failure.diagnostics) from failure
+    return LoweredGraph(
+        text=str(module),
+        inputs=[TensorSpec.of(n) for n in gm.graph.find_nodes(op="placeholder")],
+        outputs=[TensorSpec.of(n) for n in _output_values(lowering_gm)],
+        output_positions=positions,
+        output_count=count,
+        op_counts=count_ops(module),
+    )
+
+
+def count_ops(module) -> dict[str, int]:
+    """Operations in an MLIR module by name (`stablehlo.add`: 33, ...), nested regions included."""
+    from torch_mlir import ir
+
+    counts: Counter[str] = Counter()
+
+    def visit(op):
+        counts[op.name] += 1
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    counts.pop("builtin.module", None)
+    return dict(counts)
+
+
+def ensure_fake_values(gm: torch.fx.GraphModule, example_inputs: list | None) -> None:
+    """Give every node a `meta["val"]` (torch-mlir's importer reads shapes and dtypes there)."""
+    nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
+    if all("val" in n.meta for n in nodes):
+        return
+    if example_inputs is None:
+        missing = next(n.name for n in nodes if "val" not in n.meta)
+        raise LoweringError(f"node {missing} has no fake value (meta['val']) and no example inputs were given")
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = detect_fake_mode(example_inputs)
+    if mode is not None:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
+    else:
+        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    (values,) = gm.graph.find_nodes(op="output")[0].args
+    return list(values) if isinstance(values, (tuple, list)) else [values]
+
+
+def _without_none_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int], int]:
+    """A copy of `gm` returning only its tensor outputs, their positions, and the original count."""
+    copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    values = _output_values(copied)
+    positions = [i for i, v in enumerate(values) if v is not None]
+    for position in positions:
+        value = values[position]
+        if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+            raise LoweringError(f"output {position} ({value}) is not a tensor; StableHLO functions return tensors")
+    output = copied.graph.find_nodes(op="output")[0]
+    output.args = (tuple(values[i] for i in positions),)
+    copied.recompile()
+    return copied, positions, len(values)
+
+
+class LowerToStableHLO(GraphPass):
+    """Lower the graph with torch-mlir and keep the result for the inner compiler (graph unchanged).
+
+    NOTE [lower_to_stablehlo: before and after]
+    The FX graph is unchanged; the pass attaches its StableHLO module, e.g.
+    for `mm = aten.mm(x, w); gelu = aten.gelu(mm); return (gelu.sum(-1),)`:
+
+        func.func @main(%arg0: tensor<4x8xf32>, %arg1: tensor<8x16xf32>) -> tensor<4xf32> {
+          %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] ...
+          ... gelu as multiply / erf polynomial ...
+          %5 = stablehlo.reduce(%4 init: %cst) applies stablehlo.add across dimensions = [1] ...
+
+    Fails (LoweringError) when torch-mlir cannot lower an op, naming it.
+    """
+
+    name = "lower_to_stablehlo"
+
+    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+        lowered = lower_to_stablehlo(gm)
+        gm.meta[LOWERED_META_KEY] = lowered
+        return PassOutcome(gm, modified=False, summary=lowered.summary())
+
+
+def lowered_graph(gm: torch.fx.GraphModule, example_inputs: list) -> LoweredGraph:
+    """The lowering `LowerToStableHLO` attached to `gm`, or a new one."""
+    lowered = gm.meta.get(LOWERED_META_KEY)
+    return lowered if lowered is not None else lower_to_stablehlo(gm, example_inputs)
+
+
+def compile_stablehlo(gm: torch.fx.GraphModule, example_inputs: list, kind: str):
+    """inner="stablehlo": lower (failing here if torch-mlir cannot), then run the ATen graph eagerly."""
+    lowered_graph(gm, example_inputs)
+    return make_boxed_func(gm.forward)
+
+
+def torch_mlir_passes(config, kind: str) -> list[GraphPass]:
+    """The ATen passes of inner="stablehlo" and "iree": make the graph lowerable, then lower it."""
+    return [*lowering_passes(config, kind), LowerToStableHLO()]

@@ -1,0 +1,105 @@
+"""The budget pass: measure each ATen graph; cut one over the budget into partitions that fit.
+
+Last of the ATen passes, so it measures what the inner compiler receives.
+A graph within the budget (or a target with none) is left as it is; the
+report records its size either way. Over the budget, the graph becomes a
+driver that calls its partitions in order (NOTE [partitioned graph: before
+and after] in `split.py`), and `split.compile_graph` compiles each partition
+separately. A graph that no cut can fit (one node alone over the budget) is
+declined with that reason and compiled whole.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx
+
+from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.report import GraphRecord, PartitionRecord, SizeRecord
+from laplace_passes.unroll.partition import plan_partitions
+from laplace_passes.unroll.size import SizeModel, is_view, value_bytes
+from laplace_passes.unroll.split import split_graph
+
+# AOT Autograd names the backward graph's inputs: tangents_1, ... for the
+# gradients, primals_1, ... for forward inputs it kept (parameters, token ids:
+# memory held anyway); every other input is named after the forward node that
+# made it.
+_NOT_ACTIVATIONS = ("tangents_", "primals_")
+
+
+class FitGraphToBudget(GraphPass):
+    """Record the graph's estimated size; partition it when it is over `budget` instructions."""
+
+    name = "fit_to_budget"
+
+    def __init__(
+        self, budget: int | None, model: SizeModel, kind: str, record: GraphRecord | None = None,
+        forward_graphs: Callable[[], list[torch.fx.GraphModule]] | None = None,
+    ) -> None:
+        self.budget = budget
+        self.model = model
+        self.kind = kind
+        self.record = record
+        # The forward graphs compiled so far: a backward graph's saved inputs
+        # are named after the forward nodes that made them.
+        self.forward_graphs = forward_graphs or (lambda: [])
+
+    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+        size = self.model.measure(gm)
+        info = SizeRecord(nodes=size.nodes, instructions=size.instructions, budget=self.budget)
+        if self.kind == "backward":
+            info.saved_for_backward_bytes = saved_for_backward_bytes(gm, self.forward_graphs())
+        if self.record is not None:
+            self.record.size = info
+        against = "no budget" if self.budget is None else f"budget {self.budget:,}"
+        summary = f"{size.nodes} nodes, ~{size.instructions:,} instructions ({against})"
+        if self.budget is None or size.instructions <= self.budget:
+            return PassOutcome(gm, modified=False, summary=summary + ": fits")
+        plan = plan_partitions(gm, size.per_node, self.budget)
+        if isinstance(plan, str):
+            info.note = f"over budget, not cut: {plan}"
+            return PassOutcome(gm, modified=False, summary=summary + ": over budget", declined=[plan])
+        info.partitions = [
+            PartitionRecord(index=i, nodes=plan.nodes[i], instructions=plan.instructions[i],
+                            bytes_in=plan.bytes_in[i])
+            for i in range(plan.count)
+        ]
+        info.cut_bytes = list(plan.cut_bytes)
+        summary += f": cut into {plan.count} partitions"
+        return PassOutcome(split_graph(gm, plan), modified=True, summary=summary)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        if self.record is None or self.record.size is None or self.budget is None:
+            return
+        for part in self.record.size.partitions:
+            if part.instructions > self.budget:
+                raise RuntimeError(f"partition {part.index} has {part.instructions} instructions > budget {self.budget}")
+
+
+def saved_for_backward_bytes(gm: torch.fx.GraphModule, forward_graphs: list[torch.fx.GraphModule] = ()) -> int:
+    """Bytes of the activations a backward graph reads from its forward.
+
+    Its inputs other than gradients and forward inputs, less those its
+    forward graph made as views of its own inputs (a weight's transpose:
+    no memory of its own). Without the forward graph every such input counts.
+    """
+    saved = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith(_NOT_ACTIVATIONS)]
+    made_by = _forward_nodes({n.name for n in saved}, forward_graphs)
+    return sum(value_bytes(n) for n in saved if not _views_an_input(made_by.get(n.name)))
+
+
+def _forward_nodes(names: set[str], forward_graphs: list[torch.fx.GraphModule]) -> dict:
+    """The nodes named `names` in the (latest) forward graph, as AOT Autograd made it, that returns all of them."""
+    for forward in reversed(list(forward_graphs)):
+        returned = {n.name: n for n in forward.graph.output_node().all_input_nodes}
+        if names <= returned.keys():
+            return returned
+    return {}
+
+
+def _views_an_input(node: torch.fx.Node | None) -> bool:
+    while node is not None and node.op == "call_function" and is_view(node) and node.args:
+        node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    return node is not None and node.op == "placeholder"

@@ -1,0 +1,113 @@
+"""Expanding GLA chunk-loop ops into straight-line ATen code.
+
+NOTE [unrolling a chunk-loop op: before and after]
+Before (an AOT forward graph, T = 2048, trn2):
+
+    chunked_gla = torch.ops.laplace.chunked_gla.default(view_1, view_3, getitem_2, check_gates, None, 0.177, 128, 16)
+    getitem_3 = chunked_gla[0]
+
+After: the op's body (`chunked_forward`, or `chunked_backward` for
+`laplace::chunked_gla_backward` in the backward graph) traced with make_fx at
+these static shapes, so its loop over the 16 chunks is 16 copies of the
+state update, and copied in place of the node:
+
+    constant_pad_nd = aten.constant_pad_nd(view_1, [0, 0, 0, 0, 0, 0]) ...
+    cumsum = aten.cumsum(view_10, -2) ...
+    mul_20 = aten.mul(select_4, zeros); add_2 = aten.add(mul_20, select_5)      # chunk 0
+    ...                                                                        # chunks 1..15
+    getitem_3 = the traced output
+
+Traces are cached per signature, so the layers of a model share one trace.
+The trace runs in the host graph's fake mode, so every new node carries a
+fake value in `meta["val"]` like the rest of an AOT graph.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from laplace_passes.chunked import CHUNK_LOOP_OPS
+from laplace_passes.chunked_backward import chunked_backward
+from laplace_passes.chunked_forward import ChunkLayout, chunked_forward
+from laplace_passes.unroll.inline import getitem_users, inline_graph, provenance_of, replace_tuple_result
+
+# The body each chunk-loop op runs, and the name the report gives its loop.
+_BODIES: dict = {
+    CHUNK_LOOP_OPS[0]: ("laplace.chunked_gla", chunked_forward),
+    CHUNK_LOOP_OPS[1]: ("laplace.chunked_gla_backward", chunked_backward),
+}
+_SETTINGS = 3  # trailing (scale, chunk_size, sub_chunk_size) arguments of both ops
+
+
+def is_chunk_loop(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _BODIES
+
+
+def loop_kind(node: torch.fx.Node) -> str:
+    return _BODIES[node.target][0]
+
+
+def chunk_count(node: torch.fx.Node) -> int | str:
+    """The loop's trip count (chunks), or why it is not known statically."""
+    q = node.args[0].meta.get("val")
+    if q is None:
+        return "no shape information on q"
+    T = q.shape[1]
+    if not isinstance(T, int):
+        return f"T = {T} is dynamic; the chunk loop needs a static sequence length"
+    scale, chunk_size, sub_chunk_size = node.args[-_SETTINGS:]
+    return ChunkLayout.plan(T, chunk_size, sub_chunk_size).n_chunks
+
+
+class ChunkLoopExpander:
+    """Traces each chunk-loop op's body once per signature and inlines it."""
+
+    def __init__(self, decompositions: dict | None = None) -> None:
+        self.decompositions = decompositions or {}
+        self._traces: dict[tuple, torch.fx.GraphModule] = {}
+
+    def expand(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
+        """Replace `node` by its traced body; return a reason instead when it cannot be."""
+        if getitem_users(node) is None:
+            return "its result is used as a whole, not through indexing"
+        tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        if any("val" not in a.meta for a in tensor_args):
+            return "an input has no fake value to trace the loop body with"
+        traced = self._trace(node)
+        with gm.graph.inserting_before(node):
+            outputs = inline_graph(gm, traced, tensor_args, provenance_of(node))
+        replace_tuple_result(gm.graph, node, outputs)
+        return None
+
+    def _trace(self, node: torch.fx.Node) -> torch.fx.GraphModule:
+        fakes = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        key = (node.target, tuple(_signature(f) for f in fakes))
+        if key not in self._traces:
+            body = _bind_constants(_BODIES[node.target][1], node.args)
+            tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
+            # The inputs are the host graph's fake tensors: make_fx traces in
+            # their fake mode, with their static shapes.
+            self._traces[key] = make_fx(body, decomposition_table=self.decompositions, tracing_mode="fake")(*tensors)
+        return self._traces[key]
+
+
+def _signature(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, str(value.device))
+    return ("value", value)
+
+
+def _bind_constants(body: Callable, args: tuple) -> Callable:
+    """`body` as a function of the op's tensor arguments only (None and numbers bound)."""
+    is_tensor = [isinstance(a, torch.fx.Node) for a in args]
+    constants = [None if t else a for a, t in zip(args, is_tensor)]
+
+    def traced_body(*tensors):
+        supplied = iter(tensors)
+        return body(*(next(supplied) if t else c for t, c in zip(is_tensor, constants)))
+
+    return traced_body

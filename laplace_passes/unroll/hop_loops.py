@@ -1,0 +1,272 @@
+"""Unrolling `torch._higher_order_ops.scan` and `while_loop` with a static trip count.
+
+NOTE [unrolling scan: before and after]
+Before (Dynamo graph of `scan(combine, init, xs)` over 3 steps):
+
+    scan = torch.ops.higher_order.scan(self.scan_combine_fn_0, [init], [xs], [w])
+    carry = scan[0]; ys = scan[1]
+
+After: one copy of the combine function per step, reading xs[t]:
+
+    select = aten.select.int(xs, 0, 0); mul = child * w; c2 = mul + select; ...   # step 0
+    select_1 = aten.select.int(xs, 0, 1); ...                                    # step 1
+    select_2 = aten.select.int(xs, 0, 2); ...                                    # step 2
+    stack = aten.stack.default([y0, y1, y2])
+    carry = c2_2; ys = stack
+
+`scan(..., dim=d, reverse=True)` reaches the graph as movedim/flip around a
+scan over dim 0, so only dim 0 needs unrolling. The trip count is xs's
+length: static whenever the shape is.
+
+NOTE [unrolling while_loop: the trip count]
+`while_loop(cond, body, carried, additional)` has a static trip count when
+the values `cond` reads can be computed at compile time: the loop's control
+slice. It is found by dependence: the carried values `cond` reads, closed
+under "body output i reads carried j" (a loop counter reads only itself).
+Their initial values must be constants of the host graph (a literal, or a
+small computation with no graph input, e.g. `torch.tensor(0)`), and so must
+any additional input they read. The slice is then run concretely, cond then
+body, until cond is false: that count is the trip count. Anything the slice
+reads that is a graph input (`i < n` with `n` an argument) makes the count
+data-dependent: the loop is declined with that reason and left to run as a
+loop.
+
+Before:  while_loop = torch.ops.higher_order.while_loop(self.cond_fn_0, self.body_fn_0, (i, x), ())
+After:   five copies of body_fn_0, chained through their carried values.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from laplace_passes.unroll.inline import (
+    getitem_users,
+    inline_graph,
+    propagate_fake_value,
+    provenance_of,
+    replace_tuple_result,
+)
+
+SCAN = torch.ops.higher_order.scan
+WHILE_LOOP = torch.ops.higher_order.while_loop
+# Beyond this many trips a loop is declined: the pass itself would slow down
+# more than any graph-size budget would let the result through.
+MAX_TRIPS = 10_000
+# Constant cones larger than this are not evaluated at compile time.
+_MAX_CONSTANT_NODES = 64
+
+
+def is_hop_loop(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (SCAN, WHILE_LOOP)
+
+
+def loop_kind(node: torch.fx.Node) -> str:
+    return "scan" if node.target is SCAN else "while_loop"
+
+
+def _subgraph(gm: torch.fx.GraphModule, arg: torch.fx.Node) -> torch.fx.GraphModule:
+    return operator.attrgetter(arg.target)(gm)
+
+
+# -- scan ----------------------------------------------------------------------
+
+
+def scan_trip_count(node: torch.fx.Node, key: str) -> int | str:
+    _, _, xs, _ = node.args
+    if not xs:
+        return "scan over no inputs"
+    value = xs[0].meta.get(key) if isinstance(xs[0], torch.fx.Node) else None
+    if value is None:
+        return "no shape information on the scanned input"
+    length = value.shape[0]
+    if not isinstance(length, int):
+        return f"the scanned length {length} is dynamic"
+    if length == 0:
+        return "scan over zero steps (its outputs' shapes come only from the body)"
+    return length
+
+
+def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, key: str) -> str | None:
+    if getitem_users(node) is None:
+        return "its result is used as a whole, not through indexing"
+    combine, init, xs, additional = node.args
+    body = _subgraph(gm, combine)
+    graph, provenance = gm.graph, provenance_of(node)
+    carries, steps = list(init), []
+    with graph.inserting_before(node):
+        for t in range(trips):
+            slices = [_new_node(graph, torch.ops.aten.select.int, (x, 0, t), provenance, key) for x in xs]
+            outputs = inline_graph(gm, body, [*carries, *slices, *additional], provenance)
+            carries, ys = outputs[: len(init)], outputs[len(init):]
+            steps.append(ys)
+        stacked = [
+            _new_node(graph, torch.ops.aten.stack.default, ([step[j] for step in steps], 0), provenance, key)
+            for j in range(len(steps[0]))
+        ]
+    replace_tuple_result(graph, node, [*carries, *stacked])
+    return None
+
+
+def _new_node(graph: torch.fx.Graph, target, args: tuple, provenance: dict, key: str) -> torch.fx.Node:
+    node = graph.call_function(target, args)
+    node.meta.update(provenance)
+    propagate_fake_value(node, key)
+    return node
+
+
+# -- while_loop ------------------------------------------------------------------
+
+
+def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, dict] | str:
+    """(trip count, {carried index: concrete value per trip}) or the reason it is not static."""
+    cond_arg, body_arg, carried, additional = node.args
+    cond, body = _subgraph(gm, cond_arg), _subgraph(gm, body_arg)
+    n_carried = len(carried)
+    host_inputs = [*carried, *additional]
+
+    control = _control_slice(cond, body, n_carried)
+    constants: dict[int, Any] = {}
+    for index in sorted(control | _additional_reads(cond, body, control, n_carried)):
+        value = host_constant(host_inputs[index])
+        if isinstance(value, str):
+            what = f"carried value {index}" if index < n_carried else f"additional input {index - n_carried}"
+            name = host_inputs[index].name if isinstance(host_inputs[index], torch.fx.Node) else host_inputs[index]
+            return f"trip count is data-dependent: the loop condition reads {what} ({name}), {value}"
+        constants[index] = value
+
+    # history[i][t]: carried value i entering trip t; its last entry is the value leaving the loop.
+    values = dict(constants)
+    history: dict[int, list] = {i: [values[i]] for i in control}
+    control_outputs = [_output_values(body)[i] for i in sorted(control)]
+    for trips in range(MAX_TRIPS + 1):
+        if not bool(_evaluate(cond, values, [_output_values(cond)[0]])[0]):
+            return trips, history
+        values.update(zip(sorted(control), _evaluate(body, values, control_outputs)))
+        for i in control:
+            history[i].append(values[i])
+    return f"more than {MAX_TRIPS} trips"
+
+
+def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> str | None:
+    if getitem_users(node) is None:
+        return "its result is used as a whole, not through indexing"
+    _, body_arg, carried, additional = node.args
+    body = _subgraph(gm, body_arg)
+    graph, provenance = gm.graph, provenance_of(node)
+    current = list(carried)
+    # Python-number counters take their simulated value at every trip, so
+    # the unrolled code holds constants, not chains of integer arithmetic.
+    scalar_counters = [i for i in history if not isinstance(carried[i], torch.fx.Node)]
+    with graph.inserting_before(node):
+        for t in range(trips):
+            for i in scalar_counters:
+                current[i] = history[i][t]
+            current = inline_graph(gm, body, [*current, *additional], provenance)
+    for i in scalar_counters:
+        current[i] = history[i][trips]
+    replace_tuple_result(graph, node, current)
+    return None
+
+
+# -- dependence and concrete evaluation ------------------------------------------
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = out.args[0]
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _placeholder_reads(gm: torch.fx.GraphModule, values: list) -> set[int]:
+    """Indices of the placeholders that `values` (nodes of gm) depend on."""
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    seen, stack, reads = set(), [v for v in values if isinstance(v, torch.fx.Node)], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in index:
+            reads.add(index[node])
+        stack.extend(node.all_input_nodes)
+    return reads
+
+
+def _control_slice(cond, body, n_carried: int) -> set[int]:
+    control = {i for i in _placeholder_reads(cond, _output_values(cond)) if i < n_carried}
+    outputs = _output_values(body)
+    while True:
+        grown = control | {i for j in control for i in _placeholder_reads(body, [outputs[j]]) if i < n_carried}
+        if grown == control:
+            return control
+        control = grown
+
+
+def _additional_reads(cond, body, control: set[int], n_carried: int) -> set[int]:
+    outputs = _output_values(body)
+    reads = _placeholder_reads(cond, _output_values(cond))
+    for j in control:
+        reads |= _placeholder_reads(body, [outputs[j]])
+    return {i for i in reads if i >= n_carried}
+
+
+def host_constant(value) -> Any:
+    """The concrete value of a host-graph value computed from no input, or why it is not one."""
+    if not isinstance(value, torch.fx.Node):
+        return value
+    cone, stack = {}, [value]
+    while stack:
+        node = stack.pop()
+        if node in cone:
+            continue
+        if node.op != "call_function":
+            return "which is a graph input" if node.op == "placeholder" else f"which reads {node.op} {node.target}"
+        if _is_random(node.target):
+            return f"which is random ({node.target})"
+        cone[node] = True
+        if len(cone) > _MAX_CONSTANT_NODES:
+            return "which is computed by too large a subgraph to evaluate at compile time"
+        stack.extend(node.all_input_nodes)
+    order = [n for n in value.graph.nodes if n in cone]
+    env: dict = {}
+    with unset_fake_temporarily(), torch.no_grad():
+        for node in order:
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            env[node] = node.target(*args, **kwargs)
+    return env[value]
+
+
+def _is_random(target) -> bool:
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or "rand" in getattr(target, "__name__", "")
+
+
+def _evaluate(gm: torch.fx.GraphModule, inputs: dict[int, Any], wanted: list) -> list:
+    """Concrete values of `wanted` (nodes of gm), computing only what they read."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    env: dict = {placeholders[i]: v for i, v in inputs.items()}
+    needed, stack = set(), [w for w in wanted if isinstance(w, torch.fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    with unset_fake_temporarily(), torch.no_grad():
+        for node in gm.graph.nodes:
+            if node not in needed or node in env:
+                continue
+            if node.op == "get_attr":
+                env[node] = operator.attrgetter(node.target)(gm)
+            elif node.op == "call_function":
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = node.target(*args, **kwargs)
+            else:
+                raise RuntimeError(f"cannot evaluate {node.op} node {node.name} of a loop's control slice")
+    return [env[w] if isinstance(w, torch.fx.Node) else w for w in wanted]

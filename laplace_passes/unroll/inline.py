@@ -1,0 +1,139 @@
+"""Copying one graph into another: the mechanics every unrolling shares.
+
+A loop body (a scan's combine function, a while_loop's body, the traced
+implementation of a chunk-loop op) is a GraphModule; unrolling copies it into
+the host graph once per trip, with its placeholders bound to host values.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
+# Meta that says where a node came from. Copied from the node a loop
+# replaces onto every node it expands into, so per-layer accounting and
+# error messages still point at the user's code.
+PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "seq_nr")
+
+
+def fake_key(graph: torch.fx.Graph) -> str:
+    """Where this graph keeps fake values: AOT graphs use "val", Dynamo graphs "example_value"."""
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            return "val" if "val" in node.meta else "example_value"
+    return "val"
+
+
+def inline_graph(
+    host: torch.fx.GraphModule, body: torch.fx.GraphModule, inputs: Sequence[Any], provenance: dict
+) -> list[Any]:
+    """Copy `body` into `host` at the current insertion point; return its outputs as host values.
+
+    `inputs` bind the body's placeholders in order (host nodes or Python
+    constants). Attributes the body reads (constants, nested loop bodies)
+    are copied onto `host` under fresh names.
+    """
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"loop body takes {len(placeholders)} inputs, got {len(inputs)}")
+    value_map: dict[torch.fx.Node, Any] = dict(zip(placeholders, inputs))
+    for node in body.graph.nodes:
+        if node.op == "get_attr":
+            value_map[node] = host.graph.get_attr(copy_attribute(host, body, node.target))
+    result = host.graph.graph_copy(body.graph, value_map)
+    for old, new in value_map.items():
+        if isinstance(new, torch.fx.Node) and old.op not in ("placeholder",):
+            for key, value in provenance.items():
+                new.meta.setdefault(key, value)
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def copy_attribute(host: torch.fx.GraphModule, body: torch.fx.GraphModule, target: str) -> str:
+    """Register `body`'s attribute `target` on `host` under a fresh name; return the name."""
+    value = operator.attrgetter(target)(body)
+    stem = "_laplace_" + target.replace(".", "_").lstrip("_")
+    name, suffix = stem, 0
+    while hasattr(host, name):
+        suffix += 1
+        name = f"{stem}_{suffix}"
+    if isinstance(value, torch.nn.Module):
+        host.add_submodule(name, value)
+    elif isinstance(value, torch.Tensor):
+        host.register_buffer(name, value)
+    else:
+        setattr(host, name, value)
+    return name
+
+
+def provenance_of(node: torch.fx.Node) -> dict:
+    return {key: node.meta[key] for key in PROVENANCE_KEYS if key in node.meta}
+
+
+def propagate_fake_value(node: torch.fx.Node, key: str) -> None:
+    """Set `node.meta[key]` by running its op on its inputs' fake values.
+
+    Left unset when an input has no fake value or the inputs come from
+    different fake modes (a body traced on its own, say): shapes are then
+    read from the nodes that consume it.
+    """
+    missing = []
+
+    def to_fake(arg):
+        if isinstance(arg, torch.fx.Node):
+            if key not in arg.meta:
+                missing.append(arg)
+            return arg.meta.get(key)
+        return arg
+
+    args = torch.fx.node.map_aggregate(node.args, to_fake)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, to_fake)
+    fakes = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, FakeTensor)]
+    if missing or not fakes or len({id(f.fake_mode) for f in fakes}) != 1:
+        return
+    with fakes[0].fake_mode:
+        node.meta[key] = node.target(*args, **kwargs)
+
+
+def replace_uses(node: torch.fx.Node, value: Any) -> None:
+    """Make every user of `node` read `value` (a node or a Python constant) instead."""
+    if isinstance(value, torch.fx.Node):
+        node.replace_all_uses_with(value)
+        return
+    for user in list(node.users):
+        user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+
+
+def getitem_users(node: torch.fx.Node) -> dict[int, list[torch.fx.Node]] | None:
+    """Output index -> the getitem nodes reading it; None when the result is used whole."""
+    users: dict[int, list[torch.fx.Node]] = {}
+    for user in node.users:
+        if user.op != "call_function" or user.target is not operator.getitem:
+            return None
+        users.setdefault(user.args[1], []).append(user)
+    return users
+
+
+def replace_tuple_result(graph: torch.fx.Graph, node: torch.fx.Node, outputs: Sequence[Any]) -> None:
+    """Replace a tuple-producing node read through getitems by the values `outputs`, then erase it."""
+    for index, users in getitem_users(node).items():
+        for user in users:
+            replace_uses(user, outputs[index])
+            graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def erase_unused(nodes: list[torch.fx.Node]) -> None:
+    """Erase those of `nodes` nothing reads (newest first, so chains go too).
+
+    Only the nodes an unrolling added or orphaned: a whole-graph dead-code
+    pass could drop a user's in-place call whose result is unused.
+    """
+    for node in reversed(nodes):
+        if node.graph is not None and not node.users and not node.is_impure() and node.op != "placeholder":
+            node.graph.erase_node(node)

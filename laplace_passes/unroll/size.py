@@ -1,0 +1,151 @@
+"""How big a graph is for the target's compiler: node count and an instruction estimate.
+
+neuronx-cc refuses graphs over about 5,000,000 generated instructions
+([XTP002], DESIGN.md section 4). We cannot run it here, so each node gets an
+estimate from its shapes, in units of the target's tile, `matmul_tile` =
+(P, F) = (128 partition rows, 512 free elements) on trn2:
+
+    matmul  [.., M, K] @ [.., K, N]   batch * ceil(K / P) * ceil(M / P) * ceil(N / F)
+            (mm, bmm, addmm, baddbmm: the contraction runs over the partition
+            dimension, one P x F output tile per instruction and K-step)
+    views   view, reshape, permute, expand, slice, select, getitem, ...   0
+            (layout changes the compiler folds into its access patterns)
+    other   ceil(max(numel of inputs and output) / (P * F)), at least 1
+            (elementwise ops, reductions, copies, scans: one instruction per
+            full tile the op reads or writes)
+    loops   a scan or while_loop still in the graph counts its body once per
+            known trip (once when the trip count is unknown)
+
+Placeholders, outputs and attributes cost nothing. A node without shape
+information counts 1.
+
+Calibration: these constants are a first guess, to be fitted against
+StableHLO op counts (and neuronx-cc's own instruction counts where available)
+when the StableHLO lowering lands; `SizeModel` keeps them in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+# Ops that only change how memory is read.
+_VIEW_OPS = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
+    aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.alias, aten.detach, aten.as_strided,
+    aten.split, aten.split_with_sizes, aten.unbind, aten.diagonal, aten._reshape_alias, aten.movedim,
+    aten.view_as, aten.expand_as, aten.unflatten, aten.flatten, aten.lift_fresh,
+}
+_MATMUL_OPS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul}
+_LOOP_OPS = (torch.ops.higher_order.scan, torch.ops.higher_order.while_loop)
+
+
+@dataclass(frozen=True)
+class SizeModel:
+    """Instruction estimate per node; see the module docstring for the formula."""
+
+    partition_rows: int = 128  # P
+    free_elements: int = 512  # F
+
+    @classmethod
+    def for_target(cls, target) -> SizeModel:
+        rows, free = target.matmul_tile
+        return cls(partition_rows=rows, free_elements=free)
+
+    @property
+    def tile_elements(self) -> int:
+        return self.partition_rows * self.free_elements
+
+    def node_instructions(self, node: torch.fx.Node) -> int:
+        if node.op != "call_function" or node.target is operator.getitem:
+            return 0
+        if node.target in _LOOP_OPS:
+            return self._loop_instructions(node)
+        if is_view(node):
+            return 0
+        if getattr(node.target, "overloadpacket", None) in _MATMUL_OPS:
+            estimate = self._matmul_instructions(node)
+            if estimate is not None:
+                return estimate
+        numels = [_numel(v) for v in _tensor_values(node)]
+        numels = [n for n in numels if n is not None]
+        if not numels:
+            return 1
+        return max(1, math.ceil(max(numels) / self.tile_elements))
+
+    def measure(self, gm: torch.fx.GraphModule) -> GraphSize:
+        per_node = {node: self.node_instructions(node) for node in gm.graph.nodes}
+        return GraphSize(nodes=len(per_node), instructions=sum(per_node.values()), per_node=per_node)
+
+    def _matmul_instructions(self, node: torch.fx.Node) -> int | None:
+        args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args]
+        # addmm / baddbmm carry the bias first.
+        a, b = (args[1], args[2]) if node.target.overloadpacket in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+            return None
+        *batch, M, K = a.shape
+        N = b.shape[-1]
+        P, F = self.partition_rows, self.free_elements
+        return max(1, math.prod(batch)) * math.ceil(K / P) * math.ceil(M / P) * math.ceil(N / F)
+
+    def _loop_instructions(self, node: torch.fx.Node) -> int:
+        gm = node.graph.owning_module
+        body_arg = node.args[0] if node.target is _LOOP_OPS[0] else node.args[1]
+        body = operator.attrgetter(body_arg.target)(gm)
+        per_trip = self.measure(body).instructions
+        trips = 1
+        if node.target is _LOOP_OPS[0]:
+            xs = node.args[2]
+            length = _shape(xs[0])[0] if xs and _shape(xs[0]) else 1
+            trips = length if isinstance(length, int) else 1
+        return per_trip * trips
+
+
+@dataclass
+class GraphSize:
+    nodes: int
+    instructions: int
+    per_node: dict = field(repr=False)  # torch.fx.Node -> instructions
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """An op that only changes how memory is read (no instructions, no memory of its own)."""
+    return getattr(node.target, "overloadpacket", None) in _VIEW_OPS
+
+
+def value_bytes(node: torch.fx.Node) -> int:
+    """Bytes of the tensors a node produces (0 when unknown or not a tensor)."""
+    total = 0
+    for value in _as_list(node.meta.get("val", node.meta.get("example_value"))):
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _tensor_values(node: torch.fx.Node) -> list:
+    values = _as_list(node.meta.get("val"))
+    for arg in node.all_input_nodes:
+        values += _as_list(arg.meta.get("val"))
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _as_list(value) -> list:
+    if isinstance(value, (tuple, list)):
+        return [x for item in value for x in _as_list(item)]
+    return [value] if value is not None else []
+
+
+def _numel(value: torch.Tensor) -> int | None:
+    numel = value.numel()
+    return numel if isinstance(numel, int) else None
+
+
+def _shape(node) -> tuple | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None

@@ -1,0 +1,122 @@
+"""A partitioned graph: a driver graph that calls each partition in order.
+
+NOTE [partitioned graph: before and after]
+Before (an ATen backward graph over the budget):
+
+    def forward(self, primals_2, view_1, ..., tangents_1):
+        ... 9,000 nodes ...
+        return (None, grad_1, ..., grad_31)
+
+After (two partitions; each a GraphModule that returns a tuple):
+
+    def forward(self, primals_2, view_1, ..., tangents_1):
+        laplace_partition_0 = self.laplace_partition_0(view_1, ..., tangents_1)
+        getitem = laplace_partition_0[0]; ...          # values the later partitions read
+        laplace_partition_1 = self.laplace_partition_1(primals_2, getitem, ...)
+        getitem_7 = laplace_partition_1[0]; ...
+        return (None, getitem_7, ..., getitem_3)
+
+`compile_graph` hands each partition to the inner compiler separately and
+installs the compiled callables in the driver, which then runs them in
+order: the same ATen ops in the same order as the uncut graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+
+from laplace_passes.unroll.partition import PartitionPlan
+
+PARTITION_PREFIX = "laplace_partition_"
+
+
+def split_graph(gm: torch.fx.GraphModule, plan: PartitionPlan) -> torch.fx.GraphModule:
+    """The driver GraphModule for `plan`; `gm` is left unchanged."""
+    members: list[list[torch.fx.Node]] = [[] for _ in range(plan.count)]
+    for node in gm.graph.nodes:
+        if node in plan.part_of:
+            members[plan.part_of[node]].append(node)
+    output = gm.graph.output_node()
+
+    driver = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = driver.node_copy(node)
+    modules: dict[str, torch.nn.Module] = {}
+    for index, nodes in enumerate(members):
+        part, inputs, outputs = _partition_graph(gm, nodes, index, plan, output)
+        name = f"{PARTITION_PREFIX}{index}"
+        modules[name] = part
+        call = driver.call_module(name, tuple(env[x] for x in inputs))
+        call.meta["laplace_partition"] = index
+        for position, value in enumerate(outputs):
+            item = driver.call_function(operator.getitem, (call, position))
+            item.meta = {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "example_value")}
+            env[value] = item
+    for node in gm.graph.nodes:  # attributes the output returns directly
+        if node.op == "get_attr" and output in node.users:
+            env[node] = driver.get_attr(node.target)
+            modules[node.target] = operator.attrgetter(node.target)(gm)
+    driver.output(torch.fx.node.map_arg(output.args[0], env.__getitem__))
+    return torch.fx.GraphModule(modules, driver, class_name="PartitionedGraph")
+
+
+def _partition_graph(gm, nodes: list, index: int, plan: PartitionPlan, output: torch.fx.Node):
+    """One partition as a GraphModule; the outside values it reads and the values it returns."""
+    graph = torch.fx.Graph()
+    local: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs: list[torch.fx.Node] = []
+    for node in nodes:
+        for value in node.all_input_nodes:
+            if value in local:
+                continue
+            if value.op == "get_attr":
+                local[value] = graph.node_copy(value)
+            else:  # a graph input, or a value of an earlier partition
+                local[value] = graph.placeholder(value.name)
+                local[value].meta = dict(value.meta)
+                inputs.append(value)
+        local[node] = graph.node_copy(node, local.__getitem__)
+    outputs = [n for n in nodes if _read_later(n, index, plan, output)]
+    graph.output(tuple(local[n] for n in outputs))
+    return torch.fx.GraphModule(gm, graph, class_name=f"Partition{index}"), inputs, outputs
+
+
+def _read_later(node: torch.fx.Node, index: int, plan: PartitionPlan, output: torch.fx.Node) -> bool:
+    return any(user is output or plan.part_of.get(user, index) > index for user in node.users)
+
+
+def partition_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(n.target, str) and n.target.startswith(PARTITION_PREFIX)
+    ]
+
+
+class CompiledPartition(torch.nn.Module):
+    """What the driver calls in place of a partition: its compiled (boxed) function."""
+
+    def __init__(self, compiled: Callable) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args):
+        return self.compiled(list(args))
+
+
+def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+    """Compile `gm` with the inner compiler; a partitioned graph partition by partition."""
+    calls = partition_calls(gm)
+    if not calls:
+        return inner.compile(gm, example_inputs, kind)
+    for call in calls:
+        part = gm.get_submodule(call.target)
+        examples = [n.meta.get("val") for n in part.graph.nodes if n.op == "placeholder"]
+        setattr(gm, call.target, CompiledPartition(inner.compile(part, examples, kind)))
+    return make_boxed_func(gm.forward)

@@ -1,0 +1,126 @@
+"""The unroll pass: every sequential loop with a static trip count becomes straight-line code.
+
+Runs twice in the pipeline (`laplace_passes.pipeline`):
+  * on the Dynamo graph, for user `scan` / `while_loop` (before AOT Autograd,
+    which cannot differentiate a scan in torch 2.13: "scan might be aliasing
+    the input or the output!");
+  * on every ATen graph, for the GLA chunk-loop ops AOT Autograd placed there
+    (`laplace::chunked_gla` forward, `laplace::chunked_gla_backward` backward)
+    and any scan / while_loop still present.
+See `chunk_loops` and `hop_loops` for each loop's graph before and after.
+
+A loop whose trip count is not static (a while_loop bounded by an input, a
+dynamic shape) is declined with the reason and left as it is: it still runs,
+as a loop. Loops nested in a body are reached once the outer loop is inlined.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.report import GraphRecord, LoopRecord
+from laplace_passes.unroll import chunk_loops, hop_loops
+from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
+from laplace_passes.unroll.inline import erase_unused, fake_key
+
+LEVELS = ("dynamo", "aten")
+
+
+class UnrollLoops(GraphPass):
+    """Unroll scan / while_loop (and, on ATen graphs, GLA chunk-loop ops) with static trip counts."""
+
+    name = "unroll_loops"
+
+    def __init__(self, level: str, record: GraphRecord | None = None, decompositions: dict | None = None) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        self.level = level
+        self.record = record
+        self.chunk_loops = ChunkLoopExpander(decompositions)
+
+    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+        records: list[LoopRecord] = []
+        declined_nodes: set[torch.fx.Node] = set()
+        while True:  # inlining a body can bring nested loops into the graph
+            pending = [n for n in gm.graph.nodes if self._is_loop(n) and n not in declined_nodes]
+            if not pending:
+                break
+            for node in pending:
+                before = set(gm.graph.nodes)
+                bodies = [a for a in node.all_input_nodes if a.op == "get_attr"]
+                record = self._unroll(gm, node)
+                records.append(record)
+                if record.status == "declined":
+                    declined_nodes.add(node)
+                else:
+                    erase_unused([n for n in gm.graph.nodes if n not in before] + bodies)
+        unrolled = [r for r in records if r.status == "unrolled"]
+        if unrolled:
+            gm.delete_all_unused_submodules()
+        if self.record is not None:
+            self.record.loops.extend(records)
+        declined = [f"{r.node} ({r.kind}): {r.reason}" for r in records if r.status == "declined"]
+        return PassOutcome(gm, modified=bool(unrolled), summary=_summary(records), declined=declined)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        # Only declined loops may remain; anything else means a rewrite was skipped.
+        if self.record is None:
+            return
+        declined = {r.node for r in self.record.loops if r.status == "declined"}
+        left = [n.name for n in gm.graph.nodes if self._is_loop(n) and n.name not in declined]
+        if left:
+            raise RuntimeError(f"unroll_loops left loops it did not decline: {left}")
+
+    def _is_loop(self, node: torch.fx.Node) -> bool:
+        return hop_loops.is_hop_loop(node) or (self.level == "aten" and chunk_loops.is_chunk_loop(node))
+
+    def _unroll(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> LoopRecord:
+        if chunk_loops.is_chunk_loop(node):
+            kind, trips = chunk_loops.loop_kind(node), chunk_loops.chunk_count(node)
+            record = LoopRecord(node=node.name, kind=kind, trip_count=None, status="declined")
+            if isinstance(trips, str):
+                record.reason = trips
+                return record
+            record.trip_count = trips
+            return _finish(record, self.chunk_loops.expand(gm, node))
+        kind = hop_loops.loop_kind(node)
+        record = LoopRecord(node=node.name, kind=kind, trip_count=None, status="declined")
+        if kind == "scan":
+            trips = hop_loops.scan_trip_count(node, fake_key(gm.graph))
+            if isinstance(trips, str):
+                record.reason = trips
+                return record
+            record.trip_count = trips
+            return _finish(record, hop_loops.unroll_scan(gm, node, trips, fake_key(gm.graph)))
+        counted = hop_loops.while_trip_count(gm, node)
+        if isinstance(counted, str):
+            record.reason = counted
+            return record
+        record.trip_count, history = counted
+        return _finish(record, hop_loops.unroll_while(gm, node, record.trip_count, history))
+
+
+def _finish(record: LoopRecord, reason: str | None) -> LoopRecord:
+    if reason is None:
+        record.status = "unrolled"
+    else:
+        record.reason = reason
+    return record
+
+
+def _summary(records: list[LoopRecord]) -> str:
+    """e.g. 'unrolled 2 loops (2 x laplace.chunked_gla, 16 trips); declined 1'."""
+    if not records:
+        return "no sequential loop"
+    groups: dict[tuple, int] = {}
+    for r in records:
+        if r.status == "unrolled":
+            groups[(r.kind, r.trip_count)] = groups.get((r.kind, r.trip_count), 0) + 1
+    unrolled = sum(groups.values())
+    text = f"unrolled {unrolled} loop{'' if unrolled == 1 else 's'}"
+    if groups:
+        text += " (" + ", ".join(f"{n} x {kind}, {trips} trips" for (kind, trips), n in groups.items()) + ")"
+    declined = len(records) - unrolled
+    return text + (f"; declined {declined}" if declined else "")

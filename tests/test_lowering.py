@@ -1,0 +1,455 @@
+"""Lowering: StableHLO export, execution through IREE on the CPU, the hand-off to TorchNeuron.
+
+The IREE tests run the tiny GLA model's forward and backward ATen graphs as
+StableHLO compiled by IREE and compare with eager PyTorch (the token-by-token
+recurrence): outputs, gradients and one optimizer step.
+"""
+
+import copy
+import json
+import re
+import sys
+import types
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
+
+import laplace_passes
+import model_zoo
+from laplace_passes.lowering import _deps, neuron
+from laplace_passes.lowering.diagnose import LoweringError
+from laplace_passes.lowering.legalize import BoundSliceScatter, ClampGateChecks, DiagonalAsStridedSlice
+from laplace_passes.lowering.neuron import NO_FALLBACK_ENV, NeuronUnavailableError, neuron_compiler, neuronx_cc_command
+from laplace_passes.lowering.stablehlo import lower_to_stablehlo, torch_mlir_decompositions
+
+for module in ("torch_mlir", "iree.compiler", "iree.runtime"):
+    pytest.importorskip(module, reason="the lowering extra: pip install -e '.[lowering]'")
+
+# fp32 throughout; the lowered graph only reorders sums.
+MAX_RELATIVE_RMSE = 1e-4
+# Small enough that the budget pass cuts a 64-token GLA call into a few partitions.
+PARTITION_BUDGET = 40
+
+
+def relative_rmse(got: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return ((got.double() - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item()
+
+
+def tokens(T, seed=0):
+    return torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_of(logits, ids):
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def logits_and_grads(model, ids, run=None):
+    model.zero_grad(set_to_none=True)
+    logits = (run if run is not None else model)(ids)
+    loss_of(logits, ids).backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_matches_eager(model, compiled, ids):
+    expected_logits, expected_grads = logits_and_grads(model, ids)
+    logits, grads = logits_and_grads(model, ids, compiled)
+    assert relative_rmse(logits, expected_logits) <= MAX_RELATIVE_RMSE
+    errors = {name: relative_rmse(grads[name], expected_grads[name]) for name in expected_grads}
+    assert max(errors.values()) <= MAX_RELATIVE_RMSE, errors
+
+
+def assert_report_shows_lowering(report):
+    assert report.inner == "iree"
+    lowered = [p for p in report.passes if p.name == "lower_to_stablehlo"]
+    assert [p.graph for p in lowered] == ["forward_0", "backward_0"]
+    assert all(re.fullmatch(r"\d+ StableHLO ops \(.*\); 0 while, 0 custom_call", p.summary) for p in lowered)
+
+
+@pytest.fixture(scope="module")
+def iree_tiny_256():
+    """The tiny model and its inner="iree" compile at T=256 (IREE compiles once per module)."""
+    torch.manual_seed(0)
+    model = model_zoo.build("tiny")
+    return model, laplace_passes.compile(model, target="trn2", inner="iree")
+
+
+def test_iree_matches_eager_at_256_tokens(iree_tiny_256):
+    model, compiled = iree_tiny_256
+    assert_matches_eager(model, compiled, tokens(256))
+    assert_report_shows_lowering(compiled.laplace_report)
+
+
+def test_iree_matches_eager_at_2048_tokens():
+    torch.manual_seed(1)
+    model = model_zoo.build("tiny")
+    compiled = laplace_passes.compile(model, target="trn2", inner="iree")
+    assert_matches_eager(model, compiled, tokens(2048, seed=1))
+    assert_report_shows_lowering(compiled.laplace_report)
+    assert [s.plan["n_chunks"] for s in compiled.laplace_report.sites] == [16, 16]
+
+
+def test_one_training_step_through_iree_equals_one_eager_step(iree_tiny_256):
+    model, compiled = iree_tiny_256
+    reference = copy.deepcopy(model)
+    ids = tokens(256, seed=2)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def step(module, run):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(run(ids), ids)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    iree_loss, eager_loss = step(model, compiled), step(reference, reference)
+    assert relative_rmse(iree_loss, eager_loss) <= MAX_RELATIVE_RMSE
+    for name, p in reference.named_parameters():
+        eager_update = p.detach() - before[name]
+        iree_update = dict(model.named_parameters())[name].detach() - before[name]
+        assert eager_update.abs().max() > 0, name  # every parameter trains
+        assert relative_rmse(iree_update, eager_update) <= MAX_RELATIVE_RMSE, name
+
+
+def test_positive_gates_are_clamped_in_lowered_graphs():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 64, 2, 8, generator=gen) for _ in range(3))
+    gk = torch.randn(1, 64, 2, 8, generator=gen)  # about half positive: invalid gates
+
+    def attention(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    with pytest.raises(ValueError, match="gk must be <= 0 everywhere"):
+        attention(q, k, v, gk)  # eagerly refused
+    compiled = laplace_passes.compile(attention, target="cpu", inner="iree")
+    with torch.no_grad():
+        got = compiled(q, k, v, gk)
+    expected = attention(q, k, v, gk.clamp(max=0))
+    assert relative_rmse(got, expected) <= MAX_RELATIVE_RMSE
+    (clamp,) = [p for p in compiled.laplace_report.passes if p.name == "clamp_gate_checks"]
+    assert clamp.modified and clamp.summary.startswith("1 gate check(s) replaced by clamp(max=0)")
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    torch.manual_seed(0)
+    out_dir = tmp_path_factory.mktemp("stablehlo")
+    return laplace_passes.export_stablehlo(model_zoo.build("tiny"), tokens(256), target="trn2", out_dir=out_dir)
+
+
+def parse_with_iree(path):
+    """The exported file parsed by IREE's own MLIR (not torch-mlir's, which wrote it)."""
+    from iree.compiler import ir
+
+    return ir.Module.parse(path.read_text(), ir.Context())
+
+
+def test_export_writes_one_file_per_graph_and_a_manifest(exported):
+    manifest = json.loads((exported.out_dir / "manifest.json").read_text())
+    assert manifest == exported.manifest
+    assert [(g["name"], g["kind"], g["file"]) for g in manifest["graphs"]] == [
+        ("forward_0", "forward", "forward_0.mlir"), ("backward_0", "backward", "backward_0.mlir"),
+    ]
+    assert sorted(p.name for p in exported.out_dir.iterdir()) == ["backward_0.mlir", "forward_0.mlir", "manifest.json"]
+    assert manifest["target"] == "trn2" and manifest["versions"]["torch-mlir"] == "20261001"
+    assert "clamp(gk, max=0)" in manifest["notes"][0]
+    assert manifest["graphs"][0]["neuronx_cc"] == (
+        "neuronx-cc compile --framework XLA forward_0.mlir --target trn2 --lnc 2 --model-type transformer "
+        "-O2 --output forward_0.neff"
+    )
+
+
+def test_exported_stablehlo_has_no_while_and_no_gla_custom_call(exported):
+    for entry in exported.manifest["graphs"]:
+        text = exported.path(entry["name"]).read_text()
+        FileCheck().check("func.func @main").check("stablehlo.dot_general").run(text)
+        FileCheck().check_not("stablehlo.while").run(text)
+        FileCheck().check_not("custom_call").run(text)
+        FileCheck().check_not("gla").run(text)
+
+
+def test_manifest_op_counts_match_the_files(exported):
+    for entry in exported.manifest["graphs"]:
+        generic = parse_with_iree(exported.path(entry["name"])).operation.get_asm(print_generic_op_form=True)
+        counts = Counter(re.findall(r'"([a-z_]+\.[a-z_0-9.]+)"\(', generic))
+        del counts["builtin.module"]
+        assert entry["op_counts"] == dict(sorted(counts.items()))
+        assert entry["total_ops"] == sum(counts.values())
+        assert counts["stablehlo.dot_general"] > 0 and "stablehlo.while" not in counts
+
+
+def test_manifest_inputs_and_outputs_match_the_files_and_graphs(exported):
+    from iree.compiler import ir
+
+    element = {"f32": "float32", "i64": "int64", "i1": "bool"}
+    for entry in exported.manifest["graphs"]:
+        module = parse_with_iree(exported.path(entry["name"]))
+        (main,) = [op for op in module.body.operations if op.operation.name == "func.func"]
+        signature = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        for specs, types_ in ((entry["inputs"], signature.inputs), (entry["outputs"], signature.results)):
+            files = [(list(ir.RankedTensorType(t).shape), element[str(ir.RankedTensorType(t).element_type)])
+                     for t in types_]
+            assert files == [(s["shape"], s["dtype"]) for s in specs]
+        graph = exported.report.graph("after", entry["name"])
+        assert [s["name"] for s in entry["inputs"]] == [n.name for n in graph.graph.find_nodes(op="placeholder")]
+    forward_inputs = exported.manifest["graphs"][0]["inputs"]
+    assert {"name": "primals_2", "shape": [1, 256], "dtype": "int64"} in forward_inputs  # the token ids
+
+
+def test_export_writes_every_partition_of_a_graph_over_the_budget(tmp_path):
+    torch.manual_seed(0)
+    exported = laplace_passes.export_stablehlo(
+        model_zoo.build("tiny"), tokens(256), target="trn2", out_dir=tmp_path, max_graph_instructions=800
+    )
+    expected = []
+    for record in exported.report.graphs[1:]:
+        parts = record.size.partitions
+        expected += [f"{record.name}_partition_{p.index}" for p in parts] if parts else [record.name]
+    assert [g["name"] for g in exported.manifest["graphs"]] == expected
+    assert len(expected) > 2 and "forward_0" in expected  # the forward fits, the backward is cut
+    for entry in exported.manifest["graphs"]:
+        text = exported.path(entry["name"]).read_text()
+        FileCheck().check("func.func @main").check_not("stablehlo.while").run(text)
+        assert entry["total_ops"] == sum(entry["op_counts"].values()) > 0
+
+
+def test_iree_runs_a_graph_cut_into_partitions():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, gk = (torch.randn(1, 64, 2, 8, generator=gen) for _ in range(4))
+
+    def attention(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, F.logsigmoid(gk))[0]
+
+    compiled = laplace_passes.compile(attention, target="cpu", inner="iree", max_graph_instructions=PARTITION_BUDGET)
+    with torch.no_grad():
+        got = compiled(q, k, v, gk)
+    assert relative_rmse(got, attention(q, k, v, gk)) <= MAX_RELATIVE_RMSE
+    (record,) = [g for g in compiled.laplace_report.graphs if g.kind == "inference"]
+    assert len(record.size.partitions) >= 2
+
+
+def test_lowering_error_names_the_op():
+    q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
+
+    def attention(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    compiled = laplace_passes.compile(attention, inner="stablehlo", retile_gla=False)
+    with pytest.raises(Exception, match=r"torch-mlir cannot lower 1 node\(s\): node gla \(laplace\.gla\.default\)"):
+        compiled(q, k, v, -gk.abs())
+
+
+def test_missing_lowering_package_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_mlir.fx", None)
+    with pytest.raises(_deps.LoweringDependencyError) as error:
+        torch_mlir_decompositions()
+    message = str(error.value)
+    assert message.startswith("decomposing ATen graphs for torch-mlir needs the package 'torch-mlir'")
+    assert 'pip install "laplace_passes[lowering]"' in message and "torch-mlir==20261001" in message
+
+
+# -- the legalization passes ----------------------------------------------------------------------
+
+INT64_MAX = 2**63 - 1
+
+
+def test_bound_slice_scatter_writes_static_bounds():
+    def scatter_last_row(base, row):
+        return torch.ops.aten.slice_scatter.default(base, row, 3, -1, INT64_MAX)
+
+    base, row = torch.zeros(1, 2, 3, 16, 4), torch.randn(1, 2, 3, 1, 4)
+    gm = make_fx(scatter_last_row, tracing_mode="fake")(base, row)
+    outcome = BoundSliceScatter()(gm)
+    gm.graph.lint()
+    gm.recompile()
+    assert outcome.modified and outcome.summary == "1 slice_scatter bound(s) made static"
+    FileCheck().check("slice_scatter.default(base_1, row_1, 3, 15, 16, 1)").run(gm.code)
+    torch.testing.assert_close(gm(base, row), scatter_last_row(base, row), rtol=0, atol=0)
+    # torch-mlir lowers it now (before, it ran out of memory materialising the INT64_MAX end).
+    assert lower_to_stablehlo(gm).op_counts["stablehlo.scatter"] == 1
+
+
+def test_bound_slice_scatter_declines_symbolic_sizes():
+    gm = make_fx(lambda base, row: torch.ops.aten.slice_scatter.default(base, row, 0, 1), tracing_mode="symbolic")(
+        torch.zeros(6, 4), torch.randn(5, 4)
+    )
+    outcome = BoundSliceScatter()(gm)
+    assert not outcome.modified
+    (reason,) = outcome.declined
+    assert re.fullmatch(r"slice_scatter: dimension 0 has symbolic size s\d+; torch-mlir needs static bounds", reason)
+
+
+@pytest.mark.parametrize("offset, dim1, dim2", [(0, -4, -2), (2, 1, 3), (-3, 3, 2), (9, 2, 3)])
+def test_diagonal_becomes_a_strided_slice_torch_mlir_lowers(offset, dim1, dim2):
+    def diagonal(x):
+        return torch.ops.aten.diagonal.default(x, offset, dim1, dim2) * 2
+
+    x = torch.randn(2, 8, 5, 7, 3)
+    gm = make_fx(diagonal, tracing_mode="fake")(x)
+    with pytest.raises(LoweringError, match=r"node diagonal \(aten\.diagonal\.default\)"):
+        lower_to_stablehlo(gm)
+    outcome = DiagonalAsStridedSlice()(gm)
+    gm.graph.lint()
+    gm.recompile()
+    assert outcome.summary == "1 diagonal(s) rewritten as strided slices"
+    FileCheck().check_not("aten.diagonal").check("aten.permute.default").check("aten.clone.default") \
+        .check("aten.view.default").check("aten.slice.Tensor(diagonal_flat, -1").run(gm.code)
+    torch.testing.assert_close(gm(x), diagonal(x), rtol=0, atol=0)
+    assert lower_to_stablehlo(gm).total_ops > 0
+
+
+def test_clamp_gate_checks_replaces_the_python_check():
+    from laplace_passes.gla import check_gates
+
+    gm = make_fx(lambda gk: check_gates(gk) * 2, tracing_mode="fake")(torch.randn(3, 4))
+    FileCheck().check("laplace.check_gates.default(gk_1)").run(gm.code)
+    outcome = ClampGateChecks()(gm)
+    gm.graph.lint()
+    gm.recompile()
+    assert outcome.modified
+    FileCheck().check_not("check_gates").check("aten.clamp.default(gk_1, None, 0.0)").run(gm.code)
+    gates = torch.tensor([[-1.0, 0.0, 2.0, -3.0]])
+    torch.testing.assert_close(gm(gates), torch.tensor([[-2.0, 0.0, 0.0, -6.0]]))
+
+
+# -- TorchNeuron ----------------------------------------------------------------------------------
+
+
+def gla_loss(q, k, v, gk):
+    return laplace_passes.gla(q, k, v, F.logsigmoid(gk))[0].square().sum()
+
+
+def gla_inputs():
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randn(1, 40, 2, 8, generator=gen, requires_grad=True) for _ in range(4)]
+
+
+def test_neuron_without_torch_neuronx_says_what_to_install_and_where():
+    if _importable("torch_neuronx"):
+        pytest.skip("torch-neuronx is installed here")
+    with pytest.raises(NeuronUnavailableError) as direct:
+        neuron.resolve_torch_neuronx()
+    message = str(direct.value)
+    for phrase in (
+        "inner='neuron' hands the ATen graphs to TorchNeuron (the torch-neuronx package), which is not "
+        "installed here (No module named 'torch_neuronx')",
+        "the AWS Neuron SDK's own pip repository",
+        "run on Trainium instances (trn1, trn2)",
+        "inner='stablehlo' or inner='iree', laplace_passes.export_stablehlo(...) and laplace_passes.preflight(...)",
+        "laplace_passes never falls back to another compiler",
+    ):
+        assert phrase in message
+    compiled = laplace_passes.compile(gla_loss, inner="neuron")
+    with pytest.raises(Exception, match=re.escape("which is not installed here (No module named 'torch_neuronx')")):
+        compiled(*gla_inputs())
+
+
+def _importable(name):
+    try:
+        __import__(name)
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.fixture
+def fake_torch_neuronx(monkeypatch):
+    """torch-neuronx's two entry points, recording what they are handed (the real one needs Trainium)."""
+    handed = []
+
+    def neuron_backend_fx_compiler(gm, example_inputs, pre_processing_analysis_info=None, options=None):
+        handed.append((gm, options))
+        return make_boxed_func(gm.forward)
+
+    modules = {
+        "torch_neuronx": types.ModuleType("torch_neuronx"),
+        "torch_neuronx.neuron_dynamo_backend": types.ModuleType("torch_neuronx.neuron_dynamo_backend"),
+        "torch_neuronx.neuron_dynamo_backend.backend": types.SimpleNamespace(
+            neuron_backend_fx_compiler=neuron_backend_fx_compiler),
+        "torch_neuronx.neuron_dynamo_backend.decompositions": types.SimpleNamespace(
+            get_compile_decomposition_table=torch_mlir_decompositions),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv(NO_FALLBACK_ENV, "unset")
+    monkeypatch.delenv(NO_FALLBACK_ENV)
+    return handed
+
+
+def test_neuron_gets_each_aten_graph_after_the_preflight(fake_torch_neuronx):
+    inputs = gla_inputs()
+    expected = gla_loss(*inputs)
+    expected_grads = torch.autograd.grad(expected, inputs)
+    compiled = laplace_passes.compile(gla_loss, target="trn2", inner=neuron_compiler({"model_name": "gla"}))
+    got = compiled(*inputs)
+    grads = torch.autograd.grad(got, inputs)
+    assert relative_rmse(got, expected) <= MAX_RELATIVE_RMSE
+    assert max(relative_rmse(g, e) for g, e in zip(grads, expected_grads, strict=True)) <= MAX_RELATIVE_RMSE
+
+    assert [options for _, options in fake_torch_neuronx] == [{"model_name": "gla", "dynamic": False}] * 2
+    for gm, _ in fake_torch_neuronx:
+        FileCheck().check_not("laplace.check_gates").check_not("laplace.gla").run(gm.code)
+    report = compiled.laplace_report
+    preflight_runs = [(p.name, p.graph, p.summary.split(":")[0]) for p in report.passes if "preflight" in p.name]
+    assert preflight_runs == [
+        ("neuron_preflight", "forward_0", "no finding"), ("require_clean_preflight", "forward_0", "preflight clean"),
+        ("neuron_preflight", "backward_0", "no finding"), ("require_clean_preflight", "backward_0", "preflight clean"),
+    ]
+    import os
+
+    assert os.environ[NO_FALLBACK_ENV] == "1"  # TorchNeuron may not fall back to eager execution
+
+
+def test_preflight_findings_stop_the_hand_off(fake_torch_neuronx):
+    def in_double(x):
+        return (x.double() * 2).sum()
+
+    compiled = laplace_passes.compile(in_double, inner="neuron")
+    stopped = r"Neuron preflight: 1 finding\(s\)(.|\n)*\[f64\] inference_0: node convert_element_type \(prims"
+    with pytest.raises(Exception, match=stopped):
+        compiled(torch.randn(4))
+    assert fake_torch_neuronx == []  # nothing reached TorchNeuron
+    report = laplace_passes.last_report()
+    (run,) = [p for p in report.passes if p.name == "neuron_preflight"]
+    assert run.summary == "1 finding(s) for trn2: f64 x1" and run.declined[0].startswith("[f64] inference_0")
+    lenient = laplace_passes.compile(in_double, inner=neuron_compiler(strict_preflight=False))
+    assert lenient(torch.ones(4)) == 8.0
+    assert len(fake_torch_neuronx) == 1
+
+
+def test_neuron_entry_point_missing_is_named(fake_torch_neuronx, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_neuronx.neuron_dynamo_backend.backend", types.SimpleNamespace())
+    with pytest.raises(NeuronUnavailableError, match=(
+        r"torch-neuronx unknown version is installed but has no "
+        r"torch_neuronx\.neuron_dynamo_backend\.backend\.neuron_backend_fx_compiler"
+    )):
+        neuron.resolve_torch_neuronx()
+
+
+def test_neuron_options_keep_its_constraints():
+    static_only = r"TorchNeuron compiles static shapes only: options\['dynamic'\] must be False"
+    with pytest.raises(ValueError, match=static_only):
+        neuron_compiler({"dynamic": True})
+    with pytest.raises(ValueError, match="TorchNeuron supports mode='default' only, got mode='max-autotune'"):
+        neuron_compiler({"mode": "max-autotune"})
+
+
+def test_neuronx_cc_command_line():
+    assert neuronx_cc_command("out/backward_0.mlir") == [
+        "neuronx-cc", "compile", "--framework", "XLA", "out/backward_0.mlir", "--target", "trn2",
+        "--lnc", "2", "--model-type", "transformer", "-O2", "--output", "out/backward_0.neff",
+    ]
+    assert neuronx_cc_command("g.mlir", output="g.neff", extra_flags=("--verbose", "info"))[-4:] == [
+        "--verbose", "info", "--output", "g.neff",
+    ]
+    with pytest.raises(ValueError, match=r"neuronx-cc compiles for Trainium targets \('trn1', 'trn2'\), not 'cpu'"):
+        neuronx_cc_command("g.mlir", target="cpu")

@@ -1,0 +1,175 @@
+"""The Neuron preflight: one graph per finding, built to trigger it, and a clean model with none."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
+
+import laplace_passes
+import model_zoo
+from laplace_passes.lowering.checks import check_graph
+from laplace_passes.targets import TRN2, HardwareTarget
+
+pytest.importorskip("torch_mlir", reason="the preflight tries torch-mlir's lowering: pip install -e '.[lowering]'")
+
+
+def findings_of(gm, target=TRN2):
+    return check_graph(gm, target, graph_name="g")
+
+
+def only(findings, check):
+    assert [f.check for f in findings] == [check], [str(f) for f in findings]
+    return findings[0]
+
+
+def test_dynamic_shape_is_named_with_its_symbol():
+    gm = make_fx(lambda x: (x * 2).sum(0), tracing_mode="symbolic")(torch.randn(4, 3))
+    (placeholder,) = gm.graph.find_nodes(op="placeholder")
+    finding = only(findings_of(gm), "dynamic-shape")
+    assert finding.node == placeholder.name and finding.op == "input"
+    symbols = [str(s) for s in placeholder.meta["val"].shape]
+    assert finding.message.startswith(f"has symbolic shape [{symbols[0]}, {symbols[1]}]; neuronx-cc compiles static")
+    assert "dynamic=False" in finding.fix
+    assert str(finding).startswith(f"[dynamic-shape] g: node {placeholder.name} (input): has symbolic shape")
+
+
+def test_dynamic_shape_through_the_public_function():
+    x = torch.randn(6, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    report = laplace_passes.preflight(lambda x: (x * 2).sum(0), x)
+    assert not report.ok
+    assert {f.check for f in report.findings} == {"dynamic-shape"}
+    assert any("has symbolic shape [s" in f.message and f.message.endswith(", 3]; neuronx-cc compiles static "
+               "shapes only (TorchNeuron rejects dynamic=True)") for f in report.findings)
+
+
+def test_loop_left_in_the_graph():
+    def count_up(x):
+        loop = torch._higher_order_ops.while_loop
+        return loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (torch.tensor(0), x))[1]
+
+    gm = make_fx(count_up, tracing_mode="fake")(torch.randn(4))
+    finding = only(findings_of(gm), "loop")
+    assert finding.op == "higher_order.while_loop" and finding.node.startswith("while_loop")
+    assert "a while_loop loop is left in the graph" in finding.message
+    assert "static trip count" in finding.message and "range(n)" in finding.fix
+
+
+def test_float64_is_flagged_where_it_enters_the_graph():
+    def mixed(x, y):
+        return (x.double() * 2 + y).sum()
+
+    gm = make_fx(mixed, tracing_mode="fake")(torch.randn(4), torch.randn(4, dtype=torch.float64))
+    findings = findings_of(gm)
+    assert [f.check for f in findings] == ["f64", "f64"]
+    # The f64 input and the cast; the ops downstream only carry it on.
+    assert [(f.node, f.op) for f in findings] == [("y_1", "input"), ("_to_copy", "aten._to_copy.default")]
+    assert findings[1].message.startswith("produces torch.float64 [4]; Trainium has no f64 arithmetic")
+    assert "float32" in findings[1].fix
+
+
+def test_estimated_instructions_over_the_budget():
+    gm = make_fx(lambda a, b: a @ b, tracing_mode="fake")(torch.randn(256, 128), torch.randn(128, 1024))
+    assert findings_of(gm, TRN2) == []
+    # 128 x 512 tiles: ceil(256/128) * ceil(1024/512) * ceil(128/128) = 4 instructions, budget 3.
+    small = HardwareTarget(name="small", partitions=128, sub_chunk_size=16, max_graph_instructions=3)
+    finding = only(findings_of(gm, small), "instruction-budget")
+    assert finding.node == "mm"
+    assert finding.message == (
+        "the graph's estimated 4 instructions pass small's budget of 3 (neuronx-cc: [XTP002] Number of "
+        "instructions is over the threshold) and the budget pass is off (max_graph_instructions=None), so it "
+        "is compiled whole; largest: mm 4"
+    )
+    assert "cut the graph" in finding.fix
+    # With the budget pass on, a single op over the budget still cannot be cut.
+    (finding,) = check_graph(gm, small, partition_budget=3)
+    assert finding.message.endswith(
+        "and no cut fits it: node mm (aten.mm.default) alone needs about 4 instructions, over the budget of 3: "
+        "no cut can make it fit; largest: mm 4"
+    )
+
+
+def test_graph_the_budget_pass_can_cut_is_no_finding():
+    # Two matmuls of 2 instructions each: 4 in all, over 3, but one per partition fits.
+    a, b, c = torch.randn(128, 128), torch.randn(128, 1024), torch.randn(128, 1024)
+    gm = make_fx(lambda a, b, c: (a @ b, a @ c), tracing_mode="fake")(a, b, c)
+    small = HardwareTarget(name="small", partitions=128, sub_chunk_size=16, max_graph_instructions=3)
+    assert [f.check for f in check_graph(gm, small)] == ["instruction-budget"]
+    assert check_graph(gm, small, partition_budget=3) == []
+
+
+def all_to_all_graph(input_splits, output_splits):
+    """x -> all_to_all_single(x, output_splits, input_splits, group) -> wait_tensor."""
+    mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with mode:
+        value = torch.empty(8, 4)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = value
+    exchange = graph.call_function(
+        torch.ops._c10d_functional.all_to_all_single.default, (x, output_splits, input_splits, "muon_group")
+    )
+    exchange.meta["val"] = value
+    done = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (exchange,))
+    done.meta["val"] = value
+    graph.output((done,))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_all_to_all_with_unequal_splits():
+    finding = only(findings_of(all_to_all_graph([1, 3, 2, 2], [2, 2, 2, 2])), "all-to-all-splits")
+    assert finding.node == "all_to_all_single_default"
+    assert finding.message == "split sizes [1, 3, 2, 2] are unequal; trn2's all-to-all accepts equal splits only"
+    assert "pad every shard" in finding.fix
+
+
+def test_all_to_all_with_an_unsupported_group_size():
+    finding = only(findings_of(all_to_all_graph([2] * 6, [2] * 6)), "all-to-all-group-size")
+    assert finding.message == (
+        "the all-to-all spans a group of 6 ranks; trn2 supports groups of 4, 8, 16 or a multiple of 32"
+    )
+    # Equal splits over a supported group, collectives left to TorchNeuron's own lowering: clean.
+    assert findings_of(all_to_all_graph([1] * 8, [1] * 8)) == []
+
+
+def test_op_torch_mlir_cannot_lower_is_named():
+    gm = make_fx(lambda x: torch.linalg.eigh(x)[0] * 2, tracing_mode="fake")(torch.randn(4, 4))
+    finding = only(findings_of(gm), "unlowerable-op")
+    assert (finding.node, finding.op) == ("_linalg_eigh", "aten._linalg_eigh.default")
+    assert finding.message == (
+        "torch-mlir cannot lower this op (error: failed to legalize operation 'torch.operator' "
+        "that was explicitly marked illegal)"
+    )
+    assert "decomposition" in finding.fix
+
+
+def gla_inputs(T=40):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, gk = (torch.randn(1, T, 2, 8, generator=gen) for _ in range(4))
+    return [t.requires_grad_() for t in (q, k, v, torch.nn.functional.logsigmoid(gk).detach())]
+
+
+def test_declined_gla_site_is_an_unlowerable_op_with_its_fix():
+    def attention(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0].sum()
+
+    report = laplace_passes.preflight(attention, *gla_inputs(), retile_gla=False)
+    found = {(f.graph, f.op) for f in report.by_check("unlowerable-op")}
+    assert found == {("forward_0", "laplace.gla.default"), ("backward_0", "laplace.gla_backward.default")}
+    assert all("the re-tiling pass declined this GLA site" in f.fix for f in report.findings)
+    assert "2 finding(s)" in str(report) and "[unlowerable-op] forward_0: node gla" in str(report)
+
+
+def test_clean_model_has_no_finding_and_the_report_shows_the_preflight():
+    torch.manual_seed(0)
+    report = laplace_passes.preflight(model_zoo.build("tiny"), torch.randint(0, 128, (1, 256)), target="trn2")
+    assert report.ok, str(report)
+    assert report.findings == [] and report.graphs == ["forward_0", "backward_0"]
+    assert str(report) == "Neuron preflight (trn2): 2 graph(s) checked, no finding"
+    preflight_runs = [p for p in report.report.passes if p.name == "neuron_preflight"]
+    assert [p.graph for p in preflight_runs] == ["forward_0", "backward_0"]
+    assert all(p.summary.startswith("no finding") for p in preflight_runs)
+    # The graphs checked are the ones TorchNeuron would get: gate checks already clamped.
+    FileCheck().check_not("laplace.check_gates").check("aten.clamp.default(div").run(
+        report.report.graph("after", "forward_0").code
+    )

@@ -1,0 +1,246 @@
+"""Static unrolling: GLA chunk loops and user scan / while_loop become straight-line code.
+
+Checked on the graph code (FileCheck), against eager execution (outputs and
+gradients), and at the pass level on graphs built here (lint, numerics equal
+to the untransformed graph, the reason when a loop is declined).
+"""
+
+import pytest
+import torch
+from torch._higher_order_ops.scan import scan
+from torch._higher_order_ops.while_loop import while_loop
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
+
+import laplace_passes
+from laplace_passes.chunked import chunked_gla_op
+from laplace_passes.report import GraphRecord
+from laplace_passes.unroll import UnrollLoops
+from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
+
+
+def assert_straight_line(code: str) -> None:
+    """No loop of any kind a graph can hold: scan, while_loop, a GLA chunk-loop op."""
+    FileCheck().check_not("higher_order.scan").check_not("while_loop").check_not("chunked_gla").run(code)
+
+
+def capture_inner():
+    """An inner compiler that keeps every graph it is handed."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    return capture, seen
+
+
+def loops_of(report, graph_name):
+    return [(r.kind, r.trip_count, r.status) for r in report.graph_record(graph_name).loops]
+
+
+# -- GLA chunk loops ------------------------------------------------------------------
+
+
+def test_unrolled_gla_at_2048_tokens_matches_eager_with_gradients():
+    """16 chunks of 128: the forward and the explicit backward reach the inner compiler unrolled."""
+    q, k, v, gk, h0 = make_inputs(1, 2048, 2, 32, 48, gate_divisor=1.0)
+
+    def f(q, k, v, gk, h0):
+        return laplace_passes.gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gk, h0)]
+        o, state = fn(*leaves)
+        do, dstate = output_cotangents(1, 2048, 2, 32, 48)
+        return [o, state, *torch.autograd.grad((o * do).sum() + (state * dstate).sum(), leaves)]
+
+    capture, seen = capture_inner()
+    compiled = laplace_passes.compile(f, target="trn2", inner=capture)
+    actual, expected = run(compiled), run(f)
+    for name, a, e in zip(["o", "state", "dq", "dk", "dv", "dgk", "dh0"], actual, expected):
+        assert relative_rmse(a, e) < 1e-4, name
+
+    report = compiled.laplace_report
+    assert loops_of(report, "forward_0") == [("laplace.chunked_gla", 16, "unrolled")]
+    assert loops_of(report, "backward_0") == [("laplace.chunked_gla_backward", 16, "unrolled")]
+    assert len(seen) == 2
+    for gm in seen:
+        assert_straight_line(gm.code)
+    # One state per chunk, stacked: 16 entering states in the forward; in the
+    # backward the 16 recomputed ones and the 16 state gradients of the reverse loop.
+    stacked = [[len(n.args[0]) for n in gm.graph.nodes if n.target == torch.ops.aten.stack.default] for gm in seen]
+    assert stacked == [[16], [16, 16]]
+
+
+def test_chunk_loop_op_pass_level():
+    """UnrollLoops on a graph holding the op: same numbers, linted, the trip count recorded."""
+    q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
+
+    def f(q, k, v, gk, h0):
+        return chunked_gla_op(q, k, v, gk, h0, 0.3, 64, 16)
+
+    gm = make_fx(f, tracing_mode="fake")(q, k, v, gk, h0)
+    FileCheck().check("laplace.chunked_gla.default").run(gm.code)
+    expected = gm(q, k, v, gk, h0)
+    record = GraphRecord("forward_0", "forward")
+    outcome = UnrollLoops("aten", record=record)(gm)
+    outcome.graph_module.graph.lint()
+    outcome.graph_module.recompile()
+    assert_straight_line(outcome.graph_module.code)
+    assert [(r.kind, r.trip_count, r.status) for r in record.loops] == [("laplace.chunked_gla", 5, "unrolled")]
+    for a, e in zip(outcome.graph_module(q, k, v, gk, h0), expected):
+        torch.testing.assert_close(a, e)
+    assert all("val" in n.meta for n in outcome.graph_module.graph.nodes if n.op == "call_function")
+
+
+def test_dynamic_chunk_loop_is_declined_and_still_runs():
+    q, k, v, gk, _ = make_inputs(1, 40, 1, 4, 4)
+
+    def f(q, k, v, gk):
+        return chunked_gla_op(q, k, v, gk, None, 0.5, 16, 4)[0]
+
+    gm = make_fx(f, tracing_mode="symbolic")(q, k, v, gk)
+    record = GraphRecord("forward_0", "forward")
+    outcome = UnrollLoops("aten", record=record)(gm)
+    (loop,) = record.loops
+    assert loop.status == "declined" and "is dynamic" in loop.reason and "T = " in loop.reason
+    assert outcome.declined == [f"{loop.node} (laplace.chunked_gla): {loop.reason}"]
+    FileCheck().check("laplace.chunked_gla").run(outcome.graph_module.code)
+    torch.testing.assert_close(outcome.graph_module(q, k, v, gk), f(q, k, v, gk))
+
+
+# -- user scan -------------------------------------------------------------------------
+
+WEIGHT = torch.linspace(0.5, 1.5, 6)
+
+
+def cumulative_recurrence(dim, reverse, weight):
+    """c_t = tanh(w * c_{t-1} + x_t), y_t = c_t * x_t: scanned along `dim`, a captured weight."""
+
+    def f(x, init):
+        def step(c, x_t):
+            c = torch.tanh(weight * c + x_t)
+            return c, c * x_t
+
+        return scan(step, init, x, dim=dim, reverse=reverse)
+
+    return f
+
+
+@pytest.mark.parametrize("dim,reverse", [(0, False), (1, False), (1, True)])
+def test_user_scan_compiles_unrolled_and_matches_eager(dim, reverse):
+    weight = WEIGHT.clone().requires_grad_()
+    f = cumulative_recurrence(dim, reverse, weight)
+    shape = [7, 3, 6] if dim == 0 else [3, 7, 6]
+    gen = torch.Generator().manual_seed(dim + 2 * reverse)
+    x, init = torch.randn(shape, generator=gen), torch.randn(3, 6, generator=gen)
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_(), init.clone().requires_grad_(), weight]
+        c, ys = fn(*leaves[:2])
+        loss = (c * c).sum() + (ys * torch.arange(ys.numel()).view_as(ys)).sum()
+        return [c, ys, *torch.autograd.grad(loss, leaves)]
+
+    capture, seen = capture_inner()
+    compiled = laplace_passes.compile(f, target="trn2", inner=capture)
+    for a, e in zip(run(compiled), run(f)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+    report = compiled.laplace_report
+    FileCheck().check("higher_order.scan").run(report.graph("before").code)
+    assert loops_of(report, "dynamo_0") == [("scan", 7, "unrolled")]
+    assert [g.kind for g in report.graphs] == ["dynamo", "forward", "backward"]
+    for gm in seen:
+        assert_straight_line(gm.code)
+    assert "scan" in str(report) and "unrolled 1 loop (1 x scan, 7 trips)" in str(report)
+
+
+def test_scan_in_an_aten_graph_is_unrolled_by_the_pass():
+    """The ATen-level pass unrolls a scan too (e.g. one reaching an inference graph)."""
+
+    def f(x, init, weight):
+        return cumulative_recurrence(0, False, weight)(x, init)
+
+    x, init = torch.randn(5, 2, 6), torch.randn(2, 6)
+    gm = make_fx(f, tracing_mode="fake")(x, init, WEIGHT)
+    FileCheck().check("torch.ops.higher_order.scan").run(gm.code)
+    record = GraphRecord("inference_0", "inference")
+    out = UnrollLoops("aten", record=record)(gm).graph_module
+    out.graph.lint()
+    out.recompile()
+    assert_straight_line(out.code)
+    assert [(r.kind, r.trip_count) for r in record.loops] == [("scan", 5)]
+    for a, e in zip(out(x, init, WEIGHT), f(x, init, WEIGHT)):
+        torch.testing.assert_close(a, e)
+
+
+# -- user while_loop -----------------------------------------------------------------------
+
+
+def doubling_loop(x):
+    i = torch.tensor(0)
+    return while_loop(lambda i, x: i < 5, lambda i, x: (i + 1, x * 2 + 1), (i, x))
+
+
+def python_counter_loop(x):
+    return while_loop(lambda i, x: i < 4, lambda i, x: (i + 1, torch.sin(x)), (0, x))
+
+
+@pytest.mark.parametrize("fn,trips", [(doubling_loop, 5), (python_counter_loop, 4)])
+def test_static_while_loop_is_unrolled(fn, trips):
+    x = torch.randn(3)
+    capture, seen = capture_inner()
+    compiled = laplace_passes.compile(fn, target="trn2", inner=capture, fullgraph=True)
+    got, expected = compiled(x), fn(x)
+    assert int(got[0]) == int(expected[0]) == trips
+    torch.testing.assert_close(got[1], expected[1])
+    assert loops_of(compiled.laplace_report, "dynamo_0") == [("while_loop", trips, "unrolled")]
+    for gm in seen:
+        assert_straight_line(gm.code)
+
+
+def test_data_dependent_while_loop_is_declined_and_still_runs():
+    def bounded_by_input(x, n):
+        return while_loop(lambda i, x: i < n, lambda i, x: (i + 1, x * 2), (torch.zeros((), dtype=torch.int64), x))
+
+    x, n = torch.randn(3), torch.tensor(3)
+    compiled = laplace_passes.compile(bounded_by_input, target="trn2", fullgraph=True)
+    got = compiled(x, n)
+    assert int(got[0]) == 3
+    torch.testing.assert_close(got[1], x * 8)
+    report = compiled.laplace_report
+    for graph in ("dynamo_0", "inference_0"):
+        (loop,) = report.graph_record(graph).loops
+        assert loop.status == "declined" and loop.trip_count is None
+        assert "trip count is data-dependent" in loop.reason and "which is a graph input" in loop.reason
+    assert "declined" in str(report)
+    FileCheck().check("while_loop").run(report.graph("after", "inference_0").code)
+
+
+def test_gla_inside_a_scan_body_is_retiled_then_unrolled():
+    """A site in a loop body is re-tiled there; unrolling makes it one chunk loop per trip."""
+    q, k, v, gk, _ = make_inputs(1, 96, 2, 8, 6, gate_divisor=0.5, initial_state=False)
+
+    def f(q, k, v, gk):
+        def step(total, scale):
+            o, _ = laplace_passes.gla(q * scale, k, v, gk)
+            return total + o.sum(), o
+
+        return scan(step, torch.zeros(()), torch.arange(1.0, 4.0))
+
+    capture, seen = capture_inner()
+    compiled = laplace_passes.compile(f, target="cpu", inner=capture, fullgraph=True)
+    (total, outputs), (expected_total, expected_outputs) = compiled(q, k, v, gk), f(q, k, v, gk)
+    assert relative_rmse(outputs, expected_outputs) < 1e-5 and relative_rmse(total, expected_total) < 1e-5
+
+    report = compiled.laplace_report
+    assert [s.status for s in report.sites] == ["retiled"]
+    assert loops_of(report, "dynamo_0") == [("scan", 3, "unrolled")]
+    assert loops_of(report, "inference_0") == [("laplace.chunked_gla", 2, "unrolled")] * 3
+    (graph,) = seen
+    assert_straight_line(graph.code)
+    FileCheck().check_not("laplace.gla").run(graph.code)
+    # The snapshot taken before the passes still shows the body as the user wrote it.
+    body = report.graph("before").get_submodule("scan_combine_fn_0")
+    FileCheck().check("laplace.gla.default").run(body.code)
