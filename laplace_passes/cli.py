@@ -2,6 +2,7 @@
 
     laplace-passes demo [--steps N] [--world-size W] ...   the main job (MQAR training)
     laplace-passes inspect MODEL [--json] [--dump DIR]      what the passes do to MODEL
+    laplace-passes export MODEL --stablehlo DIR             every graph as StableHLO + manifest.json
     laplace-passes bench NAME [args...]                     run a benchmark script
 
 MODEL is a model_zoo config name (tiny, small, laplace-3b) or
@@ -37,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_demo(commands)
     _add_inspect(commands)
+    _add_export(commands)
     _add_bench(commands)
     return parser
 
@@ -97,6 +99,56 @@ def _run_inspect(args) -> int:
         written = dump_report(report, args.dump)
         print(f"wrote {len(written)} files to {args.dump}", file=sys.stderr)
     return 0
+
+
+def _add_export(commands) -> None:
+    export = commands.add_parser(
+        "export", help="lower every graph of MODEL to StableHLO (needs the 'lowering' extra)"
+    )
+    export.add_argument("model", help="model_zoo config name or package.module:attr")
+    export.add_argument("--stablehlo", metavar="DIR", required=True,
+                        help="write one .mlir per graph and manifest.json to DIR")
+    export.add_argument("--seq-len", type=int, default=256)
+    export.add_argument("--batch", type=int, default=1)
+    export.add_argument("--target", default="trn2")
+    export.add_argument("--inference", action="store_true",
+                        help="export the inference graph only (default: forward and backward of a training step)")
+    export.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    export.set_defaults(run=_run_export)
+
+
+def _run_export(args) -> int:
+    import contextlib
+
+    import torch
+
+    import laplace_passes
+
+    model, example_inputs = load_model(args.model, args.batch, args.seq_len)
+    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs) or _on_meta(model):
+        raise ValueError(f"{args.model} lives on the meta device (no weights to lower); "
+                         "`inspect` shows its graphs and sizes")
+    # Gradients on (the default): AOT Autograd makes the forward and backward graphs of a training step.
+    context = torch.no_grad() if args.inference else contextlib.nullcontext()
+    with context:
+        exported = laplace_passes.export_stablehlo(model, *example_inputs, target=args.target, out_dir=args.stablehlo)
+    manifest = exported.manifest
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+    else:
+        for entry in manifest["graphs"]:
+            ops = sum(entry["op_counts"].values())
+            print(f"{entry['file']:<32} {entry['kind']:<10} {ops:>7,} StableHLO ops")
+        print(f"wrote {len(manifest['graphs'])} graphs and manifest.json to {exported.out_dir}")
+    return 0
+
+
+def _on_meta(model) -> bool:
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return False
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def load_model(spec: str, batch: int, seq_len: int):

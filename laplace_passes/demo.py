@@ -1,16 +1,25 @@
 """The main job: train the `tiny` GLA model on MQAR through backend="laplace".
 
     laplace-passes demo                    # defaults: under 2 minutes on 2 CPU cores
-    laplace-passes demo --world-size 2     # data-parallel over 2 local gloo processes
+    laplace-passes demo --world-size 4     # data-parallel over 4 local gloo processes
 
 Each step: the compiled model (GLA re-tiled into chunks of the target's size)
 predicts the recalled values, and ShardedMuon updates the hidden matrices
 (AdamW the embeddings and norms). At the end: recall accuracy on a fresh
 batch against chance, and the pass report.
+
+Data-parallel (`--world-size` W > 1): ShardedMuon's step is compiled with the
+laplace backend too, whose Muon pass rewrites its all-gather into two
+all-to-alls (`laplace_passes.collectives`); the report then shows the step's
+graph and the traffic per rank before and after. The step is compiled for
+target "cpu": its collectives run over gloo on this machine, and trn2's rule
+for all-to-all group sizes (4, 8, 16, multiples of 32) would refuse W = 2 or 3.
+With one process there is no communication to rewrite and the step runs eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -53,12 +62,17 @@ class DemoResult:
     seconds: float
     report: str = ""
     report_dict: dict = field(default_factory=dict)
+    # Data-parallel runs: per-rank bytes received by the Muon step, gathers / all-to-alls.
+    muon_received_ratio: float | None = None
 
     def summary(self) -> str:
+        muon = ""
+        if self.muon_received_ratio is not None:
+            muon = f"; Muon step receives x{self.muon_received_ratio:.2f} fewer bytes per rank after the rewrite"
         return (
             f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} over {len(self.losses)} steps; "
             f"recall accuracy {self.accuracy:.1%} (chance {self.chance:.1%}); "
-            f"{self.tokens_per_s:,.0f} training tokens/s; {self.seconds:.1f}s"
+            f"{self.tokens_per_s:,.0f} training tokens/s; {self.seconds:.1f}s{muon}"
         )
 
     def to_dict(self) -> dict:
@@ -83,8 +97,10 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
     task = MQARTask(vocab_size=model_zoo.config("tiny").vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
     model = model_zoo.build("tiny")
     compiled = laplace_passes.compile(model, target=config.target, inner=config.inner)
+    muon_report = laplace_passes.Report()
     optimizer = ShardedMuon(_param_groups(model), lr=config.muon_lr, weight_decay=0.0,
-                            adamw_kwargs={"lr": config.adamw_lr, "weight_decay": 0.0})
+                            adamw_kwargs={"lr": config.adamw_lr, "weight_decay": 0.0},
+                            backend=_muon_step_backend(muon_report) if world_size > 1 else None)
     data = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
     progress = Progress(config.steps, "train", enabled=config.progress and rank == 0)
     losses: list[float] = []
@@ -105,15 +121,29 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
     with torch.no_grad():
         accuracy = recall_accuracy(compiled(eval_ids), eval_targets)
     report = compiled.laplace_report
+    report_text, report_dict, muon_ratio = str(report), report.to_dict(), None
+    if world_size > 1:
+        report_text += f"\n\nShardedMuon step over {world_size} ranks (backend='laplace', target 'cpu'):\n{muon_report}"
+        report_dict["muon_step"] = muon_report.to_dict()
+        traffic = muon_report.traffic
+        muon_ratio = traffic[0].received_ratio if traffic else None
     return DemoResult(
         losses=losses,
         accuracy=accuracy,
         chance=task.chance,
         tokens_per_s=world_size * config.steps * config.batch * config.seq_len / seconds,
         seconds=seconds,
-        report=str(report),
-        report_dict=report.to_dict(),
+        report=report_text,
+        report_dict=report_dict,
+        muon_received_ratio=muon_ratio,
     )
+
+
+def _muon_step_backend(report):
+    """backend="laplace" for ShardedMuon's step, filling `report` (see the module docstring for the target)."""
+    from laplace_passes.backend import laplace_backend
+
+    return functools.partial(laplace_backend, options={"target": "cpu", "report": report})
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:

@@ -35,7 +35,16 @@ def test_demo_subprocess_prints_progress_report_and_summary():
 def test_demo_data_parallel_two_ranks():
     done = run_cli("demo", "--steps", "3", "--batch", "4", "--world-size", "2", "--no-progress", "--json")
     assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout)["losses"]) == 3
+    result = json.loads(done.stdout)
+    assert len(result["losses"]) == 3
+    # ShardedMuon's step went through the laplace backend: its gather became two all-to-alls.
+    muon_graphs = [g for g in result["report_dict"]["muon_step"]["graphs"] if g["traffic"] is not None]
+    (traffic,) = [g["traffic"] for g in muon_graphs]
+    assert traffic["world_size"] == 2
+    assert [c["op"] for c in traffic["before"]] == ["all_gather_into_tensor"]
+    assert [c["op"] for c in traffic["after"]] == ["all_to_all_single", "all_to_all_single"]
+    assert traffic["ns_flops_after"] * 2 == traffic["ns_flops_before"]
+    assert result["muon_received_ratio"] == traffic["received_ratio"]
 
 
 def test_inspect_json_has_the_documented_fields():
@@ -97,3 +106,36 @@ def test_bench_runs_a_benchmark_script():
     result = json.loads(done.stdout)
     assert result["shape"] == {"B": 1, "T": 64, "H": 1, "K": 8, "V": 8}
     assert result["chunked_speedup_vs_recurrence"] > 0 and result["chunked_fraction_of_matmul"] > 0
+
+
+def test_export_writes_stablehlo_files_and_their_manifest(tmp_path, capsys):
+    pytest.importorskip("torch_mlir")
+    assert main(["export", "tiny", "--stablehlo", str(tmp_path), "--seq-len", "128", "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest == json.loads((tmp_path / "manifest.json").read_text())
+    assert [(g["name"], g["kind"]) for g in manifest["graphs"]] == [("forward_0", "forward"), ("backward_0", "backward")]
+    for entry in manifest["graphs"]:
+        text = (tmp_path / entry["file"]).read_text()
+        assert "stablehlo." in text and "stablehlo.while" not in text
+        assert "neuronx-cc compile" in entry["neuronx_cc"]
+
+
+def test_export_subprocess_inference_graph(tmp_path):
+    pytest.importorskip("torch_mlir")
+    done = run_cli("export", "tiny", "--stablehlo", str(tmp_path), "--seq-len", "64", "--inference")
+    assert done.returncode == 0, done.stderr
+    assert "inference_0.mlir" in done.stdout and "StableHLO ops" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inference_0.mlir", "manifest.json"]
+
+
+def test_export_without_torch_mlir_names_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch_mlir.fx", None)
+    assert main(["export", "tiny", "--stablehlo", str(tmp_path), "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "export_stablehlo needs the package 'torch-mlir'" in err and 'laplace_passes[lowering]"' in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_export_refuses_a_meta_model(tmp_path, capsys):
+    assert main(["export", "laplace-3b", "--stablehlo", str(tmp_path)]) == 2
+    assert "lives on the meta device" in capsys.readouterr().err
