@@ -559,8 +559,13 @@ class ShardedMuon(Optimizer):
         comm: ``"all_gather"`` or ``"gather_broadcast"`` (module docstring).
         process_group: the data-parallel group; ``None`` = the default group
             if ``torch.distributed`` is initialised, else a single process.
-        backend: ``None`` runs the shard step eagerly; anything else is passed
-            to ``torch.compile(_muon_shard_step, backend=backend)``.
+        backend: ``"laplace"`` (default) compiles the shard step with the
+            laplace backend (default options: target trn2, whose all-to-all
+            takes groups of 4, 8, 16 or multiples of 32 ranks; other world
+            sizes keep their gathers, with the reason in the report); a
+            configured laplace backend, e.g. ``functools.partial(
+            laplace_passes.backend.laplace_backend, options={"target": "cpu"})``;
+            any other ``torch.compile`` backend; ``None`` runs it eagerly.
         adamw_kwargs: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad`` for the AdamW parameters (``torch.optim.AdamW``'s
             defaults otherwise).
@@ -580,7 +585,9 @@ class ShardedMuon(Optimizer):
     (``laplace_passes.collectives``). The layouts, owners and
     hyper-parameters are Python constants: a changed learning rate is a new
     graph (a recompile; Dynamo stops compiling after its recompile limit).
-    Shapes are compiled static (``dynamic=False``).
+    Shapes are compiled static (``dynamic=False``). With a learning-rate
+    schedule, pass ``backend=None``: every new learning rate would be a
+    recompile, and past Dynamo's recompile limit the step runs uncompiled.
     """
 
     def __init__(
@@ -597,7 +604,7 @@ class ShardedMuon(Optimizer):
         *,
         comm: str = "all_gather",
         process_group: Any = None,
-        backend: str | Callable | None = None,
+        backend: str | Callable | None = "laplace",
         adamw_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if comm not in COMM_MODES:

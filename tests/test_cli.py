@@ -99,9 +99,12 @@ def test_errors_are_clear(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+TINY_GLA_BENCH = ["gla", "--T", "64", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--no-compiled", "--json"]
+
+
 def test_bench_runs_a_benchmark_script():
-    assert "gla" in available_benchmarks()
-    done = run_cli("bench", "gla", "--T", "64", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--no-compiled", "--json")
+    assert {"gla", "unroll", "muon", "lowering", "decode"} <= set(available_benchmarks())
+    done = run_cli("bench", *TINY_GLA_BENCH)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["shape"] == {"B": 1, "T": 64, "H": 1, "K": 8, "V": 8}
@@ -139,3 +142,9 @@ def test_export_without_torch_mlir_names_the_extra(tmp_path, monkeypatch, capsys
 def test_export_refuses_a_meta_model(tmp_path, capsys):
     assert main(["export", "laplace-3b", "--stablehlo", str(tmp_path)]) == 2
     assert "lives on the meta device" in capsys.readouterr().err
+
+
+def test_bench_in_process_returns_the_script_exit_code(capfd):
+    assert main(["bench", *TINY_GLA_BENCH]) == 0
+    assert json.loads(capfd.readouterr().out)["shape"]["T"] == 64
+    assert main(["bench", "gla", "--no-such-flag"]) == 2  # argparse's exit code, passed through

@@ -22,10 +22,13 @@ from torch.testing import FileCheck
 import laplace_passes
 import model_zoo
 from laplace_passes.lowering import _deps, neuron
+from laplace_passes.lowering.calibrate import stablehlo_instructions
 from laplace_passes.lowering.diagnose import LoweringError
 from laplace_passes.lowering.legalize import BoundSliceScatter, ClampGateChecks, DiagonalAsStridedSlice
 from laplace_passes.lowering.neuron import NO_FALLBACK_ENV, NeuronUnavailableError, neuron_compiler, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo, torch_mlir_decompositions
+from laplace_passes.targets import TRN2
+from laplace_passes.unroll import SizeModel
 
 for module in ("torch_mlir", "iree.compiler", "iree.runtime"):
     pytest.importorskip(module, reason="the lowering extra: pip install -e '.[lowering]'")
@@ -203,6 +206,30 @@ def test_manifest_inputs_and_outputs_match_the_files_and_graphs(exported):
         assert [s["name"] for s in entry["inputs"]] == [n.name for n in graph.graph.find_nodes(op="placeholder")]
     forward_inputs = exported.manifest["graphs"][0]["inputs"]
     assert {"name": "primals_2", "shape": [1, 256], "dtype": "int64"} in forward_inputs  # the token ids
+
+
+def test_size_estimate_agrees_with_the_same_formula_on_the_stablehlo(exported):
+    """The budget's estimate is made on ATen graphs; neuronx-cc gets their StableHLO (calibration, unroll/size.py)."""
+    model = SizeModel.for_target(TRN2)
+    for entry in exported.manifest["graphs"]:
+        aten_estimate = model.measure(exported.report.graph("after", entry["name"])).instructions
+        hlo_estimate = stablehlo_instructions(exported.path(entry["name"]).read_text(), model)
+        assert abs(aten_estimate - hlo_estimate) <= 0.05 * hlo_estimate, (entry["name"], aten_estimate, hlo_estimate)
+
+
+def test_stablehlo_tile_formula_on_each_kind_of_op():
+    text = """
+    %0 = stablehlo.constant dense<1.0> : tensor<256x1024xf32>
+    %1 = stablehlo.reshape %arg0 : (tensor<4x256x1024xf32>) -> tensor<1024x1024xf32>
+    %2 = stablehlo.dot_general %a, %b, batching_dims = [0] x [0], contracting_dims = [2] x [1] : (tensor<3x200x300xf32>, tensor<3x300x1000xf32>) -> tensor<3x200x1000xf32>
+    %3 = stablehlo.multiply %1, %1 : tensor<1024x1024xf32>
+    %4 = stablehlo.reduce(%3 init: %c) applies stablehlo.add across dimensions = [1] : (tensor<1024x1024xf32>, tensor<f32>) -> tensor<1024xf32>
+    %5 = stablehlo.add %x, %y : tensor<f32>
+    return %4 : tensor<1024xf32>
+    """
+    # dot_general: 3 batches * ceil(300/128) * ceil(200/128) * ceil(1000/512) = 3 * 3 * 2 * 2;
+    # multiply and reduce: 2^20 elements = 16 tiles of 128 x 512 each; a scalar add: 1; layout ops: 0.
+    assert stablehlo_instructions(text, SizeModel(128, 512)) == 36 + 16 + 16 + 1
 
 
 def test_export_writes_every_partition_of_a_graph_over_the_budget(tmp_path):

@@ -19,7 +19,8 @@ Functions:
 Also: legalize.py (the ATen passes that make our graphs lowerable: gate
 checks become clamps, slice_scatter bounds made static, diagonal as a
 strided slice), checks.py (the preflight's checks), diagnose.py (which node
-torch-mlir failed on), export.py.
+torch-mlir failed on), export.py, calibrate.py (the graph-size formula on
+StableHLO, which the budget's estimate is calibrated against).
 
 All of them need the `lowering` extra (torch-mlir, iree-base-compiler,
 iree-base-runtime), imported only when used. Lowered graphs clamp gates
