@@ -42,6 +42,8 @@ class CompileConfig:
             raise ValueError(f"unknown laplace option(s) {unknown}; known options: {known}")
         target = get_target(options.get("target", "trn2"))
         inner = resolve_inner(options.get("inner", "eager"))
+        if inner.check_available is not None:
+            inner.check_available()
         chunk_size = check_chunk_size("chunk_size", options.get("chunk_size", target.chunk_size))
         retile = options.get("retile_gla", True)
         if not isinstance(retile, bool):

@@ -27,6 +27,9 @@ class InnerCompiler:
     # Passes this compiler needs on each ATen graph, run after the pipeline's:
     # (config, kind) -> list of GraphPass (e.g. making the graph lowerable).
     aten_passes: Callable[[Any, str], list] | None = None
+    # Raises, naming what to install, when a package this compiler needs is
+    # missing: called when the options are read, before anything is traced.
+    check_available: Callable[[], None] | None = None
 
 
 def _eager(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
@@ -62,10 +65,11 @@ def _lazy(module: str, name: str) -> Callable:
     return call
 
 
-def _lowering(name: str, compile_fn: str, decompositions: str, passes: str) -> InnerCompiler:
+def _lowering(name: str, compile_fn: str, decompositions: str, passes: str, check: str | None = None) -> InnerCompiler:
     module = f"laplace_passes.lowering.{name}"
     return InnerCompiler(
-        name, _lazy(module, compile_fn), decompositions=_lazy(module, decompositions), aten_passes=_lazy(module, passes)
+        name, _lazy(module, compile_fn), decompositions=_lazy(module, decompositions), aten_passes=_lazy(module, passes),
+        check_available=_lazy("laplace_passes.lowering._deps", check) if check else None,
     )
 
 
@@ -76,8 +80,9 @@ INNER_COMPILERS: dict[str, InnerCompiler] = {
     ),
     # torch-mlir -> StableHLO (the graph then runs eagerly); that StableHLO run by IREE on the CPU;
     # TorchNeuron when torch-neuronx is installed (options: laplace_passes.lowering.neuron_compiler).
-    "stablehlo": _lowering("stablehlo", "compile_stablehlo", "torch_mlir_decompositions", "torch_mlir_passes"),
-    "iree": _lowering("iree", "compile_iree", "torch_mlir_decompositions", "torch_mlir_passes"),
+    "stablehlo": _lowering("stablehlo", "compile_stablehlo", "torch_mlir_decompositions", "torch_mlir_passes",
+                           check="check_stablehlo"),
+    "iree": _lowering("iree", "compile_iree", "torch_mlir_decompositions", "torch_mlir_passes", check="check_iree"),
     "neuron": _lowering("neuron", "compile_neuron", "neuron_decompositions", "neuron_passes"),
 }
 

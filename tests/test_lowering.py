@@ -284,6 +284,16 @@ def test_missing_lowering_package_error_says_what_to_install(monkeypatch):
     assert 'pip install "laplace_passes[lowering]"' in message and "torch-mlir==20261001" in message
 
 
+@pytest.mark.parametrize("inner,package", [("stablehlo", "torch-mlir"), ("iree", "iree-base-runtime")])
+def test_lowering_inner_compiler_without_its_package_fails_before_tracing(inner, package, monkeypatch):
+    module = {"torch-mlir": "torch_mlir.fx", "iree-base-runtime": "iree.runtime"}[package]
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(_deps.LoweringDependencyError) as error:
+        laplace_passes.compile(lambda x: x + 1, inner=inner)
+    assert str(error.value).startswith(f'inner="{inner}" needs the package \'{package}\'')
+    assert 'pip install "laplace_passes[lowering]"' in str(error.value)
+
+
 # -- the legalization passes ----------------------------------------------------------------------
 
 INT64_MAX = 2**63 - 1

@@ -42,3 +42,15 @@ def iree_compiler(purpose: str = "compiling StableHLO with IREE") -> ModuleType:
 
 def iree_runtime(purpose: str = "running IREE modules") -> ModuleType:
     return require("iree.runtime", "iree-base-runtime", purpose)
+
+
+def check_stablehlo() -> None:
+    """inner="stablehlo" can run: torch-mlir imports."""
+    torch_mlir_fx('inner="stablehlo"')
+
+
+def check_iree() -> None:
+    """inner="iree" can run: torch-mlir, IREE's compiler and its runtime import."""
+    torch_mlir_fx('inner="iree"')
+    iree_compiler('inner="iree"')
+    iree_runtime('inner="iree"')
