@@ -337,3 +337,31 @@ def test_no_budget_means_no_partitions():
     report = laplace_passes.inspect(model, ids, target="trn2", max_graph_instructions=None)
     size = report.graph_record("backward_0").size
     assert size.budget is None and size.partitions == [] and size.instructions > 0
+
+
+def first_and_last_read_a_view_of_the_input(big, x):
+    """`big` is read, through a view, at the start and at the end: like a backward's logits gradient."""
+    flat = big.view(-1)
+    y = x * flat[: x.numel()].view_as(x)
+    for _ in range(6):
+        y = y.exp().cos()
+    return y * flat[-x.numel():].view_as(x), big.t()
+
+
+def test_views_of_graph_inputs_do_not_cross_cuts():
+    big, x = torch.randn(64, TILE), torch.randn(4, TILE // 4)
+    gm = traced(first_and_last_read_a_view_of_the_input, big, x)
+    cost = MODEL.measure(gm).per_node
+    plan = plan_partitions(gm, cost, sum(cost.values()) // 3 + 1)
+    assert plan.count >= 3
+    # Only the running value y crosses each cut, never the 32 MB input behind the views.
+    assert plan.cut_bytes == [x.numel() * 4] * (plan.count - 1)
+    driver = split_graph(gm, plan)
+    driver.graph.lint()
+    # The first and the last partition read the input itself and make their own views of it.
+    calls = partition_calls(driver)
+    for call in (calls[0], calls[-1]):
+        assert "big_1" in [a.name for a in call.args] and "aten.view.default(big_1" in driver.get_submodule(call.target).code
+    assert all("big_1" not in str(call.args) for call in calls[1:-1])
+    for got, expected in zip(driver(big, x), gm(big, x), strict=True):
+        assert torch.equal(got, expected)

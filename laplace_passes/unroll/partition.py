@@ -24,7 +24,12 @@ a convex set of nodes, and the partitions are ordered. Two steps:
    bytes cross.
 
 Tuple-producing nodes stay with their getitem nodes. Attribute reads
-(get_attr) are not placed: each partition reads the attributes it uses.
+(get_attr) and views of graph inputs are not placed: each partition reads
+the attributes and graph inputs it uses and makes its own views of them.
+A view costs no instruction, and a cut carrying one would count (and, in
+the partitioned graph, pass) the whole input: in a backward graph the
+logits' gradient, read as a view by the first and the last layer, is
+vocab x T x 4 bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 import networkx as nx
 import torch.fx
 
-from laplace_passes.unroll.size import value_bytes
+from laplace_passes.unroll.size import is_view, value_bytes
 
 # The refinement's flow problem grows with the region; beyond this many
 # nodes per boundary the order-based cut is kept as it is.
@@ -57,7 +62,8 @@ class PartitionPlan:
 
 def plan_partitions(gm: torch.fx.GraphModule, cost: dict, budget: int, refine: bool = True) -> PartitionPlan | str:
     """The plan, or why `gm` cannot be cut to fit `budget` (`cost`: node -> instructions)."""
-    order = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
+    unplaced = input_views(gm)
+    order = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS and n not in unplaced]
     too_big = [n for n in order if cost[n] > budget]
     if too_big:
         worst = max(too_big, key=cost.__getitem__)
@@ -83,6 +89,17 @@ def plan_partitions(gm: torch.fx.GraphModule, cost: dict, budget: int, refine: b
         for left in range(count - 1):
             _refine_boundary(order, part_of, cost, budget, left)
     return _summarise(order, part_of, cost, count)
+
+
+def input_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """View nodes that read only graph inputs, attributes or such views: copied into each partition reading them."""
+    views: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and is_view(node) and all(
+            arg.op in ("placeholder", "get_attr") or arg in views for arg in node.all_input_nodes
+        ):
+            views.add(node)
+    return views
 
 
 # -- step 1: cuts along the node order ---------------------------------------------

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.unroll.partition import PartitionPlan
+from laplace_passes.unroll.partition import PartitionPlan, input_views
 
 PARTITION_PREFIX = "laplace_partition_"
 
@@ -43,6 +43,7 @@ def split_graph(gm: torch.fx.GraphModule, plan: PartitionPlan) -> torch.fx.Graph
             members[plan.part_of[node]].append(node)
     output = gm.graph.output_node()
 
+    views = input_views(gm)
     driver = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
@@ -50,7 +51,7 @@ def split_graph(gm: torch.fx.GraphModule, plan: PartitionPlan) -> torch.fx.Graph
             env[node] = driver.node_copy(node)
     modules: dict[str, torch.nn.Module] = {}
     for index, nodes in enumerate(members):
-        part, inputs, outputs = _partition_graph(gm, nodes, index, plan, output)
+        part, inputs, outputs = _partition_graph(gm, nodes, index, plan, output, views)
         name = f"{PARTITION_PREFIX}{index}"
         modules[name] = part
         call = driver.call_module(name, tuple(env[x] for x in inputs))
@@ -59,33 +60,45 @@ def split_graph(gm: torch.fx.GraphModule, plan: PartitionPlan) -> torch.fx.Graph
             item = driver.call_function(operator.getitem, (call, position))
             item.meta = {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "example_value")}
             env[value] = item
-    for node in gm.graph.nodes:  # attributes the output returns directly
-        if node.op == "get_attr" and output in node.users:
+    for node in gm.graph.nodes:  # attributes and views of inputs the output returns directly
+        if node.op == "get_attr" and _reaches_output(node, views, output):
             env[node] = driver.get_attr(node.target)
             modules[node.target] = operator.attrgetter(node.target)(gm)
+        elif node in views and _reaches_output(node, views, output):
+            env[node] = driver.node_copy(node, env.__getitem__)
     driver.output(torch.fx.node.map_arg(output.args[0], env.__getitem__))
     return torch.fx.GraphModule(modules, driver, class_name="PartitionedGraph")
 
 
-def _partition_graph(gm, nodes: list, index: int, plan: PartitionPlan, output: torch.fx.Node):
+def _partition_graph(gm, nodes: list, index: int, plan: PartitionPlan, output: torch.fx.Node, views: set):
     """One partition as a GraphModule; the outside values it reads and the values it returns."""
     graph = torch.fx.Graph()
     local: dict[torch.fx.Node, torch.fx.Node] = {}
     inputs: list[torch.fx.Node] = []
+
+    def read(value: torch.fx.Node) -> torch.fx.Node:
+        if value in local:
+            return local[value]
+        if value.op == "get_attr":
+            local[value] = graph.node_copy(value)
+        elif value in views:  # this partition's own view of a graph input
+            local[value] = graph.node_copy(value, read)
+        else:  # a graph input, or a value of an earlier partition
+            local[value] = graph.placeholder(value.name)
+            local[value].meta = dict(value.meta)
+            inputs.append(value)
+        return local[value]
+
     for node in nodes:
-        for value in node.all_input_nodes:
-            if value in local:
-                continue
-            if value.op == "get_attr":
-                local[value] = graph.node_copy(value)
-            else:  # a graph input, or a value of an earlier partition
-                local[value] = graph.placeholder(value.name)
-                local[value].meta = dict(value.meta)
-                inputs.append(value)
-        local[node] = graph.node_copy(node, local.__getitem__)
+        local[node] = graph.node_copy(node, read)
     outputs = [n for n in nodes if _read_later(n, index, plan, output)]
     graph.output(tuple(local[n] for n in outputs))
     return torch.fx.GraphModule(gm, graph, class_name=f"Partition{index}"), inputs, outputs
+
+
+def _reaches_output(node: torch.fx.Node, views: set, output: torch.fx.Node) -> bool:
+    """The output returns `node`, or a view of it made in the driver."""
+    return any(user is output or (user in views and _reaches_output(user, views, output)) for user in node.users)
 
 
 def _read_later(node: torch.fx.Node, index: int, plan: PartitionPlan, output: torch.fx.Node) -> bool:
