@@ -39,6 +39,7 @@ from model_zoo.muon import (
     _adjust_lr,
     _muon_shard_step,
     assign_owners,
+    newton_schulz,
 )
 from tests._dist import run_ranks
 
@@ -421,3 +422,35 @@ def test_plan_is_deterministic_and_checks_world_size():
     assert plan_ownership(*args) == plan_ownership(*args)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         plan_ownership(*args[:3], 0)
+
+
+def _gather_then(orthogonalise, flat_send=True):
+    """A gather of 2 row shards, `orthogonalise` on the whole matrix, the shard picked by an int input."""
+
+    def step(shard, which):
+        send = shard.reshape(-1) if flat_send else shard
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(send, 2, "0")
+        full = torch.ops._c10d_functional.wait_tensor(gathered).view(2, -1).view(8, 6)
+        return torch.index_select(orthogonalise(full).view(2, 4, 6), 0, which.view(1)) * 3.0
+
+    return make_fx(step, tracing_mode="fake")(torch.zeros(4, 6), torch.tensor(1))
+
+
+def test_normalisation_without_newton_schulz_steps_is_not_muon():
+    """x / ||x|| after a gather is not an orthogonalisation: no candidate, nothing rewritten."""
+    gm = _gather_then(lambda full: full / full.norm().clamp(min=1e-7))
+    result = rewrite_muon_step(gm, world_size=2)
+    assert not result.modified
+    assert any("Newton-Schulz" in reason for reason in result.declined), result.declined
+    FileCheck().check("all_gather_into_tensor").check("index_select").run(gm.code)
+
+
+def test_a_send_buffer_that_is_not_flat_is_declined():
+    gm = _gather_then(lambda full: newton_schulz(full, (3.4445, -4.775, 2.0315), 2, 1e-7), flat_send=False)
+    result = rewrite_muon_step(gm, world_size=2)
+    assert not result.modified
+    assert any("sends a tensor of shape [4, 6], not a flat buffer of shards" in r for r in result.declined), (
+        result.declined
+    )
+    assert rewrite_muon_step(_gather_then(lambda full: newton_schulz(full, (3.4445, -4.775, 2.0315), 2, 1e-7)),
+                             world_size=2).modified

@@ -15,8 +15,12 @@ it). For each block the pattern is
     mine = select_own(layout(result))                      # layout: [W, ...], any closed computation
 
 where `select_own` takes this rank's entry of the world dimension:
-`index_select(., 0, i)` or `index(., [i])` with `i` a graph input (the rank
-as data), or `select(., 0, r)` with `r` this process's rank in the group.
+`index_select(., 0, i)` or `index(., [i])` with `i` a one-element integer
+graph input, or `select(., 0, r)` with `r` this process's rank in the group.
+`i` is taken to be the rank in the gather's group (the contract of
+`rewrite_muon_step`: ShardedMuon passes its rank so); NewtonSchulz needs one
+iteration at least, so a gather followed by a plain normalisation is not
+matched.
 Every node from the all-gather to the selections must serve only this
 pattern, so that all of it dies once the selections are replaced.
 Anything else is declined with the reason.
@@ -206,9 +210,14 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     send, group_size, group = all_gather.args
     if group_size != world_size:
         raise NoMatch(f"gathers over {group_size} ranks, but world_size={world_size}")
+    send_value = fake_value(send)
+    if send_value is None or send_value.dim() != 1:
+        # Packing slices the send buffer by element offsets: it must be flat.
+        shape = "unknown" if send_value is None else list(send_value.shape)
+        raise NoMatch(f"the all_gather_into_tensor sends a tensor of shape {shape}, not a flat buffer of shards")
     wait = _sole_user(all_gather, "all_gather_into_tensor", live)
     gathered = _sole_user(wait, "wait_tensor", live)
-    width = fake_value(send).numel()
+    width = send_value.numel()
     if gathered.target is not aten.view.default or list(fake_value(gathered).shape) != [world_size, width]:
         raise NoMatch(f"the gathered buffer is not viewed as [{world_size}, {width}] (rank, element)")
     infrastructure = {wait, gathered}

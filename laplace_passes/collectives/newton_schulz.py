@@ -1,7 +1,7 @@
 """Recognising Muon's Newton-Schulz iteration in an ATen graph.
 
 What is matched (the quintic iteration of `torch.optim.Muon`, any coefficients,
-any number of steps), anchored on the normalisation:
+one step or more), anchored on the normalisation:
 
     [x = _to_copy(input, dtype=bf16)]                # the cast, when the input is not bf16 yet
     [x = permute(x, [1, 0])]                         # tall matrices are transposed ...
@@ -13,7 +13,9 @@ any number of steps), anchored on the normalisation:
     [x = permute(x, [1, 0])]                         # ... and transposed back
 
 The region must be closed (nothing else flows in) and use the same (a, b, c)
-in every step. A normalisation followed by a broken iteration, or an
+in every step. A normalisation that no iteration follows is not Newton-Schulz
+(models normalise matrices for other reasons): it is neither matched nor a
+near miss. A normalisation followed by a broken iteration, or an
 iteration-shaped `addmm(gram, gram, gram)` without the normalisation, is a
 near miss: its reason goes to the report.
 """
@@ -35,7 +37,7 @@ Node = torch.fx.Node
 class NewtonSchulz:
     region: Region
     steps: int
-    coefficients: tuple[float, float, float] | None  # None when steps == 0
+    coefficients: tuple[float, float, float] | None
     eps: float
     rows: int
     cols: int
@@ -60,6 +62,8 @@ def find_newton_schulz(graph: torch.fx.Graph) -> tuple[list[NewtonSchulz], list[
     for node in graph.nodes:
         if node not in live or _normalisation_input(node) is None:
             continue
+        if _gram_user(node) is None:
+            continue  # a normalisation alone, e.g. x / ||x|| in a model
         try:
             found.append(_match_from_normalisation(node, live))
         except _NearMiss as miss:

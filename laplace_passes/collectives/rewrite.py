@@ -99,6 +99,13 @@ def rewrite_muon_step(
     `graph_module` must be an ATen-level graph with shapes in meta["val"]
     (AOT Autograd's graphs, or make_fx with fake tensors). `target` (optional)
     adds its all-to-all constraints (e.g. trn2's group sizes).
+
+    Contract: the one-element integer graph input with which the step picks
+    its own rows (`index_select(result, 0, rank)`, or the owner test
+    `rank == owner`) must hold this process's rank in the gather's group, as
+    ShardedMuon passes it. The rewritten graph no longer reads it (each rank
+    receives its own rows from the second all-to-all), and the pass cannot
+    check at compile time what value it will hold.
     """
     outcome = RewriteMuonStep(world_size=world_size, target=target)(graph_module)
     if outcome.modified:  # what the backend's pass runner does after every pass

@@ -23,10 +23,12 @@ order: the same ATen ops in the same order as the uncut graph.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Callable
 
 import torch
+import torch._guards
 import torch.fx
 from functorch.compile import make_boxed_func
 
@@ -113,14 +115,29 @@ def partition_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 class CompiledPartition(torch.nn.Module):
-    """What the driver calls in place of a partition: its compiled (boxed) function."""
+    """What the driver calls in place of a partition: its compiled (boxed) function.
 
-    def __init__(self, compiled: Callable) -> None:
+    A compiled partition assumes its inputs have the strides it was compiled
+    for (those of the traced graph), but the partition before it may return
+    a value laid out otherwise (Inductor picks its own layout for outputs
+    that are not the graph's): such an input is copied into the expected
+    layout first.
+    """
+
+    def __init__(self, compiled: Callable, examples: list) -> None:
         super().__init__()
         self.compiled = compiled
+        self.strides = [tuple(x.stride()) if isinstance(x, torch.Tensor) else None for x in examples]
 
     def forward(self, *args):
-        return self.compiled(list(args))
+        return self.compiled([_with_strides(x, stride) for x, stride in zip(args, self.strides, strict=True)])
+
+
+def _with_strides(value, stride: tuple[int, ...] | None):
+    if stride is None or not isinstance(value, torch.Tensor) or value.stride() == stride or value.numel() <= 1:
+        return value
+    laid_out = torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+    return laid_out.copy_(value)
 
 
 def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
@@ -131,5 +148,41 @@ def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: s
     for call in calls:
         part = gm.get_submodule(call.target)
         examples = [n.meta.get("val") for n in part.graph.nodes if n.op == "placeholder"]
-        setattr(gm, call.target, CompiledPartition(inner.compile(part, examples, kind)))
+        with _compiling_a_partition():
+            compiled = inner.compile(part, examples, kind)
+        setattr(gm, call.target, CompiledPartition(compiled, examples))
     return make_boxed_func(gm.forward)
+
+
+@contextlib.contextmanager
+def _compiling_a_partition():
+    """Hide from the inner compiler what AOT Autograd's tracing context says of the whole graph.
+
+    * Output strides: Inductor reports the strides of a graph's outputs to
+      AOT Autograd, once per compile (it asserts the list is empty). A
+      partition's outputs are not the graph's: unreported, AOT Autograd keeps
+      the traced graph's strides, which Inductor keeps for the graph outputs.
+    * Donated buffers: the positions of backward inputs Inductor may
+      overwrite. They index the whole graph's inputs, not a partition's: a
+      partition would overwrite a value a later partition still reads.
+      Inductor's FX graph cache does not key on them, so it is bypassed for
+      partitions: a cached compile made with donation would come back.
+    """
+    from torch._inductor import config as inductor_config
+
+    context = torch._guards.TracingContext.try_get()
+    if context is None:
+        yield
+        return
+    metadata = context.fw_metadata
+    saved_strides, context.output_strides = context.output_strides, None
+    saved_donated = getattr(metadata, "bw_donated_idxs", None)
+    if saved_donated is not None:
+        metadata.bw_donated_idxs = []
+    try:
+        with inductor_config.patch(fx_graph_cache=False):
+            yield
+    finally:
+        context.output_strides = saved_strides
+        if saved_donated is not None:
+            metadata.bw_donated_idxs = saved_donated
