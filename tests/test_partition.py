@@ -131,6 +131,18 @@ def test_size_model_follows_its_documented_formula():
     assert MODEL.measure(gm).instructions == sum(cost.values())
 
 
+def test_size_model_counts_both_branches_of_a_cond():
+    def f(pred, a, b):
+        return torch.cond(pred, lambda a, b: (a @ b).sin(), lambda a, b: a.cos() @ b, (a, b))
+
+    gm = make_fx(f, tracing_mode="fake")(torch.tensor(True), torch.randn(256, 384), torch.randn(384, 1024))
+    (cond,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond]
+    matmul = math.ceil(384 / 128) * math.ceil(256 / 128) * math.ceil(1024 / 512)
+    sin = math.ceil(256 * 1024 / TILE)
+    cos = math.ceil(256 * 384 / TILE)
+    assert MODEL.node_instructions(cond) == (matmul + sin) + (cos + matmul)
+
+
 # -- the partitioner on graphs built here ----------------------------------------------------
 
 
@@ -389,3 +401,21 @@ def test_inductor_compiles_each_partition_with_unchanged_results():
     assert sizes["forward_0"] >= 2 and sizes["backward_0"] >= 2, sizes
     torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)
+
+
+def test_as_late_as_possible_moves_work_to_just_before_its_reader():
+    def f(x, w):
+        grad_w = w.t() @ w  # read only by the output: goes last
+        y = x.exp()
+        z = y.cos() + w.sum()  # w.sum() placed just before the add
+        return z.sin(), grad_w
+
+    gm = traced(f, torch.randn(4, 4), torch.randn(4, 4))
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    late = partition._as_late_as_possible(order)
+    names = [n.name for n in late]
+    assert sorted(names) == sorted(n.name for n in order)
+    assert all(names.index(a.name) < names.index(n.name) for n in late for a in n.all_input_nodes if a in order)
+    assert names[-2:] == ["mm", "sin"]  # what only the output reads, last
+    assert names.index("t") > names.index("cos")  # the weight gradient's input, after the other chain's work
+    assert late != order

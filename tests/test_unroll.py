@@ -187,7 +187,12 @@ def python_counter_loop(x):
     return while_loop(lambda i, x: i < 4, lambda i, x: (i + 1, torch.sin(x)), (0, x))
 
 
-@pytest.mark.parametrize("fn,trips", [(doubling_loop, 5), (python_counter_loop, 4)])
+def tensor_method_loop(x):
+    """Dynamo keeps i.lt(3) and i.add(1) as call_method nodes."""
+    return while_loop(lambda i, x: i.lt(3), lambda i, x: (i.add(1), x.mul(2)), (torch.tensor(0), x))
+
+
+@pytest.mark.parametrize("fn,trips", [(doubling_loop, 5), (python_counter_loop, 4), (tensor_method_loop, 3)])
 def test_static_while_loop_is_unrolled(fn, trips):
     x = torch.randn(3)
     capture, seen = capture_inner()

@@ -143,13 +143,20 @@ def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int
     values = dict(constants)
     history: dict[int, list] = {i: [values[i]] for i in control}
     control_outputs = [_output_values(body)[i] for i in sorted(control)]
-    for trips in range(MAX_TRIPS + 1):
-        if not bool(_evaluate(cond, values, [_output_values(cond)[0]])[0]):
-            return trips, history
-        values.update(zip(sorted(control), _evaluate(body, values, control_outputs)))
-        for i in control:
-            history[i].append(values[i])
+    try:
+        for trips in range(MAX_TRIPS + 1):
+            if not bool(_evaluate(cond, values, [_output_values(cond)[0]])[0]):
+                return trips, history
+            values.update(zip(sorted(control), _evaluate(body, values, control_outputs)))
+            for i in control:
+                history[i].append(values[i])
+    except (_NotSimulated, RuntimeError, TypeError, ValueError) as error:
+        return f"the trip count could not be simulated at compile time: {error}"
     return f"more than {MAX_TRIPS} trips"
+
+
+class _NotSimulated(Exception):
+    """A node of the loop's control the compile-time simulation cannot run."""
 
 
 def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> str | None:
@@ -267,6 +274,10 @@ def _evaluate(gm: torch.fx.GraphModule, inputs: dict[int, Any], wanted: list) ->
                 args = torch.fx.node.map_arg(node.args, env.__getitem__)
                 kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
                 env[node] = node.target(*args, **kwargs)
+            elif node.op == "call_method":  # Dynamo keeps tensor methods: i.lt(3), i.add(1)
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
             else:
-                raise RuntimeError(f"cannot evaluate {node.op} node {node.name} of a loop's control slice")
+                raise _NotSimulated(f"cannot evaluate the {node.op} node {node.name} of the loop's control")
     return [env[w] if isinstance(w, torch.fx.Node) else w for w in wanted]

@@ -10,11 +10,11 @@ a convex set of nodes, and the partitions are ordered. Two steps:
    programme over cut positions finds the smallest m that fits and, among
    those cuts, the ones that minimise the bytes crossing them (a value
    crosses a cut when it is made before it and read after it). A sliding-
-   window minimum keeps it O(m x nodes). Two orders are tried, the graph's
-   own and "as late as possible" (each node just before its first reader,
-   networkx.lexicographical_topological_sort), which keeps work that reads
-   only graph inputs off the cuts: in a backward graph, the output head's
-   weight gradient (a vocab x d matrix) is computed first but read last.
+   window minimum keeps it O(m x nodes). Three orders are tried: the
+   graph's own; "as late as possible" (each node just before its first
+   reader), which keeps work that reads only graph inputs off the cuts (in a
+   backward graph, a weight gradient computed first but returned last); and
+   depth first (each input's subgraph finished before the next starts).
 2. Better cuts off that order (`_refine_boundary`, networkx). For each pair
    of neighbouring partitions, the nodes near their boundary that could move
    either way without breaking the budget form a region; a minimum s-t cut
@@ -106,14 +106,19 @@ def input_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def _as_late_as_possible(order: list) -> list:
-    """A topological order placing each node as late as its readers allow."""
+    """A topological order scheduling each node as late as its readers allow (ALAP levels).
+
+    A node's level counts back from the end: 0 when only the output reads
+    it, else one more than the highest level among its readers. Sorting by
+    level, highest first (ties in the graph's order), puts each node after
+    everything that does not depend on it being done: work only the output
+    reads (a weight gradient computed first) moves to the end.
+    """
     position = {node: i for i, node in enumerate(order)}
-    readers = nx.DiGraph()
-    readers.add_nodes_from(order)
-    readers.add_edges_from((user, node) for node in order for user in node.users if user in position)
-    # Built from the end: among the nodes whose readers are all placed, the latest in the graph's order.
-    backwards = nx.lexicographical_topological_sort(readers, key=lambda node: -position[node])
-    return list(backwards)[::-1]
+    level: dict = {}
+    for node in reversed(order):
+        level[node] = 1 + max((level[user] for user in node.users if user in position), default=-1)
+    return sorted(order, key=lambda node: (-level[node], position[node]))
 
 
 def _depth_first(order: list) -> list:

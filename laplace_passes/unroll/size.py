@@ -13,8 +13,10 @@ estimate from its shapes, in units of the target's tile, `matmul_tile` =
     other   ceil(max(numel of inputs and output) / (P * F)), at least 1
             (elementwise ops, reductions, copies, scans: one instruction per
             full tile the op reads or writes)
-    loops   a scan or while_loop still in the graph counts its body once per
-            known trip (once when the trip count is unknown)
+    loops   a scan still in the graph counts its body once per trip; a
+            while_loop counts its body once (the unroll pass removes the
+            loops whose trip count it knows)
+    cond    the sum of both branches (each is compiled)
 
 Placeholders, outputs and attributes cost nothing. A node without shape
 information counts 1.
@@ -80,6 +82,8 @@ class SizeModel:
             return 0
         if node.target in _LOOP_OPS:
             return self._loop_instructions(node)
+        if node.target is torch.ops.higher_order.cond:
+            return self._cond_instructions(node)
         if is_view(node):
             return 0
         if getattr(node.target, "overloadpacket", None) in _MATMUL_OPS:
@@ -106,6 +110,12 @@ class SizeModel:
         N = b.shape[-1]
         P, F = self.partition_rows, self.free_elements
         return max(1, math.prod(batch)) * math.ceil(K / P) * math.ceil(M / P) * math.ceil(N / F)
+
+    def _cond_instructions(self, node: torch.fx.Node) -> int:
+        """Both branches: the compiler generates the code of each."""
+        gm = node.graph.owning_module
+        branches = [operator.attrgetter(arg.target)(gm) for arg in node.args[1:3]]
+        return max(1, sum(self.measure(branch).instructions for branch in branches))
 
     def _loop_instructions(self, node: torch.fx.Node) -> int:
         gm = node.graph.owning_module

@@ -18,7 +18,11 @@ After (two partitions; each a GraphModule that returns a tuple):
 
 `compile_graph` hands each partition to the inner compiler separately and
 installs the compiled callables in the driver, which then runs them in
-order: the same ATen ops in the same order as the uncut graph.
+order: the same ATen ops as the uncut graph, each after the values it reads.
+The partitioner may order independent ops differently from the uncut graph,
+so ops that draw random numbers (dropout in a graph whose RNG is not
+functionalised) may draw in another order; everything else computes the
+same values.
 """
 
 from __future__ import annotations
