@@ -150,6 +150,23 @@ def test_rewritten_step_equals_torch_muon(world_size, comms):
         assert all(other[2] == code for other in per_rank[1:]), f"{comm}: graph code differs between ranks"
 
 
+def _body_default_backend(rank, world_size):
+    """ShardedMuon as users construct it: backend="laplace" with its default options (target trn2)."""
+    failures: list[str] = []
+    _run_against_reference(rank, world_size, "all_gather", "laplace", failures)
+    report = laplace_passes.last_report()
+    applied = [p.modified for p in report.passes if p.name == "muon_all_to_all"]
+    return failures, report.target, applied
+
+
+@pytest.mark.parametrize("world_size,rewritten", [(4, True), (3, False)])
+def test_default_backend_rewrites_where_trn2_allows_and_stays_exact(world_size, rewritten):
+    """trn2's all-to-all takes 4 ranks, not 3: the gathers stay, with the reason, and the step is exact either way."""
+    results = run_ranks(world_size, _body_default_backend, timeout=170)
+    assert not [f for failures, _, _ in results for f in failures]
+    assert all(target == "trn2" and applied == [rewritten] for _, target, applied in results), results
+
+
 PG_TIMEOUT = 3.0
 
 
