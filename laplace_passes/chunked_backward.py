@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace_passes.chunked_forward import ChunkedInputs, IntraChunk, entering_states, nested_sub_chunks
+from laplace_passes.chunked_forward import FLUSH_BELOW, ChunkedInputs, IntraChunk, entering_states, nested_sub_chunks
 
 
 def leaving_state_gradients(
@@ -92,6 +92,8 @@ def chunked_backward(
     dG_last = (x.k * dk_inter).sum(-2, keepdim=True) + (chunk_decay * (states * leaving).sum(-1, keepdim=True)).transpose(-1, -2)
     dG = torch.cat([dG[..., :-1, :], dG[..., -1:, :] + dG_last], dim=-2)
     dgk = dG.flip(-2).cumsum(-2).flip(-2)
+    # The forward clamps each gate at -FLUSH_BELOW before its cumsum: no gradient below.
+    dgk = dgk * (x.layout.to_chunks(gk) >= -FLUSH_BELOW)
 
     layout = x.layout
     return (

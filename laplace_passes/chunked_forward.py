@@ -40,6 +40,11 @@ whose exponent is at or below -FLUSH_BELOW (exp(-30), about 1e-13) is set to
 exactly 0. The terms dropped weigh less than 1e-13 against the token's own
 term (weight 1): far under fp32 rounding. GPUs and Trainium flush denormals in
 hardware; this does it in the graph, so it holds for every backend.
+Each gate is also clamped at -FLUSH_BELOW before the cumulative sum (its
+gradient is 0 below): any decay through such a gate is flushed anyway, and an
+unclamped one would break G. A gate of -inf (a hard reset, or fp16 overflow)
+makes G_i - G_j = -inf - (-inf) = NaN; a finite but huge one (-1e7) pushes G
+so far that the small gates after it fall below fp32's rounding step of G.
 
 Padding: T is padded with zero tokens to a multiple of C (q = k = v = 0 and
 gk = 0 leave the state untouched); each chunk is padded likewise to a multiple
@@ -133,7 +138,7 @@ class ChunkedInputs:
     def build(cls, q, k, v, gk, scale: float, chunk_size: int, sub_chunk_size: int) -> ChunkedInputs:
         layout = ChunkLayout.plan(q.shape[1], chunk_size, sub_chunk_size)
         qc, kc, vc, gc = (layout.to_chunks(x) for x in (q, k, v, gk))
-        G = gc.cumsum(-2)
+        G = gc.clamp(min=-FLUSH_BELOW).cumsum(-2)  # NOTE [flushing tiny decays]
         return cls(layout, qc * scale, kc, vc, G, G[..., -1:, :])
 
     def inter_chunk_decays(self) -> tuple[Tensor, Tensor, Tensor]:

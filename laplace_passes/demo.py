@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -159,20 +160,38 @@ def _run_data_parallel(config: DemoConfig) -> DemoResult:
 
     port = _free_port()
     context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    results = context.Queue()
     processes = [
         context.Process(target=_rank_main, args=(rank, config, port, results), daemon=True)
         for rank in range(config.world_size)
     ]
     for process in processes:
         process.start()
-    outcomes = [results.get() for _ in processes]
+    outcomes = _collect(results, processes)
     for process in processes:
         process.join()
     failures = [o for o in outcomes if o[0] == "error"]
     if failures:
         raise RuntimeError("data-parallel demo failed:\n" + "\n".join(f"rank {r}: {msg}" for _, r, msg in failures))
     return next(result for _, rank, result in outcomes if rank == 0)
+
+
+def _collect(results, processes) -> list:
+    """One outcome per rank; a rank that dies without reporting (killed, crashed) stops the demo, not hangs it."""
+    outcomes = []
+    while len(outcomes) < len(processes):
+        try:
+            outcomes.append(results.get(timeout=1.0))
+        except queue.Empty:
+            reported = {outcome[1] for outcome in outcomes}
+            dead = [(rank, p.exitcode) for rank, p in enumerate(processes)
+                    if rank not in reported and p.exitcode not in (None, 0)]
+            if dead:
+                for process in processes:
+                    process.terminate()
+                raise RuntimeError("data-parallel demo failed: " + ", ".join(
+                    f"rank {rank} exited with code {code} without a result" for rank, code in dead))
+    return outcomes
 
 
 def _rank_main(rank: int, config: DemoConfig, port: int, results) -> None:

@@ -140,6 +140,21 @@ def test_dynamic_sequence_length_is_declined_with_a_reason():
     FileCheck().check("laplace.gla").run(report.graph("after").code)
 
 
+def test_dynamic_value_dimension_is_declined_with_a_reason():
+    def f(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    q, k, gk = (torch.randn(1, 20, 1, 8) for _ in range(3))
+    v = torch.randn(1, 20, 1, 6)
+    torch._dynamo.mark_dynamic(v, 3)
+    report = laplace_passes.Report()
+    compiled = torch.compile(f, backend="laplace", options={"report": report, "target": "cpu"})
+    torch.testing.assert_close(compiled(q, k, v, -gk.abs()), f(q, k, v, -gk.abs()))
+    (site,) = report.sites
+    assert site.status == "declined"
+    assert site.reason.startswith("v has a dynamic size s") and "needs static shapes" in site.reason
+
+
 def test_retiling_can_be_switched_off():
     def f(q, k, v, gk):
         return laplace_passes.gla(q, k, v, gk)[0]

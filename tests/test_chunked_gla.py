@@ -12,6 +12,8 @@ are checked on the same inputs:
 import functools
 import itertools
 
+import math
+
 import pytest
 import torch
 
@@ -102,6 +104,26 @@ def test_explicit_backward_matches_autograd_of_the_recurrence(initial_state, fin
     got = torch.autograd.grad(loss, inputs[:n])
     for name, g, e in zip("q k v gk initial_state".split(), got, expected):
         torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("reset", [-math.inf, -1e7, -31.0])
+def test_reset_gates_match_the_recurrence(reset):
+    """A gate of -inf (log 0, fp16 overflow) or far below the flush threshold: a hard reset of those channels."""
+    B, T, H, K, V = 1, 40, 2, 6, 5
+    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, gate_divisor=10.0)
+    gk[:, [3, 17, 18], :, ::2] = reset  # in the first chunk and across a chunk boundary, half the channels
+    leaves = [x.double().requires_grad_() for x in (q, k, v, gk, h0)]
+    expected_o, expected_h = plain_recurrence(*leaves, K**-0.5)
+    do, dh = output_cotangents(B, T, H, K, V)
+    expected = torch.autograd.grad((expected_o * do).sum() + (expected_h * dh).sum(), leaves)
+
+    inputs = [x.detach().float().requires_grad_() for x in leaves]
+    o, h = chunked_gla(*inputs[:4], initial_state=inputs[4], output_final_state=True, chunk_size=16, sub_chunk_size=4)
+    torch.testing.assert_close(o.double(), expected_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.double(), expected_h, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad((o * do).sum() + (h * dh).sum(), inputs)
+    for name, g, e in zip("q k v gk initial_state".split(), got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-4, msg=f"gradient of {name}")
 
 
 def test_backward_keeps_only_the_inputs():

@@ -68,6 +68,16 @@ def test_float64_is_flagged_where_it_enters_the_graph():
     assert "float32" in findings[1].fix
 
 
+def test_float64_constant_is_flagged():
+    def with_f64_constant(x):
+        return (x.sum() + torch.tensor([1.0, 2.0], dtype=torch.float64)).float()
+
+    gm = make_fx(with_f64_constant, tracing_mode="fake")(torch.randn(4))
+    findings = findings_of(gm)
+    assert [(f.check, f.op) for f in findings] == [("f64", "constant")], findings
+    assert findings[0].message.startswith("produces torch.float64 [2]; Trainium has no f64 arithmetic")
+
+
 def test_estimated_instructions_over_the_budget():
     gm = make_fx(lambda a, b: a @ b, tracing_mode="fake")(torch.randn(256, 128), torch.randn(128, 1024))
     assert findings_of(gm, TRN2) == []

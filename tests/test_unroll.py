@@ -240,7 +240,7 @@ def test_gla_inside_a_scan_body_is_retiled_then_unrolled():
     assert relative_rmse(outputs, expected_outputs) < 1e-5 and relative_rmse(total, expected_total) < 1e-5
 
     report = compiled.laplace_report
-    assert [s.status for s in report.sites] == ["retiled"]
+    assert [(s.node, s.status) for s in report.sites] == [("scan_combine_fn_0.gla_default", "retiled")]
     assert loops_of(report, "dynamo_0") == [("scan", 3, "unrolled")]
     assert loops_of(report, "inference_0") == [("laplace.chunked_gla", 2, "unrolled")] * 3
     (graph,) = seen

@@ -64,16 +64,17 @@ class RetileGLA(GraphPass):
         records, declined = [], []
         # The graph and the bodies of its loops (scan, while_loop): a site in
         # a body becomes one site per trip when the loop is unrolled.
-        graphs = [gm] + _bodies_with_sites(gm)
-        for graph_module in graphs:
+        bodies = _bodies_with_sites(gm)
+        for where, graph_module in [("", gm), *bodies]:
             for node in [n for n in graph_module.graph.nodes if is_gla_node(n)]:
                 # Bind just before rewriting: rewriting an earlier site replaces
                 # nodes a later site may read (GLA layers feed each other).
                 record = self._rewrite(graph_module, bind_site(node))
+                record.node = where + record.node  # a site in a loop body: "scan_combine_graph_0.gla_default"
                 records.append(record)
                 if record.status == "declined":
                     declined.append(f"{record.node}: {record.reason}")
-        for body in graphs[1:]:
+        for _, body in bodies:
             body.recompile()
         retiled = sum(r.status == "retiled" for r in records)
         summary = f"{retiled} of {len(records)} GLA sites re-tiled at chunk {self.chunk_size}"
@@ -120,14 +121,14 @@ class RetileGLA(GraphPass):
         graph.erase_node(site.node)
 
 
-def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
-    """Loop bodies holding a GLA site, each replaced by a copy first: earlier snapshots share the original."""
+def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
+    """("name.", body) for loop bodies holding a GLA site, each replaced by a copy first: earlier snapshots share the original."""
     bodies = []
     for name, module in list(gm.named_modules()):
         if name and isinstance(module, torch.fx.GraphModule) and any(is_gla_node(n) for n in module.graph.nodes):
             copied = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
             gm.set_submodule(name, copied)
-            bodies.append(copied)
+            bodies.append((f"{name}.", copied))
     return bodies
 
 
@@ -139,6 +140,12 @@ def _static_shape_problem(values: list) -> str | None:
         if not isinstance(size, int):
             return (f"{name} = {size} is dynamic; the chunk plan needs a static shape "
                     "(compile with dynamic=False or mark the dimension static)")
+    # The other inputs: V (v's last dimension) and the initial state's shape.
+    for input_name, value in zip(("k", "v", "gk", "initial_state"), values[1:]):
+        dynamic = [size for size in value.shape if not isinstance(size, int)]
+        if dynamic:
+            return (f"{input_name} has a dynamic size {dynamic[0]} (shape {tuple(value.shape)}); the chunked "
+                    "computation needs static shapes (compile with dynamic=False or mark the dimension static)")
     return None
 
 

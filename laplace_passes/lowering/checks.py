@@ -8,6 +8,8 @@ returns `Finding`s that name the node, say what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import asdict, dataclass
 
 import torch
@@ -70,20 +72,32 @@ def check_loops(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Findin
 
 
 def check_float64(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
-    """Each place f64 enters the graph (inputs, and ops producing f64 from non-f64 inputs)."""
+    """Each place f64 enters the graph (inputs, constants, and ops producing f64 from non-f64 inputs)."""
     findings = []
     for node in gm.graph.nodes:
-        if node.op not in ("placeholder", "call_function") or not _is_f64(node.meta.get("val")):
+        value = _value(gm, node)
+        if node.op not in ("placeholder", "get_attr", "call_function") or not _is_f64(value):
             continue
-        if any(_is_f64(arg.meta.get("val")) for arg in node.all_input_nodes):
+        if any(_is_f64(_value(gm, arg)) for arg in node.all_input_nodes):
             continue  # f64 flowing on: the finding is where it came from
-        op = "input" if node.op == "placeholder" else op_name(node)
+        op = {"placeholder": "input", "get_attr": "constant"}.get(node.op) or op_name(node)
         findings.append(Finding(
-            "f64", node.name, op, f"produces {node.meta['val'].dtype} {_shape(node)}; Trainium has no f64 "
+            "f64", node.name, op, f"produces {value.dtype} {list(value.shape)}; Trainium has no f64 "
             "arithmetic and TorchNeuron silently demotes f64 to f32, so results differ from what you tested",
             "compute in float32 or bfloat16: cast inputs and parameters (.float()), avoid dtype=torch.float64 "
             "and torch.set_default_dtype(torch.float64)"))
     return findings
+
+
+def _value(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """A node's (fake) value; for an attribute read (a tensor constant) the attribute itself."""
+    value = node.meta.get("val")
+    if value is None and node.op == "get_attr":
+        try:
+            value = operator.attrgetter(node.target)(gm)
+        except AttributeError:
+            return None
+    return value
 
 
 def check_instruction_budget(
