@@ -13,10 +13,12 @@ callable returning `(model_or_fn, example_inputs_tuple)`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -93,7 +95,9 @@ def _run_inspect(args) -> int:
     from laplace_passes.dump import dump_report
 
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
-    report = laplace_passes.inspect(model, *example_inputs, target=args.target)
+    with _status(f"inspect {args.model}: capturing and transforming its graphs at batch {args.batch}, "
+                 f"T = {args.seq_len}"):
+        report = laplace_passes.inspect(model, *example_inputs, target=args.target)
     print(report.to_json(indent=2) if args.json else report)
     if args.dump:
         written = dump_report(report, args.dump)
@@ -118,8 +122,6 @@ def _add_export(commands) -> None:
 
 
 def _run_export(args) -> int:
-    import contextlib
-
     import torch
 
     import laplace_passes
@@ -130,7 +132,7 @@ def _run_export(args) -> int:
                          "`inspect` shows its graphs and sizes")
     # Gradients on (the default): AOT Autograd makes the forward and backward graphs of a training step.
     context = torch.no_grad() if args.inference else contextlib.nullcontext()
-    with context:
+    with context, _status(f"export {args.model}: lowering every graph at batch {args.batch}, T = {args.seq_len}"):
         exported = laplace_passes.export_stablehlo(model, *example_inputs, target=args.target, out_dir=args.stablehlo)
     manifest = exported.manifest
     if args.json:
@@ -141,6 +143,15 @@ def _run_export(args) -> int:
             print(f"{entry['file']:<32} {entry['kind']:<10} {ops:>7,} StableHLO ops")
         print(f"wrote {len(manifest['graphs'])} graphs and manifest.json to {exported.out_dir}")
     return 0
+
+
+@contextlib.contextmanager
+def _status(what: str):
+    """One line on stderr before long silent work, and how long it took after."""
+    print(f"{what} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _on_meta(model) -> bool:

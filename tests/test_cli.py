@@ -50,6 +50,7 @@ def test_demo_data_parallel_two_ranks():
 def test_inspect_json_has_the_documented_fields():
     done = run_cli("inspect", "tiny", "--seq-len", "256", "--json")
     assert done.returncode == 0, done.stderr
+    assert "inspect tiny: capturing and transforming its graphs" in done.stderr and "done in" in done.stderr
     data = json.loads(done.stdout)
     assert set(data) == {"target", "inner", "graphs", "passes", "sites", "notes"}
     assert {"name", "kind", "nodes_before", "nodes_after", "passes"} <= set(data["graphs"][0])
@@ -128,6 +129,7 @@ def test_export_subprocess_inference_graph(tmp_path):
     done = run_cli("export", "tiny", "--stablehlo", str(tmp_path), "--seq-len", "64", "--inference")
     assert done.returncode == 0, done.stderr
     assert "inference_0.mlir" in done.stdout and "StableHLO ops" in done.stdout
+    assert "export tiny: lowering every graph" in done.stderr and "done in" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inference_0.mlir", "manifest.json"]
 
 
