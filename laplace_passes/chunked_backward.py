@@ -93,7 +93,7 @@ def chunked_backward(
     dG = torch.cat([dG[..., :-1, :], dG[..., -1:, :] + dG_last], dim=-2)
     dgk = dG.flip(-2).cumsum(-2).flip(-2)
     # The forward clamps each gate at -FLUSH_BELOW before its cumsum: no gradient below.
-    dgk = dgk * (x.layout.to_chunks(gk) >= -FLUSH_BELOW)
+    dgk = dgk * (x.gates >= -FLUSH_BELOW)
 
     layout = x.layout
     return (

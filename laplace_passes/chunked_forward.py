@@ -131,7 +131,8 @@ class ChunkedInputs:
     q: Tensor  # scale * Q
     k: Tensor
     v: Tensor
-    G: Tensor  # cumsum of gk inside each chunk: non-increasing along rows
+    gates: Tensor  # gk, unclamped (the backward masks the clamped ones)
+    G: Tensor  # cumsum of the clamped gk inside each chunk: non-increasing along rows
     G_last: Tensor  # [.., 1, K]: the last row (padded rows have gk = 0, so it is the chunk's)
 
     @classmethod
@@ -139,7 +140,7 @@ class ChunkedInputs:
         layout = ChunkLayout.plan(q.shape[1], chunk_size, sub_chunk_size)
         qc, kc, vc, gc = (layout.to_chunks(x) for x in (q, k, v, gk))
         G = gc.clamp(min=-FLUSH_BELOW).cumsum(-2)  # NOTE [flushing tiny decays]
-        return cls(layout, qc * scale, kc, vc, G, G[..., -1:, :])
+        return cls(layout, qc * scale, kc, vc, gc, G, G[..., -1:, :])
 
     def inter_chunk_decays(self) -> tuple[Tensor, Tensor, Tensor]:
         """exp(G) for queries, exp(G_last - G) for keys, exp(G_last) per chunk as [B, H, N, K, 1]."""

@@ -31,7 +31,7 @@ def aten_passes(config: CompileConfig, kind: str) -> list[GraphPass]:
     # GLA chunk-loop ops (and any scan / while_loop left) -> straight-line
     # code, decomposed like the rest of the graph for the inner compiler.
     decompositions = config.inner.decompositions() if config.inner.decompositions is not None else None
-    passes.append(UnrollLoops("aten", record=_current_graph(config), decompositions=decompositions))
+    passes.append(UnrollLoops("aten", record=current, decompositions=decompositions))
     # Last, the inner compiler's own passes: they prepare the final graph for
     # it (for the lowering compilers: making it lowerable, the Neuron preflight).
     if config.inner.aten_passes is not None:
@@ -39,7 +39,7 @@ def aten_passes(config: CompileConfig, kind: str) -> list[GraphPass]:
     # After everything that changes the graph: measure what the inner
     # compiler receives, and cut it into partitions if it is over budget.
     model = SizeModel.for_target(config.target)
-    passes.append(FitGraphToBudget(config.max_graph_instructions, model, kind, record=_current_graph(config),
+    passes.append(FitGraphToBudget(config.max_graph_instructions, model, kind, record=current,
                                    forward_graphs=_forward_graphs(config)))
     return passes
 

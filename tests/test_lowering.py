@@ -29,6 +29,7 @@ from laplace_passes.lowering.neuron import NO_FALLBACK_ENV, NeuronUnavailableErr
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo, torch_mlir_decompositions
 from laplace_passes.targets import TRN2
 from laplace_passes.unroll import SizeModel
+from tests.gla_cases import relative_rmse
 
 for module in ("torch_mlir", "iree.compiler", "iree.runtime"):
     pytest.importorskip(module, reason="the lowering extra: pip install -e '.[lowering]'")
@@ -37,11 +38,6 @@ for module in ("torch_mlir", "iree.compiler", "iree.runtime"):
 MAX_RELATIVE_RMSE = 1e-4
 # Small enough that the budget pass cuts a 64-token GLA call into a few partitions.
 PARTITION_BUDGET = 40
-
-
-def relative_rmse(got: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.double()
-    return ((got.double() - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item()
 
 
 def tokens(T, seed=0):

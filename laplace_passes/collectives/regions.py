@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from laplace_passes.fx import sites
+
 Node = torch.fx.Node
 
 
@@ -106,5 +108,6 @@ def live_users(node: Node, live: set[Node]) -> list[Node]:
 
 
 def fake_value(node: Node) -> torch.Tensor | None:
-    value = node.meta.get("val")
+    """The node's fake tensor (`laplace_passes.fx.sites.fake_value`), None when it is not a tensor."""
+    value = sites.fake_value(node)
     return value if isinstance(value, torch.Tensor) else None

@@ -79,6 +79,7 @@ from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes
 from laplace_passes.passes import GraphPass, PassOutcome
 from laplace_passes.report import GraphRecord, TrafficRecord
 from laplace_passes.targets import HardwareTarget
+from laplace_passes.unroll.size import value_bytes
 
 @dataclass
 class MuonRewrite:
@@ -275,8 +276,7 @@ def _ns_flops_before(buckets: list[GatherBucket], world_size: int) -> int:
 def _traffic(graph_name, buckets, plans, before: list[CollectiveBytes], after: list[CollectiveBytes],
              flops_before: int) -> TrafficRecord:
     W = buckets[0].world_size
-    matrix_bytes = sum(fake_value(s.result).numel() * fake_value(s.result).element_size()
-                       for b in buckets for s in b.sites)
+    matrix_bytes = sum(value_bytes(s.result) for b in buckets for s in b.sites)
     sent_before, received_before = per_rank_totals(before, W)
     sent_after, received_after = per_rank_totals(after, W)
     return TrafficRecord(

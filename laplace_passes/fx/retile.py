@@ -45,10 +45,7 @@ from laplace_passes.chunked import chunk_plan, saved_for_backward_bytes
 from laplace_passes.fx.sites import GlaSite, bind_site, fake_value, is_gla_node
 from laplace_passes.passes import GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
-
-# Meta that describes where a node came from: the chunk-loop node inherits
-# the site's, so reports and per-layer accounting still see the user's layer.
-_PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
+from laplace_passes.unroll.inline import provenance_of
 
 
 class RetileGLA(GraphPass):
@@ -99,7 +96,9 @@ class RetileGLA(GraphPass):
 
     def _install_chunk_loop(self, graph: torch.fx.Graph, site: GlaSite) -> None:
         """check_gates + laplace::chunked_gla in place of the site; same (o, state) outputs."""
-        provenance = {key: site.node.meta[key] for key in _PROVENANCE_KEYS if key in site.node.meta}
+        # The chunk-loop node inherits where the site came from: reports and
+        # per-layer accounting still see the user's layer.
+        provenance = provenance_of(site.node)
         with graph.inserting_before(site.node):
             gates = graph.create_node(
                 "call_function", torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates"

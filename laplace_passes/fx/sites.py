@@ -8,7 +8,6 @@ naming the fla function.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -53,13 +52,3 @@ def fake_value(node: torch.fx.Node):
     """The FakeTensor a node produces: Dynamo stores `example_value`, AOT `val`."""
     meta = node.meta
     return meta.get("val", meta.get("example_value"))
-
-
-def tuple_users(node: torch.fx.Node) -> dict[int, torch.fx.Node] | None:
-    """Map output index -> getitem user, or None when the tuple is used whole."""
-    users: dict[int, torch.fx.Node] = {}
-    for user in node.users:
-        if user.op != "call_function" or user.target is not operator.getitem:
-            return None
-        users[user.args[1]] = user
-    return users

@@ -48,8 +48,7 @@ def _line_instructions(line: str, model: SizeModel) -> int:
     shapes = [_shape(dims) for dims in _TENSOR.findall(line)]
     if op == "stablehlo.dot_general" and len(shapes) >= 3:
         return _dot_general(line, shapes[0], shapes[1], model)
-    numels = [math.prod(s) for s in shapes]
-    return max(1, math.ceil(max(numels, default=1) / model.tile_elements))
+    return model.elementwise_instructions(max((math.prod(s) for s in shapes), default=1))
 
 
 def _shape(dims: str) -> tuple[int, ...]:
@@ -65,5 +64,4 @@ def _dot_general(line: str, lhs: tuple[int, ...], rhs: tuple[int, ...], model: S
     k = math.prod(lhs[d] for d in lhs_contract)
     m = math.prod(s for d, s in enumerate(lhs) if d not in lhs_batch and d not in lhs_contract)
     n = math.prod(s for d, s in enumerate(rhs) if d not in rhs_batch and d not in rhs_contract)
-    rows, free = model.partition_rows, model.free_elements
-    return batch * math.ceil(k / rows) * math.ceil(m / rows) * math.ceil(n / free)
+    return model.matmul_instructions(batch, m, k, n)

@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-from functorch.compile import make_boxed_func
 
 from laplace_passes.lowering.checks import Finding, check_graph
 from laplace_passes.passes import GraphPass, PassOutcome
@@ -144,7 +143,7 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
     (chunk_size, retile_gla, ...).
     """
     from laplace_passes.api import inspect
-    from laplace_passes.inner import InnerCompiler
+    from laplace_passes.inner import INNER_COMPILERS, InnerCompiler
     from laplace_passes.lowering.legalize import lowering_passes
     from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
 
@@ -154,11 +153,9 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
         runs.append(preflight_pass(config, kind))
         return [*lowering_passes(config, kind), runs[-1]]
 
-    def run_eagerly(gm: torch.fx.GraphModule, example_inputs: list, kind: str):
-        return make_boxed_func(gm.forward)
-
-    compiler = InnerCompiler(
-        "neuron-preflight", run_eagerly, decompositions=torch_mlir_decompositions, aten_passes=passes
+    compiler = InnerCompiler(  # the graphs run eagerly: only the passes' findings matter
+        "neuron-preflight", INNER_COMPILERS["eager"].compile, decompositions=torch_mlir_decompositions,
+        aten_passes=passes,
     )
     report = inspect(model_or_fn, *example_inputs, target=target, inner=compiler, **options)
     findings = [f for run in runs for f in run.findings]

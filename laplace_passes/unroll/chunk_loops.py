@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from laplace_passes.chunked import CHUNK_LOOP_OPS
 from laplace_passes.chunked_backward import chunked_backward
 from laplace_passes.chunked_forward import ChunkLayout, chunked_forward
-from laplace_passes.unroll.inline import getitem_users, inline_graph, provenance_of, replace_tuple_result
+from laplace_passes.unroll.inline import inline_graph, provenance_of, replace_tuple_result
 
 # The body each chunk-loop op runs, and the name the report gives its loop.
 _BODIES: dict = {
@@ -72,8 +72,6 @@ class ChunkLoopExpander:
 
     def expand(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
         """Replace `node` by its traced body; return a reason instead when it cannot be."""
-        if getitem_users(node) is None:
-            return "its result is used as a whole, not through indexing"
         tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
         if any("val" not in a.meta for a in tensor_args):
             return "an input has no fake value to trace the loop body with"

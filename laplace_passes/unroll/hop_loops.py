@@ -45,7 +45,6 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from laplace_passes.unroll.inline import (
-    getitem_users,
     inline_graph,
     propagate_fake_value,
     provenance_of,
@@ -92,8 +91,6 @@ def scan_trip_count(node: torch.fx.Node, key: str) -> int | str:
 
 
 def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, key: str) -> str | None:
-    if getitem_users(node) is None:
-        return "its result is used as a whole, not through indexing"
     combine, init, xs, additional = node.args
     body = _subgraph(gm, combine)
     graph, provenance = gm.graph, provenance_of(node)
@@ -160,8 +157,6 @@ class _NotSimulated(Exception):
 
 
 def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> str | None:
-    if getitem_users(node) is None:
-        return "its result is used as a whole, not through indexing"
     _, body_arg, carried, additional = node.args
     body = _subgraph(gm, body_arg)
     graph, provenance = gm.graph, provenance_of(node)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 import torch.fx
@@ -58,6 +58,7 @@ class PartitionPlan:
     nodes: list[int]  # compute nodes per partition
     cut_bytes: list[int]  # bytes crossing the cut after partition i (count - 1 entries)
     bytes_in: list[int]  # bytes each partition reads from earlier partitions
+    input_views: set = field(default_factory=set)  # not placed: each partition makes its own (input_views)
 
 
 def plan_partitions(gm: torch.fx.GraphModule, cost: dict, budget: int, refine: bool = True) -> PartitionPlan | str:
@@ -88,7 +89,9 @@ def plan_partitions(gm: torch.fx.GraphModule, cost: dict, budget: int, refine: b
     if refine:
         for left in range(count - 1):
             _refine_boundary(order, part_of, cost, budget, left)
-    return _summarise(order, part_of, cost, count)
+    plan = _summarise(order, part_of, cost, count)
+    plan.input_views = unplaced
+    return plan
 
 
 def input_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:

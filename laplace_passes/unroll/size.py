@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from laplace_passes.fx.sites import fake_value
+
 aten = torch.ops.aten
 
 # Ops that only change how memory is read.
@@ -94,7 +96,16 @@ class SizeModel:
         numels = [n for n in numels if n is not None]
         if not numels:
             return 1
-        return max(1, math.ceil(max(numels) / self.tile_elements))
+        return self.elementwise_instructions(max(numels))
+
+    def elementwise_instructions(self, numel: int) -> int:
+        """One instruction per full tile read or written, at least 1 (the module docstring's "other")."""
+        return max(1, math.ceil(numel / self.tile_elements))
+
+    def matmul_instructions(self, batch: int, M: int, K: int, N: int) -> int:
+        """[batch, M, K] @ [batch, K, N]: one P x F output tile per instruction and K-step."""
+        P, F = self.partition_rows, self.free_elements
+        return max(1, batch) * math.ceil(K / P) * math.ceil(M / P) * math.ceil(N / F)
 
     def measure(self, gm: torch.fx.GraphModule) -> GraphSize:
         per_node = {node: self.node_instructions(node) for node in gm.graph.nodes}
@@ -107,9 +118,7 @@ class SizeModel:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
             return None
         *batch, M, K = a.shape
-        N = b.shape[-1]
-        P, F = self.partition_rows, self.free_elements
-        return max(1, math.prod(batch)) * math.ceil(K / P) * math.ceil(M / P) * math.ceil(N / F)
+        return self.matmul_instructions(math.prod(batch), M, K, b.shape[-1])
 
     def _cond_instructions(self, node: torch.fx.Node) -> int:
         """Both branches: the compiler generates the code of each."""
@@ -145,7 +154,7 @@ def is_view(node: torch.fx.Node) -> bool:
 def value_bytes(node: torch.fx.Node) -> int:
     """Bytes of the tensors a node produces (0 when unknown or not a tensor)."""
     total = 0
-    for value in _as_list(node.meta.get("val", node.meta.get("example_value"))):
+    for value in _as_list(fake_value(node)):
         if isinstance(value, torch.Tensor):
             total += value.numel() * value.element_size()
     return total

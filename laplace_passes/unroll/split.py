@@ -36,7 +36,7 @@ import torch._guards
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.unroll.partition import PartitionPlan, input_views
+from laplace_passes.unroll.partition import PartitionPlan
 
 PARTITION_PREFIX = "laplace_partition_"
 
@@ -49,7 +49,7 @@ def split_graph(gm: torch.fx.GraphModule, plan: PartitionPlan) -> torch.fx.Graph
             members[plan.part_of[node]].append(node)
     output = gm.graph.output_node()
 
-    views = input_views(gm)
+    views = plan.input_views
     driver = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:

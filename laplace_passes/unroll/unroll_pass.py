@@ -23,7 +23,7 @@ from laplace_passes.passes import GraphPass, PassOutcome
 from laplace_passes.report import GraphRecord, LoopRecord
 from laplace_passes.unroll import chunk_loops, hop_loops
 from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
-from laplace_passes.unroll.inline import erase_unused, fake_key
+from laplace_passes.unroll.inline import erase_unused, fake_key, getitem_users
 
 LEVELS = ("dynamo", "aten")
 
@@ -77,37 +77,31 @@ class UnrollLoops(GraphPass):
         return hop_loops.is_hop_loop(node) or (self.level == "aten" and chunk_loops.is_chunk_loop(node))
 
     def _unroll(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> LoopRecord:
+        """Count the trips, then unroll; the record says which step declined and why."""
         if chunk_loops.is_chunk_loop(node):
-            kind, trips = chunk_loops.loop_kind(node), chunk_loops.chunk_count(node)
-            record = LoopRecord(node=node.name, kind=kind, trip_count=None, status="declined")
-            if isinstance(trips, str):
-                record.reason = trips
-                return record
-            record.trip_count = trips
-            return _finish(record, self.chunk_loops.expand(gm, node))
-        kind = hop_loops.loop_kind(node)
+            kind, counted = chunk_loops.loop_kind(node), chunk_loops.chunk_count(node)
+            unroll = lambda: self.chunk_loops.expand(gm, node)  # noqa: E731
+        elif hop_loops.loop_kind(node) == "scan":
+            kind, counted = "scan", hop_loops.scan_trip_count(node, fake_key(gm.graph))
+            unroll = lambda: hop_loops.unroll_scan(gm, node, counted, fake_key(gm.graph))  # noqa: E731
+        else:
+            kind, counted, history = hop_loops.loop_kind(node), hop_loops.while_trip_count(gm, node), None
+            if not isinstance(counted, str):
+                counted, history = counted  # the trip count, and each counter's value per trip
+            unroll = lambda: hop_loops.unroll_while(gm, node, counted, history)  # noqa: E731
         record = LoopRecord(node=node.name, kind=kind, trip_count=None, status="declined")
-        if kind == "scan":
-            trips = hop_loops.scan_trip_count(node, fake_key(gm.graph))
-            if isinstance(trips, str):
-                record.reason = trips
-                return record
-            record.trip_count = trips
-            return _finish(record, hop_loops.unroll_scan(gm, node, trips, fake_key(gm.graph)))
-        counted = hop_loops.while_trip_count(gm, node)
         if isinstance(counted, str):
             record.reason = counted
             return record
-        record.trip_count, history = counted
-        return _finish(record, hop_loops.unroll_while(gm, node, record.trip_count, history))
-
-
-def _finish(record: LoopRecord, reason: str | None) -> LoopRecord:
-    if reason is None:
-        record.status = "unrolled"
-    else:
-        record.reason = reason
-    return record
+        record.trip_count = counted
+        # Every kind of loop is replaced through its getitem users (inline.replace_tuple_result).
+        if getitem_users(node) is None:
+            record.reason = "its result is used as a whole, not through indexing"
+        else:
+            record.reason = unroll()
+        if record.reason is None:
+            record.status = "unrolled"
+        return record
 
 
 def _summary(records: list[LoopRecord]) -> str:
