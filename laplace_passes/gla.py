@@ -59,20 +59,38 @@ def _check_gates_backward(ctx, grad: Tensor):
 check_gates.register_autograd(_check_gates_backward)
 
 
-def _recurrence_states(q, k, v, gk, initial_state):
-    """Run the recurrence in fp32; return (states [T+1, B, H, K, V], decay)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+def _states(k, v, gk, initial_state):
+    """S_0 (the initial state, zeros by default), then S_1 ... S_T, in fp32; and exp(gk)."""
+    B, T, H, K = k.shape
     kf, vf = k.float(), v.float()
     decay = gk.float().exp()
-    h = q.new_zeros(B, H, K, V, dtype=torch.float32)
-    if initial_state is not None:
-        h = initial_state.float().clone()
+    h = k.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
     states = [h]
     for t in range(T):
         h = h * decay[:, t, :, :, None] + kf[:, t, :, :, None] * vf[:, t, :, None, :]
         states.append(h)
+    return states, decay
+
+
+def _recurrence_states(q, k, v, gk, initial_state):
+    """Run the recurrence in fp32; return (states [T+1, B, H, K, V], decay)."""
+    states, decay = _states(k, v, gk, initial_state)
     return torch.stack(states), decay
+
+
+def gla_recurrence(
+    q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """The token recurrence in standard ops, one state update per token: (o in q's dtype, final state fp32).
+
+    What `laplace::gla` computes, written step by step: the re-tiling pass
+    gives it to short sites (decode), where tracing it makes T straight-line
+    state updates instead of a padded chunk. Gates are not checked here.
+    """
+    states, _ = _states(k, v, gk, initial_state)
+    qf = q.float()
+    o = torch.stack([torch.einsum("bhk,bhkv->bhv", qf[:, t], s) for t, s in enumerate(states[1:])], dim=1)
+    return (o * scale).to(q.dtype), states[-1]
 
 
 @torch.library.custom_op("laplace::gla", mutates_args=())
@@ -83,7 +101,8 @@ def gla_op(
     check_gates(gk)
     states, _ = _recurrence_states(q, k, v, gk, initial_state)
     o = torch.einsum("bthk,tbhkv->bthv", q.float(), states[1:]) * scale
-    return o.to(q.dtype), states[-1]
+    final_state = states[-1] if q.shape[1] else states[-1].clone()  # T = 0: an op's output may not alias an input
+    return o.to(q.dtype), final_state
 
 
 @gla_op.register_fake

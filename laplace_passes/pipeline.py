@@ -13,7 +13,7 @@ def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
     """Passes over the torch-level graph Dynamo captured, before AOT Autograd."""
     passes: list[GraphPass] = []
     if config.retile_gla:
-        passes.append(RetileGLA(config.chunk_size, config.target.sub_chunk_size))
+        passes.append(RetileGLA(config.chunk_size, config.target.sub_chunk_size, config.target.recurrent_max_tokens))
     # User scan / while_loop: unrolled before AOT Autograd, which cannot
     # differentiate a scan in torch 2.13. The newest graph record is this graph.
     passes.append(UnrollLoops("dynamo", record=_current_graph(config)))

@@ -31,6 +31,7 @@ class SiteRecord:
     plan: dict | None = None  # T, chunk_size, n_chunks, padding
     shape: dict | None = None  # B, H, K, V, dtype
     saved_bytes: int | None = None  # kept for the explicit backward: q, k, v, gk, initial_state
+    form: str | None = None  # "chunked" or "recurrent" (short sites, decode), and why
 
 
 @dataclass
@@ -225,11 +226,11 @@ class Report:
         )
         lines += _table(
             "GLA sites",
-            ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "saved for bwd", "reason"],
+            ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "saved for bwd", "form / reason"],
             [
                 [s.graph, s.node, s.origin, s.status,
                  *(_plan_cells(s.plan)), _bytes(s.saved_bytes) if s.saved_bytes is not None else "",
-                 s.reason or ""]
+                 s.reason or s.form or ""]
                 for s in self.sites
             ],
         )

@@ -41,6 +41,9 @@ class HardwareTarget:
         scores (numerical stability, see `laplace_passes.chunked`).
     max_graph_instructions: the compiler's limit on one graph (None: no limit).
     matmul_tile: (partition rows, free columns) of one matmul instruction.
+    recurrent_max_tokens: GLA sites this short (decode: 1 token) get the recurrent form, one
+        state update per token, instead of a chunk padded to `partitions` rows; measured by
+        `benchmarks/bench_fla.py` (the crossover of the two forms).
     """
 
     name: str
@@ -50,6 +53,7 @@ class HardwareTarget:
     psum_bytes: int | None = None
     max_graph_instructions: int | None = None
     matmul_tile: tuple[int, int] = (128, 512)
+    recurrent_max_tokens: int = 0
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
     description: str = ""
 
@@ -71,6 +75,7 @@ TRN2 = HardwareTarget(
     psum_bytes=2 * MIB,
     max_graph_instructions=5_000_000,  # neuronx-cc's default threshold ([XTP002])
     matmul_tile=(128, 512),
+    recurrent_max_tokens=16,
     collectives=CollectiveConstraints(
         all_to_all_equal_splits_only=True,
         all_to_all_group_sizes=(4, 8, 16),
@@ -83,6 +88,7 @@ CPU = HardwareTarget(
     description="Host CPU: fla's default chunk of 64 tokens, no graph-size limit",
     partitions=64,
     sub_chunk_size=16,
+    recurrent_max_tokens=16,
 )
 
 TARGETS: dict[str, HardwareTarget] = {t.name: t for t in (TRN2, CPU)}

@@ -25,6 +25,20 @@ straight-line chunked code, one state update per chunk:
     ... sub-chunk scores, tril(A) @ V ...
     mul_15 = aten.mul(exp_last_15, add_14); add_15 = aten.add(mul_15, update_15)   # 16 state updates
 
+NOTE [short sites]
+A site of T <= the target's `recurrent_max_tokens` tokens (decode: T = 1)
+gets the recurrent form instead, the token recurrence as T straight-line
+state updates (`laplace_passes.gla.gla_recurrence`), traced into ATen by AOT
+Autograd like any Python function in the graph:
+
+    check_gates = torch.ops.laplace.check_gates.default(gk)
+    gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, check_gates, state, 0.0884)
+
+    S = diag(exp(g_t)) S + k_t^T v_t;  o_t = scale * q_t S     (for each of the T tokens)
+
+A chunk would pad a decode step to a whole chunk (127 of 128 rows padding
+on trn2). The report's form column says which form each site got and why.
+
 Sites inside the body of a scan or while_loop are rewritten there (in a copy
 of the body); the unroll pass then makes them one chunk-loop op per trip.
 
@@ -43,6 +57,7 @@ import torch.fx
 from laplace_passes._checks import check_gla_args
 from laplace_passes.chunked import chunk_plan, saved_for_backward_bytes
 from laplace_passes.fx.sites import GlaSite, bind_site, fake_value, is_gla_node
+from laplace_passes.gla import gla_recurrence
 from laplace_passes.passes import GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
 from laplace_passes.unroll.inline import provenance_of
@@ -53,9 +68,11 @@ class RetileGLA(GraphPass):
 
     name = "retile_gla"
 
-    def __init__(self, chunk_size: int, sub_chunk_size: int) -> None:
+    def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0) -> None:
         self.chunk_size = chunk_size
         self.sub_chunk_size = sub_chunk_size
+        # Sites of at most this many tokens (decode) get the recurrent form: NOTE [short sites].
+        self.recurrent_max_tokens = recurrent_max_tokens
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
         records, declined = [], []
@@ -75,6 +92,9 @@ class RetileGLA(GraphPass):
             body.recompile()
         retiled = sum(r.status == "retiled" for r in records)
         summary = f"{retiled} of {len(records)} GLA sites re-tiled at chunk {self.chunk_size}"
+        recurrent = sum(r.status == "retiled" and r.plan["chunk_size"] == 1 for r in records)
+        if recurrent:
+            summary += f" ({recurrent} in the recurrent form: NOTE [short sites])"
         return PassOutcome(gm, modified=retiled > 0, summary=summary, declined=declined, sites=records)
 
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> SiteRecord:
@@ -87,15 +107,24 @@ class RetileGLA(GraphPass):
         q, v = values[0], values[2]
         B, T, H, K = q.shape
         record.shape = {"B": B, "H": H, "K": K, "V": v.shape[-1], "dtype": str(q.dtype).removeprefix("torch.")}
-        record.plan = chunk_plan(T, self.chunk_size)
         initial_state = values[4] if site.initial_state is not None else None
         record.saved_bytes = saved_for_backward_bytes(*values[:4], initial_state)
-        self._install_chunk_loop(gm.graph, site)
+        if T <= self.recurrent_max_tokens:
+            record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
+            record.form = (f"recurrent: T = {T} <= {self.recurrent_max_tokens}, one state update per token "
+                           f"instead of a chunk padded to {self.chunk_size}")
+            record.saved_bytes += T * B * H * K * v.shape[-1] * 4  # autograd keeps each step's fp32 state
+            self._install(gm.graph, site, gla_recurrence, (site.scale,), "gla_recurrence")
+        else:
+            record.plan = chunk_plan(T, self.chunk_size)
+            record.form = f"chunked: T = {T} > {self.recurrent_max_tokens}"
+            self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
+                          (site.scale, self.chunk_size, self.sub_chunk_size), "chunked_gla")
         record.status = "retiled"
         return record
 
-    def _install_chunk_loop(self, graph: torch.fx.Graph, site: GlaSite) -> None:
-        """check_gates + laplace::chunked_gla in place of the site; same (o, state) outputs."""
+    def _install(self, graph: torch.fx.Graph, site: GlaSite, target, settings: tuple, name: str) -> None:
+        """check_gates + `target`(q, k, v, gates, initial_state, *settings) in place of the site; same outputs."""
         # The chunk-loop node inherits where the site came from: reports and
         # per-layer accounting still see the user's layer.
         provenance = provenance_of(site.node)
@@ -103,20 +132,17 @@ class RetileGLA(GraphPass):
             gates = graph.create_node(
                 "call_function", torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates"
             )
-            chunked = graph.create_node(
-                "call_function",
-                torch.ops.laplace.chunked_gla.default,
-                (site.q, site.k, site.v, gates, site.initial_state, site.scale, self.chunk_size, self.sub_chunk_size),
-                name="chunked_gla",
+            replacement = graph.create_node(
+                "call_function", target, (site.q, site.k, site.v, gates, site.initial_state, *settings), name=name
             )
         gates.meta.update(provenance)
-        chunked.meta.update(provenance)
+        replacement.meta.update(provenance)
         for key in ("example_value", "val"):  # same shapes and dtypes as the reference op's
             if key in site.gk.meta:
                 gates.meta[key] = site.gk.meta[key]
             if key in site.node.meta:
-                chunked.meta[key] = site.node.meta[key]
-        site.node.replace_all_uses_with(chunked)
+                replacement.meta[key] = site.node.meta[key]
+        site.node.replace_all_uses_with(replacement)
         graph.erase_node(site.node)
 
 

@@ -1,0 +1,139 @@
+"""fla calls that have no PyTorch replacement: a report line and a clear error, never Triton's.
+
+Two places can meet one:
+
+* While Dynamo traces, a substitute that cannot express a call (a feature the
+  replacement does not model, such as `fused_recurrent_gla(gv=...)`) leaves
+  the call to fla through a graph break, preceded by a
+  `laplace::fla_call_not_replaced` node on its first tensor. The backend's
+  `ReportFlaCalls` pass turns each such node into a report line (so
+  `inspect()` shows it without running anything), and when the graph runs
+  on a device where fla's Triton kernels cannot run (cpu) the node raises
+  `FlaCallNotReplaced` naming the call and the reason, before fla is reached.
+* At run time, eagerly (a model run without compiling, or the fla side of a
+  graph break): fla routes its Triton kernels through its own backend
+  registry (`fla.backends`). `guard_fla_kernels` registers a backend of
+  highest priority on every registry, which accepts only calls on such a
+  device and raises `FlaCallNotReplaced` naming the kernel (and notes it in
+  the latest report) instead of Triton's "0 active drivers".
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+# Devices on which fla's Triton kernels can run.
+TRITON_DEVICE_TYPES = ("cuda", "xpu", "npu")
+
+
+class FlaCallNotReplaced(RuntimeError):
+    """An fla call laplace_passes has no PyTorch replacement for, reached where Triton cannot run."""
+
+    def __init__(self, call: str, reason: str, device: str = "cpu"):
+        self.call, self.reason = call, reason
+        super().__init__(
+            f"{call} was not replaced by laplace_passes ({reason}), and fla's Triton kernel for it "
+            f"cannot run on {device}; see the report's 'fla calls not replaced' lines"
+        )
+
+
+def triton_can_run(device: torch.device) -> bool:
+    return device.type in TRITON_DEVICE_TYPES
+
+
+@torch.library.custom_op("laplace::fla_call_not_replaced", mutates_args=())
+def not_replaced_marker(x: Tensor, call: str, reason: str) -> Tensor:
+    """Raise FlaCallNotReplaced on a device without Triton; elsewhere pass x on (fla runs the call)."""
+    if not triton_can_run(x.device):
+        raise FlaCallNotReplaced(call, reason, str(x.device))
+    return x.clone()
+
+
+@not_replaced_marker.register_fake
+def _marker_fake(x, call, reason):
+    return torch.empty_like(x)
+
+
+not_replaced_marker.register_autograd(lambda ctx, grad: (grad, None, None))
+
+MARKER = torch.ops.laplace.fla_call_not_replaced.default
+
+
+def leave_to_fla(original, call: str, reason: str, args: tuple, kwargs: dict):
+    """The substitute's way out: mark the call in the graph, then run fla itself behind a graph break."""
+    args = list(args)
+    for i, value in enumerate(args):
+        if isinstance(value, Tensor):
+            args[i] = not_replaced_marker(value, call, reason)
+            break
+    run_in_fla = torch.compiler.disable(original, reason=f"{call}: {reason}")
+    return run_in_fla(*args, **kwargs)
+
+
+_GUARDED: set[int] = set()
+
+
+def guard_fla_kernels() -> int:
+    """Register the refusing backend on every fla kernel registry not yet guarded; return how many now."""
+    backends = sys.modules.get("fla.backends")
+    if backends is None:
+        return 0
+    guard_class = _guard_class(backends.BaseBackend)
+    # fla keeps its registries in these module-level dicts; `BackendRegistry.register` is public.
+    registries = [(f"{fn.__module__}.{fn.__name__}", r) for fn, r in backends._function_registries.items()]
+    registries += [(f"fla.ops.{name}", r) for name, r in backends._operation_registries.items()]
+    for owner, registry in registries:
+        if id(registry) not in _GUARDED:
+            registry.register(guard_class(owner))
+            _GUARDED.add(id(registry))
+    return len(_GUARDED)
+
+
+def _guard_class(base):
+    class LaplaceTritonGuard(base):
+        """Accepts fla kernel calls on devices Triton cannot use, and refuses them clearly."""
+
+        backend_type = "laplace_guard"
+        priority = -1_000  # before every other backend (lower runs first)
+
+        def __init__(self, owner: str):
+            super().__init__()
+            self.owner = owner
+
+        def verify(self, function_name, *args, **kwargs):
+            device = _first_device(args, kwargs)
+            return (device is not None and not triton_can_run(device)), None
+
+        def get_implementation(self, function_name):
+            call = self.owner if self.owner.endswith(function_name) else f"{self.owner}.{function_name}"
+
+            def refuse(*args, **kwargs):
+                device = _first_device(args, kwargs)
+                error = FlaCallNotReplaced(call, "reached at run time outside a laplace-compiled graph", str(device))
+                _note_in_latest_report(f"fla call not replaced: {error}")
+                raise error
+
+            return refuse
+
+    return LaplaceTritonGuard
+
+
+def _first_device(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            return value.device
+    return None
+
+
+def _note_in_latest_report(line: str) -> None:
+    from laplace_passes.report import last_report
+
+    try:
+        notes = last_report().notes
+    except LookupError:  # nothing compiled yet: the error itself names the call
+        return
+    if line not in notes:
+        notes.append(line)
