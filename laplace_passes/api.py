@@ -10,6 +10,8 @@ import torch
 
 from laplace_passes.backend import laplace_backend
 from laplace_passes.config import CompileConfig
+from laplace_passes.fla import FlaCallNotReplaced
+from laplace_passes.fla.not_replaced import triton_error_call
 from laplace_passes.fx import fla_sites
 from laplace_passes.report import Report
 
@@ -67,10 +69,24 @@ def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", *
     compiled = torch.compile(_fresh(model_or_fn), backend=laplace_backend, options=options, dynamic=False)
     fla_sites.install()
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        compiled(*example_inputs)
+        try:
+            compiled(*example_inputs)
+        except (FlaCallNotReplaced, RuntimeError) as error:  # what was captured is reported: show it
+            _note_unreplaced_fla_call(report, error)
     if not report.graphs:
         raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
     return report
+
+
+def _note_unreplaced_fla_call(report: Report, error: Exception) -> None:
+    """An fla call without a replacement stopped the run: note it; any other error propagates."""
+    if isinstance(error, FlaCallNotReplaced):
+        report.notes.append(f"running the compiled graphs stopped at an fla call without a replacement: {error}")
+        return
+    call = triton_error_call(error)
+    if call is None:
+        raise error
+    report.notes.append(f"fla call not replaced: {call} reached fla's Triton kernels, which cannot run here ({error})")
 
 
 def _fresh(model_or_fn: Callable) -> Callable:

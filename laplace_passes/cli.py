@@ -5,7 +5,8 @@
     laplace-passes export MODEL --stablehlo DIR             every graph as StableHLO + manifest.json
     laplace-passes bench NAME [args...]                     run a benchmark script
 
-MODEL is a model_zoo config name (tiny, small, laplace-3b) or
+MODEL is a model_zoo config name (tiny, small, laplace-3b, fla-gla-tiny,
+fla-gla-1.3b) or
 `package.module:attr`, where attr is an nn.Module taking token ids, or a
 callable returning `(model_or_fn, example_inputs_tuple)`.
 """
@@ -50,6 +51,8 @@ def _add_demo(commands) -> None:
 
     defaults = DemoConfig()
     demo = commands.add_parser("demo", help="train the tiny GLA model on MQAR through backend='laplace'")
+    demo.add_argument("--model", default=defaults.model, choices=("tiny", "fla-gla-tiny"),
+                      help="model_zoo's GLA LM, or flash-linear-attention's GLAForCausalLM")
     demo.add_argument("--steps", type=int, default=defaults.steps)
     demo.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step and rank")
     demo.add_argument("--seq-len", type=int, default=defaults.seq_len)
@@ -67,7 +70,7 @@ def _add_demo(commands) -> None:
 def _run_demo(args) -> int:
     from laplace_passes.demo import DemoConfig, run_demo
 
-    config = DemoConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
+    config = DemoConfig(model=args.model, steps=args.steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
                         target=args.target, inner=args.inner, world_size=args.world_size, seed=args.seed,
                         progress=not args.no_progress)
     result = run_demo(config)

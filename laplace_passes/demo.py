@@ -2,6 +2,7 @@
 
     laplace-passes demo                    # defaults: under 2 minutes on 2 CPU cores
     laplace-passes demo --world-size 4     # data-parallel over 4 local gloo processes
+    laplace-passes demo --model fla-gla-tiny   # flash-linear-attention's own GLAForCausalLM
 
 Each step: the compiled model (GLA re-tiled into chunks of the target's size)
 predicts the recalled values, and ShardedMuon updates the hidden matrices
@@ -34,6 +35,7 @@ from laplace_passes.progress import Progress
 
 @dataclass
 class DemoConfig:
+    model: str = "tiny"  # a model_zoo name: "tiny", or "fla-gla-tiny" (fla's GLAForCausalLM)
     steps: int = 300
     batch: int = 32
     seq_len: int = 64
@@ -95,8 +97,8 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
     from model_zoo.muon import ShardedMuon
 
     torch.manual_seed(config.seed)  # same initial weights on every rank
-    task = MQARTask(vocab_size=model_zoo.config("tiny").vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
-    model = model_zoo.build("tiny")
+    model = model_zoo.build(config.model)
+    task = MQARTask(vocab_size=model.config.vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
     compiled = laplace_passes.compile(model, target=config.target, inner=config.inner)
     muon_report = laplace_passes.Report()
     optimizer = ShardedMuon(_param_groups(model), lr=config.muon_lr, weight_decay=0.0,
@@ -108,7 +110,7 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
     start = time.perf_counter()
     for step in range(1, config.steps + 1):
         ids, targets = task.batch(config.batch, data)
-        logits = compiled(ids)
+        logits = _logits(compiled(ids))
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -120,7 +122,7 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
     seconds = time.perf_counter() - start
     eval_ids, eval_targets = task.batch(config.eval_batch, torch.Generator().manual_seed(10_000 + config.seed))
     with torch.no_grad():
-        accuracy = recall_accuracy(compiled(eval_ids), eval_targets)
+        accuracy = recall_accuracy(_logits(compiled(eval_ids)), eval_targets)
     report = compiled.laplace_report
     report_text, report_dict, muon_ratio = str(report), report.to_dict(), None
     if world_size > 1:
@@ -147,11 +149,17 @@ def _muon_step_backend(report):
     return functools.partial(laplace_backend, options={"target": "cpu", "report": report})
 
 
+def _logits(output) -> torch.Tensor:
+    """The logits of either model: a tensor (model_zoo's GLALM) or an output with `.logits` (fla's)."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 def _param_groups(model: torch.nn.Module) -> list[dict]:
-    """Muon for the hidden matrices; AdamW for embeddings (tied to the head), norms and biases."""
+    """Muon for the hidden matrices; AdamW for the embeddings, the output head, norms and biases."""
     hidden, other = [], []
     for name, param in model.named_parameters():
-        (hidden if param.ndim == 2 and not name.startswith("embeddings") else other).append(param)
+        is_io = "embeddings" in name or name.startswith("lm_head")
+        (hidden if param.ndim == 2 and not is_io else other).append(param)
     return [{"params": hidden}, {"params": other, "use_muon": False}]
 
 

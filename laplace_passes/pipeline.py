@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from laplace_passes.collectives import RewriteMuonStep, is_candidate
 from laplace_passes.config import CompileConfig
+from laplace_passes.fla.report_pass import ReportFlaCalls
 from laplace_passes.fx.retile import RetileGLA
 from laplace_passes.passes import GraphPass
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, UnrollLoops
@@ -11,7 +12,7 @@ from laplace_passes.unroll import FitGraphToBudget, SizeModel, UnrollLoops
 
 def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
     """Passes over the torch-level graph Dynamo captured, before AOT Autograd."""
-    passes: list[GraphPass] = []
+    passes: list[GraphPass] = [ReportFlaCalls()]  # fla calls without a replacement: a report line each
     if config.retile_gla:
         passes.append(RetileGLA(config.chunk_size, config.target.sub_chunk_size, config.target.recurrent_max_tokens))
     # User scan / while_loop: unrolled before AOT Autograd, which cannot

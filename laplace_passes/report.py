@@ -225,6 +225,11 @@ class Report:
             ],
         )
         lines += _table(
+            "declined",
+            ["pass", "graph", "reason"],
+            [[p.name, p.graph, reason] for p in self.passes for reason in p.declined],
+        )
+        lines += _table(
             "GLA sites",
             ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "saved for bwd", "form / reason"],
             [

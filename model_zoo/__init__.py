@@ -9,12 +9,15 @@
 - laplace-3b: d 2560, 36 layers, 16 heads, vocab 32000: about 2.9B parameters,
               29.5 MB of recurrent state per sequence. Built on meta by default
               because materialising it takes about 12 GB in fp32.
+- fla-gla-tiny, fla-gla-1.3b: flash-linear-attention's own GLAForCausalLM
+              (see `model_zoo.fla_models`; needs flash-linear-attention).
 """
 
 from __future__ import annotations
 
 import torch
 
+from model_zoo.fla_models import FLA_CONFIGS, build_fla
 from model_zoo.gla_lm import GatedLinearAttention, GLABlock, GLAConfig, GLALM
 
 _CONFIGS: dict[str, GLAConfig] = {
@@ -24,11 +27,14 @@ _CONFIGS: dict[str, GLAConfig] = {
 }
 _DEFAULT_DEVICE = {"laplace-3b": "meta"}
 
-CONFIG_NAMES: tuple[str, ...] = tuple(_CONFIGS)
+CONFIG_NAMES: tuple[str, ...] = (*_CONFIGS, *FLA_CONFIGS)
 
 
 def config(name: str, **overrides) -> GLAConfig:
-    """The named config with `overrides` applied (unknown names or fields raise)."""
+    """The named config with `overrides` applied (unknown names or fields raise); not for fla models."""
+    if name in FLA_CONFIGS:
+        raise ValueError(f"{name!r} is fla's GLAForCausalLM, configured by fla's GLAConfig: "
+                         "model_zoo.build(name).config holds it")
     if name not in _CONFIGS:
         raise ValueError(f"unknown model config {name!r}; available: {', '.join(CONFIG_NAMES)}")
     return _CONFIGS[name].replace(**overrides)
@@ -40,8 +46,10 @@ def build(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     **overrides,
-) -> GLALM:
-    """Build the named model; `device` defaults to "meta" for laplace-3b, else torch's default device."""
+) -> torch.nn.Module:
+    """Build the named model; `device` defaults to "meta" for laplace-3b and fla-gla-1.3b."""
+    if name in FLA_CONFIGS:
+        return build_fla(name, device=device, dtype=dtype, **overrides)
     cfg = config(name, **overrides)
     return GLALM(cfg, device=device if device is not None else _DEFAULT_DEVICE.get(name), dtype=dtype)
 

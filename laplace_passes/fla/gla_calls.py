@@ -14,6 +14,8 @@ variable-length batches (`cu_seqlens`) become one site over the packed batch
 
 from __future__ import annotations
 
+import torch
+
 from laplace_passes.fla.not_replaced import leave_to_fla
 from laplace_passes.fla.varlen import packed_gla
 from laplace_passes.gla import gla_op
@@ -59,16 +61,27 @@ def fused_recurrent_gla_substitute(original):
             state_v_first = state_v_first or kwargs.pop("transpose_state_layout")
         reason = _unsupported(gv, reverse, kwargs)
         if reason is not None:
-            return leave_to_fla(original, "fla.fused_recurrent_gla", reason, (q, k, v),
-                                dict(gk=gk, gv=gv, scale=scale, initial_state=initial_state,
-                                     output_final_state=output_final_state, reverse=reverse,
-                                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, **kwargs))
+            arguments = dict(gk=gk, gv=gv, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, reverse=reverse, state_v_first=state_v_first,
+                             cu_seqlens=cu_seqlens, **kwargs)
+            return leave_to_fla(original, "fla.fused_recurrent_gla", reason, (q, k, v), arguments,
+                                lambda: _placeholder(q, v, initial_state, output_final_state, cu_seqlens))
         if gk is None:  # no key gates: no decay
             gk = q.new_zeros(q.shape, dtype=q.dtype)
         return gla_site(q, k, v, gk, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                         state_v_first=state_v_first, cu_seqlens=cu_seqlens, origin="fla.fused_recurrent_gla")
 
     return fused_recurrent_gla
+
+
+def _placeholder(q, v, initial_state, output_final_state, cu_seqlens):
+    """Outputs shaped like fla's: o [B, T, H, V] in q's dtype, and the final state if asked."""
+    o = q.new_zeros(*q.shape[:3], v.shape[-1])
+    if not output_final_state:
+        return o, None
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = q.new_zeros(N, q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
+    return o, state if initial_state is None else state.view(initial_state.shape)
 
 
 def _unsupported(gv, reverse, kwargs) -> str | None:

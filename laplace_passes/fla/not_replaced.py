@@ -4,12 +4,11 @@ Two places can meet one:
 
 * While Dynamo traces, a substitute that cannot express a call (a feature the
   replacement does not model, such as `fused_recurrent_gla(gv=...)`) leaves
-  the call to fla through a graph break, preceded by a
-  `laplace::fla_call_not_replaced` node on its first tensor. The backend's
-  `ReportFlaCalls` pass turns each such node into a report line (so
-  `inspect()` shows it without running anything), and when the graph runs
-  on a device where fla's Triton kernels cannot run (cpu) the node raises
-  `FlaCallNotReplaced` naming the call and the reason, before fla is reached.
+  it to fla where Triton runs, and elsewhere puts a
+  `laplace::fla_call_not_replaced` node in the graph in its place
+  (`leave_to_fla`). The backend's `ReportFlaCalls` pass turns each such node
+  into a report line (so `inspect()` shows it), and running the graph
+  raises `FlaCallNotReplaced` naming the call and the reason.
 * At run time, eagerly (a model run without compiling, or the fla side of a
   graph break): fla routes its Triton kernels through its own backend
   registry (`fla.backends`). `guard_fla_kernels` registers a backend of
@@ -36,7 +35,7 @@ class FlaCallNotReplaced(RuntimeError):
         self.call, self.reason = call, reason
         super().__init__(
             f"{call} was not replaced by laplace_passes ({reason}), and fla's Triton kernel for it "
-            f"cannot run on {device}; see the report's 'fla calls not replaced' lines"
+            f"cannot run on {device}; the report's 'declined' table lists every such call (pass fla_calls)"
         )
 
 
@@ -62,15 +61,22 @@ not_replaced_marker.register_autograd(lambda ctx, grad: (grad, None, None))
 MARKER = torch.ops.laplace.fla_call_not_replaced.default
 
 
-def leave_to_fla(original, call: str, reason: str, args: tuple, kwargs: dict):
-    """The substitute's way out: mark the call in the graph, then run fla itself behind a graph break."""
-    args = list(args)
-    for i, value in enumerate(args):
-        if isinstance(value, Tensor):
-            args[i] = not_replaced_marker(value, call, reason)
-            break
-    run_in_fla = torch.compiler.disable(original, reason=f"{call}: {reason}")
-    return run_in_fla(*args, **kwargs)
+def leave_to_fla(original, call: str, reason: str, args: tuple, kwargs: dict, placeholder):
+    """A substitute's way out for a call it cannot express.
+
+    Where fla's Triton kernels can run, fla runs the call (behind a graph
+    break). Elsewhere the call becomes `placeholder()`, outputs of the right
+    shapes, the first passed through `laplace::fla_call_not_replaced`: the
+    graph is captured and reported, and running it raises FlaCallNotReplaced
+    before any output is used (a graph break would make Dynamo run the whole
+    frame in fla, and meet Triton's error instead).
+    """
+    first = next(value for value in (*args, *kwargs.values()) if isinstance(value, Tensor))
+    if triton_can_run(first.device):
+        return torch.compiler.disable(original, reason=f"{call}: {reason}")(*args, **kwargs)
+    outputs = placeholder()
+    marked = not_replaced_marker(outputs[0], call, reason)
+    return (marked, *outputs[1:])
 
 
 _GUARDED: set[int] = set()
@@ -119,6 +125,20 @@ def _guard_class(base):
             return refuse
 
     return LaplaceTritonGuard
+
+
+def triton_error_call(error: BaseException) -> str | None:
+    """For Triton's "0 active drivers" error: the outermost fla function on its traceback, else None."""
+    if not isinstance(error, RuntimeError) or "active drivers" not in str(error):
+        return None
+    traceback = error.__traceback__
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        module = traceback.tb_frame.f_globals.get("__name__", "")
+        if module == "fla" or module.startswith("fla."):
+            return f"{module}.{code.co_name}"
+        traceback = traceback.tb_next
+    return "an fla function"
 
 
 def _first_device(args, kwargs):

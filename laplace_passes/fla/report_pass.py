@@ -1,0 +1,46 @@
+"""The pass that lists, for the report, the fla calls left to fla.
+
+NOTE [fla_calls: before and after]
+The graph is not changed. Before (a `fused_recurrent_gla` call with value
+gates, which `laplace::gla` cannot express, left to fla behind a graph break):
+
+    fla_call_not_replaced = torch.ops.laplace.fla_call_not_replaced.default(
+        q, 'fla.fused_recurrent_gla', 'value gates (gv) have no laplace::gla form')
+    return (fla_call_not_replaced, ...)        # fla runs the call after the graph
+
+After: the same graph, and in the report
+
+    fla_calls  dynamo_0  fla.fused_recurrent_gla (node fla_call_not_replaced): not replaced:
+                         value gates (gv) have no laplace::gla form
+
+Triton kernels Dynamo captured as graph nodes (`triton_kernel_wrapper_*`,
+from fla code nothing replaced) are listed the same way.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from laplace_passes.fla.not_replaced import MARKER
+from laplace_passes.passes import GraphPass, PassOutcome
+
+
+class ReportFlaCalls(GraphPass):
+    """List each fla call in the graph that was left to fla (a report line per call)."""
+
+    name = "fla_calls"
+
+    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+        lines = []
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is MARKER:
+                _, call, reason = node.args
+                lines.append(f"{call} (node {node.name}): not replaced: {reason}")
+            elif "triton_kernel_wrapper" in str(node.target):
+                kernel = node.kwargs.get("kernel_idx", "?")
+                lines.append(f"Triton kernel #{kernel} (node {node.name}): not replaced: Dynamo captured a Triton "
+                             f"kernel that no laplace replacement covers")
+        summary = f"{len(lines)} fla call(s) left to fla" if lines else "no fla call left to fla"
+        return PassOutcome(gm, modified=False, summary=summary, declined=lines)
