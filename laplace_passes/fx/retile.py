@@ -26,10 +26,11 @@ straight-line chunked code, one state update per chunk:
     mul_15 = aten.mul(exp_last_15, add_14); add_15 = aten.add(mul_15, update_15)   # 16 state updates
 
 NOTE [short sites]
-A site of T <= the target's `recurrent_max_tokens` tokens (decode: T = 1)
-gets the recurrent form instead, the token recurrence as T straight-line
-state updates (`laplace_passes.gla.gla_recurrence`), traced into ATen by AOT
-Autograd like any Python function in the graph:
+A site of T <= the target's `recurrent_max_tokens` tokens through which no
+gradient flows (decode: T = 1, short prefills) gets the recurrent form
+instead, the token recurrence as T straight-line state updates
+(`laplace_passes.gla.gla_recurrence`), traced into ATen by AOT Autograd like
+any Python function in the graph:
 
     check_gates = torch.ops.laplace.check_gates.default(gk)
     gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, check_gates, state, 0.0884)
@@ -37,7 +38,11 @@ Autograd like any Python function in the graph:
     S = diag(exp(g_t)) S + k_t^T v_t;  o_t = scale * q_t S     (for each of the T tokens)
 
 A chunk would pad a decode step to a whole chunk (127 of 128 rows padding
-on trn2). The report's form column says which form each site got and why.
+on trn2). Sites in training keep the chunked form whatever their length:
+autograd of the recurrent form would save every step's state (T states of
+[B, H, K, V]), the chunked op's explicit backward only its inputs. The
+threshold per target is the measured crossover (`benchmarks/bench_fla.py`).
+The report's form column says which form each site got and why.
 
 Sites inside the body of a scan or while_loop are rewritten there (in a copy
 of the body); the unroll pass then makes them one chunk-loop op per trip.
@@ -109,19 +114,27 @@ class RetileGLA(GraphPass):
         record.shape = {"B": B, "H": H, "K": K, "V": v.shape[-1], "dtype": str(q.dtype).removeprefix("torch.")}
         initial_state = values[4] if site.initial_state is not None else None
         record.saved_bytes = saved_for_backward_bytes(*values[:4], initial_state)
-        if T <= self.recurrent_max_tokens:
+        record.form = self._form(T, _needs_grad(site.node))
+        if record.form.startswith("recurrent"):
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
-            record.form = (f"recurrent: T = {T} <= {self.recurrent_max_tokens}, one state update per token "
-                           f"instead of a chunk padded to {self.chunk_size}")
-            record.saved_bytes += T * B * H * K * v.shape[-1] * 4  # autograd keeps each step's fp32 state
+            record.saved_bytes = 0  # no gradient flows through it
             self._install(gm.graph, site, gla_recurrence, (site.scale,), "gla_recurrence")
         else:
             record.plan = chunk_plan(T, self.chunk_size)
-            record.form = f"chunked: T = {T} > {self.recurrent_max_tokens}"
             self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
                           (site.scale, self.chunk_size, self.sub_chunk_size), "chunked_gla")
         record.status = "retiled"
         return record
+
+    def _form(self, T: int, needs_grad: bool) -> str:
+        """Which form a site of T tokens gets, and why (NOTE [short sites])."""
+        if T > self.recurrent_max_tokens:
+            return f"chunked: T = {T} > {self.recurrent_max_tokens}"
+        if needs_grad:
+            return (f"chunked: T = {T} <= {self.recurrent_max_tokens} but gradients flow through it (the "
+                    "recurrent form's backward would keep every step's state)")
+        return (f"recurrent: T = {T} <= {self.recurrent_max_tokens}, no gradient: one state update per "
+                f"token instead of a chunk padded to {self.chunk_size}")
 
     def _install(self, graph: torch.fx.Graph, site: GlaSite, target, settings: tuple, name: str) -> None:
         """check_gates + `target`(q, k, v, gates, initial_state, *settings) in place of the site; same outputs."""
@@ -144,6 +157,13 @@ class RetileGLA(GraphPass):
                 replacement.meta[key] = site.node.meta[key]
         site.node.replace_all_uses_with(replacement)
         graph.erase_node(site.node)
+
+
+def _needs_grad(node: torch.fx.Node) -> bool:
+    """Whether the site's output takes part in autograd (Dynamo's example value knows)."""
+    value = fake_value(node)
+    outputs = value if isinstance(value, (tuple, list)) else [value]
+    return any(getattr(output, "requires_grad", False) for output in outputs)
 
 
 def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:

@@ -118,6 +118,8 @@ class SizeModel:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
             return None
         *batch, M, K = a.shape
+        if not all(isinstance(d, int) for d in (*batch, M, K, b.shape[-1])):
+            return None  # a dynamic size: counted like any other op, from the static numels only
         return self.matmul_instructions(math.prod(batch), M, K, b.shape[-1])
 
     def _cond_instructions(self, node: torch.fx.Node) -> int:

@@ -1,0 +1,47 @@
+"""fla's GLAForCausalLM in model_zoo: built by name, inspected, exported and trained from the CLI."""
+
+import json
+
+import pytest
+import torch
+
+import laplace_passes
+import model_zoo
+from laplace_passes.cli import main
+
+pytest.importorskip("fla.models")
+
+
+def test_fla_configs_build_fla_models_and_the_1_3b_shape_lives_on_meta():
+    tiny = model_zoo.build("fla-gla-tiny")
+    assert type(tiny).__name__ == "GLAForCausalLM" and not tiny.config.use_short_conv
+    assert (tiny.config.fuse_norm, tiny.config.fuse_swiglu, tiny.config.fuse_cross_entropy) == (True, True, True)
+    big = model_zoo.build("fla-gla-1.3b")
+    assert {p.device.type for p in big.parameters()} == {"meta"}
+    assert 1.3e9 < sum(p.numel() for p in big.parameters()) < 1.4e9
+    with pytest.raises(ValueError, match="fla's GLAForCausalLM"):
+        model_zoo.config("fla-gla-tiny")
+
+
+def test_inspect_the_1_3b_shape_on_meta():
+    model = model_zoo.build("fla-gla-1.3b", num_hidden_layers=2)
+    report = laplace_passes.inspect(model, torch.zeros(1, 256, dtype=torch.long, device="meta"))
+    assert [(s.origin, s.status, s.plan["n_chunks"]) for s in report.sites] == [("fla.chunk_gla", "retiled", 2)] * 2
+    assert [g.kind for g in report.graphs] == ["dynamo", "forward", "backward"]
+
+
+def test_cli_inspect_and_export_fla_gla_tiny(tmp_path, capsys):
+    assert main(["inspect", "fla-gla-tiny", "--seq-len", "128", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [s["origin"] for s in data["sites"]] == ["fla.chunk_gla"] * 2
+    assert main(["export", "fla-gla-tiny", "--stablehlo", str(tmp_path), "--seq-len", "96", "--inference"]) == 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [g["kind"] for g in manifest["graphs"]] == ["inference"]
+
+
+def test_demo_trains_the_fla_model_on_mqar(capsys):
+    assert main(["demo", "--model", "fla-gla-tiny", "--steps", "20", "--batch", "16", "--no-progress", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    losses = result["losses"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2
+    assert {s["origin"] for s in result["report_dict"]["sites"]} == {"fla.fused_recurrent_gla"}  # T = 64: fla's rule
