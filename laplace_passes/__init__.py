@@ -7,6 +7,7 @@ Public API:
     Report, last_report        what a compile did
     export_stablehlo           every ATen graph as StableHLO, with a manifest (laplace_passes.lowering)
     preflight                  what neuronx-cc / TorchNeuron would reject, found on any machine
+    fla                        flash-linear-attention models without Triton (laplace_passes.fla.install)
 """
 
 from laplace_passes import targets

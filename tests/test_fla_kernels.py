@@ -239,3 +239,32 @@ def test_fused_linear_cross_entropy(dtype, reduction, l2warp):
         return loss
 
     assert_same(fla_call, formula, (x, weight, bias), dtype)
+
+
+# --- GLA ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gla_calls_with_state_v_first_initial_and_final_states(dtype):
+    """chunk_gla and fused_recurrent_gla as fla's layer calls them, through the laplace backend."""
+    from fla.ops.gla import chunk_gla, fused_recurrent_gla
+
+    from tests.fla_reference import gla
+    from tests.gla_cases import make_inputs
+
+    q, k, v, g, h0 = make_inputs(2, 100, 2, 16, 8, gate_divisor=0.5, dtype=dtype)
+    h0 = h0.transpose(-1, -2).contiguous()  # [B, H, V, K]: state_v_first
+
+    def fla_calls(q, k, v, g, h0):
+        o1, s1 = chunk_gla(q, k, v, g, scale=0.3, initial_state=h0, output_final_state=True, state_v_first=True)
+        o2, s2 = fused_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True, state_v_first=True)
+        return o1, s1, o2, s2
+
+    def formulas(q, k, v, g, h0):
+        o1, s1 = gla(q * (0.3 * 16 ** 0.5), k, v, g, h0.transpose(-1, -2))  # the reference scales by K ** -0.5
+        o2, s2 = gla(q, k, v, g, h0.transpose(-1, -2))
+        return o1, s1.transpose(-1, -2), o2, s2.transpose(-1, -2)
+
+    actual, actual_grads = outputs_and_grads(laplace_passes.compile(fla_calls, target="cpu"), (q, k, v, g, h0))
+    expected, expected_grads = outputs_and_grads(formulas, (q, k, v, g, h0))
+    for a, e in zip([*actual, *actual_grads], [*expected, *expected_grads]):
+        assert a.dtype == e.dtype and relative_rmse(a, e) <= TOLERANCE[dtype]

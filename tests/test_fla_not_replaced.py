@@ -45,3 +45,21 @@ def test_fla_kernels_reached_outside_a_compiled_graph_are_named():
     with pytest.raises(FlaCallNotReplaced, match=r"fla\.modules\.activations\.ops\.swish_fwd .*outside a laplace"):
         activations.ACT2FN["swish"](torch.randn(4, 8))
     assert any("swish_fwd" in note for note in laplace_passes.last_report().notes)
+
+
+def test_report_pass_lists_markers_and_captured_triton_kernels_on_a_bare_graph():
+    from laplace_passes.fla.not_replaced import MARKER
+    from laplace_passes.fla.report_pass import ReportFlaCalls
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    marked = graph.call_function(MARKER, (x, "fla.fused_recurrent_gla", "reverse=True has no form"))
+    kernel = graph.call_function(torch.ops.higher_order.triton_kernel_wrapper_functional,
+                                 kwargs={"kernel_idx": 7, "constant_args_idx": 0, "grid": [(1, 1, 1)],
+                                         "tma_descriptor_metadata": {}, "kwargs": {}, "tensors_to_clone": []})
+    graph.output((marked, kernel))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    outcome = ReportFlaCalls()(gm)
+    assert not outcome.modified and outcome.summary == "2 fla call(s) left to fla"
+    assert outcome.declined[0] == f"fla.fused_recurrent_gla (node {marked.name}): not replaced: reverse=True has no form"
+    assert outcome.declined[1].startswith(f"Triton kernel #7 (node {kernel.name}): not replaced")

@@ -30,6 +30,7 @@ backend), never as a side effect of importing fla or laplace_passes.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 import torch

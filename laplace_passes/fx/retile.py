@@ -105,30 +105,34 @@ class RetileGLA(GraphPass):
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> SiteRecord:
         record = SiteRecord(graph="", node=site.node.name, origin=site.origin, status="declined")
         values = [fake_value(n) for n in site.tensor_inputs()]
-        reason = _static_shape_problem(values) or _input_problem(site, values)
+        needs_grad = _needs_grad(site.node)
+        recurrent = self._form(_static_length(values), needs_grad).startswith("recurrent")
+        # The recurrent form has no chunk plan: it takes any batch size (a decode graph Dynamo made dynamic).
+        reason = _static_shape_problem(values, batch_may_vary=recurrent) or _input_problem(site, values)
         if reason is not None:
             record.reason = reason
             return record
         q, v = values[0], values[2]
         B, T, H, K = q.shape
-        record.shape = {"B": B, "H": H, "K": K, "V": v.shape[-1], "dtype": str(q.dtype).removeprefix("torch.")}
-        initial_state = values[4] if site.initial_state is not None else None
-        record.saved_bytes = saved_for_backward_bytes(*values[:4], initial_state)
-        record.form = self._form(T, _needs_grad(site.node))
-        if record.form.startswith("recurrent"):
+        record.shape = {"B": B if isinstance(B, int) else str(B), "H": H, "K": K, "V": v.shape[-1],
+                        "dtype": str(q.dtype).removeprefix("torch.")}
+        record.form = self._form(T, needs_grad)
+        if recurrent:
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
             record.saved_bytes = 0  # no gradient flows through it
             self._install(gm.graph, site, gla_recurrence, (site.scale,), "gla_recurrence")
         else:
+            initial_state = values[4] if site.initial_state is not None else None
+            record.saved_bytes = saved_for_backward_bytes(*values[:4], initial_state)
             record.plan = chunk_plan(T, self.chunk_size)
             self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
                           (site.scale, self.chunk_size, self.sub_chunk_size), "chunked_gla")
         record.status = "retiled"
         return record
 
-    def _form(self, T: int, needs_grad: bool) -> str:
-        """Which form a site of T tokens gets, and why (NOTE [short sites])."""
-        if T > self.recurrent_max_tokens:
+    def _form(self, T: int | None, needs_grad: bool) -> str:
+        """Which form a site of T tokens (None: not static) gets, and why (NOTE [short sites])."""
+        if T is None or T > self.recurrent_max_tokens:
             return f"chunked: T = {T} > {self.recurrent_max_tokens}"
         if needs_grad:
             return (f"chunked: T = {T} <= {self.recurrent_max_tokens} but gradients flow through it (the "
@@ -177,17 +181,23 @@ def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Gra
     return bodies
 
 
-def _static_shape_problem(values: list) -> str | None:
+def _static_length(values: list) -> int | None:
+    q = values[0]
+    return q.shape[1] if q is not None and isinstance(q.shape[1], int) else None
+
+
+def _static_shape_problem(values: list, batch_may_vary: bool = False) -> str | None:
     if any(v is None for v in values):
         return "no shape information on the inputs (graph was not traced with fake tensors)"
     q = values[0]
-    for name, size in zip("BTHK", q.shape):
+    first = 1 if batch_may_vary else 0  # every input's first dimension is the batch
+    for name, size in list(zip("BTHK", q.shape))[first:]:
         if not isinstance(size, int):
             return (f"{name} = {size} is dynamic; the chunk plan needs a static shape "
                     "(compile with dynamic=False or mark the dimension static)")
     # The other inputs: V (v's last dimension) and the initial state's shape.
     for input_name, value in zip(("k", "v", "gk", "initial_state"), values[1:]):
-        dynamic = [size for size in value.shape if not isinstance(size, int)]
+        dynamic = [size for size in value.shape[first:] if not isinstance(size, int)]
         if dynamic:
             return (f"{input_name} has a dynamic size {dynamic[0]} (shape {tuple(value.shape)}); the chunked "
                     "computation needs static shapes (compile with dynamic=False or mark the dimension static)")

@@ -1,0 +1,50 @@
+"""Short GLA sites without gradient (decode) get the recurrent form; others stay chunked, with the reason."""
+
+import torch
+
+import laplace_passes
+from tests.gla_cases import make_inputs, relative_rmse
+
+
+def site(q, k, v, gk, h0):
+    return laplace_passes.gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+
+
+def test_short_site_without_gradient_is_recurrent_and_exact():
+    inputs = make_inputs(3, 12, 2, 8, 4)
+    compiled = laplace_passes.compile(site, target="cpu")
+    with torch.no_grad():
+        o, state = compiled(*inputs)
+        o_ref, state_ref = site(*inputs)  # eager: the token recurrence
+    assert relative_rmse(o, o_ref) < 1e-6 and relative_rmse(state, state_ref) < 1e-6
+    (record,) = compiled.laplace_report.sites
+    assert record.plan == {"T": 12, "chunk_size": 1, "n_chunks": 12, "padding": 0}
+    assert record.form.startswith("recurrent: T = 12 <= 64, no gradient")
+    after = compiled.laplace_report.graph("after")
+    assert [n.target.__name__ for n in after.graph.nodes if n.op == "call_function"].count("gla_recurrence") == 1
+
+
+def test_short_site_with_gradient_stays_chunked_and_says_why():
+    q, k, v, gk, h0 = make_inputs(1, 12, 2, 8, 4)
+    compiled = laplace_passes.compile(site, target="cpu")
+    compiled(q.requires_grad_(), k, v, gk, h0)[0].sum().backward()
+    (record,) = compiled.laplace_report.sites
+    assert record.plan["chunk_size"] == 64 and "gradients flow through it" in record.form
+
+
+def test_decode_site_of_a_dynamic_batch_keeps_the_recurrent_form():
+    """torch's default dynamic: a second batch size recompiles with a symbolic batch (generate does this)."""
+    def decode_step(q, k, v, gk, h0):  # a code object of its own: Dynamo's cache for `site` holds other compiles
+        return site(q, k, v, gk, h0)
+
+    report = laplace_passes.Report()
+    compiled = torch.compile(decode_step, backend="laplace", options={"target": "trn2", "report": report})
+    with torch.no_grad():
+        for batch in (3, 5, 7):
+            inputs = make_inputs(batch, 1, 2, 8, 4, seed=batch)
+            o, state = compiled(*inputs)
+            o_ref, state_ref = site(*inputs)
+            assert relative_rmse(o, o_ref) < 1e-6 and relative_rmse(state, state_ref) < 1e-6
+    static, dynamic = report.sites  # the third batch reuses the dynamic graph
+    assert static.shape["B"] == 3 and isinstance(dynamic.shape["B"], str)
+    assert all(s.status == "retiled" and s.form.startswith("recurrent") for s in (static, dynamic))
