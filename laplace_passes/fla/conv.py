@@ -51,24 +51,25 @@ def _width_without_weight(initial_state: Tensor | None) -> int:
 
 def _taps(x: Tensor, W: int, initial_state: Tensor | None, packed: PackedSequences | None) -> Tensor:
     """[B, T, D, W]: tap w of token t is x_{t-(W-1)+w} within its sequence, else its cache entry, else 0."""
-    B, T, D = x.shape
+    T = x.shape[1]
+    position = packed.position if packed is not None else torch.arange(T, device=x.device)
     taps = []
     for w in range(W):
         back = W - 1 - w  # how many tokens back this tap reads
         shifted = F.pad(x, (0, 0, back, 0))[:, :T] if back else x
         if back:
-            position = packed.position if packed is not None else torch.arange(T, device=x.device)
             before_start = (position < back)[None, :, None]  # [1, T, 1]
-            fill = _cache_entries(initial_state, position, back, packed, B, T, D, x)
+            fill = _cache_entries(initial_state, position, back, packed, x)
             shifted = torch.where(before_start, fill, shifted)
         taps.append(shifted)
     return torch.stack(taps, dim=-1)
 
 
-def _cache_entries(initial_state, position, back, packed, B, T, D, like) -> Tensor:
+def _cache_entries(initial_state, position, back, packed, x) -> Tensor:
     """The cache value a tap `back` tokens back reads at each token (0 without a cache)."""
     if initial_state is None:
-        return like.new_zeros(())
+        return x.new_zeros(())
+    T, D = x.shape[1], x.shape[2]
     # x_{-j} (j tokens before the sequence's first) is cache[..., W - j]; here j = back - position.
     W = initial_state.shape[-1]
     column = (W - back + position).clamp(0, W - 1)  # [T]; only read where position < back

@@ -24,6 +24,8 @@ import sys
 import torch
 from torch import Tensor
 
+from laplace_passes.report import last_report
+
 # Devices on which fla's Triton kernels can run.
 TRITON_DEVICE_TYPES = ("cuda", "xpu", "npu")
 
@@ -149,8 +151,6 @@ def _first_device(args, kwargs):
 
 
 def _note_in_latest_report(line: str) -> None:
-    from laplace_passes.report import last_report
-
     try:
         notes = last_report().notes
     except LookupError:  # nothing compiled yet: the error itself names the call
