@@ -12,12 +12,13 @@ from laplace_passes.unroll import FitGraphToBudget, SizeModel, UnrollLoops
 
 def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
     """Passes over the torch-level graph Dynamo captured, before AOT Autograd."""
-    passes: list[GraphPass] = [ReportFlaCalls()]  # fla calls without a replacement: a report line each
+    passes: list[GraphPass] = []
     if config.retile_gla:
         passes.append(RetileGLA(config.chunk_size, config.target.sub_chunk_size, config.target.recurrent_max_tokens))
     # User scan / while_loop: unrolled before AOT Autograd, which cannot
     # differentiate a scan in torch 2.13. The newest graph record is this graph.
     passes.append(UnrollLoops("dynamo", record=_current_graph(config)))
+    passes.append(ReportFlaCalls())  # fla calls left to fla (no replacement): a report line each
     return passes
 
 
