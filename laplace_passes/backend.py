@@ -17,7 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from laplace_passes.config import CompileConfig
 from laplace_passes.fx import fla_sites
 from laplace_passes.passes import run_passes
-from laplace_passes.pipeline import aten_passes, dynamo_passes
+from laplace_passes.pipeline import aten_passes, dynamo_passes, graph_context
 from laplace_passes.report import remember
 from laplace_passes.unroll import compile_graph
 
@@ -45,8 +45,8 @@ def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dic
         "bw_compiler": compilers["backward"],
         "inference_compiler": compilers["inference"],
     }
-    if config.inner.decompositions is not None:
-        kwargs["decompositions"] = config.inner.decompositions()
+    if config.decompositions() is not None:
+        kwargs["decompositions"] = config.decompositions()
     if config.inner.partition_fn is not None:
         kwargs["partition_fn"] = config.inner.partition_fn
     return aot_autograd(**kwargs)(gm, example_inputs)
@@ -54,8 +54,11 @@ def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dic
 
 def _aten_compiler(config: CompileConfig, kind: str) -> Callable:
     def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        record = config.report.new_graph(kind, gm)
-        gm = run_passes(gm, aten_passes(config, kind), record, config.report)
+        report = config.report
+        forward_graphs = [g.before for g in report.graphs if g.kind == "forward"]
+        record = report.new_graph(kind, gm)
+        passes = aten_passes(config, graph_context(config, record.name, kind), gm, forward_graphs)
+        gm = run_passes(gm, passes, record, report)
         # A graph the budget pass cut into partitions: each compiled on its own.
         return compile_graph(config.inner, gm, example_inputs, kind)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from laplace_passes._checks import check_chunk_size
@@ -32,6 +32,15 @@ class CompileConfig:
     report: Report
     muon_all_to_all: bool = True
     max_graph_instructions: int | None = None
+    _decompositions: dict | None = field(default=None, init=False, repr=False)
+
+    def decompositions(self) -> dict | None:
+        """The inner compiler's decomposition table (None: AOT Autograd's defaults), built once per compile."""
+        if self.inner.decompositions is None:
+            return None
+        if self._decompositions is None:
+            self._decompositions = self.inner.decompositions()
+        return self._decompositions
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> CompileConfig:

@@ -25,8 +25,8 @@ class InnerCompiler:
     decompositions: Callable[[], dict] | None = None
     partition_fn: Callable | None = None
     # Passes this compiler needs on each ATen graph, run after the pipeline's:
-    # (config, kind) -> list of GraphPass (e.g. making the graph lowerable).
-    aten_passes: Callable[[Any, str], list] | None = None
+    # (GraphContext) -> list of GraphPass (e.g. making the graph lowerable).
+    aten_passes: Callable[[Any], list] | None = None
     # Raises, naming what to install, when a package this compiler needs is
     # missing: called when the options are read, before anything is traced.
     check_available: Callable[[], None] | None = None

@@ -17,10 +17,9 @@ from torch.testing import FileCheck
 
 import laplace_passes
 import model_zoo
-from laplace_passes.report import GraphRecord
 from laplace_passes.targets import TRN2
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, partition, partition_calls, plan_partitions, split_graph
-from laplace_passes.unroll.size import value_bytes
+from laplace_passes.fx_helpers import value_bytes
 
 MODEL = SizeModel.for_target(TRN2)
 TILE = MODEL.tile_elements  # elements one instruction covers: a 1-instruction elementwise op
@@ -317,24 +316,22 @@ def test_tuple_results_stay_with_their_getitems():
 def test_split_graph_runs_the_partitions_in_order_with_identical_results():
     x = torch.randn(8, TILE // 8)
     gm = traced(elementwise_chain, x)
-    record = GraphRecord("backward_0", "backward")
     cost = MODEL.measure(gm)
-    outcome = FitGraphToBudget(cost.instructions // 4 + 1, MODEL, "backward", record=record)(gm)
+    outcome = FitGraphToBudget(cost.instructions // 4 + 1, MODEL, "backward")(gm)
     driver = outcome.graph_module
     driver.graph.lint()
-    assert outcome.modified and len(partition_calls(driver)) == len(record.size.partitions) >= 4
+    assert outcome.modified and len(partition_calls(driver)) == len(outcome.size.partitions) >= 4
     assert torch.equal(driver(x)[0], gm(x)[0])
     FileCheck().check("laplace_partition_0").check("laplace_partition_1").run(driver.code)
 
 
 def test_a_node_over_the_budget_alone_is_declined_with_the_reason():
     gm = traced(lambda a, b: torch.mm(a, b).relu(), torch.randn(1024, 1024), torch.randn(1024, 1024))
-    record = GraphRecord("forward_0", "forward")
-    outcome = FitGraphToBudget(10, MODEL, "forward", record=record)(gm)
+    outcome = FitGraphToBudget(10, MODEL, "forward")(gm)
     assert not outcome.modified and outcome.graph_module is gm
     (reason,) = outcome.declined
     assert "node mm" in reason and "over the budget of 10" in reason and "no cut can make it fit" in reason
-    assert record.size.note == f"over budget, not cut: {reason}"
+    assert outcome.size.note == f"over budget, not cut: {reason}"
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, "many", True])

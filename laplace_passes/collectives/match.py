@@ -38,11 +38,11 @@ from laplace_passes.collectives.regions import (
     Region,
     RegionError,
     closed_region,
-    fake_value,
     live_nodes,
     live_users,
     signature,
 )
+from laplace_passes.fx_helpers import COND, fake_tensor, output_values, resolve_process_group, subgraph
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -73,7 +73,7 @@ class MatrixSite:
 
     @property
     def key(self) -> tuple:
-        shape = tuple(fake_value(self.selection).shape)
+        shape = tuple(fake_tensor(self.selection).shape)
         return (self.numel, shape, signature(self.unpad), signature(self.ns_template), signature(self.layout))
 
     @property
@@ -138,7 +138,7 @@ def _owner_only_conds(gm: torch.fx.GraphModule, live: set[Node], declined: list[
     """cond nodes that run Newton-Schulz on the owner only, by their operand."""
     found = {}
     for node in gm.graph.nodes:
-        if node.target is not torch.ops.higher_order.cond or node not in live:
+        if node.target is not COND or node not in live:
             continue
         try:
             info = _owner_only(gm, node, live)
@@ -153,7 +153,7 @@ def _owner_only_conds(gm: torch.fx.GraphModule, live: set[Node], declined: list[
 def _owner_only(gm: torch.fx.GraphModule, cond: Node, live: set[Node]) -> _OwnerOnly | None:
     """The owner-only Newton-Schulz of `cond`; None when its true branch has nothing like it."""
     pred, true_attr, false_attr, operands = cond.args[:4]
-    true_gm, false_gm = getattr(gm, true_attr.target), getattr(gm, false_attr.target)
+    true_gm, false_gm = subgraph(gm, true_attr), subgraph(gm, false_attr)
     (ns_list, misses) = find_newton_schulz(true_gm.graph)
     if not ns_list and not misses:
         return None
@@ -187,8 +187,7 @@ def _owner_of(pred: Node) -> int:
 
 
 def _branch_output(branch: torch.fx.GraphModule) -> Node:
-    output = next(n for n in branch.graph.nodes if n.op == "output")
-    (value,) = output.args[0]
+    (value,) = output_values(branch)
     return value
 
 
@@ -210,7 +209,7 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     send, group_size, group = all_gather.args
     if group_size != world_size:
         raise NoMatch(f"gathers over {group_size} ranks, but world_size={world_size}")
-    send_value = fake_value(send)
+    send_value = fake_tensor(send)
     if send_value is None or send_value.dim() != 1:
         # Packing slices the send buffer by element offsets: it must be flat.
         shape = "unknown" if send_value is None else list(send_value.shape)
@@ -218,7 +217,7 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     wait = _sole_user(all_gather, "all_gather_into_tensor", live)
     gathered = _sole_user(wait, "wait_tensor", live)
     width = send_value.numel()
-    if gathered.target is not aten.view.default or list(fake_value(gathered).shape) != [world_size, width]:
+    if gathered.target is not aten.view.default or list(fake_tensor(gathered).shape) != [world_size, width]:
         raise NoMatch(f"the gathered buffer is not viewed as [{world_size}, {width}] (rank, element)")
     infrastructure = {wait, gathered}
     sites = []
@@ -285,14 +284,14 @@ def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
 def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[Node, tuple[Node, ...]]:
     """Follow the owner's result through cat -> broadcast -> wait -> slice -> view; check offsets."""
     flat = _sole_user(info.getitem, "cond result", live)
-    if flat.target is not aten.view.default or list(flat.args[1]) not in ([-1], [fake_value(info.getitem).numel()]):
+    if flat.target is not aten.view.default or list(flat.args[1]) not in ([-1], [fake_tensor(info.getitem).numel()]):
         raise NoMatch(f"{flat.name}: the owner's result is not flattened before the broadcast")
     packed = _sole_user(flat, "flattened result", live)
     if packed.target is not aten.cat.default:
         raise NoMatch(f"{packed.name}: results are not concatenated before the broadcast")
     pieces = packed.args[0]
-    offset = sum(fake_value(p).numel() for p in pieces[: pieces.index(flat)])
-    numel = fake_value(flat).numel()
+    offset = sum(fake_tensor(p).numel() for p in pieces[: pieces.index(flat)])
+    numel = fake_tensor(flat).numel()
     bcast = _sole_user(packed, "broadcast payload", live)
     if bcast.target is not BROADCAST or bcast.args[2] != group:
         raise NoMatch(f"{bcast.name}: the owner's results are not broadcast on the gather's group")
@@ -300,10 +299,10 @@ def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[N
         raise NoMatch(f"{bcast.name}: broadcast from rank {bcast.args[1]}, but rank {info.owner} computed it")
     wait = _sole_user(bcast, "broadcast", live)
     piece = [u for u in wait.users if u.target is aten.slice.Tensor and u.args[1:3] == (0, offset)]
-    if len(piece) != 1 or min(piece[0].args[3], fake_value(wait).numel()) != offset + numel:
+    if len(piece) != 1 or min(piece[0].args[3], fake_tensor(wait).numel()) != offset + numel:
         raise NoMatch(f"{wait.name}: no unique slice [{offset}:{offset + numel}] takes back {info.cond.name}'s result")
     result = _sole_user(piece[0], "broadcast slice", live)
-    if result.target is not aten.view.default or fake_value(result).shape != fake_value(info.getitem).shape:
+    if result.target is not aten.view.default or fake_tensor(result).shape != fake_tensor(info.getitem).shape:
         raise NoMatch(f"{result.name}: the broadcast slice is not viewed back to the matrix shape")
     transport = (info.pred, info.cond, info.getitem, flat, packed, bcast, wait, piece[0])
     return result, transport
@@ -312,9 +311,9 @@ def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[N
 def _finish_site(block, offset, numel, unpad, ns, template, owner, result, transport, world_size, group, live):
     selection = _own_row_selection(result, world_size, group, live)
     layout = closed_region(result, selection.args[0])
-    if fake_value(layout.output).numel() != world_size * numel:
+    if fake_tensor(layout.output).numel() != world_size * numel:
         raise NoMatch(
-            f"{selection.name} selects from a layout of {fake_value(layout.output).numel()} elements, "
+            f"{selection.name} selects from a layout of {fake_tensor(layout.output).numel()} elements, "
             f"not one {numel}-element shard per rank like the gathered block {block.name}"
         )
     return MatrixSite(block, offset, numel, unpad, ns, template, owner, result, layout, selection, transport)
@@ -345,7 +344,7 @@ def _own_row_selection(result: Node, world_size: int, group: str, live: set[Node
 def _is_selection(node: Node, world_size: int, group: str) -> bool:
     if node.op != "call_function" or not isinstance(node.args[0], Node):
         return False
-    source = fake_value(node.args[0])
+    source = fake_tensor(node.args[0])
     if source is None or source.dim() == 0 or source.shape[0] != world_size:
         return False
     if node.target is aten.index_select.default and node.args[1] == 0:
@@ -399,22 +398,14 @@ def _rank_input(index: Node) -> None:
         node = node.args[0]
     if not (isinstance(node, Node) and node.op == "placeholder"):
         raise NoMatch(f"{getattr(index, 'name', index)} is not the rank: not a graph input")
-    value = fake_value(node)
+    value = fake_tensor(node)
     if value is None or value.dtype not in (torch.int32, torch.int64) or value.numel() != 1:
         raise NoMatch(f"{node.name} is not the rank: expected a one-element integer tensor")
 
 
 def _this_rank(group: str) -> int | None:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        return _resolve_process_group(group).rank()
-    except (RuntimeError, ValueError, KeyError):  # a group name this process does not know
-        return None
+    process_group = resolve_process_group(group)
+    return None if process_group is None else process_group.rank()
 
 
 def _sole_user(node: Node, what: str, live: set[Node]) -> Node:

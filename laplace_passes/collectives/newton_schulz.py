@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from laplace_passes.collectives.regions import Region, RegionError, closed_region, fake_value, live_nodes, live_users
+from laplace_passes.collectives.regions import Region, RegionError, closed_region, live_nodes, live_users
+from laplace_passes.fx_helpers import fake_tensor
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -91,7 +92,7 @@ def _normalisation_input(node: Node) -> Node | None:
     if node.target is not aten.div.Tensor or not isinstance(node.args[1], Node):
         return None
     x, scale = node.args
-    value, scale_value = fake_value(x), fake_value(scale)
+    value, scale_value = fake_tensor(x), fake_tensor(scale)
     if value is None or value.dim() != 2 or scale_value is None or scale_value.dim() != 0:
         return None
     return x if _frobenius_clamp(x, scale) is not None else None
@@ -138,7 +139,7 @@ def _match_from_normalisation(div: Node, live: set[Node]) -> NewtonSchulz:
         region = closed_region(start, output)
     except RegionError as error:
         raise _NearMiss(f"{div.name}: Newton-Schulz normalisation found, but the region is not closed: {error}")
-    rows, cols = fake_value(start).shape
+    rows, cols = fake_tensor(start).shape
     return NewtonSchulz(region, steps, coefficients, float(eps), int(rows), int(cols))
 
 

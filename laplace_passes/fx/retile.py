@@ -35,17 +35,15 @@ static, or inputs the op rejects.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.fx
 
 from laplace_passes._checks import check_gla_args
-from laplace_passes.chunked import chunk_plan, saved_for_backward_bytes
-from laplace_passes.fx.sites import GlaSite, bind_site, fake_value, is_gla_node
+from laplace_passes.chunked import chunk_plan, chunked_gla_saved_bytes
+from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
+from laplace_passes.fx_helpers import fake_value, new_node, provenance_of
 from laplace_passes.passes import GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
-from laplace_passes.unroll.inline import provenance_of
 
 
 class RetileGLA(GraphPass):
@@ -89,7 +87,7 @@ class RetileGLA(GraphPass):
         record.shape = {"B": B, "H": H, "K": K, "V": v.shape[-1], "dtype": str(q.dtype).removeprefix("torch.")}
         record.plan = chunk_plan(T, self.chunk_size)
         initial_state = values[4] if site.initial_state is not None else None
-        record.saved_bytes = saved_for_backward_bytes(*values[:4], initial_state)
+        record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state)
         self._install_chunk_loop(gm.graph, site)
         record.status = "retiled"
         return record
@@ -100,35 +98,25 @@ class RetileGLA(GraphPass):
         # per-layer accounting still see the user's layer.
         provenance = provenance_of(site.node)
         with graph.inserting_before(site.node):
-            gates = graph.create_node(
-                "call_function", torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates"
-            )
-            chunked = graph.create_node(
-                "call_function",
+            # Same shapes and dtypes as the gates and the reference op's results.
+            gates = new_node(graph, torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates",
+                             provenance=provenance, like=site.gk)
+            chunked = new_node(
+                graph,
                 torch.ops.laplace.chunked_gla.default,
                 (site.q, site.k, site.v, gates, site.initial_state, site.scale, self.chunk_size, self.sub_chunk_size),
-                name="chunked_gla",
+                name="chunked_gla", provenance=provenance, like=site.node,
             )
-        gates.meta.update(provenance)
-        chunked.meta.update(provenance)
-        for key in ("example_value", "val"):  # same shapes and dtypes as the reference op's
-            if key in site.gk.meta:
-                gates.meta[key] = site.gk.meta[key]
-            if key in site.node.meta:
-                chunked.meta[key] = site.node.meta[key]
         site.node.replace_all_uses_with(chunked)
         graph.erase_node(site.node)
 
 
 def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
-    """("name.", body) for loop bodies holding a GLA site, each replaced by a copy first: earlier snapshots share the original."""
-    bodies = []
-    for name, module in list(gm.named_modules()):
-        if name and isinstance(module, torch.fx.GraphModule) and any(is_gla_node(n) for n in module.graph.nodes):
-            copied = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
-            gm.set_submodule(name, copied)
-            bodies.append((f"{name}.", copied))
-    return bodies
+    """("name.", body) for loop bodies holding a GLA site (rewritten in place; report snapshots hold copies)."""
+    return [
+        (f"{name}.", module) for name, module in gm.named_modules()
+        if name and isinstance(module, torch.fx.GraphModule) and any(is_gla_node(n) for n in module.graph.nodes)
+    ]
 
 
 def _static_shape_problem(values: list) -> str | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from laplace_passes.fx_helpers import fake_tensor, new_node, provenance_of
 from laplace_passes.passes import GraphPass, PassOutcome
 
 aten = torch.ops.aten
@@ -71,10 +72,10 @@ class ClampGateChecks(GraphPass):
 def _replace_by_clamp(graph: torch.fx.Graph, check: torch.fx.Node) -> None:
     (gates,) = check.args
     with graph.inserting_before(check):
-        # fx makes the name unique (clamp_gates_1, ...) when several layers have one.
-        clamp = graph.create_node("call_function", torch.ops.aten.clamp.default, (gates, None, 0.0), name="clamp_gates")
-    # The check's fake value is empty_like(gk): the clamp's shape, dtype and strides.
-    clamp.meta = dict(check.meta)
+        # fx makes the name unique (clamp_gates_1, ...) when several layers have one. The check's
+        # fake value is empty_like(gk): the clamp's shape, dtype and strides.
+        clamp = new_node(graph, aten.clamp.default, (gates, None, 0.0), name="clamp_gates",
+                         provenance=provenance_of(check), like=check)
     check.replace_all_uses_with(clamp)
     graph.erase_node(check)
 
@@ -116,7 +117,7 @@ def _static_args(node: torch.fx.Node) -> tuple | str:
     """`node`'s arguments with start and end resolved against the static size, or why not."""
     args = _slice_scatter_args(node)
     base_node, src, dim, start, end, step = args
-    base = base_node.meta.get("val") if isinstance(base_node, torch.fx.Node) else None
+    base = fake_tensor(base_node)
     if base is None:
         return "the base tensor has no fake value (meta['val']), so its size is unknown"
     dim = dim % base.dim()
@@ -186,12 +187,12 @@ def _diagonal_args(node: torch.fx.Node) -> tuple:
     for index, name in enumerate(defaults, start=1):
         values.append(node.args[index] if len(node.args) > index else node.kwargs.get(name, defaults[name]))
     x, offset, dim1, dim2 = values
-    rank = x.meta["val"].dim()
+    rank = fake_tensor(x).dim()
     return x, offset, dim1 % rank, dim2 % rank
 
 
 def _diagonal_problem(node: torch.fx.Node) -> str | None:
-    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    value = fake_tensor(node.args[0])
     if value is None:
         return "the input has no fake value (meta['val']), so its shape is unknown"
     _, _, dim1, dim2 = _diagonal_args(node)
@@ -202,7 +203,7 @@ def _diagonal_problem(node: torch.fx.Node) -> str | None:
 
 def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     x, offset, dim1, dim2 = _diagonal_args(node)
-    value = x.meta["val"]
+    value = fake_tensor(x)
     n, m = value.shape[dim1], value.shape[dim2]
     others = [d for d in range(value.dim()) if d not in (dim1, dim2)]
     length = max(0, min(n, m - offset) if offset >= 0 else min(n + offset, m))
@@ -217,23 +218,11 @@ def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     current = x
     with graph.inserting_before(node):
         for name, op, args, kwargs in steps:
-            current = _fake_propagated(graph, name, op, current, args, kwargs)
+            current = new_node(graph, op, (current, *args), kwargs, name=name)
     node.replace_all_uses_with(current)
     graph.erase_node(node)
 
 
-def _fake_propagated(graph, name, op, source, args, kwargs) -> torch.fx.Node:
-    """A new node `op(source, *args, **kwargs)` with its fake value computed from `source`'s."""
-    from torch._guards import detect_fake_mode
-
-    value = source.meta["val"]
-    with detect_fake_mode([value]):
-        result = op(value, *args, **kwargs)
-    new = graph.create_node("call_function", op, (source, *args), kwargs, name=name)
-    new.meta["val"] = result
-    return new
-
-
-def lowering_passes(config, kind: str) -> list[GraphPass]:
+def lowering_passes() -> list[GraphPass]:
     """The passes every torch-mlir based inner compiler needs, in order (see module docstring)."""
     return [ClampGateChecks(), BoundSliceScatter(), DiagonalAsStridedSlice()]

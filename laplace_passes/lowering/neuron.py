@@ -33,7 +33,8 @@ import torch.fx
 
 from laplace_passes.inner import InnerCompiler
 from laplace_passes.lowering.legalize import lowering_passes
-from laplace_passes.lowering.preflight import RequireCleanPreflight, preflight_pass
+from laplace_passes.lowering.preflight import NeuronPreflight, RequireCleanPreflight
+from laplace_passes.passes import GraphContext
 from laplace_passes.targets import HardwareTarget, get_target
 
 # (module, attribute) of each TorchNeuron entry point we call.
@@ -110,10 +111,9 @@ class NeuronCompiler:
     def decompositions(self) -> dict:
         return resolve_torch_neuronx().decompositions()
 
-    def aten_passes(self, config, kind: str) -> list:
-        preflight = preflight_pass(config, kind)
-        gate = [RequireCleanPreflight(preflight)] if self.strict_preflight else []
-        return [*lowering_passes(config, kind), preflight, *gate]
+    def aten_passes(self, context: GraphContext) -> list:
+        gate = [RequireCleanPreflight()] if self.strict_preflight else []
+        return [*lowering_passes(), NeuronPreflight.for_graph(context), *gate]
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         entry_points = resolve_torch_neuronx()
@@ -142,8 +142,8 @@ def neuron_decompositions() -> dict:
     return DEFAULT_NEURON.decompositions()
 
 
-def neuron_passes(config, kind: str) -> list:
-    return DEFAULT_NEURON.aten_passes(config, kind)
+def neuron_passes(context: GraphContext) -> list:
+    return DEFAULT_NEURON.aten_passes(context)
 
 
 def neuronx_cc_command(

@@ -32,9 +32,13 @@ import torch
 import torch.fx
 
 from laplace_passes.lowering.checks import Finding, check_graph
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
 from laplace_passes.report import Report
 from laplace_passes.targets import HardwareTarget
+
+
+# The findings of `NeuronPreflight`, kept on the graph it checked.
+FINDINGS_META_KEY = "laplace_preflight_findings"
 
 
 class PreflightError(RuntimeError):
@@ -69,18 +73,22 @@ class NeuronPreflight(GraphPass):
 
     def __init__(self, target: HardwareTarget, graph_name: str = "", partition_budget: int | None = None) -> None:
         self.target = target
-        self.graph_name = graph_name
+        self.graph_name = graph_name  # names the graph in each finding
         self.partition_budget = partition_budget
-        self.findings: list[Finding] = []
+
+    @classmethod
+    def for_graph(cls, context: GraphContext) -> NeuronPreflight:
+        return cls(context.target, graph_name=context.name, partition_budget=context.max_graph_instructions)
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        self.findings = check_graph(gm, self.target, self.graph_name, self.partition_budget)
-        if self.findings:
-            counts = ", ".join(f"{check} x{n}" for check, n in Counter(f.check for f in self.findings).items())
-            summary = f"{len(self.findings)} finding(s) for {self.target.name}: {counts}"
+        findings = check_graph(gm, self.target, self.graph_name, self.partition_budget)
+        gm.meta[FINDINGS_META_KEY] = findings
+        if findings:
+            counts = ", ".join(f"{check} x{n}" for check, n in Counter(f.check for f in findings).items())
+            summary = f"{len(findings)} finding(s) for {self.target.name}: {counts}"
         else:
             summary = "no finding: nothing here that neuronx-cc or TorchNeuron is known to reject"
-        return PassOutcome(gm, modified=False, summary=summary, declined=[str(f) for f in self.findings])
+        return PassOutcome(gm, modified=False, summary=summary, declined=[str(f) for f in findings])
 
 
 class RequireCleanPreflight(GraphPass):
@@ -89,24 +97,19 @@ class RequireCleanPreflight(GraphPass):
     NOTE [require_clean_preflight: before and after]
     The graph is unchanged; it reaches TorchNeuron only when the preflight
     found nothing. A separate pass, so that the preflight's findings are in
-    the report before the compile stops.
+    the report before the compile stops. It reads them on the graph.
     """
 
     name = "require_clean_preflight"
 
-    def __init__(self, preflight: NeuronPreflight) -> None:
-        self.preflight = preflight
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        if FINDINGS_META_KEY not in gm.meta:
+            raise RuntimeError("require_clean_preflight runs after neuron_preflight, which has not checked this graph")
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        if self.preflight.findings:
-            raise PreflightError(self.preflight.findings)
+        if gm.meta[FINDINGS_META_KEY]:
+            raise PreflightError(gm.meta[FINDINGS_META_KEY])
         return PassOutcome(gm, modified=False, summary="preflight clean: the graph goes to TorchNeuron")
-
-
-def preflight_pass(config, kind: str) -> NeuronPreflight:
-    """The preflight for the graph the backend is compiling now (its newest record)."""
-    current = config.report.graphs[-1].name if config.report.graphs else kind
-    return NeuronPreflight(config.target, graph_name=current, partition_budget=config.max_graph_instructions)
 
 
 @dataclass
@@ -147,19 +150,18 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
     from laplace_passes.lowering.legalize import lowering_passes
     from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
 
-    runs: list[NeuronPreflight] = []
-
-    def passes(config, kind: str) -> list[GraphPass]:
-        runs.append(preflight_pass(config, kind))
-        return [*lowering_passes(config, kind), runs[-1]]
+    def passes(context: GraphContext) -> list[GraphPass]:
+        return [*lowering_passes(), NeuronPreflight.for_graph(context)]
 
     compiler = InnerCompiler(  # the graphs run eagerly: only the passes' findings matter
         "neuron-preflight", INNER_COMPILERS["eager"].compile, decompositions=torch_mlir_decompositions,
         aten_passes=passes,
     )
     report = inspect(model_or_fn, *example_inputs, target=target, inner=compiler, **options)
-    findings = [f for run in runs for f in run.findings]
-    return PreflightReport(report.target, findings, [run.graph_name for run in runs], report)
+    checked = [(record.name, gm) for record in report.graphs for label, gm in record.snapshots
+               if label == NeuronPreflight.name]
+    findings = [f for _, gm in checked for f in gm.meta[FINDINGS_META_KEY]]
+    return PreflightReport(report.target, findings, [name for name, _ in checked], report)
 
 
 __all__ = [

@@ -31,11 +31,12 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
+from laplace_passes.fx_helpers import fake_tensor, fake_value, output_values, propagate_from_inputs
 from laplace_passes.lowering import _deps
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 from laplace_passes.lowering.diagnose import LoweringError, lowering_error
 from laplace_passes.lowering.legalize import lowering_passes
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
 
 # Where the lowering pass leaves its result for the inner compiler.
 LOWERED_META_KEY = "laplace_stablehlo"
@@ -51,7 +52,7 @@ class TensorSpec:
 
     @classmethod
     def of(cls, node: torch.fx.Node) -> TensorSpec:
-        value = node.meta["val"]
+        value = fake_value(node)
         if not isinstance(value, torch.Tensor):  # a symbolic size passed as an input
             return cls(node.name, (), type(value).__name__)
         shape = tuple(s if isinstance(s, int) else str(s) for s in value.shape)
@@ -131,7 +132,7 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
     return LoweredGraph(
         text=str(module),
         inputs=[TensorSpec.of(n) for n in gm.graph.find_nodes(op="placeholder")],
-        outputs=[TensorSpec.of(n) for n in _output_values(lowering_gm)],
+        outputs=[TensorSpec.of(n) for n in output_values(lowering_gm)],
         output_positions=positions,
         output_count=count,
         op_counts=count_ops(module),
@@ -154,37 +155,24 @@ def count_ops(module) -> dict[str, int]:
 
 
 def ensure_fake_values(gm: torch.fx.GraphModule, example_inputs: list | None) -> None:
-    """Give every node a `meta["val"]` (torch-mlir's importer reads shapes and dtypes there)."""
+    """Give every node a fake value (torch-mlir's importer reads shapes and dtypes in `meta["val"]`)."""
     nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
-    if all("val" in n.meta for n in nodes):
+    missing = [n for n in nodes if fake_value(n) is None]
+    if not missing:
         return
     if example_inputs is None:
-        missing = next(n.name for n in nodes if "val" not in n.meta)
-        raise LoweringError(f"node {missing} has no fake value (meta['val']) and no example inputs were given")
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = detect_fake_mode(example_inputs)
-    if mode is not None:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
-    else:
-        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
-
-
-def _output_values(gm: torch.fx.GraphModule) -> list:
-    (values,) = gm.graph.find_nodes(op="output")[0].args
-    return list(values) if isinstance(values, (tuple, list)) else [values]
+        raise LoweringError(f"node {missing[0].name} has no fake value (meta['val']) and no example inputs were given")
+    propagate_from_inputs(gm, example_inputs)
 
 
 def _without_none_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int], int]:
     """A copy of `gm` returning only its tensor outputs, their positions, and the original count."""
     copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    values = _output_values(copied)
+    values = output_values(copied)
     positions = [i for i, v in enumerate(values) if v is not None]
     for position in positions:
         value = values[position]
-        if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        if fake_tensor(value) is None:
             raise LoweringError(f"output {position} ({value}) is not a tensor; StableHLO functions return tensors")
     output = copied.graph.find_nodes(op="output")[0]
     output.args = (tuple(values[i] for i in positions),)
@@ -227,6 +215,6 @@ def compile_stablehlo(gm: torch.fx.GraphModule, example_inputs: list, kind: str)
     return make_boxed_func(gm.forward)
 
 
-def torch_mlir_passes(config, kind: str) -> list[GraphPass]:
+def torch_mlir_passes(context: GraphContext) -> list[GraphPass]:
     """The ATen passes of inner="stablehlo" and "iree": make the graph lowerable, then lower it."""
-    return [*lowering_passes(config, kind), LowerToStableHLO()]
+    return [*lowering_passes(), LowerToStableHLO()]

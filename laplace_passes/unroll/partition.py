@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch.fx
 
-from laplace_passes.unroll.size import is_view, value_bytes
+from laplace_passes.fx_helpers import is_view, value_bytes
 
 # The refinement's flow problem grows with the region; beyond this many
 # nodes per boundary the order-based cut is kept as it is.
