@@ -15,6 +15,9 @@ messages, the forward graphs of a backward graph) it is given when it is
 made: the pipeline (`laplace_passes.pipeline`) builds the passes for each
 graph from a `GraphContext`.
 
+A rewrite that cannot be made raises `Declined(reason)` where that is
+decided; the pass catches it and lists the reason in `outcome.declined`.
+
 `run_passes` is what the backend runs: every pass in order, each followed by
 a lint, and its outcome filed in the report (a `PassRecord`, the graph's
 records, a snapshot of the graph).
@@ -61,6 +64,19 @@ class PassOutcome:
     loops: list[LoopRecord] = field(default_factory=list)
     size: SizeRecord | None = None
     traffic: TrafficRecord | None = None
+
+
+class Declined(Exception):
+    """A rewrite that is not made, and why.
+
+    Raised where that is decided (a trip count that is not static, a
+    pattern that does not match, a graph no cut can fit); the pass catches
+    it and reports `reason` in its outcome, where users read it.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class GraphPass:

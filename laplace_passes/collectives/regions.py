@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx_helpers import ancestors, is_collective
+from laplace_passes.passes import Declined
 
 Node = torch.fx.Node
 
@@ -33,7 +34,7 @@ class Region:
         return frozenset(self.nodes)
 
 
-class RegionError(ValueError):
+class RegionError(Declined):
     """`output` is not a function of `input` and constants alone."""
 
 

@@ -71,11 +71,11 @@ import torch.fx
 
 from laplace_passes.collectives.emit import emit_all_to_all
 from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket, find_buckets, rank_input
-from laplace_passes.collectives.newton_schulz import find_newton_schulz
+from laplace_passes.collectives.newton_schulz import find_newton_schulz, may_hold_newton_schulz
 from laplace_passes.collectives.plan import OwnershipPlan, plan_ownership
 from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, per_rank_totals
 from laplace_passes.fx_helpers import COND, fake_tensor, fill_fake_values, subgraph, value_bytes
-from laplace_passes.passes import GraphPass, PassOutcome, run_pass
+from laplace_passes.passes import Declined, GraphPass, PassOutcome, run_pass
 from laplace_passes.report import TrafficRecord
 from laplace_passes.targets import HardwareTarget
 
@@ -131,15 +131,18 @@ class RewriteMuonStep(GraphPass):
         self.target = target
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        reason = self._absent(gm)
-        if reason is not None:
-            return PassOutcome(gm, modified=False, summary="no Muon gather pattern", declined=[reason])
+        try:
+            self._check_present(gm)
+        except Declined as absent:
+            return PassOutcome(gm, modified=False, summary="no Muon gather pattern", declined=[absent.reason])
         world_size = self.world_size or _gather_group_size(gm)
         buckets, declined = find_buckets(gm, world_size)
-        unsupported = self._unsupported(world_size)
-        if buckets and unsupported:
-            declined.append(unsupported)
-            buckets = []
+        if buckets:
+            try:
+                self._check_group_size(world_size)
+            except Declined as unsupported:
+                declined.append(unsupported.reason)
+                buckets = []
         if not buckets:
             return PassOutcome(gm, modified=False, summary="no Muon gather pattern rewritten", declined=declined)
         before = collective_bytes(gm, world_size)
@@ -152,30 +155,31 @@ class RewriteMuonStep(GraphPass):
         return PassOutcome(gm, modified=True, summary=_summary(buckets, plans, traffic), declined=declined,
                            traffic=traffic)
 
-    def _absent(self, gm: torch.fx.GraphModule) -> str | None:
+    def _check_present(self, gm: torch.fx.GraphModule) -> None:
+        """Declined unless the graph is an ATen graph with static shapes and a gather to rewrite."""
         if self.world_size == 1:
-            return "world_size is 1: there is no communication to rewrite"
+            raise Declined("world_size is 1: there is no communication to rewrite")
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if any(fake_tensor(n) is None for n in placeholders):
-            return "the graph carries no shapes (meta['val']): trace it with fake tensors (AOT Autograd, make_fx)"
+            raise Declined("the graph carries no shapes (meta['val']): trace it with fake tensors (AOT Autograd, make_fx)")
         if any(_symbolic(n) for n in placeholders):
-            return "dynamic shapes: the ownership plan needs static sizes (compile with dynamic=False)"
+            raise Declined("dynamic shapes: the ownership plan needs static sizes (compile with dynamic=False)")
         if any(n.target is ALL_GATHER for n in gm.graph.nodes):
-            return None
+            return
         if find_newton_schulz(gm.graph)[0] or any(n.target is COND for n in gm.graph.nodes):
-            return ("Newton-Schulz found, but no all_gather_into_tensor gathers its input "
-                    "(world size 1, or communication this pass does not know)")
+            raise Declined("Newton-Schulz found, but no all_gather_into_tensor gathers its input "
+                           "(world size 1, or communication this pass does not know)")
         if any(n.op == "call_method" for n in gm.graph.nodes):
-            return "this is a torch-level (Dynamo) graph; the rewrite works on ATen graphs (after AOT Autograd)"
-        return "no all_gather_into_tensor in the graph"
+            raise Declined("this is a torch-level (Dynamo) graph; the rewrite works on ATen graphs (after AOT Autograd)")
+        raise Declined("no all_gather_into_tensor in the graph")
 
-    def _unsupported(self, world_size: int) -> str | None:
+    def _check_group_size(self, world_size: int) -> None:
         if self.target is None or self.target.collectives.group_size_supported(world_size):
-            return None
+            return
         rules = self.target.collectives
-        return (f"{self.target.name}'s all-to-all supports groups of {', '.join(map(str, rules.all_to_all_group_sizes))}"
-                f" or multiples of {rules.all_to_all_group_size_multiple} ranks, not {world_size}; "
-                "the gathers are kept")
+        raise Declined(f"{self.target.name}'s all-to-all supports groups of "
+                       f"{', '.join(map(str, rules.all_to_all_group_sizes))} or multiples of "
+                       f"{rules.all_to_all_group_size_multiple} ranks, not {world_size}; the gathers are kept")
 
 
 def _symbolic(node: torch.fx.Node) -> bool:
@@ -275,4 +279,4 @@ def is_candidate(gm: torch.fx.GraphModule) -> bool:
     ]
     if any(n.target in (ALL_GATHER, BROADCAST) for n in gm.graph.nodes):
         return True
-    return any(any(find_newton_schulz(graph)) for graph in graphs)
+    return any(may_hold_newton_schulz(graph) for graph in graphs)

@@ -42,7 +42,7 @@ from laplace_passes._checks import check_gla_args
 from laplace_passes.chunked import chunk_plan, chunked_gla_saved_bytes
 from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
 from laplace_passes.fx_helpers import fake_value, new_node, provenance_of
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
 
 
@@ -78,9 +78,11 @@ class RetileGLA(GraphPass):
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> SiteRecord:
         record = SiteRecord(graph="", node=site.node.name, origin=site.origin, status="declined")
         values = [fake_value(n) for n in site.tensor_inputs()]
-        reason = _static_shape_problem(values) or _input_problem(site, values)
-        if reason is not None:
-            record.reason = reason
+        try:
+            _require_static_shapes(values)
+            _require_valid_inputs(site, values)
+        except Declined as declined:
+            record.reason = declined.reason
             return record
         q, v = values[0], values[2]
         B, T, H, K = q.shape
@@ -119,29 +121,27 @@ def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Gra
     ]
 
 
-def _static_shape_problem(values: list) -> str | None:
+def _require_static_shapes(values: list) -> None:
     if any(v is None for v in values):
-        return "no shape information on the inputs (graph was not traced with fake tensors)"
+        raise Declined("no shape information on the inputs (graph was not traced with fake tensors)")
     q = values[0]
     for name, size in zip("BTHK", q.shape):
         if not isinstance(size, int):
-            return (f"{name} = {size} is dynamic; the chunk plan needs a static shape "
-                    "(compile with dynamic=False or mark the dimension static)")
+            raise Declined(f"{name} = {size} is dynamic; the chunk plan needs a static shape "
+                           "(compile with dynamic=False or mark the dimension static)")
     # The other inputs: V (v's last dimension) and the initial state's shape.
     for input_name, value in zip(("k", "v", "gk", "initial_state"), values[1:]):
         dynamic = [size for size in value.shape if not isinstance(size, int)]
         if dynamic:
-            return (f"{input_name} has a dynamic size {dynamic[0]} (shape {tuple(value.shape)}); the chunked "
-                    "computation needs static shapes (compile with dynamic=False or mark the dimension static)")
-    return None
+            raise Declined(f"{input_name} has a dynamic size {dynamic[0]} (shape {tuple(value.shape)}); the chunked "
+                           "computation needs static shapes (compile with dynamic=False or mark the dimension static)")
 
 
-def _input_problem(site: GlaSite, values: list) -> str | None:
+def _require_valid_inputs(site: GlaSite, values: list) -> None:
     """The op's own argument checks, run on the fake inputs."""
     q, k, v, gk = values[:4]
     initial_state = values[4] if site.initial_state is not None else None
     try:
         check_gla_args(q, k, v, gk, initial_state, site.scale)
     except (TypeError, ValueError) as error:
-        return f"inputs rejected by chunked_gla: {error}"
-    return None
+        raise Declined(f"inputs rejected by chunked_gla: {error}") from error

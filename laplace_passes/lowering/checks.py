@@ -17,6 +17,7 @@ import torch.fx
 from laplace_passes.fx_helpers import fake_tensor, fake_value, hop_name, is_loop, is_static, op_name, resolve_process_group
 from laplace_passes.lowering.diagnose import LoweringError, lower_each_op
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
+from laplace_passes.passes import Declined
 from laplace_passes.targets import HardwareTarget, get_target
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
@@ -120,10 +121,11 @@ def check_instruction_budget(
     elif partition_budget > limit:
         why = f"max_graph_instructions={partition_budget:,} lets partitions pass it"
     else:
-        plan = plan_partitions(gm, size.per_node, partition_budget, refine=False)
-        if not isinstance(plan, str):
+        try:
+            plan_partitions(gm, size.per_node, partition_budget, refine=False)
             return []  # the budget pass will cut it into partitions that fit
-        why = f"no cut fits it: {plan}"
+        except Declined as declined:
+            why = f"no cut fits it: {declined.reason}"
     heaviest = sorted(((n, c) for n, c in size.per_node.items() if c), key=lambda item: -item[1])[:3]
     listed = ", ".join(f"{node.name} {count:,}" for node, count in heaviest)
     node = heaviest[0][0]

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx_helpers import fake_tensor, new_node, provenance_of
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
 
 aten = torch.ops.aten
 CHECK_GATES = torch.ops.laplace.check_gates.default
@@ -103,29 +103,31 @@ class BoundSliceScatter(GraphPass):
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.target is not SLICE_SCATTER:
                 continue
-            args = _static_args(node)
-            if isinstance(args, str):
-                declined.append(f"{node.name}: {args}")
-            elif args != _slice_scatter_args(node):
+            try:
+                args = _static_args(node)
+            except Declined as why:
+                declined.append(f"{node.name}: {why.reason}")
+                continue
+            if args != _slice_scatter_args(node):
                 node.args, node.kwargs = args, {}
                 rewritten += 1
         summary = f"{rewritten} slice_scatter bound(s) made static" if rewritten else "no unbounded slice_scatter"
         return PassOutcome(gm, modified=rewritten > 0, summary=summary, declined=declined)
 
 
-def _static_args(node: torch.fx.Node) -> tuple | str:
-    """`node`'s arguments with start and end resolved against the static size, or why not."""
+def _static_args(node: torch.fx.Node) -> tuple:
+    """`node`'s arguments with start and end resolved against the static size (Declined: why not)."""
     args = _slice_scatter_args(node)
     base_node, src, dim, start, end, step = args
     base = fake_tensor(base_node)
     if base is None:
-        return "the base tensor has no fake value (meta['val']), so its size is unknown"
+        raise Declined("the base tensor has no fake value (meta['val']), so its size is unknown")
     dim = dim % base.dim()
     size = base.shape[dim]
     if not isinstance(size, int):
-        return f"dimension {dim} has symbolic size {size}; torch-mlir needs static bounds"
+        raise Declined(f"dimension {dim} has symbolic size {size}; torch-mlir needs static bounds")
     if not all(isinstance(b, (int, type(None))) for b in (start, end)):
-        return f"bounds ({start}, {end}) are not static integers"
+        raise Declined(f"bounds ({start}, {end}) are not static integers")
     start, end, _ = slice(start, end).indices(size)
     return (base_node, src, dim, start, end, step)
 
@@ -170,9 +172,10 @@ class DiagonalAsStridedSlice(GraphPass):
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not DIAGONAL:
                 continue
-            reason = _diagonal_problem(node)
-            if reason is not None:
-                declined.append(f"{node.name}: {reason}")
+            try:
+                _check_static_diagonal(node)
+            except Declined as why:
+                declined.append(f"{node.name}: {why.reason}")
                 continue
             _replace_diagonal(gm.graph, node)
             rewritten += 1
@@ -191,14 +194,13 @@ def _diagonal_args(node: torch.fx.Node) -> tuple:
     return x, offset, dim1 % rank, dim2 % rank
 
 
-def _diagonal_problem(node: torch.fx.Node) -> str | None:
+def _check_static_diagonal(node: torch.fx.Node) -> None:
     value = fake_tensor(node.args[0])
     if value is None:
-        return "the input has no fake value (meta['val']), so its shape is unknown"
+        raise Declined("the input has no fake value (meta['val']), so its shape is unknown")
     _, _, dim1, dim2 = _diagonal_args(node)
     if not all(isinstance(value.shape[d], int) for d in (dim1, dim2)):
-        return f"dimensions {dim1} and {dim2} are not static"
-    return None
+        raise Declined(f"dimensions {dim1} and {dim2} are not static")
 
 
 def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:

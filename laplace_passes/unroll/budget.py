@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx_helpers import is_view, value_bytes
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
 from laplace_passes.report import PartitionRecord, SizeRecord
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
@@ -58,10 +58,12 @@ class FitGraphToBudget(GraphPass):
         summary = f"{size.nodes} nodes, ~{size.instructions:,} instructions ({against})"
         if self.budget is None or size.instructions <= self.budget:
             return PassOutcome(gm, modified=False, summary=summary + ": fits", size=info)
-        plan = plan_partitions(gm, size.per_node, self.budget)
-        if isinstance(plan, str):
-            info.note = f"over budget, not cut: {plan}"
-            return PassOutcome(gm, modified=False, summary=summary + ": over budget", declined=[plan], size=info)
+        try:
+            plan = plan_partitions(gm, size.per_node, self.budget)
+        except Declined as declined:
+            info.note = f"over budget, not cut: {declined.reason}"
+            return PassOutcome(gm, modified=False, summary=summary + ": over budget", declined=[declined.reason],
+                               size=info)
         info.partitions = [
             PartitionRecord(index=i, nodes=plan.nodes[i], instructions=plan.instructions[i],
                             bytes_in=plan.bytes_in[i])

@@ -55,6 +55,7 @@ from laplace_passes.fx_helpers import (
     provenance_of,
     subgraph,
 )
+from laplace_passes.passes import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 # Beyond this many trips a loop is declined: the pass itself would slow down
 # more than any graph-size budget would let the result through.
@@ -74,22 +75,23 @@ def loop_kind(node: torch.fx.Node) -> str:
 # -- scan ----------------------------------------------------------------------
 
 
-def scan_trip_count(node: torch.fx.Node) -> int | str:
+def scan_trip_count(node: torch.fx.Node) -> int:
+    """The scanned length; Declined when it is not a static, positive size."""
     _, _, xs, _ = node.args
     if not xs:
-        return "scan over no inputs"
+        raise Declined("scan over no inputs")
     value = fake_tensor(xs[0])
     if value is None:
-        return "no shape information on the scanned input"
+        raise Declined("no shape information on the scanned input")
     length = value.shape[0]
     if not isinstance(length, int):
-        return f"the scanned length {length} is dynamic"
+        raise Declined(f"the scanned length {length} is dynamic")
     if length == 0:
-        return "scan over zero steps (its outputs' shapes come only from the body)"
+        raise Declined("scan over zero steps (its outputs' shapes come only from the body)")
     return length
 
 
-def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int) -> str | None:
+def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int) -> None:
     combine, init, xs, additional = node.args
     body = subgraph(gm, combine)
     graph, provenance = gm.graph, provenance_of(node)
@@ -105,14 +107,13 @@ def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int) -> st
             for j in range(len(steps[0]))
         ]
     replace_tuple_result(graph, node, [*carries, *stacked])
-    return None
 
 
 # -- while_loop ------------------------------------------------------------------
 
 
-def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, dict] | str:
-    """(trip count, {carried index: concrete value per trip}) or the reason it is not static."""
+def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, dict]:
+    """(trip count, {carried index: concrete value per trip}); Declined when it is not static."""
     cond_arg, body_arg, carried, additional = node.args
     cond, body = subgraph(gm, cond_arg), subgraph(gm, body_arg)
     n_carried = len(carried)
@@ -121,12 +122,12 @@ def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int
     control = _control_slice(cond, body, n_carried)
     constants: dict[int, Any] = {}
     for index in sorted(control | _additional_reads(cond, body, control, n_carried)):
-        value = host_constant(host_inputs[index])
-        if isinstance(value, str):
+        try:
+            constants[index] = host_constant(host_inputs[index])
+        except Declined as why:
             what = f"carried value {index}" if index < n_carried else f"additional input {index - n_carried}"
             name = host_inputs[index].name if isinstance(host_inputs[index], torch.fx.Node) else host_inputs[index]
-            return f"trip count is data-dependent: the loop condition reads {what} ({name}), {value}"
-        constants[index] = value
+            raise Declined(f"trip count is data-dependent: the loop condition reads {what} ({name}), {why.reason}")
 
     # history[i][t]: carried value i entering trip t; its last entry is the value leaving the loop.
     values = dict(constants)
@@ -141,15 +142,15 @@ def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int
             for i in control:
                 history[i].append(values[i])
     except (_NotSimulated, RuntimeError, TypeError, ValueError) as error:
-        return f"the trip count could not be simulated at compile time: {error}"
-    return f"more than {MAX_TRIPS} trips"
+        raise Declined(f"the trip count could not be simulated at compile time: {error}") from error
+    raise Declined(f"more than {MAX_TRIPS} trips")
 
 
 class _NotSimulated(Exception):
     """A node of the loop's control the compile-time simulation cannot run."""
 
 
-def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> str | None:
+def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> None:
     _, body_arg, carried, additional = node.args
     body = subgraph(gm, body_arg)
     graph, provenance = gm.graph, provenance_of(node)
@@ -165,7 +166,6 @@ def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, hist
     for i in scalar_counters:
         current[i] = history[i][trips]
     replace_tuple_result(graph, node, current)
-    return None
 
 
 # -- dependence and concrete evaluation ------------------------------------------
@@ -196,7 +196,7 @@ def _additional_reads(cond, body, control: set[int], n_carried: int) -> set[int]
 
 
 def host_constant(value) -> Any:
-    """The concrete value of a host-graph value computed from no input, or why it is not one."""
+    """The concrete value of a host-graph value computed from no input; Declined (why not) otherwise."""
     if not isinstance(value, torch.fx.Node):
         return value
     cone, stack = set(), [value]
@@ -205,12 +205,12 @@ def host_constant(value) -> Any:
         if node in cone:
             continue
         if node.op != "call_function":
-            return "which is a graph input" if node.op == "placeholder" else f"which reads {node.op} {node.target}"
+            raise Declined("which is a graph input" if node.op == "placeholder" else f"which reads {node.op} {node.target}")
         if _is_random(node.target):
-            return f"which is random ({node.target})"
+            raise Declined(f"which is random ({node.target})")
         cone.add(node)
         if len(cone) > _MAX_CONSTANT_NODES:
-            return "which is computed by too large a subgraph to evaluate at compile time"
+            raise Declined("which is computed by too large a subgraph to evaluate at compile time")
         stack.extend(node.all_input_nodes)
     return _Interpreter(value.graph.owning_module, [value]).run({})[0]
 

@@ -16,10 +16,12 @@ as a loop. Loops nested in a body are reached once the outer loop is inlined.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.fx
 
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
 from laplace_passes.report import LoopRecord
 from laplace_passes.unroll import chunk_loops, hop_loops
 from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
@@ -75,30 +77,29 @@ class UnrollLoops(GraphPass):
 
     def _unroll(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> LoopRecord:
         """Count the trips, then unroll; the record says which step declined and why."""
-        if chunk_loops.is_chunk_loop(node):
-            kind, counted = chunk_loops.loop_kind(node), chunk_loops.chunk_count(node)
-            unroll = lambda: self.chunk_loops.expand(gm, node)  # noqa: E731
-        elif hop_loops.loop_kind(node) == "scan":
-            kind, counted = "scan", hop_loops.scan_trip_count(node)
-            unroll = lambda: hop_loops.unroll_scan(gm, node, counted)  # noqa: E731
-        else:
-            kind, counted, history = hop_loops.loop_kind(node), hop_loops.while_trip_count(gm, node), None
-            if not isinstance(counted, str):
-                counted, history = counted  # the trip count, and each counter's value per trip
-            unroll = lambda: hop_loops.unroll_while(gm, node, counted, history)  # noqa: E731
+        kind = chunk_loops.loop_kind(node) if chunk_loops.is_chunk_loop(node) else hop_loops.loop_kind(node)
         record = LoopRecord(node=node.name, kind=kind, trip_count=None, status="declined")
-        if isinstance(counted, str):
-            record.reason = counted
+        try:
+            record.trip_count, unroll = self._count(gm, node)
+            # Every kind of loop is replaced through its getitem users (inline.replace_tuple_result).
+            if getitem_users(node) is None:
+                raise Declined("its result is used as a whole, not through indexing")
+            unroll()
+        except Declined as declined:
+            record.reason = declined.reason
             return record
-        record.trip_count = counted
-        # Every kind of loop is replaced through its getitem users (inline.replace_tuple_result).
-        if getitem_users(node) is None:
-            record.reason = "its result is used as a whole, not through indexing"
-        else:
-            record.reason = unroll()
-        if record.reason is None:
-            record.status = "unrolled"
+        record.status = "unrolled"
         return record
+
+    def _count(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, Callable[[], None]]:
+        """The loop's trip count, and what unrolls it; Declined when the count is not static."""
+        if chunk_loops.is_chunk_loop(node):
+            return chunk_loops.chunk_count(node), lambda: self.chunk_loops.expand(gm, node)
+        if hop_loops.loop_kind(node) == "scan":
+            trips = hop_loops.scan_trip_count(node)
+            return trips, lambda: hop_loops.unroll_scan(gm, node, trips)
+        trips, history = hop_loops.while_trip_count(gm, node)  # history: each counter's value per trip
+        return trips, lambda: hop_loops.unroll_while(gm, node, trips, history)
 
 
 def _summary(records: list[LoopRecord]) -> str:
