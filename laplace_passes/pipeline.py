@@ -50,12 +50,14 @@ def aten_passes(
     # GLA chunk-loop ops (and any scan / while_loop left) -> straight-line
     # code, decomposed like the rest of the graph for the inner compiler.
     passes.append(UnrollLoops("aten", decompositions=config.decompositions()))
-    # Last, the inner compiler's own passes: they prepare the final graph for
+    # Then the inner compiler's own passes: they prepare the final graph for
     # it (for the lowering compilers: making it lowerable, the Neuron preflight).
-    if config.inner.aten_passes is not None:
-        passes += config.inner.aten_passes(context)
+    passes += config.inner.aten_passes(context)
     # After everything that changes the graph: measure what the inner
     # compiler receives, and cut it into partitions if it is over budget.
     model = SizeModel.for_target(config.target)
     passes.append(FitGraphToBudget(config.max_graph_instructions, model, context.kind, forward_graphs=forward_graphs))
+    # Last, the inner compiler's passes over what it receives, the graph or
+    # its partitions (lowering each once, to StableHLO, say).
+    passes += config.inner.final_passes(context)
     return passes

@@ -94,13 +94,17 @@ def resolve_torch_neuronx() -> NeuronEntryPoints:
 
 
 @dataclass(frozen=True)
-class NeuronCompiler:
-    """Settings of the neuron inner compiler; `inner_compiler()` gives what `inner=` takes."""
+class NeuronCompiler(InnerCompiler):
+    """inner="neuron": each ATen graph to TorchNeuron's compiler, after the preflight.
 
-    # Passed through to TorchNeuron's compiler as its `options` (model_name, ...).
+    `options` are passed through to TorchNeuron's compiler (model_name, ...);
+    `strict_preflight=False` reports preflight findings but hands the graph
+    over anyway.
+    """
+
     options: dict[str, Any] = field(default_factory=dict)
-    # Stop on any preflight finding (False: report them and hand the graph over anyway).
     strict_preflight: bool = True
+    name = "neuron"
 
     def __post_init__(self) -> None:
         if self.options.get("dynamic", False) is not False:
@@ -121,29 +125,10 @@ class NeuronCompiler:
         options = {**self.options, "dynamic": False}
         return entry_points.compile_fx(gm, example_inputs, None, options)
 
-    def inner_compiler(self) -> InnerCompiler:
-        return InnerCompiler("neuron", self.compile, decompositions=self.decompositions, aten_passes=self.aten_passes)
 
-
-def neuron_compiler(options: dict[str, Any] | None = None, *, strict_preflight: bool = True) -> InnerCompiler:
+def neuron_compiler(options: dict[str, Any] | None = None, *, strict_preflight: bool = True) -> NeuronCompiler:
     """inner="neuron" with TorchNeuron `options` passed through, e.g. ``{"model_name": "gla"}``."""
-    return NeuronCompiler(dict(options or {}), strict_preflight).inner_compiler()
-
-
-DEFAULT_NEURON = NeuronCompiler()
-
-
-# The functions inner="neuron" resolves lazily (laplace_passes.inner).
-def compile_neuron(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
-    return DEFAULT_NEURON.compile(gm, example_inputs, kind)
-
-
-def neuron_decompositions() -> dict:
-    return DEFAULT_NEURON.decompositions()
-
-
-def neuron_passes(context: GraphContext) -> list:
-    return DEFAULT_NEURON.aten_passes(context)
+    return NeuronCompiler(dict(options or {}), strict_preflight)
 
 
 def neuronx_cc_command(

@@ -31,7 +31,14 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from functorch.compile import make_boxed_func
+
+from laplace_passes.compile_fx import capture_graphs
+from laplace_passes.config import CompileConfig
+from laplace_passes.inner import InnerCompiler
 from laplace_passes.lowering.checks import Finding, check_graph
+from laplace_passes.lowering.legalize import lowering_passes
+from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
 from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
 from laplace_passes.report import Report
 from laplace_passes.targets import HardwareTarget
@@ -138,6 +145,26 @@ class PreflightReport:
     __repr__ = __str__
 
 
+class PreflightCompiler(InnerCompiler):
+    """The preflight's inner compiler: the graphs run eagerly, only the passes' findings matter.
+
+    Its graphs are those inner="neuron" would hand over: torch-mlir's
+    decomposition table stands in for TorchNeuron's (which ships with
+    torch-neuronx), the same lowering passes, then the checks.
+    """
+
+    name = "neuron-preflight"
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        return make_boxed_func(gm.forward)
+
+    def decompositions(self) -> dict:
+        return torch_mlir_decompositions()
+
+    def aten_passes(self, context: GraphContext) -> list[GraphPass]:
+        return [*lowering_passes(), NeuronPreflight.for_graph(context)]
+
+
 def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", **options: Any) -> PreflightReport:
     """Check the graphs `model_or_fn(*example_inputs)` would hand to TorchNeuron; nothing is compiled by it.
 
@@ -145,19 +172,8 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
     backward when an output requires grad; `options` are the backend's
     (chunk_size, retile_gla, ...).
     """
-    from laplace_passes.api import inspect
-    from laplace_passes.inner import INNER_COMPILERS, InnerCompiler
-    from laplace_passes.lowering.legalize import lowering_passes
-    from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
-
-    def passes(context: GraphContext) -> list[GraphPass]:
-        return [*lowering_passes(), NeuronPreflight.for_graph(context)]
-
-    compiler = InnerCompiler(  # the graphs run eagerly: only the passes' findings matter
-        "neuron-preflight", INNER_COMPILERS["eager"].compile, decompositions=torch_mlir_decompositions,
-        aten_passes=passes,
-    )
-    report = inspect(model_or_fn, *example_inputs, target=target, inner=compiler, **options)
+    options = {**options, "target": target, "inner": PreflightCompiler(), "report": Report()}
+    report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
     checked = [(record.name, gm) for record in report.graphs for label, gm in record.snapshots
                if label == NeuronPreflight.name]
     findings = [f for _, gm in checked for f in gm.meta[FINDINGS_META_KEY]]
