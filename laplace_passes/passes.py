@@ -20,7 +20,8 @@ decided; the pass catches it and lists the reason in `outcome.declined`.
 
 `run_passes` is what the backend runs: every pass in order, each followed by
 a lint, and its outcome filed in the report (a `PassRecord`, the graph's
-records, a snapshot of the graph).
+records, a snapshot of the graph). It also logs each pass through torch's
+logging (`laplace_passes.logs`: TORCH_LOGS="laplace", TORCH_TRACE).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
+from laplace_passes import logs
 from laplace_passes.report import (
     GraphRecord,
     LoopRecord,
@@ -124,13 +126,15 @@ def run_pass(graph_pass: GraphPass, gm: torch.fx.GraphModule, graph_name: str = 
 def run_passes(
     gm: torch.fx.GraphModule, passes: list[GraphPass], graph: GraphRecord, report: Report
 ) -> torch.fx.GraphModule:
-    """Run `passes` in order over `gm`, linting and filing the outcome after each."""
+    """Run `passes` in order over `gm`, linting, filing and logging the outcome after each."""
     for graph_pass in passes:
         nodes_before = len(gm.graph.nodes)
+        logs.graph_before(graph_pass.name, graph.name, gm)
         outcome = run_pass(graph_pass, gm, graph.name)
         gm = outcome.graph_module
-        _file(outcome, graph_pass.name, graph, report, nodes_before)
+        record = _file(outcome, graph_pass.name, graph, report, nodes_before)
         graph.snapshot(graph_pass.name, gm)
+        logs.pass_done(record, gm)
     return gm
 
 
