@@ -6,7 +6,7 @@ torch-mlir. Two things in our graphs stop it, and each gets one small pass:
 * `laplace::check_gates` is a Python custom op (it raises ValueError on a
   positive gate). torch-mlir cannot lower a Python op, and a device graph
   cannot raise. `ClampGateChecks` replaces it by `clamp(gk, max=0)`: the
-  documented clamp of DESIGN.md section 3. For valid gates (gk <= 0) the clamp is
+  documented clamp of docs/DESIGN.md section 3.3. For valid gates (gk <= 0) the clamp is
   the identity and the numbers are bit for bit those of the eager graph; a
   positive gate is clamped to 0 (no decay) instead of refused, and a NaN
   gate stays NaN. So lowered graphs (StableHLO, IREE, Neuron) do not check

@@ -1,6 +1,6 @@
 """The `neuron` inner compiler: each ATen graph handed to TorchNeuron (torch-neuronx).
 
-TorchNeuron's own pipeline (DESIGN.md section 6) is Dynamo -> AOT Autograd
+TorchNeuron's own pipeline (docs/DESIGN.md sections 6 and 8) is Dynamo -> AOT Autograd
 (its forward compiler, reused for the backward) -> torch-mlir -> StableHLO ->
 neuronx-cc -> NEFF. Our passes need the ATen graphs, so we run AOT Autograd
 ourselves and call TorchNeuron's ATen-graph compiler with each graph, with
@@ -57,7 +57,7 @@ NEURON_UNAVAILABLE = (
     "laplace_passes.preflight(...). laplace_passes never falls back to another compiler."
 )
 
-# The neuronx-cc command line TorchNeuron runs on the StableHLO it lowered (DESIGN.md section 6).
+# The neuronx-cc command line TorchNeuron runs on the StableHLO it lowered (docs/DESIGN.md section 8).
 NEURONX_CC_FLAGS = ("--framework", "XLA", "--lnc", "2", "--model-type", "transformer", "-O2")
 NEURON_TARGETS = ("trn1", "trn2")
 

@@ -1,7 +1,7 @@
 """How big a graph is for the target's compiler: node count and an instruction estimate.
 
 neuronx-cc refuses graphs over about 5,000,000 generated instructions
-([XTP002], DESIGN.md section 4). We cannot run it here, so each node gets an
+([XTP002], docs/DESIGN.md sections 4 and 8). We cannot run it here, so each node gets an
 estimate from its shapes, in units of the target's tile, `matmul_tile` =
 (P, F) = (128 partition rows, 512 free elements) on trn2:
 
