@@ -79,7 +79,7 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     """
     fla_sites.install()
     backend = functools.partial(compile_fx, config=config)
-    compiled = torch.compile(_fresh(model_or_fn), backend=backend, dynamic=False)
+    compiled = torch.compile(fresh_code(model_or_fn), backend=backend, dynamic=False)
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         compiled(*example_inputs)
     if not config.report.graphs:
@@ -87,7 +87,7 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     return config.report
 
 
-def _fresh(model_or_fn: Callable) -> Callable:
+def fresh_code(model_or_fn: Callable) -> Callable:
     """A new code object per capture, so Dynamo's cache never answers for an earlier one.
 
     Dynamo keeps its cache (and its recompile limit of 8) on the code object

@@ -8,7 +8,6 @@ graphs built here, against brute force over every cut and the uncut graph.
 import math
 import operator
 import random
-import types
 
 import pytest
 import torch
@@ -17,39 +16,19 @@ from torch.testing import FileCheck
 
 import laplace_passes
 import model_zoo
+from laplace_passes.compile_fx import fresh_code
+from laplace_passes.fx_helpers import value_bytes
 from laplace_passes.targets import TRN2
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, partition, partition_calls, plan_partitions, split_graph
-from laplace_passes.fx_helpers import value_bytes
+from tests.lm_cases import capture_inner, loss_and_grads
 
 MODEL = SizeModel.for_target(TRN2)
 TILE = MODEL.tile_elements  # elements one instruction covers: a 1-instruction elementwise op
 
 
-def loss_and_grads(model, ids, run):
-    model.zero_grad(set_to_none=True)
-    logits = run(ids)
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def fresh_call(model):
-    """`model(ids)` under a code object of its own: Dynamo's cache (and recompile limit) is per code object."""
-
-    def call(ids):
-        return model(ids)
-
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "call", None, call.__closure__)
-
-
 def compile_tiny(model, ids, **options):
-    seen = []
-
-    def capture(gm, example_inputs):
-        seen.append(gm)
-        return gm.forward
-
-    compiled = laplace_passes.compile(fresh_call(model), target="trn2", inner=capture, **options)
+    capture, seen = capture_inner()
+    compiled = laplace_passes.compile(fresh_code(model), target="trn2", inner=capture, **options)
     return loss_and_grads(model, ids, compiled), compiled.laplace_report, seen
 
 

@@ -16,22 +16,12 @@ import laplace_passes
 from laplace_passes.chunked import chunked_gla_op
 from laplace_passes.unroll import UnrollLoops
 from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
+from tests.lm_cases import capture_inner
 
 
 def assert_straight_line(code: str) -> None:
     """No loop of any kind a graph can hold: scan, while_loop, a GLA chunk-loop op."""
     FileCheck().check_not("higher_order.scan").check_not("while_loop").check_not("chunked_gla").run(code)
-
-
-def capture_inner():
-    """An inner compiler that keeps every graph it is handed."""
-    seen = []
-
-    def capture(gm, example_inputs):
-        seen.append(gm)
-        return gm.forward
-
-    return capture, seen
 
 
 def loops_of(report, graph_name):

@@ -14,7 +14,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import fake_tensor, fake_value, hop_name, is_loop, is_static, op_name, resolve_process_group
+from laplace_passes.fx_helpers import (
+    fake_tensor,
+    fake_value,
+    hop_name,
+    is_loop,
+    is_static,
+    op_name,
+    resolve_process_group,
+)
 from laplace_passes.lowering.diagnose import LoweringError, lower_each_op
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
 from laplace_passes.passes import Declined

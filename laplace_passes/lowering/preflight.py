@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-
 from functorch.compile import make_boxed_func
 
 from laplace_passes.compile_fx import capture_graphs
@@ -42,7 +41,6 @@ from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
 from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
 from laplace_passes.report import Report
 from laplace_passes.targets import HardwareTarget
-
 
 # The findings of `NeuronPreflight`, kept on the graph it checked.
 FINDINGS_META_KEY = "laplace_preflight_findings"

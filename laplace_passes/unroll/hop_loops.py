@@ -57,6 +57,7 @@ from laplace_passes.fx_helpers import (
 )
 from laplace_passes.passes import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
+
 # Beyond this many trips a loop is declined: the pass itself would slow down
 # more than any graph-size budget would let the result through.
 MAX_TRIPS = 10_000
