@@ -33,3 +33,14 @@ def step_beside_reference(opt, refs, params, ref_params, rank: int, world_size: 
         for reference in refs:
             reference.step()
         compare_params(f"{tag} step {step}", params, ref_params, failures)
+
+
+def step_with_same_grads(opt, params, refs, ref_params, steps: int) -> None:
+    """`steps` single-process steps: each parameter and its reference copy get the same random gradient."""
+    for _ in range(steps):
+        for p, r in zip(params, ref_params):
+            p.grad = torch.randn(p.shape)
+            r.grad = p.grad.clone()
+        opt.step()
+        for reference in refs:
+            reference.step()

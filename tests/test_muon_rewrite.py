@@ -42,7 +42,7 @@ from model_zoo.muon import (
     newton_schulz,
 )
 from tests._dist import run_ranks
-from tests.muon_cases import rank_grads, step_beside_reference
+from tests.muon_cases import rank_grads, step_beside_reference, step_with_same_grads
 
 # Muon matrices: tall and wide, rows not divisible by 2, 3 or 4 (33, 10, 1),
 # fewer rows than ranks, two of each shape: at W = 2 every rank owns one of
@@ -275,12 +275,7 @@ def test_single_process_backend_declines_with_reason_and_matches_torch_muon():
     ref = [p.clone().requires_grad_() for p in params]
     opt = ShardedMuon(mine, backend=_laplace(report), **HPARAMS)
     ref_opt = torch.optim.Muon(ref, **HPARAMS)
-    for _ in range(2):
-        for p, r in zip(mine, ref):
-            p.grad = torch.randn(p.shape)
-            r.grad = p.grad.clone()
-        opt.step()
-        ref_opt.step()
+    step_with_same_grads(opt, mine, [ref_opt], ref, steps=2)
     assert all(torch.equal(x, y) for x, y in zip(mine, ref))
     (record,) = [p for p in report.passes if p.name == "muon_all_to_all"]
     assert not record.modified

@@ -26,7 +26,7 @@ import torch
 
 from model_zoo.muon import COMM_MODES, ShardedMuon, ShardedMuonStepError, RowSplit
 from tests._dist import run_ranks
-from tests.muon_cases import compare_params, rank_grads, step_beside_reference
+from tests.muon_cases import compare_params, rank_grads, step_beside_reference, step_with_same_grads
 
 # Muon matrices (tall, wide, square, rows not divisible by 2/3/4, fewer rows
 # than ranks, divisible) plus non-2D parameters that go to AdamW.
@@ -320,12 +320,7 @@ def test_only_muon_params_equals_torch_muon_exactly():
     a = [p.clone().requires_grad_() for p in ps]
     b = [p.clone().requires_grad_() for p in ps]
     opt, ref = ShardedMuon(a), torch.optim.Muon(b)
-    for _ in range(4):
-        for x, y in zip(a, b):
-            x.grad = torch.randn(x.shape)
-            y.grad = x.grad.clone()
-        opt.step()
-        ref.step()
+    step_with_same_grads(opt, a, [ref], b, steps=4)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     # At W=1 the state is torch.optim.Muon's.
     sd, rsd = opt.state_dict(), ref.state_dict()
@@ -341,11 +336,7 @@ def test_single_process_state_dict_round_trip():
             p.grad = torch.randn(p.shape)
         opt.step()
     params2, opt2 = _reload(opt, params)
-    for p, p2 in zip(params, params2):
-        p.grad = torch.randn(p.shape)
-        p2.grad = p.grad.clone()
-    opt.step()
-    opt2.step()
+    step_with_same_grads(opt, params, [opt2], params2, steps=1)
     assert all(torch.equal(x, y) for x, y in zip(params, params2))
 
 
