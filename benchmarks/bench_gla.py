@@ -9,7 +9,7 @@ inner="inductor" (the re-tiled graph, fused by Inductor; `--no-compiled`
 skips its ~1 minute compile). Reports:
   * speed-up of each over the token-by-token recurrence (the `laplace::gla`
     reference op) and over fla's naive_recurrent_gla when installed;
-  * achieved GFLOP/s by DESIGN.md's formula (forward
+  * achieved GFLOP/s by the formula of docs/DESIGN.md section 3.5 (forward
     2TC(K+V) + 4TKV, backward with recomputation 4TC(K+V) + 10TKV, per batch
     and head) as a fraction of a dense fp32 matmul measured in the same run.
 """

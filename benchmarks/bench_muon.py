@@ -39,7 +39,7 @@ import laplace_passes
 import model_zoo
 from laplace_passes.backend import laplace_backend
 from laplace_passes.collectives import rewrite_muon_step
-from model_zoo.muon import MuonHParams, RowSplit, ShardedMuon, _adjust_lr, _muon_shard_step, assign_owners
+from model_zoo.muon import MuonHParams, RowSplit, ShardedMuon, adjust_lr, assign_owners, muon_shard_step
 
 WORLD_SIZES = (2, 4, 8, 16, 32, 48, 64)
 TIMED_WORLD_SIZE = 4
@@ -93,10 +93,10 @@ def traffic_through_make_fx(shapes, world_size: int):
 
     splits = tuple(RowSplit(r, c, world_size) for r, c in shapes)
     hparams = tuple(
-        MuonHParams(MUON_LR, 0.1, 0.95, True, (3.4445, -4.7750, 2.0315), 5, 1e-7, _adjust_lr(MUON_LR, None, r, c))
+        MuonHParams(MUON_LR, 0.1, 0.95, True, (3.4445, -4.7750, 2.0315), 5, 1e-7, adjust_lr(MUON_LR, None, r, c))
         for r, c in shapes
     )
-    step = functools.partial(_muon_shard_step, splits=splits, hparams=hparams,
+    step = functools.partial(muon_shard_step, splits=splits, hparams=hparams,
                              owners=assign_owners(splits, world_size), comm="all_gather",
                              world_size=world_size, group="0")
     shards = lambda: [torch.empty(sp.shard_rows, sp.cols, device="meta") for sp in splits]  # noqa: E731

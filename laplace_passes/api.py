@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-import types
 from typing import Any, Callable
 
 import torch
 
-from laplace_passes.backend import laplace_backend
-from laplace_passes.config import CompileConfig
+from laplace_passes.backend import compile_config, laplace_backend
+from laplace_passes.compile_fx import capture_graphs
 from laplace_passes.fla import FlaCallNotReplaced
 from laplace_passes.fla.not_replaced import triton_error_call
 from laplace_passes.fx import fla_sites
@@ -41,7 +39,7 @@ def compile(
     """
     report = options.pop("report", None) or Report()
     full_options = {"target": target, "inner": inner, "report": report, **options}
-    CompileConfig.from_options(full_options)  # fail now, not at the first call
+    compile_config(full_options)  # fail now, not at the first call
 
     def wrap(obj: Callable):
         if not callable(obj):
@@ -63,19 +61,16 @@ def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", *
     both captured when an output requires grad. Nothing else is changed:
     parameter ``.grad`` fields are left as they were.
     """
-    report = Report()
-    options = {"inner": "eager", **options, "target": target, "report": report}
-    CompileConfig.from_options(options)  # a clear error now, not one wrapped by Dynamo
-    compiled = torch.compile(_fresh(model_or_fn), backend=laplace_backend, options=options, dynamic=False)
-    fla_sites.install()
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        try:
-            compiled(*example_inputs)
-        except (FlaCallNotReplaced, RuntimeError) as error:  # what was captured is reported: show it
-            _note_unreplaced_fla_call(report, error)
-    if not report.graphs:
-        raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
-    return report
+    options = {"inner": "eager", **options, "target": target, "report": Report()}
+    # Validated before anything is traced: a clear error, not one wrapped by Dynamo.
+    config = compile_config(options)
+    try:
+        return capture_graphs(model_or_fn, example_inputs, config)
+    except (FlaCallNotReplaced, RuntimeError) as error:  # what was captured is reported: show it
+        _note_unreplaced_fla_call(config.report, error)
+    if not config.report.graphs:
+        raise RuntimeError("inspect captured no graph before an fla call without a replacement stopped it")
+    return config.report
 
 
 def _note_unreplaced_fla_call(report: Report, error: Exception) -> None:
@@ -87,25 +82,3 @@ def _note_unreplaced_fla_call(report: Report, error: Exception) -> None:
     if call is None:
         raise error
     report.notes.append(f"fla call not replaced: {call} reached fla's Triton kernels, which cannot run here ({error})")
-
-
-def _fresh(model_or_fn: Callable) -> Callable:
-    """A new code object per inspect, so Dynamo's cache never answers for an earlier one.
-
-    Dynamo keeps its cache (and its recompile limit of 8) on the code object
-    of the frame it traces; a new closure alone would share one code object.
-    """
-    if isinstance(model_or_fn, torch.nn.Module):
-        module = model_or_fn
-
-        def run(*args):
-            return module(*args)
-
-    else:
-
-        @functools.wraps(model_or_fn)
-        def run(*args):
-            return model_or_fn(*args)
-
-    fresh = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
-    return functools.update_wrapper(fresh, run)

@@ -1,25 +1,38 @@
-"""The `laplace` torch.compile backend.
+"""The `laplace` torch.compile backend, and the inner compilers by name.
 
     torch.compile(model, backend="laplace", options={"target": "trn2", "inner": "eager"})
 
-Dynamo graph -> Dynamo-level passes (GLA re-tiling) -> AOT Autograd ->
-ATen-level passes on the forward and backward graphs -> the inner compiler.
 Registered through the `torch_dynamo_backends` entry point in setup.cfg.
+Each Dynamo graph goes through `compile_fx.compile_fx`: the Dynamo-level
+passes, AOT Autograd, the ATen-level passes, the inner compiler.
+
+This module sits above everything it names: `INNER_COMPILERS` maps the
+names of `inner=` to compiler objects, those torch provides
+(`laplace_passes.inner`) and the lowering ones (`laplace_passes.lowering`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch.fx
-from torch._dynamo.backends.common import aot_autograd
 
+from laplace_passes.compile_fx import compile_fx
 from laplace_passes.config import CompileConfig
 from laplace_passes.fx import fla_sites
-from laplace_passes.passes import run_passes
-from laplace_passes.pipeline import aten_passes, dynamo_passes
-from laplace_passes.report import remember
-from laplace_passes.unroll import compile_graph
+from laplace_passes.inner import TORCH_COMPILERS, InnerCompiler
+from laplace_passes.lowering.iree import IreeCompiler
+from laplace_passes.lowering.neuron import NeuronCompiler
+from laplace_passes.lowering.stablehlo import StableHLOCompiler
+
+INNER_COMPILERS: Mapping[str, InnerCompiler] = {
+    **TORCH_COMPILERS,
+    # torch-mlir -> StableHLO (the graph then runs eagerly); that StableHLO run by IREE on the CPU;
+    # TorchNeuron when torch-neuronx is installed (with options: laplace_passes.lowering.neuron_compiler).
+    "stablehlo": StableHLOCompiler(),
+    "iree": IreeCompiler(),
+    "neuron": NeuronCompiler(),
+}
 
 # Looking the backend up (torch.compile(backend="laplace")) imports this
 # module before Dynamo traces anything: the moment fla calls must become
@@ -27,37 +40,10 @@ from laplace_passes.unroll import compile_graph
 fla_sites.install()
 
 
-def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None):
-    config = CompileConfig.from_options(options)
-    report = config.report
-    remember(report)
-    if fla_sites.install() != fla_sites.covered_before_install():
-        report.notes.append(
-            "fla was imported after the laplace backend was loaded, so fla calls traced in this "
-            "graph are not GLA sites; later compiles recognise them (or call "
-            "laplace_passes.fx.enable_fla_sites() before compiling)"
-        )
-    record = report.new_graph("dynamo", gm)
-    gm = run_passes(gm, dynamo_passes(config), record, report)
-    compilers = {kind: _aten_compiler(config, kind) for kind in ("forward", "backward", "inference")}
-    kwargs = {
-        "fw_compiler": compilers["forward"],
-        "bw_compiler": compilers["backward"],
-        "inference_compiler": compilers["inference"],
-    }
-    if config.inner.decompositions is not None:
-        kwargs["decompositions"] = config.inner.decompositions()
-    if config.inner.partition_fn is not None:
-        kwargs["partition_fn"] = config.inner.partition_fn
-    return aot_autograd(**kwargs)(gm, example_inputs)
+def compile_config(options: dict[str, Any] | None) -> CompileConfig:
+    """The options of one compile, validated, with `inner` resolved among `INNER_COMPILERS`."""
+    return CompileConfig.from_options(options, INNER_COMPILERS)
 
 
-def _aten_compiler(config: CompileConfig, kind: str) -> Callable:
-    def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        record = config.report.new_graph(kind, gm)
-        gm = run_passes(gm, aten_passes(config, kind), record, config.report)
-        # A graph the budget pass cut into partitions: each compiled on its own.
-        return compile_graph(config.inner, gm, example_inputs, kind)
-
-    compile_aten_graph.__name__ = f"laplace_{kind}_compiler"
-    return compile_aten_graph
+def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None) -> Callable:
+    return compile_fx(gm, example_inputs, compile_config(options))

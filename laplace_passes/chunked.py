@@ -90,7 +90,7 @@ chunked_gla_op.register_autograd(_backward, setup_context=_setup_context)
 CHUNK_LOOP_OPS = (torch.ops.laplace.chunked_gla.default, torch.ops.laplace.chunked_gla_backward.default)
 
 
-def saved_for_backward_bytes(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None) -> int:
+def chunked_gla_saved_bytes(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None) -> int:
     """Bytes `laplace::chunked_gla` keeps for its backward: its inputs, nothing else.
 
     Accepts fake or meta tensors: only shapes and dtypes are read.
@@ -128,4 +128,4 @@ def chunked_gla(
     return o, (final_state if output_final_state else None)
 
 
-__all__ = ["CHUNK_LOOP_OPS", "chunk_plan", "chunked_gla", "saved_for_backward_bytes"]
+__all__ = ["CHUNK_LOOP_OPS", "chunk_plan", "chunked_gla", "chunked_gla_saved_bytes"]

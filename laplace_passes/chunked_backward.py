@@ -38,7 +38,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace_passes.chunked_forward import FLUSH_BELOW, ChunkedInputs, IntraChunk, entering_states, nested_sub_chunks
+from laplace_passes.chunked_forward import (
+    FLUSH_BELOW,
+    ChunkedInputs,
+    IntraChunk,
+    chunk_recurrence,
+    entering_states,
+    nested_sub_chunks,
+)
 
 
 def leaving_state_gradients(
@@ -46,16 +53,9 @@ def leaving_state_gradients(
 ) -> tuple[Tensor, Tensor]:
     """dh_n, the gradient of the state leaving chunk n ([B, H, N, K, V]), and dh0.
 
-    The one sequential loop of the backward, in reverse: dS_n = exp(G_last) * dS_{n+1} + Qd^T dO.
+    The forward's recurrence in reverse: dS_n = exp(G_last) * dS_{n+1} + Qd^T dO.
     """
-    local = q_decayed.transpose(-1, -2) @ grad_o  # [B, H, N, K, V]: every chunk at once
-    B, H, N, K, V = local.shape
-    grad = local.new_zeros(B, H, K, V) if grad_final_state is None else grad_final_state.float()
-    leaving: list[Tensor] = [grad] * N
-    for n in reversed(range(N)):
-        leaving[n] = grad
-        grad = chunk_decay[:, :, n] * grad + local[:, :, n]
-    return torch.stack(leaving, dim=2), grad
+    return chunk_recurrence(q_decayed.transpose(-1, -2) @ grad_o, chunk_decay, grad_final_state, reverse=True)
 
 
 def chunked_backward(

@@ -248,19 +248,32 @@ class IntraChunk:
         return (blocks * eye[:, None, :, None]).sum(-2)
 
 
+def chunk_recurrence(
+    terms: Tensor, decay: Tensor, start: Tensor | None, reverse: bool = False
+) -> tuple[Tensor, Tensor]:
+    """h = decay_n * h + terms_n over the chunks n, from `start` (zeros when None); backwards when `reverse`.
+
+    `terms` [B, H, N, K, V], `decay` [B, H, N, K, 1]. Returns the value of h
+    entering each chunk's step, stacked [B, H, N, K, V], and h after the
+    last step. The forward's states and the backward's state gradients are
+    this one recurrence, run forward and in reverse: the only sequential
+    loops of chunked GLA, one step per chunk when traced.
+    """
+    B, H, N, K, V = terms.shape
+    h = terms.new_zeros(B, H, K, V) if start is None else start.float()
+    entering: list[Tensor] = [h] * N
+    for n in reversed(range(N)) if reverse else range(N):
+        entering[n] = h
+        h = decay[:, :, n] * h + terms[:, :, n]
+    return torch.stack(entering, dim=2), h
+
+
 def entering_states(k_to_end: Tensor, v: Tensor, chunk_decay: Tensor, initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
     """The state entering every chunk, [B, H, N, K, V], and the final state.
 
-    The one sequential loop of the forward: S_{n+1} = exp(G_last) * S_n + (K exp(G_last - G))^T V.
+    S_{n+1} = exp(G_last) * S_n + (K exp(G_last - G))^T V, every chunk's update computed at once.
     """
-    updates = k_to_end.transpose(-1, -2) @ v  # [B, H, N, K, V]: every chunk at once
-    B, H, N, K, V = updates.shape
-    state = updates.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
-    states = []
-    for n in range(N):
-        states.append(state)
-        state = chunk_decay[:, :, n] * state + updates[:, :, n]
-    return torch.stack(states, dim=2), state
+    return chunk_recurrence(k_to_end.transpose(-1, -2) @ v, chunk_decay, initial_state)
 
 
 def chunked_forward(

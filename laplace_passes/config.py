@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from laplace_passes._checks import check_chunk_size
-from laplace_passes.inner import InnerCompiler, resolve_inner
+from laplace_passes.inner import TORCH_COMPILERS, InnerCompiler, resolve_inner
 from laplace_passes.report import Report
 from laplace_passes.targets import HardwareTarget, get_target
 
@@ -32,18 +32,27 @@ class CompileConfig:
     report: Report
     muon_all_to_all: bool = True
     max_graph_instructions: int | None = None
+    _decompositions: dict | None = field(default=None, init=False, repr=False)
+
+    def decompositions(self) -> dict | None:
+        """The inner compiler's decomposition table (None: AOT Autograd's defaults), built once per compile."""
+        if self._decompositions is None:
+            self._decompositions = self.inner.decompositions()
+        return self._decompositions
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> CompileConfig:
+    def from_options(
+        cls, options: dict[str, Any] | None, compilers: Mapping[str, InnerCompiler] = TORCH_COMPILERS
+    ) -> CompileConfig:
+        """Validate `options`; `compilers`: the inner compilers a name in `inner` may name."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTION_DOCS))
         if unknown:
             known = "; ".join(f"{k}: {v}" for k, v in OPTION_DOCS.items())
             raise ValueError(f"unknown laplace option(s) {unknown}; known options: {known}")
         target = get_target(options.get("target", "trn2"))
-        inner = resolve_inner(options.get("inner", "eager"))
-        if inner.check_available is not None:
-            inner.check_available()
+        inner = resolve_inner(options.get("inner", "eager"), compilers)
+        inner.check_available()
         chunk_size = check_chunk_size("chunk_size", options.get("chunk_size", target.chunk_size))
         retile = options.get("retile_gla", True)
         if not isinstance(retile, bool):

@@ -24,13 +24,13 @@ import functools
 import os
 import queue
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-from laplace_passes.progress import Progress
+from tqdm import tqdm
 
 
 @dataclass
@@ -105,7 +105,7 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
                             adamw_kwargs={"lr": config.adamw_lr, "weight_decay": 0.0},
                             backend=_muon_step_backend(muon_report) if world_size > 1 else None)
     data = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
-    progress = Progress(config.steps, "train", enabled=config.progress and rank == 0)
+    progress = _progress_bar(config.steps, enabled=config.progress and rank == 0)
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(1, config.steps + 1):
@@ -117,7 +117,10 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
         optimizer.step()
         losses.append(loss.item())
         elapsed = time.perf_counter() - start
-        progress.update(step, loss=losses[-1], **{"tok/s": world_size * step * config.batch * config.seq_len / elapsed})
+        progress.set_postfix({"loss": f"{losses[-1]:.3f}",
+                              "tok/s": f"{world_size * step * config.batch * config.seq_len / elapsed:,.0f}"},
+                             refresh=False)
+        progress.update(1)
     progress.close()
     seconds = time.perf_counter() - start
     eval_ids, eval_targets = task.batch(config.eval_batch, torch.Generator().manual_seed(10_000 + config.seed))
@@ -140,6 +143,14 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
         report_dict=report_dict,
         muon_received_ratio=muon_ratio,
     )
+
+
+def _progress_bar(steps: int, enabled: bool) -> tqdm:
+    """tqdm on stderr: redrawn in place on a terminal, every tenth of the way elsewhere (logs stay short)."""
+    interactive = sys.stderr.isatty()
+    return tqdm(total=steps, desc="train", disable=not enabled, file=sys.stderr, ascii=".#",
+                bar_format="{desc} [{bar:24}] {n_fmt}/{total_fmt} {elapsed}{postfix}",
+                mininterval=0.1 if interactive else 0.0, miniters=None if interactive else max(1, steps // 10))
 
 
 def _muon_step_backend(report):

@@ -1,6 +1,6 @@
 """The canonical GLA op: `laplace::gla`, and its public wrapper `gla`.
 
-The op is the token-by-token recurrence (DESIGN.md section 3), kept as one node
+The op is the token-by-token recurrence (docs/DESIGN.md section 3.1), kept as one node
 in Dynamo and AOT graphs so that the re-tiling pass can find it:
 
     S_t = diag(exp(gk_t)) S_{t-1} + k_t^T v_t

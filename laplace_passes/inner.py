@@ -1,112 +1,116 @@
-"""Inner compilers: what receives each ATen graph (forward, backward, or a partition).
+"""Inner compilers: what receives each ATen graph (forward, backward, inference, or a partition of one).
 
-`inner` in the options is a name from `INNER_COMPILERS` or a callable
-`(graph_module, example_inputs) -> callable` for users who bring their own
-ATen-graph compiler or want to capture the graphs.
+An inner compiler is one object, an `InnerCompiler`: its `compile` turns a
+graph into a callable, and its hooks say what else it needs (a
+decomposition table for AOT Autograd, a joint-graph partitioner, passes of
+its own to run last on each ATen graph, packages that must be installed).
+This module holds the base class and the compilers torch itself provides;
+the lowering compilers (StableHLO, IREE, TorchNeuron) are in
+`laplace_passes.lowering`, and `laplace_passes.backend` maps the names
+users write (`inner="iree"`) to them. A callable
+`(graph_module, example_inputs) -> callable` is accepted too, for users who
+bring their own ATen-graph compiler or want to capture the graphs.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch.fx
 from functorch.compile import make_boxed_func
 
-CompileFn = Callable[[torch.fx.GraphModule, list, str], Callable]
 
-
-@dataclass(frozen=True)
 class InnerCompiler:
-    name: str
-    compile: CompileFn  # (graph_module, example_inputs, kind) -> boxed callable
-    # What AOT Autograd should apply before handing graphs over (None: its defaults).
-    decompositions: Callable[[], dict] | None = None
+    """The base of every inner compiler; subclasses set `name` and implement `compile`."""
+
+    name = "inner"  # what the report shows
+    # AOT Autograd's joint-graph partitioner (None: its default).
     partition_fn: Callable | None = None
-    # Passes this compiler needs on each ATen graph, run after the pipeline's:
-    # (config, kind) -> list of GraphPass (e.g. making the graph lowerable).
-    aten_passes: Callable[[Any, str], list] | None = None
-    # Raises, naming what to install, when a package this compiler needs is
-    # missing: called when the options are read, before anything is traced.
-    check_available: Callable[[], None] | None = None
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        """A boxed callable running `gm`; `kind` is "forward", "backward" or "inference"."""
+        raise NotImplementedError
+
+    def decompositions(self) -> dict | None:
+        """What AOT Autograd should decompose before handing graphs over (None: its defaults)."""
+        return None
+
+    def aten_passes(self, context) -> list:
+        """Passes this compiler needs on each ATen graph (a `GraphContext` says which), before the budget
+        pass: what they change is measured."""
+        return []
+
+    def final_passes(self, context) -> list:
+        """Passes over what this compiler receives, after the budget pass: the graph, or the driver
+        calling its partitions (`laplace_passes.unroll.partition_calls`)."""
+        return []
+
+    def check_available(self) -> None:
+        """Raise, naming what to install, when a package this compiler needs is missing."""
+
+    def __repr__(self) -> str:
+        return f"<inner compiler {self.name!r}>"
 
 
-def _eager(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
-    return make_boxed_func(gm.forward)
+class EagerCompiler(InnerCompiler):
+    """Run each graph as Python: the graphs the passes made, executed op by op."""
+
+    name = "eager"
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        return make_boxed_func(gm.forward)
 
 
-def _inductor(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
-    from torch._inductor.compile_fx import compile_fx_inner
+class InductorCompiler(InnerCompiler):
+    """torch's own compiler, with its decompositions and its min-cut partitioner."""
 
-    return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+    name = "inductor"
 
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        from torch._inductor.compile_fx import compile_fx_inner
 
-def _inductor_decompositions() -> dict:
-    from torch._inductor.decomposition import select_decomp_table
+        return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
 
-    return select_decomp_table()
+    def decompositions(self) -> dict:
+        from torch._inductor.decomposition import select_decomp_table
 
+        return select_decomp_table()
 
-def _min_cut_partition(*args, **kwargs):
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    @staticmethod
+    def partition_fn(*args, **kwargs):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    return min_cut_rematerialization_partition(*args, **kwargs)
-
-
-def _lazy(module: str, name: str) -> Callable:
-    """`module.name`, imported on first call: the lowering compilers (laplace_passes.lowering)
-    need torch-mlir, IREE or torch-neuronx only when they are used."""
-
-    def call(*args):
-        return getattr(importlib.import_module(module), name)(*args)
-
-    call.__name__ = name
-    return call
+        return min_cut_rematerialization_partition(*args, **kwargs)
 
 
-def _lowering(name: str, compile_fn: str, decompositions: str, passes: str, check: str | None = None) -> InnerCompiler:
-    module = f"laplace_passes.lowering.{name}"
-    return InnerCompiler(
-        name, _lazy(module, compile_fn), decompositions=_lazy(module, decompositions), aten_passes=_lazy(module, passes),
-        check_available=_lazy("laplace_passes.lowering._deps", check) if check else None,
-    )
+class CallableCompiler(InnerCompiler):
+    """A user's `(graph_module, example_inputs) -> callable`."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "custom")
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        compiled = self.fn(gm, example_inputs)
+        if not callable(compiled):
+            raise TypeError(f"inner compiler {self.fn!r} returned {type(compiled).__name__}, expected a callable")
+        return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
 
 
-INNER_COMPILERS: dict[str, InnerCompiler] = {
-    "eager": InnerCompiler("eager", _eager),
-    "inductor": InnerCompiler(
-        "inductor", _inductor, decompositions=_inductor_decompositions, partition_fn=_min_cut_partition
-    ),
-    # torch-mlir -> StableHLO (the graph then runs eagerly); that StableHLO run by IREE on the CPU;
-    # TorchNeuron when torch-neuronx is installed (options: laplace_passes.lowering.neuron_compiler).
-    "stablehlo": _lowering("stablehlo", "compile_stablehlo", "torch_mlir_decompositions", "torch_mlir_passes",
-                           check="check_stablehlo"),
-    "iree": _lowering("iree", "compile_iree", "torch_mlir_decompositions", "torch_mlir_passes", check="check_iree"),
-    "neuron": _lowering("neuron", "compile_neuron", "neuron_decompositions", "neuron_passes"),
-}
+TORCH_COMPILERS: Mapping[str, InnerCompiler] = {"eager": EagerCompiler(), "inductor": InductorCompiler()}
 
 
-def resolve_inner(inner: Any) -> InnerCompiler:
+def resolve_inner(inner: Any, known: Mapping[str, InnerCompiler] = TORCH_COMPILERS) -> InnerCompiler:
+    """`inner` as an InnerCompiler: itself, the one `known` by that name, or a callable wrapped."""
     if isinstance(inner, InnerCompiler):
         return inner
     if isinstance(inner, str):
-        if inner in INNER_COMPILERS:
-            return INNER_COMPILERS[inner]
+        if inner in known:
+            return known[inner]
         raise ValueError(
-            f"unknown inner compiler {inner!r}; known: {', '.join(sorted(INNER_COMPILERS))}, "
+            f"unknown inner compiler {inner!r}; known: {', '.join(sorted(known))}, "
             "or a callable (graph_module, example_inputs) -> callable"
         )
     if callable(inner):
-        return InnerCompiler(getattr(inner, "__name__", "custom"), _user_compiler(inner))
+        return CallableCompiler(inner)
     raise TypeError(f"inner must be a compiler name or a callable, got {type(inner).__name__}")
-
-
-def _user_compiler(fn: Callable) -> CompileFn:
-    def compile_with_user_fn(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
-        compiled = fn(gm, example_inputs)
-        if not callable(compiled):
-            raise TypeError(f"inner compiler {fn!r} returned {type(compiled).__name__}, expected a callable")
-        return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
-
-    return compile_with_user_fn

@@ -1,13 +1,26 @@
-"""The passes, listed in the order they run: no registry, no import side effects."""
+"""The passes, listed in the order they run: no registry, no import side effects.
+
+Each function builds the passes for one graph, giving each what it needs
+besides the graph (`GraphContext`: the graph's name and kind, the target,
+the budget; the forward graphs a backward graph's activations come from).
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
+
+import torch.fx
 
 from laplace_passes.collectives import RewriteMuonStep, is_candidate
 from laplace_passes.config import CompileConfig
 from laplace_passes.fla.report_pass import ReportFlaCalls
 from laplace_passes.fx.retile import RetileGLA
-from laplace_passes.passes import GraphPass
+from laplace_passes.passes import GraphContext, GraphPass
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, UnrollLoops
+
+
+def graph_context(config: CompileConfig, name: str, kind: str) -> GraphContext:
+    return GraphContext(name, kind, config.target, config.max_graph_instructions)
 
 
 def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
@@ -16,41 +29,37 @@ def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
     if config.retile_gla:
         passes.append(RetileGLA(config.chunk_size, config.target.sub_chunk_size, config.target.recurrent_max_tokens))
     # User scan / while_loop: unrolled before AOT Autograd, which cannot
-    # differentiate a scan in torch 2.13. The newest graph record is this graph.
-    passes.append(UnrollLoops("dynamo", record=_current_graph(config)))
+    # differentiate a scan in torch 2.13.
+    passes.append(UnrollLoops("dynamo"))
     passes.append(ReportFlaCalls())  # fla calls left to fla (no replacement): a report line each
     return passes
 
 
-def aten_passes(config: CompileConfig, kind: str) -> list[GraphPass]:
-    """Passes over each ATen graph (forward, backward, inference) AOT Autograd produces."""
+def aten_passes(
+    config: CompileConfig, context: GraphContext, gm: torch.fx.GraphModule,
+    forward_graphs: Sequence[torch.fx.GraphModule] = (),
+) -> list[GraphPass]:
+    """Passes over one ATen graph (forward, backward, inference) AOT Autograd produced.
+
+    `forward_graphs`: the forward graphs compiled so far, as AOT Autograd made
+    them; a backward graph's saved inputs carry the names of their nodes.
+    """
     passes: list[GraphPass] = []
-    current = _current_graph(config)
-    if config.muon_all_to_all and kind == "inference" and current is not None and is_candidate(current.before):
+    if config.muon_all_to_all and context.kind == "inference" and is_candidate(gm):
         # A Muon step runs under no_grad: one inference graph. Graphs with no
         # gather and no Newton-Schulz (a GLA model, say) do not get the pass.
-        passes.append(RewriteMuonStep(target=config.target, record=current))
+        passes.append(RewriteMuonStep(target=config.target))
     # GLA chunk-loop ops (and any scan / while_loop left) -> straight-line
     # code, decomposed like the rest of the graph for the inner compiler.
-    decompositions = config.inner.decompositions() if config.inner.decompositions is not None else None
-    passes.append(UnrollLoops("aten", record=current, decompositions=decompositions))
-    # Last, the inner compiler's own passes: they prepare the final graph for
+    passes.append(UnrollLoops("aten", decompositions=config.decompositions()))
+    # Then the inner compiler's own passes: they prepare the final graph for
     # it (for the lowering compilers: making it lowerable, the Neuron preflight).
-    if config.inner.aten_passes is not None:
-        passes += config.inner.aten_passes(config, kind)
+    passes += config.inner.aten_passes(context)
     # After everything that changes the graph: measure what the inner
     # compiler receives, and cut it into partitions if it is over budget.
     model = SizeModel.for_target(config.target)
-    passes.append(FitGraphToBudget(config.max_graph_instructions, model, kind, record=current,
-                                   forward_graphs=_forward_graphs(config)))
+    passes.append(FitGraphToBudget(config.max_graph_instructions, model, context.kind, forward_graphs=forward_graphs))
+    # Last, the inner compiler's passes over what it receives, the graph or
+    # its partitions (lowering each once, to StableHLO, say).
+    passes += config.inner.final_passes(context)
     return passes
-
-
-def _forward_graphs(config: CompileConfig):
-    """The forward graphs compiled so far, as AOT Autograd made them: a backward graph's saved inputs carry their names."""
-    return lambda: [g.before for g in config.report.graphs if g.kind == "forward"]
-
-
-def _current_graph(config: CompileConfig):
-    """The record of the graph these passes are for: the backend records each graph just before its passes."""
-    return config.report.graphs[-1] if config.report.graphs else None

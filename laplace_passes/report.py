@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
 import torch.fx
+
+from laplace_passes.fx_helpers import op_name
 
 STAGES = ("before", "after")
 
@@ -121,9 +124,7 @@ class GraphRecord:
     traffic: TrafficRecord | None = None  # set by the Muon all-to-all rewrite
 
     def snapshot(self, label: str, gm: torch.fx.GraphModule) -> None:
-        # Copy the graph, share the module's attributes: cheap, and later
-        # passes mutating `gm` cannot change what the user inspects.
-        self.snapshots.append((label, torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))))
+        self.snapshots.append((label, copy_graphs(gm)))
 
     @property
     def before(self) -> torch.fx.GraphModule:
@@ -135,7 +136,7 @@ class GraphRecord:
 
     def op_counts(self, stage: str = "after") -> dict[str, int]:
         gm = self.before if stage == "before" else self.after
-        return dict(Counter(_op_name(n) for n in gm.graph.nodes if n.op == "call_function"))
+        return dict(Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function"))
 
     def to_dict(self) -> dict:
         return {
@@ -148,6 +149,25 @@ class GraphRecord:
             "size": asdict(self.size) if self.size is not None else None,
             "traffic": asdict(self.traffic) if self.traffic is not None else None,
         }
+
+
+def copy_graphs(gm: torch.fx.GraphModule, class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """`gm` with its graph copied, and the graphs of the subgraphs it reads (loop bodies, branches).
+
+    Tensors and other attributes are shared: cheap, and later passes
+    mutating `gm` or its subgraphs cannot change what the user inspects.
+    The graph-level annotations passes leave in `gm.meta` are kept.
+    """
+    copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=class_name)
+    copied.meta = dict(gm.meta)
+    done = set()
+    for node in copied.graph.nodes:
+        if node.op == "get_attr" and node.target not in done:
+            done.add(node.target)
+            value = operator.attrgetter(node.target)(copied)
+            if isinstance(value, torch.fx.GraphModule):
+                copied.set_submodule(node.target, copy_graphs(value, type(value).__name__))
+    return copied
 
 
 class Report:
@@ -320,11 +340,6 @@ def _plan_cells(plan: dict | None) -> list:
 
 def _node_count(gm: torch.fx.GraphModule) -> int:
     return len(gm.graph.nodes)
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    target = node.target
-    return getattr(target, "__name__", None) if not hasattr(target, "_schema") else str(target)
 
 
 def _table(title: str, header: list[str], rows: list[list]) -> list[str]:

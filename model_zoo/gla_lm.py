@@ -7,7 +7,7 @@ fla's `GLAForCausalLM` (without its `model.` prefix), so fla checkpoints map ont
 this model by renaming keys only.
 
 Shapes: d = hidden_size, H heads, K = key_dim / H, V = value_dim / H; the
-recurrent state of one layer is ``[B, H, K, V]`` in fp32 (DESIGN.md section 3).
+recurrent state of one layer is ``[B, H, K, V]`` in fp32 (docs/DESIGN.md section 3).
 """
 
 from __future__ import annotations

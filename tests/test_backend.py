@@ -8,6 +8,7 @@ from torch.testing import FileCheck
 import laplace_passes
 import model_zoo
 from laplace_passes.targets import TRN2
+from tests.lm_cases import capture_inner, loss_and_grads, tokens
 
 # Outputs of an fp32 model whose GLA goes from a token loop to chunked
 # matmuls: the sums are reordered, nothing else.
@@ -17,19 +18,6 @@ RTOL, ATOL = 1e-4, 1e-5
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     return model_zoo.build("tiny")
-
-
-def tokens(T, batch=1, seed=0):
-    return torch.randint(0, 128, (batch, T), generator=torch.Generator().manual_seed(seed))
-
-
-def loss_and_grads(model, ids, run=None):
-    """Logits and parameter gradients of `run` (default: the model itself)."""
-    model.zero_grad(set_to_none=True)
-    logits = (run if run is not None else model)(ids)
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_compiled_tiny_model_equals_eager_at_2048_tokens():
@@ -88,12 +76,7 @@ def test_decorator_forms_and_report_attribute():
 
 
 def test_callable_inner_receives_forward_and_backward_aten_graphs():
-    seen = []
-
-    def capture(gm, example_inputs):
-        seen.append(gm)
-        return gm.forward
-
+    capture, seen = capture_inner()
     model, ids = tiny_model(), tokens(64)
     expected, _ = loss_and_grads(model, ids)
     compiled = laplace_passes.compile(model, target="cpu", inner=capture)

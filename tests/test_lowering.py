@@ -30,6 +30,7 @@ from laplace_passes.lowering.stablehlo import lower_to_stablehlo, torch_mlir_dec
 from laplace_passes.targets import TRN2
 from laplace_passes.unroll import SizeModel
 from tests.gla_cases import relative_rmse
+from tests.lm_cases import lm_loss, loss_and_grads, tokens
 
 for module in ("torch_mlir", "iree.compiler", "iree.runtime"):
     pytest.importorskip(module, reason="the lowering extra: pip install -e '.[lowering]'")
@@ -40,24 +41,9 @@ MAX_RELATIVE_RMSE = 1e-4
 PARTITION_BUDGET = 40
 
 
-def tokens(T, seed=0):
-    return torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(seed))
-
-
-def loss_of(logits, ids):
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-
-
-def logits_and_grads(model, ids, run=None):
-    model.zero_grad(set_to_none=True)
-    logits = (run if run is not None else model)(ids)
-    loss_of(logits, ids).backward()
-    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
 def assert_matches_eager(model, compiled, ids):
-    expected_logits, expected_grads = logits_and_grads(model, ids)
-    logits, grads = logits_and_grads(model, ids, compiled)
+    expected_logits, expected_grads = loss_and_grads(model, ids)
+    logits, grads = loss_and_grads(model, ids, compiled)
     assert relative_rmse(logits, expected_logits) <= MAX_RELATIVE_RMSE
     errors = {name: relative_rmse(grads[name], expected_grads[name]) for name in expected_grads}
     assert max(errors.values()) <= MAX_RELATIVE_RMSE, errors
@@ -102,7 +88,7 @@ def test_one_training_step_through_iree_equals_one_eager_step(iree_tiny_256):
     def step(module, run):
         optimizer = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_of(run(ids), ids)
+        loss = lm_loss(run(ids), ids)
         loss.backward()
         optimizer.step()
         return loss.detach()

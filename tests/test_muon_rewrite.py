@@ -36,12 +36,13 @@ from model_zoo.muon import (
     RowSplit,
     ShardedMuon,
     ShardedMuonStepError,
-    _adjust_lr,
-    _muon_shard_step,
+    adjust_lr,
     assign_owners,
+    muon_shard_step,
     newton_schulz,
 )
 from tests._dist import run_ranks
+from tests.muon_cases import rank_grads, step_beside_reference, step_with_same_grads
 
 # Muon matrices: tall and wide, rows not divisible by 2, 3 or 4 (33, 10, 1),
 # fewer rows than ranks, two of each shape: at W = 2 every rank owns one of
@@ -59,15 +60,6 @@ HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps
 def _laplace(report: laplace_passes.Report, **options):
     """backend= for ShardedMuon: `laplace` on the CPU target (every group size allowed)."""
     return functools.partial(laplace_backend, options={"target": "cpu", "report": report, **options})
-
-
-def _grads(step: int, world_size: int, shapes) -> list[torch.Tensor]:
-    """Per-rank gradients, [W, *shape] each; multiples of 1/32 so every sum is exact."""
-    out = []
-    for i, shape in enumerate(shapes):
-        gen = torch.Generator().manual_seed(1000 * step + i)
-        out.append(torch.randint(-64, 64, (world_size, *shape), generator=gen).float() / 32)
-    return out
 
 
 def _params(seed=0) -> list[torch.Tensor]:
@@ -90,17 +82,7 @@ def _optimizers(initial, comm, backend):
 
 def _run_against_reference(rank, world_size, comm, backend, failures):
     opt, mine, refs, ref = _optimizers(_params(), comm, backend)
-    for step in range(STEPS):
-        for p, r, g in zip(mine, ref, _grads(step, world_size, [p.shape for p in mine])):
-            p.grad = g[rank].clone()
-            r.grad = g.sum(0) / world_size
-        opt.step()
-        for o in refs:
-            o.step()
-        for i, (x, y) in enumerate(zip(mine, ref)):
-            if not torch.equal(x, y):
-                failures.append(f"W={world_size} {comm} step {step}: param {i} {tuple(x.shape)} differs "
-                                f"by {(x - y).abs().max().item():.3e}")
+    step_beside_reference(opt, refs, mine, ref, rank, world_size, STEPS, f"W={world_size} {comm}", failures)
     return opt
 
 
@@ -175,7 +157,7 @@ def _body_fault(rank, world_size, mode):
     report = laplace_passes.Report()
     opt, mine, _, _ = _optimizers(_params(), "all_gather", _laplace(report))
     for step in range(2):
-        for p, g in zip(mine, _grads(step, world_size, [p.shape for p in mine])):
+        for p, g in zip(mine, rank_grads(step, world_size, [p.shape for p in mine])):
             p.grad = g[rank].clone()
         if step == 1:
             # Step 0 compiled under the default timeout (ranks finish compiling
@@ -227,10 +209,10 @@ def _step_graph(shapes, world_size, ns_steps=5, update=None, decompositions=None
     """The all_gather shard step as an ATen graph (make_fx, fake tensors; no process group needed)."""
     splits = tuple(RowSplit(r, c, world_size) for r, c in shapes)
     hparams = tuple(
-        MuonHParams(0.02, 0.1, 0.95, True, (3.4445, -4.775, 2.0315), ns_steps, 1e-7, _adjust_lr(0.02, None, r, c))
+        MuonHParams(0.02, 0.1, 0.95, True, (3.4445, -4.775, 2.0315), ns_steps, 1e-7, adjust_lr(0.02, None, r, c))
         for r, c in shapes
     )
-    step = update or _muon_shard_step
+    step = update or muon_shard_step
     fn = functools.partial(step, splits=splits, hparams=hparams, owners=assign_owners(splits, world_size),
                            comm="all_gather", world_size=world_size, group="0")
     shards = lambda: [torch.zeros(sp.shard_rows, sp.cols) for sp in splits]  # noqa: E731
@@ -293,12 +275,7 @@ def test_single_process_backend_declines_with_reason_and_matches_torch_muon():
     ref = [p.clone().requires_grad_() for p in params]
     opt = ShardedMuon(mine, backend=_laplace(report), **HPARAMS)
     ref_opt = torch.optim.Muon(ref, **HPARAMS)
-    for _ in range(2):
-        for p, r in zip(mine, ref):
-            p.grad = torch.randn(p.shape)
-            r.grad = p.grad.clone()
-        opt.step()
-        ref_opt.step()
+    step_with_same_grads(opt, mine, [ref_opt], ref, steps=2)
     assert all(torch.equal(x, y) for x, y in zip(mine, ref))
     (record,) = [p for p in report.passes if p.name == "muon_all_to_all"]
     assert not record.modified
@@ -350,7 +327,7 @@ def _broken_newton_schulz(x, ns_coefficients, ns_steps, eps):
 
 
 def test_near_miss_of_newton_schulz_is_declined_with_reason(monkeypatch):
-    import model_zoo.muon as muon
+    import model_zoo.muon.shard_step as muon
 
     monkeypatch.setattr(muon, "newton_schulz", _broken_newton_schulz)
     result = rewrite_muon_step(_step_graph([(8, 4)], 2), world_size=2)
@@ -362,7 +339,7 @@ def test_near_miss_of_newton_schulz_is_declined_with_reason(monkeypatch):
 
 def test_full_result_used_beyond_own_rows_is_declined():
     def leaky_step(*args, **kwargs):
-        bufs, params = _muon_shard_step(*args, **kwargs)
+        bufs, params = muon_shard_step(*args, **kwargs)
         return bufs, params, _leak.pop()
 
     _leak = []
@@ -372,7 +349,7 @@ def test_full_result_used_beyond_own_rows_is_declined():
         _leak.append(out.sum())
         return out
 
-    import model_zoo.muon as muon
+    import model_zoo.muon.shard_step as muon
 
     _original_ns = muon.newton_schulz
     muon.newton_schulz = leaky_ns

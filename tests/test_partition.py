@@ -8,7 +8,6 @@ graphs built here, against brute force over every cut and the uncut graph.
 import math
 import operator
 import random
-import types
 
 import pytest
 import torch
@@ -17,40 +16,19 @@ from torch.testing import FileCheck
 
 import laplace_passes
 import model_zoo
-from laplace_passes.report import GraphRecord
+from laplace_passes.compile_fx import fresh_code
+from laplace_passes.fx_helpers import value_bytes
 from laplace_passes.targets import TRN2
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, partition, partition_calls, plan_partitions, split_graph
-from laplace_passes.unroll.size import value_bytes
+from tests.lm_cases import capture_inner, loss_and_grads
 
 MODEL = SizeModel.for_target(TRN2)
 TILE = MODEL.tile_elements  # elements one instruction covers: a 1-instruction elementwise op
 
 
-def loss_and_grads(model, ids, run):
-    model.zero_grad(set_to_none=True)
-    logits = run(ids)
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def fresh_call(model):
-    """`model(ids)` under a code object of its own: Dynamo's cache (and recompile limit) is per code object."""
-
-    def call(ids):
-        return model(ids)
-
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "call", None, call.__closure__)
-
-
 def compile_tiny(model, ids, **options):
-    seen = []
-
-    def capture(gm, example_inputs):
-        seen.append(gm)
-        return gm.forward
-
-    compiled = laplace_passes.compile(fresh_call(model), target="trn2", inner=capture, **options)
+    capture, seen = capture_inner()
+    compiled = laplace_passes.compile(fresh_code(model), target="trn2", inner=capture, **options)
     return loss_and_grads(model, ids, compiled), compiled.laplace_report, seen
 
 
@@ -317,24 +295,22 @@ def test_tuple_results_stay_with_their_getitems():
 def test_split_graph_runs_the_partitions_in_order_with_identical_results():
     x = torch.randn(8, TILE // 8)
     gm = traced(elementwise_chain, x)
-    record = GraphRecord("backward_0", "backward")
     cost = MODEL.measure(gm)
-    outcome = FitGraphToBudget(cost.instructions // 4 + 1, MODEL, "backward", record=record)(gm)
+    outcome = FitGraphToBudget(cost.instructions // 4 + 1, MODEL, "backward")(gm)
     driver = outcome.graph_module
     driver.graph.lint()
-    assert outcome.modified and len(partition_calls(driver)) == len(record.size.partitions) >= 4
+    assert outcome.modified and len(partition_calls(driver)) == len(outcome.size.partitions) >= 4
     assert torch.equal(driver(x)[0], gm(x)[0])
     FileCheck().check("laplace_partition_0").check("laplace_partition_1").run(driver.code)
 
 
 def test_a_node_over_the_budget_alone_is_declined_with_the_reason():
     gm = traced(lambda a, b: torch.mm(a, b).relu(), torch.randn(1024, 1024), torch.randn(1024, 1024))
-    record = GraphRecord("forward_0", "forward")
-    outcome = FitGraphToBudget(10, MODEL, "forward", record=record)(gm)
+    outcome = FitGraphToBudget(10, MODEL, "forward")(gm)
     assert not outcome.modified and outcome.graph_module is gm
     (reason,) = outcome.declined
     assert "node mm" in reason and "over the budget of 10" in reason and "no cut can make it fit" in reason
-    assert record.size.note == f"over budget, not cut: {reason}"
+    assert outcome.size.note == f"over budget, not cut: {reason}"
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, "many", True])

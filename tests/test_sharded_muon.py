@@ -26,6 +26,7 @@ import torch
 
 from model_zoo.muon import COMM_MODES, ShardedMuon, ShardedMuonStepError, RowSplit
 from tests._dist import run_ranks
+from tests.muon_cases import compare_params, rank_grads, step_beside_reference, step_with_same_grads
 
 # Muon matrices (tall, wide, square, rows not divisible by 2/3/4, fewer rows
 # than ranks, divisible) plus non-2D parameters that go to AdamW.
@@ -85,15 +86,6 @@ def _build(auto, emb, lrp, cfg, comm="all_gather", **kw):
     return opt, a + [e, l], (ref_muon, ref_adamw), ra + [re_, rl]
 
 
-def _grads(step, world_size, shapes):
-    """Per-rank gradients of one step: [W, *shape] each, exact-sum values."""
-    out = []
-    for i, s in enumerate(shapes):
-        gen = torch.Generator().manual_seed(1000 * step + i)
-        out.append(torch.randint(-64, 64, (world_size, *s), generator=gen).to(torch.float32) / 32)
-    return out
-
-
 def _reload(opt, params):
     """A new ShardedMuon over copies of `params`, same groups, loaded from opt.state_dict()."""
     params2 = [p.detach().clone().requires_grad_() for p in params]
@@ -105,14 +97,6 @@ def _reload(opt, params):
     opt2 = ShardedMuon(groups, comm=opt.comm)
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
     return params2, opt2
-
-
-def _compare(tag, mine, ref, failures):
-    for i, (x, y) in enumerate(zip(mine, ref)):
-        if not torch.equal(x, y):
-            failures.append(
-                f"{tag}: param {i} {tuple(x.shape)} differs, max abs diff {(x - y).abs().max().item():.3e}"
-            )
 
 
 def _check_momentum(tag, opt, params, ref_muon, ref_params, rank, world_size, failures):
@@ -135,15 +119,8 @@ def _run_and_compare(rank, world_size, comm, cfg_name, failures, backend=None):
     opt, params, (ref_muon, ref_adamw), ref_params = _build(
         auto, emb, lrp, CONFIGS[cfg_name], comm=comm, backend=backend
     )
-    shapes = [p.shape for p in params]
-    for step in range(STEPS):
-        for p, rp, g in zip(params, ref_params, _grads(step, world_size, shapes)):
-            p.grad = g[rank].clone()
-            rp.grad = g.sum(0) / world_size
-        opt.step()
-        ref_muon.step()
-        ref_adamw.step()
-        _compare(f"W={world_size} {comm} {cfg_name} step {step}", params, ref_params, failures)
+    step_beside_reference(opt, (ref_muon, ref_adamw), params, ref_params, rank, world_size, STEPS,
+                          f"W={world_size} {comm} {cfg_name}", failures)
     _check_momentum(f"W={world_size} {comm} {cfg_name}", opt, params, ref_muon, ref_params, rank, world_size, failures)
     return opt, params
 
@@ -157,12 +134,12 @@ def _body_equal(rank, world_size):
     # continues exactly like the original.
     params2, opt2 = _reload(opt, params)
     shapes = [p.shape for p in params]
-    for p, p2, g in zip(params, params2, _grads(99, world_size, shapes)):
+    for p, p2, g in zip(params, params2, rank_grads(99, world_size, shapes)):
         p.grad = g[rank].clone()
         p2.grad = g[rank].clone()
     opt.step()
     opt2.step()
-    _compare(f"W={world_size} state_dict round trip", params2, params, failures)
+    compare_params(f"W={world_size} state_dict round trip", params2, params, failures)
     return failures
 
 
@@ -234,7 +211,7 @@ def _body_fault(rank, world_size, comm, phase, mode):
     opt, params, _, _ = _build(auto, emb, lrp, CONFIGS["default"], comm=comm)
     shapes = [p.shape for p in params]
     for step in range(2):
-        for p, g in zip(params, _grads(step, world_size, shapes)):
+        for p, g in zip(params, rank_grads(step, world_size, shapes)):
             p.grad = g[rank].clone()
         if step == 0:
             opt.step()
@@ -343,12 +320,7 @@ def test_only_muon_params_equals_torch_muon_exactly():
     a = [p.clone().requires_grad_() for p in ps]
     b = [p.clone().requires_grad_() for p in ps]
     opt, ref = ShardedMuon(a), torch.optim.Muon(b)
-    for _ in range(4):
-        for x, y in zip(a, b):
-            x.grad = torch.randn(x.shape)
-            y.grad = x.grad.clone()
-        opt.step()
-        ref.step()
+    step_with_same_grads(opt, a, [ref], b, steps=4)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     # At W=1 the state is torch.optim.Muon's.
     sd, rsd = opt.state_dict(), ref.state_dict()
@@ -364,11 +336,7 @@ def test_single_process_state_dict_round_trip():
             p.grad = torch.randn(p.shape)
         opt.step()
     params2, opt2 = _reload(opt, params)
-    for p, p2 in zip(params, params2):
-        p.grad = torch.randn(p.shape)
-        p2.grad = p.grad.clone()
-    opt.step()
-    opt2.step()
+    step_with_same_grads(opt, params, [opt2], params2, steps=1)
     assert all(torch.equal(x, y) for x, y in zip(params, params2))
 
 

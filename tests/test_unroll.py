@@ -14,25 +14,14 @@ from torch.testing import FileCheck
 
 import laplace_passes
 from laplace_passes.chunked import chunked_gla_op
-from laplace_passes.report import GraphRecord
 from laplace_passes.unroll import UnrollLoops
 from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
+from tests.lm_cases import capture_inner
 
 
 def assert_straight_line(code: str) -> None:
     """No loop of any kind a graph can hold: scan, while_loop, a GLA chunk-loop op."""
     FileCheck().check_not("higher_order.scan").check_not("while_loop").check_not("chunked_gla").run(code)
-
-
-def capture_inner():
-    """An inner compiler that keeps every graph it is handed."""
-    seen = []
-
-    def capture(gm, example_inputs):
-        seen.append(gm)
-        return gm.forward
-
-    return capture, seen
 
 
 def loops_of(report, graph_name):
@@ -83,12 +72,11 @@ def test_chunk_loop_op_pass_level():
     gm = make_fx(f, tracing_mode="fake")(q, k, v, gk, h0)
     FileCheck().check("laplace.chunked_gla.default").run(gm.code)
     expected = gm(q, k, v, gk, h0)
-    record = GraphRecord("forward_0", "forward")
-    outcome = UnrollLoops("aten", record=record)(gm)
+    outcome = UnrollLoops("aten")(gm)
     outcome.graph_module.graph.lint()
     outcome.graph_module.recompile()
     assert_straight_line(outcome.graph_module.code)
-    assert [(r.kind, r.trip_count, r.status) for r in record.loops] == [("laplace.chunked_gla", 5, "unrolled")]
+    assert [(r.kind, r.trip_count, r.status) for r in outcome.loops] == [("laplace.chunked_gla", 5, "unrolled")]
     for a, e in zip(outcome.graph_module(q, k, v, gk, h0), expected):
         torch.testing.assert_close(a, e)
     assert all("val" in n.meta for n in outcome.graph_module.graph.nodes if n.op == "call_function")
@@ -101,9 +89,8 @@ def test_dynamic_chunk_loop_is_declined_and_still_runs():
         return chunked_gla_op(q, k, v, gk, None, 0.5, 16, 4)[0]
 
     gm = make_fx(f, tracing_mode="symbolic")(q, k, v, gk)
-    record = GraphRecord("forward_0", "forward")
-    outcome = UnrollLoops("aten", record=record)(gm)
-    (loop,) = record.loops
+    outcome = UnrollLoops("aten")(gm)
+    (loop,) = outcome.loops
     assert loop.status == "declined" and "is dynamic" in loop.reason and "T = " in loop.reason
     assert outcome.declined == [f"{loop.node} (laplace.chunked_gla): {loop.reason}"]
     FileCheck().check("laplace.chunked_gla").run(outcome.graph_module.code)
@@ -165,12 +152,12 @@ def test_scan_in_an_aten_graph_is_unrolled_by_the_pass():
     x, init = torch.randn(5, 2, 6), torch.randn(2, 6)
     gm = make_fx(f, tracing_mode="fake")(x, init, WEIGHT)
     FileCheck().check("torch.ops.higher_order.scan").run(gm.code)
-    record = GraphRecord("inference_0", "inference")
-    out = UnrollLoops("aten", record=record)(gm).graph_module
+    outcome = UnrollLoops("aten")(gm)
+    out = outcome.graph_module
     out.graph.lint()
     out.recompile()
     assert_straight_line(out.code)
-    assert [(r.kind, r.trip_count) for r in record.loops] == [("scan", 5)]
+    assert [(r.kind, r.trip_count) for r in outcome.loops] == [("scan", 5)]
     for a, e in zip(out(x, init, WEIGHT), f(x, init, WEIGHT)):
         torch.testing.assert_close(a, e)
 

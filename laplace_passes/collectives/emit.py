@@ -16,7 +16,8 @@ import torch.fx
 
 from laplace_passes.collectives.match import GatherBucket, MatrixSite
 from laplace_passes.collectives.plan import OwnershipPlan
-from laplace_passes.collectives.regions import copy_region, fake_value
+from laplace_passes.collectives.regions import copy_region
+from laplace_passes.fx_helpers import COND, fake_tensor
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -55,7 +56,7 @@ def _pack_by_owner(graph: torch.fx.Graph, bucket: GatherBucket, plan: OwnershipP
         for _, numel, i in plan.layout(owner):
             if i is None:
                 if numel not in zeros:
-                    zeros[numel] = _zeros(graph, [numel], fake_value(bucket.send))
+                    zeros[numel] = _zeros(graph, [numel], fake_tensor(bucket.send))
                 pieces.append(zeros[numel])
             else:
                 site = bucket.sites[i]
@@ -77,7 +78,7 @@ def _matrix_work(graph: torch.fx.Graph, site: MatrixSite, received: Node, offset
     full = copy_region(graph, site.unpad, block)
     result = copy_region(graph, site.ns_template, full)
     layout = copy_region(graph, site.layout, result)  # [W, shard...]
-    if not fake_value(site.layout.output).is_contiguous():
+    if not fake_tensor(site.layout.output).is_contiguous():
         layout = _call(graph, aten.clone.default, layout, memory_format=torch.contiguous_format)
     return _call(graph, aten.view.default, layout, [world_size, site.numel])
 
@@ -92,7 +93,7 @@ def _owner_work(gm: torch.fx.GraphModule, bucket: GatherBucket, plan: OwnershipP
                 rank: Node) -> Node:
     """Balanced plan: one `cond(rank == owner)` per owner; each rank's result picked by `where`."""
     graph = gm.graph
-    like = fake_value(bucket.send)  # dtype and device of everything sent
+    like = fake_tensor(bucket.send)  # dtype and device of everything sent
     not_owner = _add_branch(gm, "_laplace_muon_not_owner", _zeros_branch(plan, like))
     combined = None
     for owner in range(plan.world_size):
@@ -101,9 +102,9 @@ def _owner_work(gm: torch.fx.GraphModule, bucket: GatherBucket, plan: OwnershipP
             continue
         branch = _add_branch(gm, f"_laplace_muon_owner_{owner}", _owner_branch(bucket, plan, owned, like))
         pred = _call(graph, aten.eq.Scalar, rank, owner)
-        if fake_value(rank).dim():
+        if fake_tensor(rank).dim():
             pred = _call(graph, aten.view.default, pred, [])
-        cond = _call(graph, torch.ops.higher_order.cond, pred, graph.get_attr(branch),
+        cond = _call(graph, COND, pred, graph.get_attr(branch),
                      graph.get_attr(not_owner), (received,))
         out = _call(graph, operator.getitem, cond, 0)
         # A selection, not a sum: bits (and signs of zeros) pass through unchanged.
@@ -147,4 +148,4 @@ def _unpack(graph: torch.fx.Graph, returned: Node, plan: OwnershipPlan, i: int, 
     """Site i's rows for this rank: from its owner's row of the second all-to-all."""
     row = _call(graph, aten.select.int, returned, 0, plan.owners[i])
     piece = _call(graph, aten.slice.Tensor, row, 0, plan.offsets[i], plan.offsets[i] + site.numel)
-    return _call(graph, aten.view.default, piece, list(fake_value(site.selection).shape))
+    return _call(graph, aten.view.default, piece, list(fake_tensor(site.selection).shape))

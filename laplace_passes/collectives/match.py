@@ -36,13 +36,13 @@ import torch.fx
 from laplace_passes.collectives.newton_schulz import NewtonSchulz, find_newton_schulz
 from laplace_passes.collectives.regions import (
     Region,
-    RegionError,
     closed_region,
-    fake_value,
     live_nodes,
     live_users,
     signature,
 )
+from laplace_passes.fx_helpers import COND, fake_tensor, output_values, resolve_process_group, subgraph
+from laplace_passes.passes import Declined
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -51,10 +51,6 @@ Node = torch.fx.Node
 ALL_GATHER = c10d.all_gather_into_tensor.default
 BROADCAST = c10d.broadcast.default
 WAIT = c10d.wait_tensor.default
-
-
-class NoMatch(Exception):
-    """The pattern is absent or broken here; the message is the reason."""
 
 
 @dataclass
@@ -73,7 +69,7 @@ class MatrixSite:
 
     @property
     def key(self) -> tuple:
-        shape = tuple(fake_value(self.selection).shape)
+        shape = tuple(fake_tensor(self.selection).shape)
         return (self.numel, shape, signature(self.unpad), signature(self.ns_template), signature(self.layout))
 
     @property
@@ -116,9 +112,9 @@ class _OwnerOnly:
 def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[GatherBucket], list[str]]:
     """The Muon buckets of `gm`, and why anything close was not one."""
     declined: list[str] = []
-    outer, misses = find_newton_schulz(gm.graph)
-    declined += misses
     live = live_nodes(gm.graph)
+    outer, misses = find_newton_schulz(gm.graph, live)
+    declined += misses
     owner_only = _owner_only_conds(gm, live, declined)
     ns_by_input = {ns.region.input: ns for ns in outer}
     buckets = []
@@ -126,7 +122,7 @@ def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[Gather
         if node.target is ALL_GATHER:
             try:
                 buckets.append(_match_bucket(node, world_size, ns_by_input, owner_only, live))
-            except (NoMatch, RegionError) as reason:
+            except Declined as reason:
                 declined.append(f"{node.name}: {reason}")
     return buckets, declined
 
@@ -138,11 +134,11 @@ def _owner_only_conds(gm: torch.fx.GraphModule, live: set[Node], declined: list[
     """cond nodes that run Newton-Schulz on the owner only, by their operand."""
     found = {}
     for node in gm.graph.nodes:
-        if node.target is not torch.ops.higher_order.cond or node not in live:
+        if node.target is not COND or node not in live:
             continue
         try:
             info = _owner_only(gm, node, live)
-        except (NoMatch, RegionError) as reason:
+        except Declined as reason:
             declined.append(f"{node.name}: {reason}")
             continue
         if info is not None:
@@ -153,25 +149,25 @@ def _owner_only_conds(gm: torch.fx.GraphModule, live: set[Node], declined: list[
 def _owner_only(gm: torch.fx.GraphModule, cond: Node, live: set[Node]) -> _OwnerOnly | None:
     """The owner-only Newton-Schulz of `cond`; None when its true branch has nothing like it."""
     pred, true_attr, false_attr, operands = cond.args[:4]
-    true_gm, false_gm = getattr(gm, true_attr.target), getattr(gm, false_attr.target)
+    true_gm, false_gm = subgraph(gm, true_attr), subgraph(gm, false_attr)
     (ns_list, misses) = find_newton_schulz(true_gm.graph)
     if not ns_list and not misses:
         return None
     if len(operands) != 1:
-        raise NoMatch("cond takes more than one operand; expected cond(rank == owner, NS, zeros_like, (full,))")
+        raise Declined("cond takes more than one operand; expected cond(rank == owner, NS, zeros_like, (full,))")
     owner = _owner_of(pred)
     if len(ns_list) != 1:
         detail = f" ({'; '.join(misses)})" if misses else ""
-        raise NoMatch(f"the true branch holds {len(ns_list)} Newton-Schulz regions, expected 1{detail}")
+        raise Declined(f"the true branch holds {len(ns_list)} Newton-Schulz regions, expected 1{detail}")
     body = _branch_body(true_gm)
     extra = set(body.nodes) - ns_list[0].region.node_set - {ns_list[0].region.input}
     if any(n.target not in _LAYOUT_ONLY for n in extra):
-        raise NoMatch(f"the true branch computes more than Newton-Schulz: {sorted(n.name for n in extra)}")
+        raise Declined(f"the true branch computes more than Newton-Schulz: {sorted(n.name for n in extra)}")
     if ns_list[0].region.input is not body.input:
-        raise NoMatch("the true branch's Newton-Schulz does not start from its operand")
+        raise Declined("the true branch's Newton-Schulz does not start from its operand")
     zero = _branch_output(false_gm)
     if not _is_zeros(zero):
-        raise NoMatch(f"the false branch returns {zero.target}, not zeros")
+        raise Declined(f"the false branch returns {zero.target}, not zeros")
     getitem = _sole_user(cond, "cond", live)
     return _OwnerOnly(cond, getitem, pred, owner, ns_list[0], body)
 
@@ -181,14 +177,13 @@ _LAYOUT_ONLY = {aten.clone.default, aten.view.default, aten._unsafe_view.default
 
 def _owner_of(pred: Node) -> int:
     if not isinstance(pred, Node) or pred.target is not aten.eq.Scalar or not isinstance(pred.args[1], int):
-        raise NoMatch(f"predicate {getattr(pred, 'name', pred)} is not `rank == owner`")
+        raise Declined(f"predicate {getattr(pred, 'name', pred)} is not `rank == owner`")
     _rank_input(pred.args[0])
     return pred.args[1]
 
 
 def _branch_output(branch: torch.fx.GraphModule) -> Node:
-    output = next(n for n in branch.graph.nodes if n.op == "output")
-    (value,) = output.args[0]
+    (value,) = output_values(branch)
     return value
 
 
@@ -209,17 +204,17 @@ def _is_zeros(node: Node) -> bool:
 def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, live: set[Node]) -> GatherBucket:
     send, group_size, group = all_gather.args
     if group_size != world_size:
-        raise NoMatch(f"gathers over {group_size} ranks, but world_size={world_size}")
-    send_value = fake_value(send)
+        raise Declined(f"gathers over {group_size} ranks, but world_size={world_size}")
+    send_value = fake_tensor(send)
     if send_value is None or send_value.dim() != 1:
         # Packing slices the send buffer by element offsets: it must be flat.
         shape = "unknown" if send_value is None else list(send_value.shape)
-        raise NoMatch(f"the all_gather_into_tensor sends a tensor of shape {shape}, not a flat buffer of shards")
+        raise Declined(f"the all_gather_into_tensor sends a tensor of shape {shape}, not a flat buffer of shards")
     wait = _sole_user(all_gather, "all_gather_into_tensor", live)
     gathered = _sole_user(wait, "wait_tensor", live)
     width = send_value.numel()
-    if gathered.target is not aten.view.default or list(fake_value(gathered).shape) != [world_size, width]:
-        raise NoMatch(f"the gathered buffer is not viewed as [{world_size}, {width}] (rank, element)")
+    if gathered.target is not aten.view.default or list(fake_tensor(gathered).shape) != [world_size, width]:
+        raise Declined(f"the gathered buffer is not viewed as [{world_size}, {width}] (rank, element)")
     infrastructure = {wait, gathered}
     sites = []
     for block, offset, numel in _column_blocks(gathered, width, live):
@@ -237,7 +232,7 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
             infrastructure |= {n for n in transport if n.target in (BROADCAST, WAIT)}
         sites.append(site)
     if len({s.owner is None for s in sites}) > 1:
-        raise NoMatch("mixes matrices every rank orthogonalises with owner-only ones")
+        raise Declined("mixes matrices every rank orthogonalises with owner-only ones")
     bucket = GatherBucket(all_gather, send, group, world_size, sites, infrastructure)
     _check_contained(bucket, live)
     return bucket
@@ -253,15 +248,15 @@ def _column_blocks(gathered: Node, width: int, live: set[Node]) -> list[tuple[No
         elif len(users) == 1:
             blocks.append((gathered, 0, width))  # one matrix: the whole buffer
         else:
-            raise NoMatch(f"{user.name} uses the gathered buffer other than as a column block")
+            raise Declined(f"{user.name} uses the gathered buffer other than as a column block")
     blocks.sort(key=lambda b: b[1])
     covered = 0
     for _, start, numel in blocks:
         if start != covered:
-            raise NoMatch(f"column blocks do not tile the gathered buffer (gap or overlap at {covered})")
+            raise Declined(f"column blocks do not tile the gathered buffer (gap or overlap at {covered})")
         covered += numel
     if covered != width:
-        raise NoMatch(f"column blocks cover {covered} of {width} gathered elements")
+        raise Declined(f"column blocks cover {covered} of {width} gathered elements")
     return blocks
 
 
@@ -276,7 +271,7 @@ def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
             if user not in seen and user.op == "call_function":
                 seen.add(user)
                 frontier.append(user)
-    raise NoMatch(
+    raise Declined(
         f"column block {block.name} feeds no Newton-Schulz region: not a Muon step "
         "(another optimizer, or Newton-Schulz written in a form this pass does not recognise)"
     )
@@ -285,26 +280,26 @@ def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
 def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[Node, tuple[Node, ...]]:
     """Follow the owner's result through cat -> broadcast -> wait -> slice -> view; check offsets."""
     flat = _sole_user(info.getitem, "cond result", live)
-    if flat.target is not aten.view.default or list(flat.args[1]) not in ([-1], [fake_value(info.getitem).numel()]):
-        raise NoMatch(f"{flat.name}: the owner's result is not flattened before the broadcast")
+    if flat.target is not aten.view.default or list(flat.args[1]) not in ([-1], [fake_tensor(info.getitem).numel()]):
+        raise Declined(f"{flat.name}: the owner's result is not flattened before the broadcast")
     packed = _sole_user(flat, "flattened result", live)
     if packed.target is not aten.cat.default:
-        raise NoMatch(f"{packed.name}: results are not concatenated before the broadcast")
+        raise Declined(f"{packed.name}: results are not concatenated before the broadcast")
     pieces = packed.args[0]
-    offset = sum(fake_value(p).numel() for p in pieces[: pieces.index(flat)])
-    numel = fake_value(flat).numel()
+    offset = sum(fake_tensor(p).numel() for p in pieces[: pieces.index(flat)])
+    numel = fake_tensor(flat).numel()
     bcast = _sole_user(packed, "broadcast payload", live)
     if bcast.target is not BROADCAST or bcast.args[2] != group:
-        raise NoMatch(f"{bcast.name}: the owner's results are not broadcast on the gather's group")
+        raise Declined(f"{bcast.name}: the owner's results are not broadcast on the gather's group")
     if bcast.args[1] != info.owner:
-        raise NoMatch(f"{bcast.name}: broadcast from rank {bcast.args[1]}, but rank {info.owner} computed it")
+        raise Declined(f"{bcast.name}: broadcast from rank {bcast.args[1]}, but rank {info.owner} computed it")
     wait = _sole_user(bcast, "broadcast", live)
     piece = [u for u in wait.users if u.target is aten.slice.Tensor and u.args[1:3] == (0, offset)]
-    if len(piece) != 1 or min(piece[0].args[3], fake_value(wait).numel()) != offset + numel:
-        raise NoMatch(f"{wait.name}: no unique slice [{offset}:{offset + numel}] takes back {info.cond.name}'s result")
+    if len(piece) != 1 or min(piece[0].args[3], fake_tensor(wait).numel()) != offset + numel:
+        raise Declined(f"{wait.name}: no unique slice [{offset}:{offset + numel}] takes back {info.cond.name}'s result")
     result = _sole_user(piece[0], "broadcast slice", live)
-    if result.target is not aten.view.default or fake_value(result).shape != fake_value(info.getitem).shape:
-        raise NoMatch(f"{result.name}: the broadcast slice is not viewed back to the matrix shape")
+    if result.target is not aten.view.default or fake_tensor(result).shape != fake_tensor(info.getitem).shape:
+        raise Declined(f"{result.name}: the broadcast slice is not viewed back to the matrix shape")
     transport = (info.pred, info.cond, info.getitem, flat, packed, bcast, wait, piece[0])
     return result, transport
 
@@ -312,9 +307,9 @@ def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[N
 def _finish_site(block, offset, numel, unpad, ns, template, owner, result, transport, world_size, group, live):
     selection = _own_row_selection(result, world_size, group, live)
     layout = closed_region(result, selection.args[0])
-    if fake_value(layout.output).numel() != world_size * numel:
-        raise NoMatch(
-            f"{selection.name} selects from a layout of {fake_value(layout.output).numel()} elements, "
+    if fake_tensor(layout.output).numel() != world_size * numel:
+        raise Declined(
+            f"{selection.name} selects from a layout of {fake_tensor(layout.output).numel()} elements, "
             f"not one {numel}-element shard per rank like the gathered block {block.name}"
         )
     return MatrixSite(block, offset, numel, unpad, ns, template, owner, result, layout, selection, transport)
@@ -329,13 +324,13 @@ def _own_row_selection(result: Node, world_size: int, group: str, live: set[Node
                 continue
             seen.add(user)
             if user.op == "output":
-                raise NoMatch(f"Newton-Schulz result {result.name} reaches the graph output unsharded")
+                raise Declined(f"Newton-Schulz result {result.name} reaches the graph output unsharded")
             if _is_selection(user, world_size, group):
                 found.append(user)
             else:
                 frontier.append(user)
     if len(found) != 1:
-        raise NoMatch(
+        raise Declined(
             f"Newton-Schulz result {result.name}: expected one selection of this rank's rows "
             f"(index_select(., 0, rank) on a [{world_size}, ...] layout), found {len(found)}"
         )
@@ -345,7 +340,7 @@ def _own_row_selection(result: Node, world_size: int, group: str, live: set[Node
 def _is_selection(node: Node, world_size: int, group: str) -> bool:
     if node.op != "call_function" or not isinstance(node.args[0], Node):
         return False
-    source = fake_value(node.args[0])
+    source = fake_tensor(node.args[0])
     if source is None or source.dim() == 0 or source.shape[0] != world_size:
         return False
     if node.target is aten.index_select.default and node.args[1] == 0:
@@ -357,7 +352,7 @@ def _is_selection(node: Node, world_size: int, group: str) -> bool:
     if node.target is aten.select.int and node.args[1] == 0:
         rank = _this_rank(group)
         if rank is None or node.args[2] != rank:
-            raise NoMatch(f"{node.name} selects rank {node.args[2]}'s rows, and this process is rank {rank}")
+            raise Declined(f"{node.name} selects rank {node.args[2]}'s rows, and this process is rank {rank}")
         return True
     return False
 
@@ -398,29 +393,21 @@ def _rank_input(index: Node) -> None:
     while isinstance(node, Node) and node.target in _INDEX_PLUMBING:
         node = node.args[0]
     if not (isinstance(node, Node) and node.op == "placeholder"):
-        raise NoMatch(f"{getattr(index, 'name', index)} is not the rank: not a graph input")
-    value = fake_value(node)
+        raise Declined(f"{getattr(index, 'name', index)} is not the rank: not a graph input")
+    value = fake_tensor(node)
     if value is None or value.dtype not in (torch.int32, torch.int64) or value.numel() != 1:
-        raise NoMatch(f"{node.name} is not the rank: expected a one-element integer tensor")
+        raise Declined(f"{node.name} is not the rank: expected a one-element integer tensor")
 
 
 def _this_rank(group: str) -> int | None:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        return _resolve_process_group(group).rank()
-    except (RuntimeError, ValueError, KeyError):  # a group name this process does not know
-        return None
+    process_group = resolve_process_group(group)
+    return None if process_group is None else process_group.rank()
 
 
 def _sole_user(node: Node, what: str, live: set[Node]) -> Node:
     users = live_users(node, live)
     if len(users) != 1:
-        raise NoMatch(f"{node.name}: the {what} has {len(users)} users, expected 1")
+        raise Declined(f"{node.name}: the {what} has {len(users)} users, expected 1")
     return users[0]
 
 
@@ -437,7 +424,7 @@ def _check_contained(bucket: GatherBucket, live: set[Node]) -> None:
             if user not in live:  # e.g. a view functionalization left behind: dies too
                 bucket.infrastructure |= _with_descendants(user)
                 continue
-            raise NoMatch(f"{node.name} is also used by {user.name}, outside the gather pattern")
+            raise Declined(f"{node.name} is also used by {user.name}, outside the gather pattern")
 
 
 def _with_descendants(node: Node) -> set[Node]:

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from laplace_passes.collectives.regions import Region, RegionError, closed_region, fake_value, live_nodes, live_users
+from laplace_passes.collectives.regions import Region, RegionError, closed_region, live_nodes, live_users
+from laplace_passes.fx_helpers import fake_tensor
+from laplace_passes.passes import Declined
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -37,8 +39,6 @@ Node = torch.fx.Node
 class NewtonSchulz:
     region: Region
     steps: int
-    coefficients: tuple[float, float, float] | None
-    eps: float
     rows: int
     cols: int
 
@@ -54,19 +54,17 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
 
 
-def find_newton_schulz(graph: torch.fx.Graph) -> tuple[list[NewtonSchulz], list[str]]:
-    """Every Newton-Schulz region in `graph`, and the reasons for near misses."""
+def find_newton_schulz(graph: torch.fx.Graph, live: set[Node] | None = None) -> tuple[list[NewtonSchulz], list[str]]:
+    """Every Newton-Schulz region in `graph`, and the reasons for near misses (`live`: `live_nodes(graph)`)."""
     found: list[NewtonSchulz] = []
     near_misses: list[str] = []
-    live = live_nodes(graph)
+    live = live_nodes(graph) if live is None else live
     for node in graph.nodes:
-        if node not in live or _normalisation_input(node) is None:
+        if node not in live or not _starts_iteration(node):
             continue
-        if _gram_user(node) is None:
-            continue  # a normalisation alone, e.g. x / ||x|| in a model
         try:
             found.append(_match_from_normalisation(node, live))
-        except _NearMiss as miss:
+        except Declined as miss:
             near_misses.append(str(miss))
     claimed = set().union(*(ns.region.node_set for ns in found)) if found else set()
     for node in graph.nodes:
@@ -78,8 +76,19 @@ def find_newton_schulz(graph: torch.fx.Graph) -> tuple[list[NewtonSchulz], list[
     return found, near_misses
 
 
-class _NearMiss(Exception):
-    pass
+def may_hold_newton_schulz(graph: torch.fx.Graph) -> bool:
+    """Whether `find_newton_schulz` would report anything (a region or a near miss), without matching.
+
+    A normalisation followed by x @ x.T starts a region or a near miss; an
+    addmm(gram, gram, gram) is either in a region or a near miss itself.
+    """
+    live = live_nodes(graph)
+    return any(n in live and (_is_gram_update(n) or _starts_iteration(n)) for n in graph.nodes)
+
+
+def _starts_iteration(node: Node) -> bool:
+    """A Frobenius normalisation that an x @ x.T follows (a normalisation alone, x / ||x||, is no Newton-Schulz)."""
+    return _gram_user(node) is not None and _normalisation_input(node) is not None
 
 
 def _normalisation_input(node: Node) -> Node | None:
@@ -91,7 +100,7 @@ def _normalisation_input(node: Node) -> Node | None:
     if node.target is not aten.div.Tensor or not isinstance(node.args[1], Node):
         return None
     x, scale = node.args
-    value, scale_value = fake_value(x), fake_value(scale)
+    value, scale_value = fake_tensor(x), fake_tensor(scale)
     if value is None or value.dim() != 2 or scale_value is None or scale_value.dim() != 0:
         return None
     return x if _frobenius_clamp(x, scale) is not None else None
@@ -124,8 +133,7 @@ def _frobenius_clamp(x: Node, scale: Node) -> float | None:
 
 def _match_from_normalisation(div: Node, live: set[Node]) -> NewtonSchulz:
     x0 = _normalisation_input(div)
-    eps = _frobenius_clamp(x0, div.args[1])
-    output, steps, coefficients = _follow_iterations(div, live)
+    output, steps = _follow_iterations(div, live)
     transposed = _is_transpose(x0) and _transpose_user(output, live) is not None
     if transposed:
         output = _transpose_user(output, live)
@@ -137,32 +145,33 @@ def _match_from_normalisation(div: Node, live: set[Node]) -> NewtonSchulz:
     try:
         region = closed_region(start, output)
     except RegionError as error:
-        raise _NearMiss(f"{div.name}: Newton-Schulz normalisation found, but the region is not closed: {error}")
-    rows, cols = fake_value(start).shape
-    return NewtonSchulz(region, steps, coefficients, float(eps), int(rows), int(cols))
+        raise Declined(f"{div.name}: Newton-Schulz normalisation found, but the region is not closed: {error}")
+    rows, cols = fake_tensor(start).shape
+    return NewtonSchulz(region, steps, int(rows), int(cols))
 
 
-def _follow_iterations(x: Node, live: set[Node]) -> tuple[Node, int, tuple[float, float, float] | None]:
+def _follow_iterations(x: Node, live: set[Node]) -> tuple[Node, int]:
+    """The last step's output and the number of steps (each with the first step's coefficients)."""
     steps, coefficients = 0, None
     while (gram := _gram_user(x)) is not None:
         update = _single_user(gram, live)
         if update is None or not _is_gram_update(update):
-            raise _NearMiss(
+            raise Declined(
                 f"{gram.name}: Newton-Schulz step {steps + 1} computes x @ x.T but is not followed by "
                 "a single addmm(gram, gram, gram, beta=b, alpha=c)"
             )
         nxt = _single_user(update, live)
         if nxt is None or not _is_step_output(nxt, x, update):
-            raise _NearMiss(
+            raise Declined(
                 f"{update.name}: Newton-Schulz step {steps + 1} is not completed by addmm(x, gram_update, x, beta=a)"
             )
         abc = (float(nxt.kwargs["beta"]), float(update.kwargs["beta"]), float(update.kwargs["alpha"]))
         if coefficients is not None and abc != coefficients:
-            raise _NearMiss(f"{nxt.name}: Newton-Schulz step {steps + 1} uses coefficients {abc}, earlier steps {coefficients}")
+            raise Declined(f"{nxt.name}: Newton-Schulz step {steps + 1} uses coefficients {abc}, earlier steps {coefficients}")
         coefficients = abc
         steps += 1
         x = nxt
-    return x, steps, coefficients
+    return x, steps
 
 
 def _is_cast(node: Node) -> bool:

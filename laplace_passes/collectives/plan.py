@@ -146,7 +146,7 @@ def _place_in_slots(ordered, group_slots, flops, world_size) -> dict[int, tuple[
 
 def balanced_plan(numels, flops, world_size) -> OwnershipPlan:
     """The best of three heuristics, each followed by `_even_out`: none wins on every model."""
-    starts = [_greedy(numels, world_size), _greedy(flops, world_size), _tightest_best_fit(numels, world_size)]
+    starts = [greedy_owners(numels, world_size), greedy_owners(flops, world_size), _tightest_best_fit(numels, world_size)]
     candidates = [_as_plan(_even_out(owners, numels, world_size), numels, flops, world_size) for owners in starts]
     return min(candidates, key=lambda p: (p.chunk_numel, p.flops_per_rank))
 
@@ -178,7 +178,7 @@ def _best_fit(numels, world_size, capacity) -> list[int] | None:
     return owners
 
 
-def _greedy(weight, world_size) -> list[int]:
+def greedy_owners(weight, world_size) -> list[int]:
     """Largest `weight` first, each matrix to the rank with the least `weight` so far."""
     load = [0] * world_size
     owners = [0] * len(weight)

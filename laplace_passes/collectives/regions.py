@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from laplace_passes.fx import sites
+from laplace_passes.fx_helpers import ancestors, is_collective
+from laplace_passes.passes import Declined
 
 Node = torch.fx.Node
 
@@ -33,7 +34,7 @@ class Region:
         return frozenset(self.nodes)
 
 
-class RegionError(ValueError):
+class RegionError(Declined):
     """`output` is not a function of `input` and constants alone."""
 
 
@@ -49,17 +50,13 @@ def closed_region(input: Node, output: Node) -> Region:
             continue
         if node.op != "call_function":
             raise RegionError(f"{output.name} depends on {node.name} ({node.op}), not only on {input.name}")
-        if _is_collective(node):
+        if is_collective(node):
             raise RegionError(f"{output.name} depends on the collective {node.name}")
         found.add(node)
         stack.extend(node.all_input_nodes)
     if not any(input in n.all_input_nodes for n in found):
         raise RegionError(f"{output.name} does not depend on {input.name}")
     return Region(input, tuple(sorted(found)), output)  # fx nodes sort by their place in the graph
-
-
-def _is_collective(node: Node) -> bool:
-    return getattr(node.target, "namespace", None) == "_c10d_functional"
 
 
 def copy_region(graph: torch.fx.Graph, region: Region, new_input: Node) -> Node:
@@ -93,21 +90,9 @@ def live_nodes(graph: torch.fx.Graph) -> set[Node]:
     """Nodes the output or a side effect depends on. Graphs traced without
     dead-code elimination (make_fx) keep unused casts and views around; the
     matchers look through them."""
-    live: set[Node] = set()
-    stack = [n for n in graph.nodes if n.op in ("output", "placeholder") or n.is_impure()]
-    while stack:
-        node = stack.pop()
-        if node not in live:
-            live.add(node)
-            stack.extend(node.all_input_nodes)
-    return live
+    return ancestors(n for n in graph.nodes if n.op in ("output", "placeholder") or n.is_impure())
 
 
 def live_users(node: Node, live: set[Node]) -> list[Node]:
     return [user for user in node.users if user in live]
 
-
-def fake_value(node: Node) -> torch.Tensor | None:
-    """The node's fake tensor (`laplace_passes.fx.sites.fake_value`), None when it is not a tensor."""
-    value = sites.fake_value(node)
-    return value if isinstance(value, torch.Tensor) else None

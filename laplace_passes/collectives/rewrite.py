@@ -68,18 +68,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from laplace_passes.collectives.emit import emit_all_to_all
 from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket, find_buckets, rank_input
-from laplace_passes.collectives.newton_schulz import find_newton_schulz
+from laplace_passes.collectives.newton_schulz import find_newton_schulz, may_hold_newton_schulz
 from laplace_passes.collectives.plan import OwnershipPlan, plan_ownership
-from laplace_passes.collectives.regions import fake_value
 from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, per_rank_totals
-from laplace_passes.passes import GraphPass, PassOutcome
-from laplace_passes.report import GraphRecord, TrafficRecord
+from laplace_passes.fx_helpers import COND, fake_tensor, fill_fake_values, subgraph, value_bytes
+from laplace_passes.passes import Declined, GraphPass, PassOutcome, run_pass
+from laplace_passes.report import TrafficRecord
 from laplace_passes.targets import HardwareTarget
-from laplace_passes.unroll.size import value_bytes
+
+# The ownership plans of a rewritten graph, kept on the graph for `rewrite_muon_step`'s callers.
+PLANS_META_KEY = "laplace_muon_plans"
+
 
 @dataclass
 class MuonRewrite:
@@ -108,18 +110,9 @@ def rewrite_muon_step(
     receives its own rows from the second all-to-all), and the pass cannot
     check at compile time what value it will hold.
     """
-    outcome = RewriteMuonStep(world_size=world_size, target=target)(graph_module)
-    if outcome.modified:  # what the backend's pass runner does after every pass
-        outcome.graph_module.graph.lint()
-        outcome.graph_module.recompile()
-    return MuonRewrite(outcome.graph_module, outcome.modified, outcome.declined,
-                       outcome.plans, outcome.traffic)
-
-
-@dataclass
-class _Outcome(PassOutcome):
-    plans: list[OwnershipPlan] = field(default_factory=list)
-    traffic: TrafficRecord | None = None
+    outcome = run_pass(RewriteMuonStep(world_size=world_size, target=target), graph_module)
+    plans = outcome.graph_module.meta.get(PLANS_META_KEY, []) if outcome.modified else []
+    return MuonRewrite(outcome.graph_module, outcome.modified, outcome.declined, list(plans), outcome.traffic)
 
 
 class RewriteMuonStep(GraphPass):
@@ -127,12 +120,7 @@ class RewriteMuonStep(GraphPass):
 
     name = "muon_all_to_all"
 
-    def __init__(
-        self,
-        world_size: int | None = None,
-        target: HardwareTarget | str | None = None,
-        record: GraphRecord | None = None,
-    ) -> None:
+    def __init__(self, world_size: int | None = None, target: HardwareTarget | str | None = None) -> None:
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if isinstance(target, str):
@@ -141,60 +129,61 @@ class RewriteMuonStep(GraphPass):
             target = get_target(target)
         self.world_size = world_size
         self.target = target
-        self.record = record  # the report's entry for the graph this pass instance runs on
 
-    def call(self, gm: torch.fx.GraphModule) -> _Outcome:
-        reason = self._absent(gm)
-        if reason is not None:
-            return _Outcome(gm, modified=False, summary="no Muon gather pattern", declined=[reason])
+    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+        try:
+            self._check_present(gm)
+        except Declined as absent:
+            return PassOutcome(gm, modified=False, summary="no Muon gather pattern", declined=[absent.reason])
         world_size = self.world_size or _gather_group_size(gm)
         buckets, declined = find_buckets(gm, world_size)
-        unsupported = self._unsupported(world_size)
-        if buckets and unsupported:
-            declined.append(unsupported)
-            buckets = []
+        if buckets:
+            try:
+                self._check_group_size(world_size)
+            except Declined as unsupported:
+                declined.append(unsupported.reason)
+                buckets = []
         if not buckets:
-            return _Outcome(gm, modified=False, summary="no Muon gather pattern rewritten", declined=declined)
+            return PassOutcome(gm, modified=False, summary="no Muon gather pattern rewritten", declined=declined)
         before = collective_bytes(gm, world_size)
         flops_before = _ns_flops_before(buckets, world_size)
         original = set(gm.graph.nodes)
         plans = [_rewrite_bucket(gm, bucket) for bucket in buckets]
-        _refresh_shapes(gm, set(gm.graph.nodes) - original)
-        graph_name = self.record.name if self.record is not None else ""
-        traffic = _traffic(graph_name, buckets, plans, before, collective_bytes(gm, world_size), flops_before)
-        if self.record is not None:
-            self.record.traffic = traffic
-        return _Outcome(gm, modified=True, summary=_summary(buckets, plans, traffic), declined=declined,
-                        plans=plans, traffic=traffic)
+        fill_fake_values(set(gm.graph.nodes) - original)  # later passes and inner compilers read shapes
+        gm.meta[PLANS_META_KEY] = plans
+        traffic = _traffic(buckets, plans, before, collective_bytes(gm, world_size), flops_before)
+        return PassOutcome(gm, modified=True, summary=_summary(buckets, plans, traffic), declined=declined,
+                           traffic=traffic)
 
-    def _absent(self, gm: torch.fx.GraphModule) -> str | None:
+    def _check_present(self, gm: torch.fx.GraphModule) -> None:
+        """Declined unless the graph is an ATen graph with static shapes and a gather to rewrite."""
         if self.world_size == 1:
-            return "world_size is 1: there is no communication to rewrite"
+            raise Declined("world_size is 1: there is no communication to rewrite")
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if any(fake_value(n) is None for n in placeholders):
-            return "the graph carries no shapes (meta['val']): trace it with fake tensors (AOT Autograd, make_fx)"
+        if any(fake_tensor(n) is None for n in placeholders):
+            raise Declined("the graph carries no shapes (meta['val']): trace it with fake tensors (AOT Autograd, make_fx)")
         if any(_symbolic(n) for n in placeholders):
-            return "dynamic shapes: the ownership plan needs static sizes (compile with dynamic=False)"
+            raise Declined("dynamic shapes: the ownership plan needs static sizes (compile with dynamic=False)")
         if any(n.target is ALL_GATHER for n in gm.graph.nodes):
-            return None
-        if find_newton_schulz(gm.graph)[0] or any(n.target is torch.ops.higher_order.cond for n in gm.graph.nodes):
-            return ("Newton-Schulz found, but no all_gather_into_tensor gathers its input "
-                    "(world size 1, or communication this pass does not know)")
+            return
+        if find_newton_schulz(gm.graph)[0] or any(n.target is COND for n in gm.graph.nodes):
+            raise Declined("Newton-Schulz found, but no all_gather_into_tensor gathers its input "
+                           "(world size 1, or communication this pass does not know)")
         if any(n.op == "call_method" for n in gm.graph.nodes):
-            return "this is a torch-level (Dynamo) graph; the rewrite works on ATen graphs (after AOT Autograd)"
-        return "no all_gather_into_tensor in the graph"
+            raise Declined("this is a torch-level (Dynamo) graph; the rewrite works on ATen graphs (after AOT Autograd)")
+        raise Declined("no all_gather_into_tensor in the graph")
 
-    def _unsupported(self, world_size: int) -> str | None:
+    def _check_group_size(self, world_size: int) -> None:
         if self.target is None or self.target.collectives.group_size_supported(world_size):
-            return None
+            return
         rules = self.target.collectives
-        return (f"{self.target.name}'s all-to-all supports groups of {', '.join(map(str, rules.all_to_all_group_sizes))}"
-                f" or multiples of {rules.all_to_all_group_size_multiple} ranks, not {world_size}; "
-                "the gathers are kept")
+        raise Declined(f"{self.target.name}'s all-to-all supports groups of "
+                       f"{', '.join(map(str, rules.all_to_all_group_sizes))} or multiples of "
+                       f"{rules.all_to_all_group_size_multiple} ranks, not {world_size}; the gathers are kept")
 
 
 def _symbolic(node: torch.fx.Node) -> bool:
-    value = fake_value(node)
+    value = fake_tensor(node)
     return value is not None and any(not isinstance(d, int) for d in value.shape)
 
 
@@ -225,43 +214,12 @@ def _erase_dead(gm: torch.fx.GraphModule, bucket: GatherBucket) -> None:
     for site in bucket.sites:
         dying |= site.nodes
     for node in list(dying):
-        if node.target is torch.ops.higher_order.cond:
+        if node.target is COND:
             dying |= {node.args[1], node.args[2]}  # the branch subgraphs' get_attr nodes
     for node in reversed(list(gm.graph.nodes)):
         if node in dying and not node.users:
             gm.graph.erase_node(node)
     gm.delete_all_unused_submodules()
-
-
-def _refresh_shapes(gm: torch.fx.GraphModule, new_nodes: set[torch.fx.Node]) -> None:
-    """meta["val"] for the nodes the rewrite added (inner compilers and later passes read it).
-
-    Only the new nodes are run on fake tensors: the rest of the graph kept
-    its values, and a whole-graph propagation costs seconds on a large step.
-    """
-    inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = torch._guards.detect_fake_mode(inputs)
-    if mode is None:
-        return
-    for node in gm.graph.nodes:
-        if node not in new_nodes or node.op != "call_function":
-            continue
-        if node.target is torch.ops.higher_order.cond:
-            node.meta["val"] = _propagate_branches(gm, node, mode)
-            continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        with mode:
-            node.meta["val"] = node.target(*args, **kwargs)
-
-
-def _propagate_branches(gm: torch.fx.GraphModule, cond: torch.fx.Node, mode) -> tuple:
-    """Fill both branches' meta["val"] (inductor reads them); the cond's value is the true branch's."""
-    operands = [fake_value(n) for n in cond.args[3]]
-    results = [
-        FakeTensorProp(getattr(gm, branch.target), mode=mode).propagate_dont_convert_inputs(*operands)
-        for branch in cond.args[1:3]
-    ]
-    return tuple(results[0])
 
 
 def _ns_flops_before(buckets: list[GatherBucket], world_size: int) -> int:
@@ -273,14 +231,14 @@ def _ns_flops_before(buckets: list[GatherBucket], world_size: int) -> int:
     return max(per_rank)
 
 
-def _traffic(graph_name, buckets, plans, before: list[CollectiveBytes], after: list[CollectiveBytes],
+def _traffic(buckets, plans, before: list[CollectiveBytes], after: list[CollectiveBytes],
              flops_before: int) -> TrafficRecord:
     W = buckets[0].world_size
     matrix_bytes = sum(value_bytes(s.result) for b in buckets for s in b.sites)
     sent_before, received_before = per_rank_totals(before, W)
     sent_after, received_after = per_rank_totals(after, W)
     return TrafficRecord(
-        graph=graph_name,
+        graph="",  # the report's runner names the graph
         world_size=W,
         ownership=", ".join(sorted({p.kind for p in plans})),
         matrices=sum(len(b.sites) for b in buckets),
@@ -317,8 +275,8 @@ def is_candidate(gm: torch.fx.GraphModule) -> bool:
     pass that never applied to them.
     """
     graphs = [gm.graph] + [
-        getattr(gm, n.args[1].target).graph for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond
+        subgraph(gm, n.args[1]).graph for n in gm.graph.nodes if n.target is COND
     ]
     if any(n.target in (ALL_GATHER, BROADCAST) for n in gm.graph.nodes):
         return True
-    return any(any(find_newton_schulz(graph)) for graph in graphs)
+    return any(may_hold_newton_schulz(graph) for graph in graphs)

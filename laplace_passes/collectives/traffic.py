@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from laplace_passes.collectives.regions import fake_value
+from laplace_passes.fx_helpers import fake_tensor, is_collective
 
 c10d = torch.ops._c10d_functional
 
@@ -48,9 +48,9 @@ def collective_bytes(gm: torch.fx.GraphModule, world_size: int) -> list[Collecti
 
 def _count(node: torch.fx.Node, W: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(sent, received) per rank, or None when `node` is not a collective we account for."""
-    if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional":
+    if not is_collective(node):
         return None
-    value = fake_value(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+    value = fake_tensor(node.args[0])
     if value is None:
         return None
     size = value.numel() * value.element_size()

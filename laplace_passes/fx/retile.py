@@ -42,7 +42,9 @@ on trn2). Sites in training keep the chunked form whatever their length:
 autograd of the recurrent form would save every step's state (T states of
 [B, H, K, V]), the chunked op's explicit backward only its inputs. The
 threshold per target is the measured crossover (`benchmarks/bench_fla.py`).
-The report's form column says which form each site got and why.
+It has no chunk plan, so it also takes a batch Dynamo made dynamic (a
+decode graph recompiled for a second batch size). The report's form column
+says which form each site got and why.
 
 Sites inside the body of a scan or while_loop are rewritten there (in a copy
 of the body); the unroll pass then makes them one chunk-loop op per trip.
@@ -54,18 +56,16 @@ static, or inputs the op rejects.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.fx
 
 from laplace_passes._checks import check_gla_args
-from laplace_passes.chunked import chunk_plan, saved_for_backward_bytes
-from laplace_passes.fx.sites import GlaSite, bind_site, fake_value, is_gla_node
+from laplace_passes.chunked import chunk_plan, chunked_gla_saved_bytes
+from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
+from laplace_passes.fx_helpers import fake_value, new_node, provenance_of
 from laplace_passes.gla import gla_recurrence
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
-from laplace_passes.unroll.inline import provenance_of
 
 
 class RetileGLA(GraphPass):
@@ -107,10 +107,12 @@ class RetileGLA(GraphPass):
         values = [fake_value(n) for n in site.tensor_inputs()]
         needs_grad = _needs_grad(site.node)
         recurrent = self._form(_static_length(values), needs_grad).startswith("recurrent")
-        # The recurrent form has no chunk plan: it takes any batch size (a decode graph Dynamo made dynamic).
-        reason = _static_shape_problem(values, batch_may_vary=recurrent) or _input_problem(site, values)
-        if reason is not None:
-            record.reason = reason
+        try:
+            # The recurrent form has no chunk plan: it takes any batch size.
+            _require_static_shapes(values, batch_may_vary=recurrent)
+            _require_valid_inputs(site, values)
+        except Declined as declined:
+            record.reason = declined.reason
             return record
         q, v = values[0], values[2]
         B, T, H, K = q.shape
@@ -123,7 +125,7 @@ class RetileGLA(GraphPass):
             self._install(gm.graph, site, gla_recurrence, (site.scale,), "gla_recurrence")
         else:
             initial_state = values[4] if site.initial_state is not None else None
-            record.saved_bytes = saved_for_backward_bytes(*values[:4], initial_state)
+            record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state)
             record.plan = chunk_plan(T, self.chunk_size)
             self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
                           (site.scale, self.chunk_size, self.sub_chunk_size), "chunked_gla")
@@ -146,19 +148,11 @@ class RetileGLA(GraphPass):
         # per-layer accounting still see the user's layer.
         provenance = provenance_of(site.node)
         with graph.inserting_before(site.node):
-            gates = graph.create_node(
-                "call_function", torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates"
-            )
-            replacement = graph.create_node(
-                "call_function", target, (site.q, site.k, site.v, gates, site.initial_state, *settings), name=name
-            )
-        gates.meta.update(provenance)
-        replacement.meta.update(provenance)
-        for key in ("example_value", "val"):  # same shapes and dtypes as the reference op's
-            if key in site.gk.meta:
-                gates.meta[key] = site.gk.meta[key]
-            if key in site.node.meta:
-                replacement.meta[key] = site.node.meta[key]
+            # Same shapes and dtypes as the gates and the reference op's results.
+            gates = new_node(graph, torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates",
+                             provenance=provenance, like=site.gk)
+            replacement = new_node(graph, target, (site.q, site.k, site.v, gates, site.initial_state, *settings),
+                                   name=name, provenance=provenance, like=site.node)
         site.node.replace_all_uses_with(replacement)
         graph.erase_node(site.node)
 
@@ -171,14 +165,11 @@ def _needs_grad(node: torch.fx.Node) -> bool:
 
 
 def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
-    """("name.", body) for loop bodies holding a GLA site, each replaced by a copy first: earlier snapshots share the original."""
-    bodies = []
-    for name, module in list(gm.named_modules()):
-        if name and isinstance(module, torch.fx.GraphModule) and any(is_gla_node(n) for n in module.graph.nodes):
-            copied = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
-            gm.set_submodule(name, copied)
-            bodies.append((f"{name}.", copied))
-    return bodies
+    """("name.", body) for loop bodies holding a GLA site (rewritten in place; report snapshots hold copies)."""
+    return [
+        (f"{name}.", module) for name, module in gm.named_modules()
+        if name and isinstance(module, torch.fx.GraphModule) and any(is_gla_node(n) for n in module.graph.nodes)
+    ]
 
 
 def _static_length(values: list) -> int | None:
@@ -186,30 +177,28 @@ def _static_length(values: list) -> int | None:
     return q.shape[1] if q is not None and isinstance(q.shape[1], int) else None
 
 
-def _static_shape_problem(values: list, batch_may_vary: bool = False) -> str | None:
+def _require_static_shapes(values: list, batch_may_vary: bool = False) -> None:
     if any(v is None for v in values):
-        return "no shape information on the inputs (graph was not traced with fake tensors)"
+        raise Declined("no shape information on the inputs (graph was not traced with fake tensors)")
     q = values[0]
     first = 1 if batch_may_vary else 0  # every input's first dimension is the batch
     for name, size in list(zip("BTHK", q.shape))[first:]:
         if not isinstance(size, int):
-            return (f"{name} = {size} is dynamic; the chunk plan needs a static shape "
-                    "(compile with dynamic=False or mark the dimension static)")
+            raise Declined(f"{name} = {size} is dynamic; the chunk plan needs a static shape "
+                           "(compile with dynamic=False or mark the dimension static)")
     # The other inputs: V (v's last dimension) and the initial state's shape.
     for input_name, value in zip(("k", "v", "gk", "initial_state"), values[1:]):
         dynamic = [size for size in value.shape[first:] if not isinstance(size, int)]
         if dynamic:
-            return (f"{input_name} has a dynamic size {dynamic[0]} (shape {tuple(value.shape)}); the chunked "
-                    "computation needs static shapes (compile with dynamic=False or mark the dimension static)")
-    return None
+            raise Declined(f"{input_name} has a dynamic size {dynamic[0]} (shape {tuple(value.shape)}); the chunked "
+                           "computation needs static shapes (compile with dynamic=False or mark the dimension static)")
 
 
-def _input_problem(site: GlaSite, values: list) -> str | None:
+def _require_valid_inputs(site: GlaSite, values: list) -> None:
     """The op's own argument checks, run on the fake inputs."""
     q, k, v, gk = values[:4]
     initial_state = values[4] if site.initial_state is not None else None
     try:
         check_gla_args(q, k, v, gk, initial_state, site.scale)
     except (TypeError, ValueError) as error:
-        return f"inputs rejected by chunked_gla: {error}"
-    return None
+        raise Declined(f"inputs rejected by chunked_gla: {error}") from error

@@ -47,8 +47,3 @@ def bind_site(node: torch.fx.Node) -> GlaSite:
     values.update(node.kwargs)
     return GlaSite(node=node, **{name: values.get(name) for name in GLA_ARG_NAMES})
 
-
-def fake_value(node: torch.fx.Node):
-    """The FakeTensor a node produces: Dynamo stores `example_value`, AOT `val`."""
-    meta = node.meta
-    return meta.get("val", meta.get("example_value"))

@@ -3,11 +3,16 @@
 Inner compilers (``inner=`` of `laplace_passes.compile` / the backend options):
 
     "stablehlo"   torch-mlir lowers every ATen graph to StableHLO (op counts in the
-                  report); the graph then runs eagerly            -> stablehlo.py
+                  report); the graph then runs eagerly            -> stablehlo.StableHLOCompiler
     "iree"        that StableHLO compiled by IREE (llvm-cpu) and run: training
-                  steps execute the lowered IR on the CPU          -> iree.py
+                  steps execute the lowered IR on the CPU          -> iree.IreeCompiler
     "neuron"      each graph handed to TorchNeuron's compiler, after the preflight;
-                  a clear error when torch-neuronx is absent      -> neuron.py
+                  a clear error when torch-neuronx is absent      -> neuron.NeuronCompiler
+
+Each is one `laplace_passes.inner.InnerCompiler` object; `laplace_passes.backend`
+maps the names to them. This package depends on the compile machinery below
+it (`laplace_passes.compile_fx.capture_graphs` for `preflight` and
+`export_stablehlo`), never on the front door above it.
 
 Functions:
 
@@ -29,23 +34,27 @@ instead of checking them: a positive gate is not refused there.
 
 from laplace_passes.lowering.diagnose import LoweringError
 from laplace_passes.lowering.export import StableHLOExport, export_stablehlo
-from laplace_passes.lowering.iree import IreeModule
+from laplace_passes.lowering.iree import IreeCompiler, IreeModule
 from laplace_passes.lowering.neuron import (
+    NeuronCompiler,
     NeuronUnavailableError,
     neuron_compiler,
     neuronx_cc_command,
 )
 from laplace_passes.lowering.preflight import Finding, PreflightError, PreflightReport, preflight
-from laplace_passes.lowering.stablehlo import LoweredGraph, lower_to_stablehlo
+from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lower_to_stablehlo
 
 __all__ = [
     "Finding",
+    "IreeCompiler",
     "IreeModule",
     "LoweredGraph",
     "LoweringError",
+    "NeuronCompiler",
     "NeuronUnavailableError",
     "PreflightError",
     "PreflightReport",
+    "StableHLOCompiler",
     "StableHLOExport",
     "export_stablehlo",
     "lower_to_stablehlo",

@@ -9,19 +9,27 @@ returns `Finding`s that name the node, say what is wrong and how to fix it.
 from __future__ import annotations
 
 import operator
-
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.fx
 
-from laplace_passes.lowering.diagnose import LoweringError, lower_each_op, op_name
+from laplace_passes.fx_helpers import (
+    fake_tensor,
+    fake_value,
+    hop_name,
+    is_loop,
+    is_static,
+    op_name,
+    resolve_process_group,
+)
+from laplace_passes.lowering.diagnose import LoweringError, lower_each_op
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
+from laplace_passes.passes import Declined
 from laplace_passes.targets import HardwareTarget, get_target
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
 
-LOOP_OPS = ("while_loop", "scan", "map_impl", "associative_scan")
 FLOAT64 = (torch.float64, torch.complex128)
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 
@@ -49,12 +57,12 @@ def check_dynamic_shapes(gm: torch.fx.GraphModule, target: HardwareTarget) -> li
     findings = [
         Finding("dynamic-shape", n.name, "input", f"{_what_is_symbolic(n)}; neuronx-cc compiles static "
                 "shapes only (TorchNeuron rejects dynamic=True)", fix)
-        for n in gm.graph.find_nodes(op="placeholder") if not _static(n.meta.get("val"))
+        for n in gm.graph.find_nodes(op="placeholder") if not is_static(fake_value(n))
     ]
     if findings:
         return findings
     for node in gm.graph.nodes:
-        if node.op == "call_function" and not _static(node.meta.get("val")):
+        if node.op == "call_function" and not is_static(fake_value(node)):
             return [Finding("dynamic-shape", node.name, op_name(node), f"produces a data-dependent shape "
                             f"{_shape(node)}; neuronx-cc compiles static shapes only", fix)]
     return []
@@ -62,12 +70,12 @@ def check_dynamic_shapes(gm: torch.fx.GraphModule, target: HardwareTarget) -> li
 
 def check_loops(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
     return [
-        Finding("loop", n.name, f"higher_order.{_hop_name(n)}", f"a {_hop_name(n)} loop is left in the graph; "
+        Finding("loop", n.name, f"higher_order.{hop_name(n)}", f"a {hop_name(n)} loop is left in the graph; "
                 "torch-mlir's FX importer does not import it and neuronx-cc accepts only loops unrolled "
                 "with a static trip count",
                 "unroll it before lowering: a Python loop over range(n) with a static n, or laplace's "
                 "unroll passes for chunk-sequential scans")
-        for n in gm.graph.nodes if n.op == "call_function" and _hop_name(n) in LOOP_OPS
+        for n in gm.graph.nodes if is_loop(n)
     ]
 
 
@@ -91,7 +99,7 @@ def check_float64(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Find
 
 def _value(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """A node's (fake) value; for an attribute read (a tensor constant) the attribute itself."""
-    value = node.meta.get("val")
+    value = fake_value(node)
     if value is None and node.op == "get_attr":
         try:
             value = operator.attrgetter(node.target)(gm)
@@ -121,10 +129,11 @@ def check_instruction_budget(
     elif partition_budget > limit:
         why = f"max_graph_instructions={partition_budget:,} lets partitions pass it"
     else:
-        plan = plan_partitions(gm, size.per_node, partition_budget, refine=False)
-        if not isinstance(plan, str):
+        try:
+            plan_partitions(gm, size.per_node, partition_budget, refine=False)
             return []  # the budget pass will cut it into partitions that fit
-        why = f"no cut fits it: {plan}"
+        except Declined as declined:
+            why = f"no cut fits it: {declined.reason}"
     heaviest = sorted(((n, c) for n, c in size.per_node.items() if c), key=lambda item: -item[1])[:3]
     listed = ", ".join(f"{node.name} {count:,}" for node, count in heaviest)
     node = heaviest[0][0]
@@ -170,7 +179,7 @@ def check_lowering(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Fin
     not by upstream torch-mlir. With either in the graph, every other op is
     lowered on its own instead of the graph as a whole.
     """
-    if any(_lowered_elsewhere(n) or _hop_name(n) in LOOP_OPS for n in gm.graph.nodes):
+    if any(_lowered_elsewhere(n) or is_loop(n) for n in gm.graph.nodes):
         failures = lower_each_op(gm, skip=_lowered_elsewhere)
     else:
         try:
@@ -209,22 +218,14 @@ def check_graph(
     return [Finding(**{**asdict(f), "graph": graph_name}) for f in findings]
 
 
-def _static(value) -> bool:
-    if isinstance(value, torch.Tensor):
-        return all(isinstance(s, int) for s in value.shape)
-    if isinstance(value, (tuple, list)):
-        return all(_static(v) for v in value)
-    return not isinstance(value, torch.SymInt)
-
-
 def _what_is_symbolic(node: torch.fx.Node) -> str:
-    if isinstance(node.meta.get("val"), torch.Tensor):
+    if fake_tensor(node) is not None:
         return f"has symbolic shape {_shape(node)}"
-    return f"is a symbolic size ({node.meta.get('val')}) passed in as an input"
+    return f"is a symbolic size ({fake_value(node)}) passed in as an input"
 
 
 def _shape(node: torch.fx.Node) -> str:
-    value = node.meta.get("val")
+    value = fake_value(node)
     if isinstance(value, torch.Tensor):
         return "[" + ", ".join(str(s) for s in value.shape) + "]"
     return str(value)
@@ -234,22 +235,12 @@ def _is_f64(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype in FLOAT64
 
 
-def _hop_name(node: torch.fx.Node) -> str:
-    target = node.target
-    return target.name() if isinstance(target, torch._ops.HigherOrderOperator) else ""
-
-
 def _group_size(group_name, splits: list) -> int | None:
     """Ranks in the all-to-all's group: one split per rank, else the process group's size when it exists."""
     if splits:
         return len(splits[0])
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and isinstance(group_name, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(group_name).size()
-    return None
+    process_group = resolve_process_group(group_name)
+    return None if process_group is None else process_group.size()
 
 
 def _supported_sizes(rules) -> str:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.fx
 
+from laplace_passes.fx_helpers import fake_tensor, fake_value, op_name
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 
 # `name = "torch.aten.silu_backward"` (an op torch-mlir imported as an opaque
@@ -36,14 +37,6 @@ class LoweringError(RuntimeError):
     def __init__(self, message: str, unlowerable: list[Unlowerable] | tuple = ()) -> None:
         super().__init__(message)
         self.unlowerable = list(unlowerable)
-
-
-def op_name(node: torch.fx.Node) -> str:
-    """"aten.mm.default" for an OpOverload, the function's name otherwise."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target._schema.name.replace('::', '.')}.{target._overloadname}"
-    return getattr(target, "__name__", str(target))
 
 
 def find_unlowerable(gm: torch.fx.GraphModule, diagnostics: str) -> list[Unlowerable]:
@@ -119,11 +112,11 @@ def _signature(node: torch.fx.Node):
     """(op, argument shapes and constants); None when a value has no fake tensor to build inputs from."""
     values = []
     for arg in node.all_input_nodes:
-        value = arg.meta.get("val")
-        if not isinstance(value, torch.Tensor):
+        value = fake_tensor(arg)
+        if value is None:
             return None
         values.append((tuple(value.shape), value.dtype))
-    if not isinstance(node.meta.get("val"), torch.Tensor):
+    if fake_tensor(node) is None:
         return None
     constants = repr(torch.fx.node.map_arg((node.args, node.kwargs), lambda _: None))
     return (node.target, tuple(values), constants)
@@ -134,9 +127,9 @@ def _single_node_graph(node: torch.fx.Node) -> torch.fx.GraphModule:
     inputs = {}
     for arg in node.all_input_nodes:
         placeholder = graph.placeholder(arg.name)
-        placeholder.meta["val"] = arg.meta["val"]
+        placeholder.meta["val"] = fake_value(arg)
         inputs[arg] = placeholder
     copy = graph.call_function(node.target, *torch.fx.node.map_arg((node.args, node.kwargs), inputs.__getitem__))
-    copy.meta["val"] = node.meta["val"]
+    copy.meta["val"] = fake_value(node)
     graph.output((copy,))
     return torch.fx.GraphModule(torch.nn.Module(), graph)

@@ -23,6 +23,11 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
+from laplace_passes.compile_fx import capture_graphs
+from laplace_passes.config import CompileConfig
+from laplace_passes.lowering._deps import torch_mlir_fx
+from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
+from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
 from laplace_passes.report import Report
 
 MANIFEST = "manifest.json"
@@ -46,23 +51,12 @@ def export_stablehlo(
     model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", out_dir: str | Path, **options: Any
 ) -> StableHLOExport:
     """Lower every graph of `model_or_fn(*example_inputs)` and write one .mlir per graph plus manifest.json."""
-    from laplace_passes.api import inspect
-    from laplace_passes.inner import InnerCompiler
-    from laplace_passes.lowering._deps import torch_mlir_fx
-    from laplace_passes.lowering.stablehlo import lowered_graph, torch_mlir_decompositions, torch_mlir_passes
-
     # Checked here, not first inside the compile, where Dynamo would wrap the install hint in its own error.
     torch_mlir_fx("export_stablehlo")
-    captured: list[tuple[str, Any]] = []
-
-    def capture(gm: torch.fx.GraphModule, inputs: list, kind: str):
-        captured.append((kind, lowered_graph(gm, inputs)))
-        return make_boxed_func(gm.forward)
-
-    compiler = InnerCompiler(
-        "stablehlo", capture, decompositions=torch_mlir_decompositions, aten_passes=torch_mlir_passes
-    )
-    report = inspect(model_or_fn, *example_inputs, target=target, inner=compiler, **options)
+    compiler = _ExportCompiler()
+    options = {**options, "target": target, "inner": compiler, "report": Report()}
+    report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
+    captured = compiler.captured
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = [
@@ -83,6 +77,17 @@ def export_stablehlo(
     return StableHLOExport(out_dir, manifest, report)
 
 
+class _ExportCompiler(StableHLOCompiler):
+    """inner="stablehlo" that also keeps each graph's lowering (kind, LoweredGraph), in compile order."""
+
+    def __init__(self) -> None:
+        self.captured: list[tuple[str, LoweredGraph]] = []
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str):
+        self.captured.append((kind, lowered_graph(gm, example_inputs)))
+        return make_boxed_func(gm.forward)
+
+
 def _graph_names(report: Report, compiled: int) -> list[str]:
     """The report's name of each graph the inner compiler got, in compile order.
 
@@ -101,9 +106,7 @@ def _graph_names(report: Report, compiled: int) -> list[str]:
     return names
 
 
-def _write_graph(out_dir: Path, name: str, kind: str, lowered, target: str) -> dict:
-    from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
-
+def _write_graph(out_dir: Path, name: str, kind: str, lowered: LoweredGraph, target: str) -> dict:
     file = f"{name}.mlir"
     (out_dir / file).write_text(lowered.text)
     entry = {"name": name, "kind": kind, "file": file, **lowered.to_dict()}

@@ -20,14 +20,7 @@ import torch.fx
 from functorch.compile import make_boxed_func
 
 from laplace_passes.lowering import _deps
-
-# inner="iree" lowers exactly as inner="stablehlo" does.
-from laplace_passes.lowering.stablehlo import (  # noqa: F401
-    LoweredGraph,
-    lowered_graph,
-    torch_mlir_decompositions,
-    torch_mlir_passes,
-)
+from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
 
 # Code for this machine's CPU (the module runs where it is compiled); without
 # a CPU named, IREE warns and targets a generic, slow x86-64.
@@ -86,7 +79,14 @@ def _to_torch(array) -> torch.Tensor:
     return torch.from_numpy(np.array(array, copy=True))
 
 
-def compile_iree(gm: torch.fx.GraphModule, example_inputs: list, kind: str):
-    """inner="iree": lower the graph, compile it with IREE, run it on every call."""
-    module = IreeModule(lowered_graph(gm, example_inputs))
-    return make_boxed_func(module)
+class IreeCompiler(StableHLOCompiler):
+    """inner="iree": lowered exactly as inner="stablehlo", then compiled by IREE and run on every call."""
+
+    name = "iree"
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str):
+        module = IreeModule(lowered_graph(gm, example_inputs))
+        return make_boxed_func(module)
+
+    def check_available(self) -> None:
+        _deps.check_iree()

@@ -6,7 +6,7 @@ torch-mlir. Two things in our graphs stop it, and each gets one small pass:
 * `laplace::check_gates` is a Python custom op (it raises ValueError on a
   positive gate). torch-mlir cannot lower a Python op, and a device graph
   cannot raise. `ClampGateChecks` replaces it by `clamp(gk, max=0)`: the
-  documented clamp of DESIGN.md section 3. For valid gates (gk <= 0) the clamp is
+  documented clamp of docs/DESIGN.md section 3.3. For valid gates (gk <= 0) the clamp is
   the identity and the numbers are bit for bit those of the eager graph; a
   positive gate is clamped to 0 (no decay) instead of refused, and a NaN
   gate stays NaN. So lowered graphs (StableHLO, IREE, Neuron) do not check
@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.fx_helpers import fake_tensor, new_node, provenance_of
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
 
 aten = torch.ops.aten
 CHECK_GATES = torch.ops.laplace.check_gates.default
@@ -71,10 +72,10 @@ class ClampGateChecks(GraphPass):
 def _replace_by_clamp(graph: torch.fx.Graph, check: torch.fx.Node) -> None:
     (gates,) = check.args
     with graph.inserting_before(check):
-        # fx makes the name unique (clamp_gates_1, ...) when several layers have one.
-        clamp = graph.create_node("call_function", torch.ops.aten.clamp.default, (gates, None, 0.0), name="clamp_gates")
-    # The check's fake value is empty_like(gk): the clamp's shape, dtype and strides.
-    clamp.meta = dict(check.meta)
+        # fx makes the name unique (clamp_gates_1, ...) when several layers have one. The check's
+        # fake value is empty_like(gk): the clamp's shape, dtype and strides.
+        clamp = new_node(graph, aten.clamp.default, (gates, None, 0.0), name="clamp_gates",
+                         provenance=provenance_of(check), like=check)
     check.replace_all_uses_with(clamp)
     graph.erase_node(check)
 
@@ -102,29 +103,31 @@ class BoundSliceScatter(GraphPass):
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.target is not SLICE_SCATTER:
                 continue
-            args = _static_args(node)
-            if isinstance(args, str):
-                declined.append(f"{node.name}: {args}")
-            elif args != _slice_scatter_args(node):
+            try:
+                args = _static_args(node)
+            except Declined as why:
+                declined.append(f"{node.name}: {why.reason}")
+                continue
+            if args != _slice_scatter_args(node):
                 node.args, node.kwargs = args, {}
                 rewritten += 1
         summary = f"{rewritten} slice_scatter bound(s) made static" if rewritten else "no unbounded slice_scatter"
         return PassOutcome(gm, modified=rewritten > 0, summary=summary, declined=declined)
 
 
-def _static_args(node: torch.fx.Node) -> tuple | str:
-    """`node`'s arguments with start and end resolved against the static size, or why not."""
+def _static_args(node: torch.fx.Node) -> tuple:
+    """`node`'s arguments with start and end resolved against the static size (Declined: why not)."""
     args = _slice_scatter_args(node)
     base_node, src, dim, start, end, step = args
-    base = base_node.meta.get("val") if isinstance(base_node, torch.fx.Node) else None
+    base = fake_tensor(base_node)
     if base is None:
-        return "the base tensor has no fake value (meta['val']), so its size is unknown"
+        raise Declined("the base tensor has no fake value (meta['val']), so its size is unknown")
     dim = dim % base.dim()
     size = base.shape[dim]
     if not isinstance(size, int):
-        return f"dimension {dim} has symbolic size {size}; torch-mlir needs static bounds"
+        raise Declined(f"dimension {dim} has symbolic size {size}; torch-mlir needs static bounds")
     if not all(isinstance(b, (int, type(None))) for b in (start, end)):
-        return f"bounds ({start}, {end}) are not static integers"
+        raise Declined(f"bounds ({start}, {end}) are not static integers")
     start, end, _ = slice(start, end).indices(size)
     return (base_node, src, dim, start, end, step)
 
@@ -169,9 +172,10 @@ class DiagonalAsStridedSlice(GraphPass):
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not DIAGONAL:
                 continue
-            reason = _diagonal_problem(node)
-            if reason is not None:
-                declined.append(f"{node.name}: {reason}")
+            try:
+                _check_static_diagonal(node)
+            except Declined as why:
+                declined.append(f"{node.name}: {why.reason}")
                 continue
             _replace_diagonal(gm.graph, node)
             rewritten += 1
@@ -186,23 +190,22 @@ def _diagonal_args(node: torch.fx.Node) -> tuple:
     for index, name in enumerate(defaults, start=1):
         values.append(node.args[index] if len(node.args) > index else node.kwargs.get(name, defaults[name]))
     x, offset, dim1, dim2 = values
-    rank = x.meta["val"].dim()
+    rank = fake_tensor(x).dim()
     return x, offset, dim1 % rank, dim2 % rank
 
 
-def _diagonal_problem(node: torch.fx.Node) -> str | None:
-    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+def _check_static_diagonal(node: torch.fx.Node) -> None:
+    value = fake_tensor(node.args[0])
     if value is None:
-        return "the input has no fake value (meta['val']), so its shape is unknown"
+        raise Declined("the input has no fake value (meta['val']), so its shape is unknown")
     _, _, dim1, dim2 = _diagonal_args(node)
     if not all(isinstance(value.shape[d], int) for d in (dim1, dim2)):
-        return f"dimensions {dim1} and {dim2} are not static"
-    return None
+        raise Declined(f"dimensions {dim1} and {dim2} are not static")
 
 
 def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     x, offset, dim1, dim2 = _diagonal_args(node)
-    value = x.meta["val"]
+    value = fake_tensor(x)
     n, m = value.shape[dim1], value.shape[dim2]
     others = [d for d in range(value.dim()) if d not in (dim1, dim2)]
     length = max(0, min(n, m - offset) if offset >= 0 else min(n + offset, m))
@@ -217,23 +220,11 @@ def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     current = x
     with graph.inserting_before(node):
         for name, op, args, kwargs in steps:
-            current = _fake_propagated(graph, name, op, current, args, kwargs)
+            current = new_node(graph, op, (current, *args), kwargs, name=name)
     node.replace_all_uses_with(current)
     graph.erase_node(node)
 
 
-def _fake_propagated(graph, name, op, source, args, kwargs) -> torch.fx.Node:
-    """A new node `op(source, *args, **kwargs)` with its fake value computed from `source`'s."""
-    from torch._guards import detect_fake_mode
-
-    value = source.meta["val"]
-    with detect_fake_mode([value]):
-        result = op(value, *args, **kwargs)
-    new = graph.create_node("call_function", op, (source, *args), kwargs, name=name)
-    new.meta["val"] = result
-    return new
-
-
-def lowering_passes(config, kind: str) -> list[GraphPass]:
+def lowering_passes() -> list[GraphPass]:
     """The passes every torch-mlir based inner compiler needs, in order (see module docstring)."""
     return [ClampGateChecks(), BoundSliceScatter(), DiagonalAsStridedSlice()]

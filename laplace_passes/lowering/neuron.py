@@ -1,6 +1,6 @@
 """The `neuron` inner compiler: each ATen graph handed to TorchNeuron (torch-neuronx).
 
-TorchNeuron's own pipeline (DESIGN.md section 6) is Dynamo -> AOT Autograd
+TorchNeuron's own pipeline (docs/DESIGN.md sections 6 and 8) is Dynamo -> AOT Autograd
 (its forward compiler, reused for the backward) -> torch-mlir -> StableHLO ->
 neuronx-cc -> NEFF. Our passes need the ATen graphs, so we run AOT Autograd
 ourselves and call TorchNeuron's ATen-graph compiler with each graph, with
@@ -33,7 +33,8 @@ import torch.fx
 
 from laplace_passes.inner import InnerCompiler
 from laplace_passes.lowering.legalize import lowering_passes
-from laplace_passes.lowering.preflight import RequireCleanPreflight, preflight_pass
+from laplace_passes.lowering.preflight import NeuronPreflight, RequireCleanPreflight
+from laplace_passes.passes import GraphContext
 from laplace_passes.targets import HardwareTarget, get_target
 
 # (module, attribute) of each TorchNeuron entry point we call.
@@ -56,7 +57,7 @@ NEURON_UNAVAILABLE = (
     "laplace_passes.preflight(...). laplace_passes never falls back to another compiler."
 )
 
-# The neuronx-cc command line TorchNeuron runs on the StableHLO it lowered (DESIGN.md section 6).
+# The neuronx-cc command line TorchNeuron runs on the StableHLO it lowered (docs/DESIGN.md section 8).
 NEURONX_CC_FLAGS = ("--framework", "XLA", "--lnc", "2", "--model-type", "transformer", "-O2")
 NEURON_TARGETS = ("trn1", "trn2")
 
@@ -93,13 +94,17 @@ def resolve_torch_neuronx() -> NeuronEntryPoints:
 
 
 @dataclass(frozen=True)
-class NeuronCompiler:
-    """Settings of the neuron inner compiler; `inner_compiler()` gives what `inner=` takes."""
+class NeuronCompiler(InnerCompiler):
+    """inner="neuron": each ATen graph to TorchNeuron's compiler, after the preflight.
 
-    # Passed through to TorchNeuron's compiler as its `options` (model_name, ...).
+    `options` are passed through to TorchNeuron's compiler (model_name, ...);
+    `strict_preflight=False` reports preflight findings but hands the graph
+    over anyway.
+    """
+
     options: dict[str, Any] = field(default_factory=dict)
-    # Stop on any preflight finding (False: report them and hand the graph over anyway).
     strict_preflight: bool = True
+    name = "neuron"
 
     def __post_init__(self) -> None:
         if self.options.get("dynamic", False) is not False:
@@ -110,10 +115,9 @@ class NeuronCompiler:
     def decompositions(self) -> dict:
         return resolve_torch_neuronx().decompositions()
 
-    def aten_passes(self, config, kind: str) -> list:
-        preflight = preflight_pass(config, kind)
-        gate = [RequireCleanPreflight(preflight)] if self.strict_preflight else []
-        return [*lowering_passes(config, kind), preflight, *gate]
+    def aten_passes(self, context: GraphContext) -> list:
+        gate = [RequireCleanPreflight()] if self.strict_preflight else []
+        return [*lowering_passes(), NeuronPreflight.for_graph(context), *gate]
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         entry_points = resolve_torch_neuronx()
@@ -121,29 +125,10 @@ class NeuronCompiler:
         options = {**self.options, "dynamic": False}
         return entry_points.compile_fx(gm, example_inputs, None, options)
 
-    def inner_compiler(self) -> InnerCompiler:
-        return InnerCompiler("neuron", self.compile, decompositions=self.decompositions, aten_passes=self.aten_passes)
 
-
-def neuron_compiler(options: dict[str, Any] | None = None, *, strict_preflight: bool = True) -> InnerCompiler:
+def neuron_compiler(options: dict[str, Any] | None = None, *, strict_preflight: bool = True) -> NeuronCompiler:
     """inner="neuron" with TorchNeuron `options` passed through, e.g. ``{"model_name": "gla"}``."""
-    return NeuronCompiler(dict(options or {}), strict_preflight).inner_compiler()
-
-
-DEFAULT_NEURON = NeuronCompiler()
-
-
-# The functions inner="neuron" resolves lazily (laplace_passes.inner).
-def compile_neuron(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
-    return DEFAULT_NEURON.compile(gm, example_inputs, kind)
-
-
-def neuron_decompositions() -> dict:
-    return DEFAULT_NEURON.decompositions()
-
-
-def neuron_passes(config, kind: str) -> list:
-    return DEFAULT_NEURON.aten_passes(config, kind)
+    return NeuronCompiler(dict(options or {}), strict_preflight)
 
 
 def neuronx_cc_command(

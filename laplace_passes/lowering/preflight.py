@@ -30,11 +30,20 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+from functorch.compile import make_boxed_func
 
+from laplace_passes.compile_fx import capture_graphs
+from laplace_passes.config import CompileConfig
+from laplace_passes.inner import InnerCompiler
 from laplace_passes.lowering.checks import Finding, check_graph
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.lowering.legalize import lowering_passes
+from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
+from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
 from laplace_passes.report import Report
 from laplace_passes.targets import HardwareTarget
+
+# The findings of `NeuronPreflight`, kept on the graph it checked.
+FINDINGS_META_KEY = "laplace_preflight_findings"
 
 
 class PreflightError(RuntimeError):
@@ -69,18 +78,22 @@ class NeuronPreflight(GraphPass):
 
     def __init__(self, target: HardwareTarget, graph_name: str = "", partition_budget: int | None = None) -> None:
         self.target = target
-        self.graph_name = graph_name
+        self.graph_name = graph_name  # names the graph in each finding
         self.partition_budget = partition_budget
-        self.findings: list[Finding] = []
+
+    @classmethod
+    def for_graph(cls, context: GraphContext) -> NeuronPreflight:
+        return cls(context.target, graph_name=context.name, partition_budget=context.max_graph_instructions)
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        self.findings = check_graph(gm, self.target, self.graph_name, self.partition_budget)
-        if self.findings:
-            counts = ", ".join(f"{check} x{n}" for check, n in Counter(f.check for f in self.findings).items())
-            summary = f"{len(self.findings)} finding(s) for {self.target.name}: {counts}"
+        findings = check_graph(gm, self.target, self.graph_name, self.partition_budget)
+        gm.meta[FINDINGS_META_KEY] = findings
+        if findings:
+            counts = ", ".join(f"{check} x{n}" for check, n in Counter(f.check for f in findings).items())
+            summary = f"{len(findings)} finding(s) for {self.target.name}: {counts}"
         else:
             summary = "no finding: nothing here that neuronx-cc or TorchNeuron is known to reject"
-        return PassOutcome(gm, modified=False, summary=summary, declined=[str(f) for f in self.findings])
+        return PassOutcome(gm, modified=False, summary=summary, declined=[str(f) for f in findings])
 
 
 class RequireCleanPreflight(GraphPass):
@@ -89,24 +102,19 @@ class RequireCleanPreflight(GraphPass):
     NOTE [require_clean_preflight: before and after]
     The graph is unchanged; it reaches TorchNeuron only when the preflight
     found nothing. A separate pass, so that the preflight's findings are in
-    the report before the compile stops.
+    the report before the compile stops. It reads them on the graph.
     """
 
     name = "require_clean_preflight"
 
-    def __init__(self, preflight: NeuronPreflight) -> None:
-        self.preflight = preflight
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        if FINDINGS_META_KEY not in gm.meta:
+            raise RuntimeError("require_clean_preflight runs after neuron_preflight, which has not checked this graph")
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        if self.preflight.findings:
-            raise PreflightError(self.preflight.findings)
+        if gm.meta[FINDINGS_META_KEY]:
+            raise PreflightError(gm.meta[FINDINGS_META_KEY])
         return PassOutcome(gm, modified=False, summary="preflight clean: the graph goes to TorchNeuron")
-
-
-def preflight_pass(config, kind: str) -> NeuronPreflight:
-    """The preflight for the graph the backend is compiling now (its newest record)."""
-    current = config.report.graphs[-1].name if config.report.graphs else kind
-    return NeuronPreflight(config.target, graph_name=current, partition_budget=config.max_graph_instructions)
 
 
 @dataclass
@@ -135,6 +143,26 @@ class PreflightReport:
     __repr__ = __str__
 
 
+class PreflightCompiler(InnerCompiler):
+    """The preflight's inner compiler: the graphs run eagerly, only the passes' findings matter.
+
+    Its graphs are those inner="neuron" would hand over: torch-mlir's
+    decomposition table stands in for TorchNeuron's (which ships with
+    torch-neuronx), the same lowering passes, then the checks.
+    """
+
+    name = "neuron-preflight"
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        return make_boxed_func(gm.forward)
+
+    def decompositions(self) -> dict:
+        return torch_mlir_decompositions()
+
+    def aten_passes(self, context: GraphContext) -> list[GraphPass]:
+        return [*lowering_passes(), NeuronPreflight.for_graph(context)]
+
+
 def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", **options: Any) -> PreflightReport:
     """Check the graphs `model_or_fn(*example_inputs)` would hand to TorchNeuron; nothing is compiled by it.
 
@@ -142,24 +170,12 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
     backward when an output requires grad; `options` are the backend's
     (chunk_size, retile_gla, ...).
     """
-    from laplace_passes.api import inspect
-    from laplace_passes.inner import INNER_COMPILERS, InnerCompiler
-    from laplace_passes.lowering.legalize import lowering_passes
-    from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
-
-    runs: list[NeuronPreflight] = []
-
-    def passes(config, kind: str) -> list[GraphPass]:
-        runs.append(preflight_pass(config, kind))
-        return [*lowering_passes(config, kind), runs[-1]]
-
-    compiler = InnerCompiler(  # the graphs run eagerly: only the passes' findings matter
-        "neuron-preflight", INNER_COMPILERS["eager"].compile, decompositions=torch_mlir_decompositions,
-        aten_passes=passes,
-    )
-    report = inspect(model_or_fn, *example_inputs, target=target, inner=compiler, **options)
-    findings = [f for run in runs for f in run.findings]
-    return PreflightReport(report.target, findings, [run.graph_name for run in runs], report)
+    options = {**options, "target": target, "inner": PreflightCompiler(), "report": Report()}
+    report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
+    checked = [(record.name, gm) for record in report.graphs for label, gm in record.snapshots
+               if label == NeuronPreflight.name]
+    findings = [f for _, gm in checked for f in gm.meta[FINDINGS_META_KEY]]
+    return PreflightReport(report.target, findings, [name for name, _ in checked], report)
 
 
 __all__ = [

@@ -3,8 +3,9 @@
 `lower_to_stablehlo(gm)` returns a `LoweredGraph`: the module's text, its
 inputs and outputs (shapes, dtypes) and its op counts by op name. The
 `LowerToStableHLO` pass runs it as the last ATen pass of the lowering inner
-compilers, so the report shows every graph's op count and a graph torch-mlir
-cannot lower fails at compile time, naming the op.
+compilers (after the budget pass, on each partition of a cut graph), so the
+report shows every graph's op count and a graph torch-mlir cannot lower
+fails at compile time, naming the op.
 
 inner="stablehlo" lowers every graph (forward, backward, inference, every
 partition) and then runs the ATen graph itself eagerly: StableHLO needs an
@@ -12,9 +13,9 @@ executor, which is what inner="iree" adds. Use
 `laplace_passes.export_stablehlo` to write the modules to files.
 
 A graph the budget pass (laplace_passes.unroll) cut into partitions reaches
-the inner compiler partition by partition: each partition is lowered (and,
-with inner="iree", compiled) on its own; the pass's report entry is the
-whole graph's.
+the inner compiler partition by partition: each partition is lowered once
+(and, with inner="iree", compiled) on its own; the pass's report entry
+sums them.
 
 torch-mlir's FX importer cannot return None: AOT Autograd's backward
 returns None for inputs without a gradient (token ids). Those outputs are
@@ -26,16 +27,20 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
+from laplace_passes.fx_helpers import fake_tensor, fake_value, output_values, propagate_from_inputs
+from laplace_passes.inner import InnerCompiler
 from laplace_passes.lowering import _deps
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 from laplace_passes.lowering.diagnose import LoweringError, lowering_error
 from laplace_passes.lowering.legalize import lowering_passes
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
+from laplace_passes.unroll import partition_calls
 
 # Where the lowering pass leaves its result for the inner compiler.
 LOWERED_META_KEY = "laplace_stablehlo"
@@ -51,7 +56,7 @@ class TensorSpec:
 
     @classmethod
     def of(cls, node: torch.fx.Node) -> TensorSpec:
-        value = node.meta["val"]
+        value = fake_value(node)
         if not isinstance(value, torch.Tensor):  # a symbolic size passed as an input
             return cls(node.name, (), type(value).__name__)
         shape = tuple(s if isinstance(s, int) else str(s) for s in value.shape)
@@ -131,7 +136,7 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
     return LoweredGraph(
         text=str(module),
         inputs=[TensorSpec.of(n) for n in gm.graph.find_nodes(op="placeholder")],
-        outputs=[TensorSpec.of(n) for n in _output_values(lowering_gm)],
+        outputs=[TensorSpec.of(n) for n in output_values(lowering_gm)],
         output_positions=positions,
         output_count=count,
         op_counts=count_ops(module),
@@ -154,37 +159,24 @@ def count_ops(module) -> dict[str, int]:
 
 
 def ensure_fake_values(gm: torch.fx.GraphModule, example_inputs: list | None) -> None:
-    """Give every node a `meta["val"]` (torch-mlir's importer reads shapes and dtypes there)."""
+    """Give every node a fake value (torch-mlir's importer reads shapes and dtypes in `meta["val"]`)."""
     nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
-    if all("val" in n.meta for n in nodes):
+    missing = [n for n in nodes if fake_value(n) is None]
+    if not missing:
         return
     if example_inputs is None:
-        missing = next(n.name for n in nodes if "val" not in n.meta)
-        raise LoweringError(f"node {missing} has no fake value (meta['val']) and no example inputs were given")
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = detect_fake_mode(example_inputs)
-    if mode is not None:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
-    else:
-        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
-
-
-def _output_values(gm: torch.fx.GraphModule) -> list:
-    (values,) = gm.graph.find_nodes(op="output")[0].args
-    return list(values) if isinstance(values, (tuple, list)) else [values]
+        raise LoweringError(f"node {missing[0].name} has no fake value (meta['val']) and no example inputs were given")
+    propagate_from_inputs(gm, example_inputs)
 
 
 def _without_none_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int], int]:
     """A copy of `gm` returning only its tensor outputs, their positions, and the original count."""
     copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    values = _output_values(copied)
+    values = output_values(copied)
     positions = [i for i, v in enumerate(values) if v is not None]
     for position in positions:
         value = values[position]
-        if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        if fake_tensor(value) is None:
             raise LoweringError(f"output {position} ({value}) is not a tensor; StableHLO functions return tensors")
     output = copied.graph.find_nodes(op="output")[0]
     output.args = (tuple(values[i] for i in positions),)
@@ -193,7 +185,7 @@ def _without_none_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModul
 
 
 class LowerToStableHLO(GraphPass):
-    """Lower the graph with torch-mlir and keep the result for the inner compiler (graph unchanged).
+    """Lower the graph, or each partition it calls, with torch-mlir; keep the result for the inner compiler.
 
     NOTE [lower_to_stablehlo: before and after]
     The FX graph is unchanged; the pass attaches its StableHLO module, e.g.
@@ -204,15 +196,25 @@ class LowerToStableHLO(GraphPass):
           ... gelu as multiply / erf polynomial ...
           %5 = stablehlo.reduce(%4 init: %cst) applies stablehlo.add across dimensions = [1] ...
 
-    Fails (LoweringError) when torch-mlir cannot lower an op, naming it.
+    It runs after the budget pass, on what the inner compiler receives: a
+    graph cut into partitions is lowered partition by partition (each module
+    on its partition), never also whole. Fails (LoweringError) when
+    torch-mlir cannot lower an op, naming it.
     """
 
     name = "lower_to_stablehlo"
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        lowered = lower_to_stablehlo(gm)
-        gm.meta[LOWERED_META_KEY] = lowered
-        return PassOutcome(gm, modified=False, summary=lowered.summary())
+        parts = [gm.get_submodule(call.target) for call in partition_calls(gm)] or [gm]
+        lowered = []
+        for part in parts:
+            part.meta[LOWERED_META_KEY] = lower_to_stablehlo(part)
+            lowered.append(part.meta[LOWERED_META_KEY])
+        if len(lowered) == 1:
+            return PassOutcome(gm, modified=False, summary=lowered[0].summary())
+        total = sum(g.total_ops for g in lowered)
+        summary = f"{total} StableHLO ops in {len(lowered)} partitions ({', '.join(str(g.total_ops) for g in lowered)})"
+        return PassOutcome(gm, modified=False, summary=summary)
 
 
 def lowered_graph(gm: torch.fx.GraphModule, example_inputs: list) -> LoweredGraph:
@@ -221,12 +223,24 @@ def lowered_graph(gm: torch.fx.GraphModule, example_inputs: list) -> LoweredGrap
     return lowered if lowered is not None else lower_to_stablehlo(gm, example_inputs)
 
 
-def compile_stablehlo(gm: torch.fx.GraphModule, example_inputs: list, kind: str):
-    """inner="stablehlo": lower (failing here if torch-mlir cannot), then run the ATen graph eagerly."""
-    lowered_graph(gm, example_inputs)
-    return make_boxed_func(gm.forward)
+class StableHLOCompiler(InnerCompiler):
+    """inner="stablehlo": each graph lowered by torch-mlir (failing at compile time if it cannot), then run eagerly."""
 
+    name = "stablehlo"
 
-def torch_mlir_passes(config, kind: str) -> list[GraphPass]:
-    """The ATen passes of inner="stablehlo" and "iree": make the graph lowerable, then lower it."""
-    return [*lowering_passes(config, kind), LowerToStableHLO()]
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        lowered_graph(gm, example_inputs)
+        return make_boxed_func(gm.forward)
+
+    def decompositions(self) -> dict:
+        return torch_mlir_decompositions()
+
+    def aten_passes(self, context: GraphContext) -> list[GraphPass]:
+        """What makes our graphs lowerable (see `legalize`)."""
+        return lowering_passes()
+
+    def final_passes(self, context: GraphContext) -> list[GraphPass]:
+        return [LowerToStableHLO()]
+
+    def check_available(self) -> None:
+        _deps.check_stablehlo()

@@ -10,7 +10,7 @@ Where they run: `laplace_passes.pipeline`. What they record: each graph's
 `loops` and `size` in the report.
 """
 
-from laplace_passes.unroll.budget import FitGraphToBudget, saved_for_backward_bytes
+from laplace_passes.unroll.budget import FitGraphToBudget, backward_activation_bytes
 from laplace_passes.unroll.partition import PartitionPlan, plan_partitions
 from laplace_passes.unroll.size import GraphSize, SizeModel
 from laplace_passes.unroll.split import PARTITION_PREFIX, compile_graph, partition_calls, split_graph
@@ -23,9 +23,9 @@ __all__ = [
     "PartitionPlan",
     "SizeModel",
     "UnrollLoops",
+    "backward_activation_bytes",
     "compile_graph",
     "partition_calls",
     "plan_partitions",
-    "saved_for_backward_bytes",
     "split_graph",
 ]

@@ -11,16 +11,17 @@ declined with that reason and compiled whole.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Sequence
 
 import torch
 import torch.fx
 
-from laplace_passes.passes import GraphPass, PassOutcome
-from laplace_passes.report import GraphRecord, PartitionRecord, SizeRecord
+from laplace_passes.fx_helpers import is_view, value_bytes
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
+from laplace_passes.report import PartitionRecord, SizeRecord
 from laplace_passes.unroll.partition import plan_partitions
-from laplace_passes.unroll.size import SizeModel, is_view, value_bytes
-from laplace_passes.unroll.split import split_graph
+from laplace_passes.unroll.size import SizeModel
+from laplace_passes.unroll.split import partition_calls, split_graph
 
 # AOT Autograd names the backward graph's inputs: tangents_1, ... for the
 # gradients, primals_1, ... for forward inputs it kept (parameters, token ids:
@@ -30,37 +31,39 @@ _NOT_ACTIVATIONS = ("tangents_", "primals_")
 
 
 class FitGraphToBudget(GraphPass):
-    """Record the graph's estimated size; partition it when it is over `budget` instructions."""
+    """Record the graph's estimated size; partition it when it is over `budget` instructions.
+
+    `forward_graphs`: for a backward graph, the forward graphs compiled before
+    it, as AOT Autograd made them; its saved inputs are named after the
+    forward nodes that made them (see `backward_activation_bytes`).
+    """
 
     name = "fit_to_budget"
 
     def __init__(
-        self, budget: int | None, model: SizeModel, kind: str, record: GraphRecord | None = None,
-        forward_graphs: Callable[[], list[torch.fx.GraphModule]] | None = None,
+        self, budget: int | None, model: SizeModel, kind: str,
+        forward_graphs: Sequence[torch.fx.GraphModule] = (),
     ) -> None:
         self.budget = budget
         self.model = model
         self.kind = kind
-        self.record = record
-        # The forward graphs compiled so far: a backward graph's saved inputs
-        # are named after the forward nodes that made them.
-        self.forward_graphs = forward_graphs or (lambda: [])
+        self.forward_graphs = list(forward_graphs)
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
         size = self.model.measure(gm)
         info = SizeRecord(nodes=size.nodes, instructions=size.instructions, budget=self.budget)
         if self.kind == "backward":
-            info.saved_for_backward_bytes = saved_for_backward_bytes(gm, self.forward_graphs())
-        if self.record is not None:
-            self.record.size = info
+            info.saved_for_backward_bytes = backward_activation_bytes(gm, self.forward_graphs)
         against = "no budget" if self.budget is None else f"budget {self.budget:,}"
         summary = f"{size.nodes} nodes, ~{size.instructions:,} instructions ({against})"
         if self.budget is None or size.instructions <= self.budget:
-            return PassOutcome(gm, modified=False, summary=summary + ": fits")
-        plan = plan_partitions(gm, size.per_node, self.budget)
-        if isinstance(plan, str):
-            info.note = f"over budget, not cut: {plan}"
-            return PassOutcome(gm, modified=False, summary=summary + ": over budget", declined=[plan])
+            return PassOutcome(gm, modified=False, summary=summary + ": fits", size=info)
+        try:
+            plan = plan_partitions(gm, size.per_node, self.budget)
+        except Declined as declined:
+            info.note = f"over budget, not cut: {declined.reason}"
+            return PassOutcome(gm, modified=False, summary=summary + ": over budget", declined=[declined.reason],
+                               size=info)
         info.partitions = [
             PartitionRecord(index=i, nodes=plan.nodes[i], instructions=plan.instructions[i],
                             bytes_in=plan.bytes_in[i])
@@ -68,17 +71,19 @@ class FitGraphToBudget(GraphPass):
         ]
         info.cut_bytes = list(plan.cut_bytes)
         summary += f": cut into {plan.count} partitions"
-        return PassOutcome(split_graph(gm, plan), modified=True, summary=summary)
+        return PassOutcome(split_graph(gm, plan), modified=True, summary=summary, size=info)
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
-        if self.record is None or self.record.size is None or self.budget is None:
+        """Every partition the graph calls fits the budget (measured again on the partition itself)."""
+        if self.budget is None:
             return
-        for part in self.record.size.partitions:
-            if part.instructions > self.budget:
-                raise RuntimeError(f"partition {part.index} has {part.instructions} instructions > budget {self.budget}")
+        for index, call in enumerate(partition_calls(gm)):
+            instructions = self.model.measure(gm.get_submodule(call.target)).instructions
+            if instructions > self.budget:
+                raise RuntimeError(f"partition {index} has {instructions} instructions > budget {self.budget}")
 
 
-def saved_for_backward_bytes(gm: torch.fx.GraphModule, forward_graphs: list[torch.fx.GraphModule] = ()) -> int:
+def backward_activation_bytes(gm: torch.fx.GraphModule, forward_graphs: list[torch.fx.GraphModule] = ()) -> int:
     """Bytes of the activations a backward graph reads from its forward.
 
     Its inputs other than gradients and forward inputs, less those its

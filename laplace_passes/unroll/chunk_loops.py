@@ -33,7 +33,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from laplace_passes.chunked import CHUNK_LOOP_OPS
 from laplace_passes.chunked_backward import chunked_backward
 from laplace_passes.chunked_forward import ChunkLayout, chunked_forward
-from laplace_passes.unroll.inline import inline_graph, provenance_of, replace_tuple_result
+from laplace_passes.fx_helpers import fake_tensor, fake_value, has_fake_value, provenance_of
+from laplace_passes.passes import Declined
+from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
 # The body each chunk-loop op runs, and the name the report gives its loop.
 _BODIES: dict = {
@@ -51,14 +53,14 @@ def loop_kind(node: torch.fx.Node) -> str:
     return _BODIES[node.target][0]
 
 
-def chunk_count(node: torch.fx.Node) -> int | str:
-    """The loop's trip count (chunks), or why it is not known statically."""
-    q = node.args[0].meta.get("val")
+def chunk_count(node: torch.fx.Node) -> int:
+    """The loop's trip count (chunks); Declined when it is not known statically."""
+    q = fake_tensor(node.args[0])
     if q is None:
-        return "no shape information on q"
+        raise Declined("no shape information on q")
     T = q.shape[1]
     if not isinstance(T, int):
-        return f"T = {T} is dynamic; the chunk loop needs a static sequence length"
+        raise Declined(f"T = {T} is dynamic; the chunk loop needs a static sequence length")
     scale, chunk_size, sub_chunk_size = node.args[-_SETTINGS:]
     return ChunkLayout.plan(T, chunk_size, sub_chunk_size).n_chunks
 
@@ -70,19 +72,18 @@ class ChunkLoopExpander:
         self.decompositions = decompositions or {}
         self._traces: dict[tuple, torch.fx.GraphModule] = {}
 
-    def expand(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
-        """Replace `node` by its traced body; return a reason instead when it cannot be."""
+    def expand(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+        """Replace `node` by its traced body (Declined when an input has no shape to trace it with)."""
         tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
-        if any("val" not in a.meta for a in tensor_args):
-            return "an input has no fake value to trace the loop body with"
+        if not all(has_fake_value(a) for a in tensor_args):
+            raise Declined("an input has no fake value to trace the loop body with")
         traced = self._trace(node)
         with gm.graph.inserting_before(node):
             outputs = inline_graph(gm, traced, tensor_args, provenance_of(node))
         replace_tuple_result(gm.graph, node, outputs)
-        return None
 
     def _trace(self, node: torch.fx.Node) -> torch.fx.GraphModule:
-        fakes = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        fakes = [fake_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
         key = (node.target, tuple(_signature(f) for f in fakes))
         if key not in self._traces:
             body = _bind_constants(_BODIES[node.target][1], node.args)

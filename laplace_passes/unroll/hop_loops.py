@@ -44,15 +44,20 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from laplace_passes.unroll.inline import (
-    inline_graph,
-    propagate_fake_value,
+from laplace_passes.fx_helpers import (
+    SCAN,
+    UNROLLABLE_LOOP_OPS,
+    ancestors,
+    fake_tensor,
+    is_loop,
+    new_node,
+    output_values,
     provenance_of,
-    replace_tuple_result,
+    subgraph,
 )
+from laplace_passes.passes import Declined
+from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
-SCAN = torch.ops.higher_order.scan
-WHILE_LOOP = torch.ops.higher_order.while_loop
 # Beyond this many trips a loop is declined: the pass itself would slow down
 # more than any graph-size budget would let the result through.
 MAX_TRIPS = 10_000
@@ -61,104 +66,94 @@ _MAX_CONSTANT_NODES = 64
 
 
 def is_hop_loop(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (SCAN, WHILE_LOOP)
+    return is_loop(node, UNROLLABLE_LOOP_OPS)
 
 
 def loop_kind(node: torch.fx.Node) -> str:
     return "scan" if node.target is SCAN else "while_loop"
 
 
-def _subgraph(gm: torch.fx.GraphModule, arg: torch.fx.Node) -> torch.fx.GraphModule:
-    return operator.attrgetter(arg.target)(gm)
-
-
 # -- scan ----------------------------------------------------------------------
 
 
-def scan_trip_count(node: torch.fx.Node, key: str) -> int | str:
+def scan_trip_count(node: torch.fx.Node) -> int:
+    """The scanned length; Declined when it is not a static, positive size."""
     _, _, xs, _ = node.args
     if not xs:
-        return "scan over no inputs"
-    value = xs[0].meta.get(key) if isinstance(xs[0], torch.fx.Node) else None
+        raise Declined("scan over no inputs")
+    value = fake_tensor(xs[0])
     if value is None:
-        return "no shape information on the scanned input"
+        raise Declined("no shape information on the scanned input")
     length = value.shape[0]
     if not isinstance(length, int):
-        return f"the scanned length {length} is dynamic"
+        raise Declined(f"the scanned length {length} is dynamic")
     if length == 0:
-        return "scan over zero steps (its outputs' shapes come only from the body)"
+        raise Declined("scan over zero steps (its outputs' shapes come only from the body)")
     return length
 
 
-def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, key: str) -> str | None:
+def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int) -> None:
     combine, init, xs, additional = node.args
-    body = _subgraph(gm, combine)
+    body = subgraph(gm, combine)
     graph, provenance = gm.graph, provenance_of(node)
     carries, steps = list(init), []
     with graph.inserting_before(node):
         for t in range(trips):
-            slices = [_new_node(graph, torch.ops.aten.select.int, (x, 0, t), provenance, key) for x in xs]
+            slices = [new_node(graph, torch.ops.aten.select.int, (x, 0, t), provenance=provenance) for x in xs]
             outputs = inline_graph(gm, body, [*carries, *slices, *additional], provenance)
             carries, ys = outputs[: len(init)], outputs[len(init):]
             steps.append(ys)
         stacked = [
-            _new_node(graph, torch.ops.aten.stack.default, ([step[j] for step in steps], 0), provenance, key)
+            new_node(graph, torch.ops.aten.stack.default, ([step[j] for step in steps], 0), provenance=provenance)
             for j in range(len(steps[0]))
         ]
     replace_tuple_result(graph, node, [*carries, *stacked])
-    return None
-
-
-def _new_node(graph: torch.fx.Graph, target, args: tuple, provenance: dict, key: str) -> torch.fx.Node:
-    node = graph.call_function(target, args)
-    node.meta.update(provenance)
-    propagate_fake_value(node, key)
-    return node
 
 
 # -- while_loop ------------------------------------------------------------------
 
 
-def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, dict] | str:
-    """(trip count, {carried index: concrete value per trip}) or the reason it is not static."""
+def while_trip_count(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, dict]:
+    """(trip count, {carried index: concrete value per trip}); Declined when it is not static."""
     cond_arg, body_arg, carried, additional = node.args
-    cond, body = _subgraph(gm, cond_arg), _subgraph(gm, body_arg)
+    cond, body = subgraph(gm, cond_arg), subgraph(gm, body_arg)
     n_carried = len(carried)
     host_inputs = [*carried, *additional]
 
     control = _control_slice(cond, body, n_carried)
     constants: dict[int, Any] = {}
     for index in sorted(control | _additional_reads(cond, body, control, n_carried)):
-        value = host_constant(host_inputs[index])
-        if isinstance(value, str):
+        try:
+            constants[index] = host_constant(host_inputs[index])
+        except Declined as why:
             what = f"carried value {index}" if index < n_carried else f"additional input {index - n_carried}"
             name = host_inputs[index].name if isinstance(host_inputs[index], torch.fx.Node) else host_inputs[index]
-            return f"trip count is data-dependent: the loop condition reads {what} ({name}), {value}"
-        constants[index] = value
+            raise Declined(f"trip count is data-dependent: the loop condition reads {what} ({name}), {why.reason}")
 
     # history[i][t]: carried value i entering trip t; its last entry is the value leaving the loop.
     values = dict(constants)
     history: dict[int, list] = {i: [values[i]] for i in control}
-    control_outputs = [_output_values(body)[i] for i in sorted(control)]
+    test = _Interpreter(cond, [output_values(cond)[0]])
+    step = _Interpreter(body, [output_values(body)[i] for i in sorted(control)])
     try:
         for trips in range(MAX_TRIPS + 1):
-            if not bool(_evaluate(cond, values, [_output_values(cond)[0]])[0]):
+            if not bool(test.run(values)[0]):
                 return trips, history
-            values.update(zip(sorted(control), _evaluate(body, values, control_outputs)))
+            values.update(zip(sorted(control), step.run(values)))
             for i in control:
                 history[i].append(values[i])
     except (_NotSimulated, RuntimeError, TypeError, ValueError) as error:
-        return f"the trip count could not be simulated at compile time: {error}"
-    return f"more than {MAX_TRIPS} trips"
+        raise Declined(f"the trip count could not be simulated at compile time: {error}") from error
+    raise Declined(f"more than {MAX_TRIPS} trips")
 
 
 class _NotSimulated(Exception):
     """A node of the loop's control the compile-time simulation cannot run."""
 
 
-def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> str | None:
+def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> None:
     _, body_arg, carried, additional = node.args
-    body = _subgraph(gm, body_arg)
+    body = subgraph(gm, body_arg)
     graph, provenance = gm.graph, provenance_of(node)
     current = list(carried)
     # Python-number counters take their simulated value at every trip, so
@@ -172,36 +167,20 @@ def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, hist
     for i in scalar_counters:
         current[i] = history[i][trips]
     replace_tuple_result(graph, node, current)
-    return None
 
 
 # -- dependence and concrete evaluation ------------------------------------------
 
 
-def _output_values(gm: torch.fx.GraphModule) -> list:
-    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
-    result = out.args[0]
-    return list(result) if isinstance(result, (tuple, list)) else [result]
-
-
 def _placeholder_reads(gm: torch.fx.GraphModule, values: list) -> set[int]:
     """Indices of the placeholders that `values` (nodes of gm) depend on."""
     index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    seen, stack, reads = set(), [v for v in values if isinstance(v, torch.fx.Node)], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in index:
-            reads.add(index[node])
-        stack.extend(node.all_input_nodes)
-    return reads
+    return {index[n] for n in ancestors(values) if n in index}
 
 
 def _control_slice(cond, body, n_carried: int) -> set[int]:
-    control = {i for i in _placeholder_reads(cond, _output_values(cond)) if i < n_carried}
-    outputs = _output_values(body)
+    control = {i for i in _placeholder_reads(cond, output_values(cond)) if i < n_carried}
+    outputs = output_values(body)
     while True:
         grown = control | {i for j in control for i in _placeholder_reads(body, [outputs[j]]) if i < n_carried}
         if grown == control:
@@ -210,38 +189,31 @@ def _control_slice(cond, body, n_carried: int) -> set[int]:
 
 
 def _additional_reads(cond, body, control: set[int], n_carried: int) -> set[int]:
-    outputs = _output_values(body)
-    reads = _placeholder_reads(cond, _output_values(cond))
+    outputs = output_values(body)
+    reads = _placeholder_reads(cond, output_values(cond))
     for j in control:
         reads |= _placeholder_reads(body, [outputs[j]])
     return {i for i in reads if i >= n_carried}
 
 
 def host_constant(value) -> Any:
-    """The concrete value of a host-graph value computed from no input, or why it is not one."""
+    """The concrete value of a host-graph value computed from no input; Declined (why not) otherwise."""
     if not isinstance(value, torch.fx.Node):
         return value
-    cone, stack = {}, [value]
-    while stack:
+    cone, stack = set(), [value]
+    while stack:  # depth first, stopping at the first node that is not a constant's
         node = stack.pop()
         if node in cone:
             continue
         if node.op != "call_function":
-            return "which is a graph input" if node.op == "placeholder" else f"which reads {node.op} {node.target}"
+            raise Declined("which is a graph input" if node.op == "placeholder" else f"which reads {node.op} {node.target}")
         if _is_random(node.target):
-            return f"which is random ({node.target})"
-        cone[node] = True
+            raise Declined(f"which is random ({node.target})")
+        cone.add(node)
         if len(cone) > _MAX_CONSTANT_NODES:
-            return "which is computed by too large a subgraph to evaluate at compile time"
+            raise Declined("which is computed by too large a subgraph to evaluate at compile time")
         stack.extend(node.all_input_nodes)
-    order = [n for n in value.graph.nodes if n in cone]
-    env: dict = {}
-    with unset_fake_temporarily(), torch.no_grad():
-        for node in order:
-            args = torch.fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
-    return env[value]
+    return _Interpreter(value.graph.owning_module, [value]).run({})[0]
 
 
 def _is_random(target) -> bool:
@@ -249,30 +221,35 @@ def _is_random(target) -> bool:
     return torch.Tag.nondeterministic_seeded in tags or "rand" in getattr(target, "__name__", "")
 
 
-def _evaluate(gm: torch.fx.GraphModule, inputs: dict[int, Any], wanted: list) -> list:
-    """Concrete values of `wanted` (nodes of gm), computing only what they read."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    env: dict = {placeholders[i]: v for i, v in inputs.items()}
-    needed, stack = set(), [w for w in wanted if isinstance(w, torch.fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    with unset_fake_temporarily(), torch.no_grad():
-        for node in gm.graph.nodes:
-            if node not in needed or node in env:
-                continue
-            if node.op == "get_attr":
-                env[node] = operator.attrgetter(node.target)(gm)
-            elif node.op == "call_function":
-                args = torch.fx.node.map_arg(node.args, env.__getitem__)
-                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-                env[node] = node.target(*args, **kwargs)
-            elif node.op == "call_method":  # Dynamo keeps tensor methods: i.lt(3), i.add(1)
-                args = torch.fx.node.map_arg(node.args, env.__getitem__)
-                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                raise _NotSimulated(f"cannot evaluate the {node.op} node {node.name} of the loop's control")
-    return [env[w] if isinstance(w, torch.fx.Node) else w for w in wanted]
+class _Interpreter:
+    """Concrete values of `wanted` (nodes of gm), computing only what they read.
+
+    What to run is found once: a while_loop's control runs once per trip.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, wanted: list) -> None:
+        self.gm = gm
+        self.wanted = wanted
+        needed = ancestors(wanted)
+        self.order = [n for n in gm.graph.nodes if n in needed]
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def run(self, inputs: dict[int, Any]) -> list:
+        """`inputs`: placeholder index -> value; a placeholder the wanted values read must be given."""
+        env: dict = {self.placeholders[i]: v for i, v in inputs.items()}
+        with unset_fake_temporarily(), torch.no_grad():
+            for node in self.order:
+                if node not in env:
+                    env[node] = self._evaluate(node, env)
+        return [env[w] if isinstance(w, torch.fx.Node) else w for w in self.wanted]
+
+    def _evaluate(self, node: torch.fx.Node, env: dict) -> Any:
+        if node.op == "get_attr":
+            return operator.attrgetter(node.target)(self.gm)
+        args = torch.fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":  # Dynamo keeps tensor methods: i.lt(3), i.add(1)
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        raise _NotSimulated(f"cannot evaluate the {node.op} node {node.name} of the loop's control")

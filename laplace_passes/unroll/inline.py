@@ -12,21 +12,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils import _pytree as pytree
-
-# Meta that says where a node came from. Copied from the node a loop
-# replaces onto every node it expands into, so per-layer accounting and
-# error messages still point at the user's code.
-PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "seq_nr")
-
-
-def fake_key(graph: torch.fx.Graph) -> str:
-    """Where this graph keeps fake values: AOT graphs use "val", Dynamo graphs "example_value"."""
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            return "val" if "val" in node.meta else "example_value"
-    return "val"
 
 
 def inline_graph(
@@ -68,35 +53,6 @@ def copy_attribute(host: torch.fx.GraphModule, body: torch.fx.GraphModule, targe
     else:
         setattr(host, name, value)
     return name
-
-
-def provenance_of(node: torch.fx.Node) -> dict:
-    return {key: node.meta[key] for key in PROVENANCE_KEYS if key in node.meta}
-
-
-def propagate_fake_value(node: torch.fx.Node, key: str) -> None:
-    """Set `node.meta[key]` by running its op on its inputs' fake values.
-
-    Left unset when an input has no fake value or the inputs come from
-    different fake modes (a body traced on its own, say): shapes are then
-    read from the nodes that consume it.
-    """
-    missing = []
-
-    def to_fake(arg):
-        if isinstance(arg, torch.fx.Node):
-            if key not in arg.meta:
-                missing.append(arg)
-            return arg.meta.get(key)
-        return arg
-
-    args = torch.fx.node.map_aggregate(node.args, to_fake)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, to_fake)
-    fakes = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, FakeTensor)]
-    if missing or not fakes or len({id(f.fake_mode) for f in fakes}) != 1:
-        return
-    with fakes[0].fake_mode:
-        node.meta[key] = node.target(*args, **kwargs)
 
 
 def replace_uses(node: torch.fx.Node, value: Any) -> None:

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch.fx
 
-from laplace_passes.unroll.size import is_view, value_bytes
+from laplace_passes.fx_helpers import is_view, value_bytes
+from laplace_passes.passes import Declined
 
 # The refinement's flow problem grows with the region; beyond this many
 # nodes per boundary the order-based cut is kept as it is.
@@ -61,15 +62,15 @@ class PartitionPlan:
     input_views: set = field(default_factory=set)  # not placed: each partition makes its own (input_views)
 
 
-def plan_partitions(gm: torch.fx.GraphModule, cost: dict, budget: int, refine: bool = True) -> PartitionPlan | str:
-    """The plan, or why `gm` cannot be cut to fit `budget` (`cost`: node -> instructions)."""
+def plan_partitions(gm: torch.fx.GraphModule, cost: dict, budget: int, refine: bool = True) -> PartitionPlan:
+    """The plan (`cost`: node -> instructions); Declined, with why, when `gm` cannot be cut to fit `budget`."""
     unplaced = input_views(gm)
     order = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS and n not in unplaced]
     too_big = [n for n in order if cost[n] > budget]
     if too_big:
         worst = max(too_big, key=cost.__getitem__)
-        return (f"node {worst.name} ({worst.target}) alone needs about {cost[worst]} instructions, "
-                f"over the budget of {budget}: no cut can make it fit")
+        raise Declined(f"node {worst.name} ({worst.target}) alone needs about {cost[worst]} instructions, "
+                       f"over the budget of {budget}: no cut can make it fit")
     # Fewest pieces first, then fewest bytes across the cuts.
     found = []
     for candidate in (order, _as_late_as_possible(order), _depth_first(order)):
@@ -78,7 +79,7 @@ def plan_partitions(gm: torch.fx.GraphModule, cost: dict, budget: int, refine: b
         if cuts is not None:
             found.append((len(cuts[0]), cuts[1], candidate, cuts[0]))
     if not found:
-        return "every cut that fits the budget would separate a tuple result from the getitem nodes reading it"
+        raise Declined("every cut that fits the budget would separate a tuple result from the getitem nodes reading it")
     _, _, order, cuts = min(found, key=lambda f: f[:2])
     part_of = {}
     bounds = [0, *cuts, len(order)]

@@ -1,7 +1,7 @@
 """How big a graph is for the target's compiler: node count and an instruction estimate.
 
 neuronx-cc refuses graphs over about 5,000,000 generated instructions
-([XTP002], DESIGN.md section 4). We cannot run it here, so each node gets an
+([XTP002], docs/DESIGN.md sections 4 and 8). We cannot run it here, so each node gets an
 estimate from its shapes, in units of the target's tile, `matmul_tile` =
 (P, F) = (128 partition rows, 512 free elements) on trn2:
 
@@ -48,19 +48,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from laplace_passes.fx.sites import fake_value
+from laplace_passes.fx_helpers import COND, SCAN, WHILE_LOOP, fake_tensor, fake_value, is_view, subgraph, tensor_values
 
 aten = torch.ops.aten
 
-# Ops that only change how memory is read.
-_VIEW_OPS = {
-    aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
-    aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.alias, aten.detach, aten.as_strided,
-    aten.split, aten.split_with_sizes, aten.unbind, aten.diagonal, aten._reshape_alias, aten.movedim,
-    aten.view_as, aten.expand_as, aten.unflatten, aten.flatten, aten.lift_fresh,
-}
 _MATMUL_OPS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul}
-_LOOP_OPS = (torch.ops.higher_order.scan, torch.ops.higher_order.while_loop)
 
 
 @dataclass(frozen=True)
@@ -82,9 +74,9 @@ class SizeModel:
     def node_instructions(self, node: torch.fx.Node) -> int:
         if node.op != "call_function" or node.target is operator.getitem:
             return 0
-        if node.target in _LOOP_OPS:
+        if node.target in (SCAN, WHILE_LOOP):
             return self._loop_instructions(node)
-        if node.target is torch.ops.higher_order.cond:
+        if node.target is COND:
             return self._cond_instructions(node)
         if is_view(node):
             return 0
@@ -112,7 +104,7 @@ class SizeModel:
         return GraphSize(nodes=len(per_node), instructions=sum(per_node.values()), per_node=per_node)
 
     def _matmul_instructions(self, node: torch.fx.Node) -> int | None:
-        args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args]
+        args = [fake_tensor(a) for a in node.args]
         # addmm / baddbmm carry the bias first.
         a, b = (args[1], args[2]) if node.target.overloadpacket in (aten.addmm, aten.baddbmm) else (args[0], args[1])
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
@@ -125,18 +117,17 @@ class SizeModel:
     def _cond_instructions(self, node: torch.fx.Node) -> int:
         """Both branches: the compiler generates the code of each."""
         gm = node.graph.owning_module
-        branches = [operator.attrgetter(arg.target)(gm) for arg in node.args[1:3]]
+        branches = [subgraph(gm, arg) for arg in node.args[1:3]]
         return max(1, sum(self.measure(branch).instructions for branch in branches))
 
     def _loop_instructions(self, node: torch.fx.Node) -> int:
-        gm = node.graph.owning_module
-        body_arg = node.args[0] if node.target is _LOOP_OPS[0] else node.args[1]
-        body = operator.attrgetter(body_arg.target)(gm)
+        body = subgraph(node.graph.owning_module, node.args[0] if node.target is SCAN else node.args[1])
         per_trip = self.measure(body).instructions
         trips = 1
-        if node.target is _LOOP_OPS[0]:
+        if node.target is SCAN:
             xs = node.args[2]
-            length = _shape(xs[0])[0] if xs and _shape(xs[0]) else 1
+            first = fake_tensor(xs[0]) if xs else None
+            length = first.shape[0] if first is not None and first.dim() else 1
             trips = length if isinstance(length, int) else 1
         return per_trip * trips
 
@@ -148,38 +139,14 @@ class GraphSize:
     per_node: dict = field(repr=False)  # torch.fx.Node -> instructions
 
 
-def is_view(node: torch.fx.Node) -> bool:
-    """An op that only changes how memory is read (no instructions, no memory of its own)."""
-    return getattr(node.target, "overloadpacket", None) in _VIEW_OPS
-
-
-def value_bytes(node: torch.fx.Node) -> int:
-    """Bytes of the tensors a node produces (0 when unknown or not a tensor)."""
-    total = 0
-    for value in _as_list(fake_value(node)):
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return total
-
-
 def _tensor_values(node: torch.fx.Node) -> list:
-    values = _as_list(node.meta.get("val"))
+    """What the node reads and writes."""
+    values = tensor_values(fake_value(node))
     for arg in node.all_input_nodes:
-        values += _as_list(arg.meta.get("val"))
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _as_list(value) -> list:
-    if isinstance(value, (tuple, list)):
-        return [x for item in value for x in _as_list(item)]
-    return [value] if value is not None else []
+        values += tensor_values(fake_value(arg))
+    return values
 
 
 def _numel(value: torch.Tensor) -> int | None:
     numel = value.numel()
     return numel if isinstance(numel, int) else None
-
-
-def _shape(node) -> tuple | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None

@@ -36,6 +36,7 @@ import torch._guards
 import torch.fx
 from functorch.compile import make_boxed_func
 
+from laplace_passes.fx_helpers import FAKE_KEYS, fake_value
 from laplace_passes.unroll.partition import PartitionPlan
 
 PARTITION_PREFIX = "laplace_partition_"
@@ -64,7 +65,7 @@ def split_graph(gm: torch.fx.GraphModule, plan: PartitionPlan) -> torch.fx.Graph
         call.meta["laplace_partition"] = index
         for position, value in enumerate(outputs):
             item = driver.call_function(operator.getitem, (call, position))
-            item.meta = {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "example_value")}
+            item.meta = {k: v for k, v in value.meta.items() if k in (*FAKE_KEYS, "tensor_meta")}
             env[value] = item
     for node in gm.graph.nodes:  # attributes and views of inputs the output returns directly
         if node.op == "get_attr" and _reaches_output(node, views, output):
@@ -151,7 +152,7 @@ def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: s
         return inner.compile(gm, example_inputs, kind)
     for call in calls:
         part = gm.get_submodule(call.target)
-        examples = [n.meta.get("val") for n in part.graph.nodes if n.op == "placeholder"]
+        examples = [fake_value(n) for n in part.graph.nodes if n.op == "placeholder"]
         with _compiling_a_partition():
             compiled = inner.compile(part, examples, kind)
         setattr(gm, call.target, CompiledPartition(compiled, examples))

@@ -16,16 +16,20 @@ as a loop. Loops nested in a body are reached once the outer loop is inlined.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.fx
 
-from laplace_passes.passes import GraphPass, PassOutcome
-from laplace_passes.report import GraphRecord, LoopRecord
+from laplace_passes.passes import Declined, GraphPass, PassOutcome
+from laplace_passes.report import LoopRecord
 from laplace_passes.unroll import chunk_loops, hop_loops
 from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
-from laplace_passes.unroll.inline import erase_unused, fake_key, getitem_users
+from laplace_passes.unroll.inline import erase_unused, getitem_users
 
 LEVELS = ("dynamo", "aten")
+# A loop the pass declined carries the reason in its meta: the graph itself says what was left, and why.
+DECLINED_META_KEY = "laplace_unroll_declined"
 
 
 class UnrollLoops(GraphPass):
@@ -33,11 +37,10 @@ class UnrollLoops(GraphPass):
 
     name = "unroll_loops"
 
-    def __init__(self, level: str, record: GraphRecord | None = None, decompositions: dict | None = None) -> None:
+    def __init__(self, level: str, decompositions: dict | None = None) -> None:
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         self.level = level
-        self.record = record
         self.chunk_loops = ChunkLoopExpander(decompositions)
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
@@ -54,22 +57,18 @@ class UnrollLoops(GraphPass):
                 records.append(record)
                 if record.status == "declined":
                     declined_nodes.add(node)
+                    node.meta[DECLINED_META_KEY] = record.reason
                 else:
                     erase_unused([n for n in gm.graph.nodes if n not in before] + bodies)
         unrolled = [r for r in records if r.status == "unrolled"]
         if unrolled:
             gm.delete_all_unused_submodules()
-        if self.record is not None:
-            self.record.loops.extend(records)
         declined = [f"{r.node} ({r.kind}): {r.reason}" for r in records if r.status == "declined"]
-        return PassOutcome(gm, modified=bool(unrolled), summary=_summary(records), declined=declined)
+        return PassOutcome(gm, modified=bool(unrolled), summary=_summary(records), declined=declined, loops=records)
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         # Only declined loops may remain; anything else means a rewrite was skipped.
-        if self.record is None:
-            return
-        declined = {r.node for r in self.record.loops if r.status == "declined"}
-        left = [n.name for n in gm.graph.nodes if self._is_loop(n) and n.name not in declined]
+        left = [n.name for n in gm.graph.nodes if self._is_loop(n) and DECLINED_META_KEY not in n.meta]
         if left:
             raise RuntimeError(f"unroll_loops left loops it did not decline: {left}")
 
@@ -78,30 +77,29 @@ class UnrollLoops(GraphPass):
 
     def _unroll(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> LoopRecord:
         """Count the trips, then unroll; the record says which step declined and why."""
-        if chunk_loops.is_chunk_loop(node):
-            kind, counted = chunk_loops.loop_kind(node), chunk_loops.chunk_count(node)
-            unroll = lambda: self.chunk_loops.expand(gm, node)  # noqa: E731
-        elif hop_loops.loop_kind(node) == "scan":
-            kind, counted = "scan", hop_loops.scan_trip_count(node, fake_key(gm.graph))
-            unroll = lambda: hop_loops.unroll_scan(gm, node, counted, fake_key(gm.graph))  # noqa: E731
-        else:
-            kind, counted, history = hop_loops.loop_kind(node), hop_loops.while_trip_count(gm, node), None
-            if not isinstance(counted, str):
-                counted, history = counted  # the trip count, and each counter's value per trip
-            unroll = lambda: hop_loops.unroll_while(gm, node, counted, history)  # noqa: E731
+        kind = chunk_loops.loop_kind(node) if chunk_loops.is_chunk_loop(node) else hop_loops.loop_kind(node)
         record = LoopRecord(node=node.name, kind=kind, trip_count=None, status="declined")
-        if isinstance(counted, str):
-            record.reason = counted
+        try:
+            record.trip_count, unroll = self._count(gm, node)
+            # Every kind of loop is replaced through its getitem users (inline.replace_tuple_result).
+            if getitem_users(node) is None:
+                raise Declined("its result is used as a whole, not through indexing")
+            unroll()
+        except Declined as declined:
+            record.reason = declined.reason
             return record
-        record.trip_count = counted
-        # Every kind of loop is replaced through its getitem users (inline.replace_tuple_result).
-        if getitem_users(node) is None:
-            record.reason = "its result is used as a whole, not through indexing"
-        else:
-            record.reason = unroll()
-        if record.reason is None:
-            record.status = "unrolled"
+        record.status = "unrolled"
         return record
+
+    def _count(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, Callable[[], None]]:
+        """The loop's trip count, and what unrolls it; Declined when the count is not static."""
+        if chunk_loops.is_chunk_loop(node):
+            return chunk_loops.chunk_count(node), lambda: self.chunk_loops.expand(gm, node)
+        if hop_loops.loop_kind(node) == "scan":
+            trips = hop_loops.scan_trip_count(node)
+            return trips, lambda: hop_loops.unroll_scan(gm, node, trips)
+        trips, history = hop_loops.while_trip_count(gm, node)  # history: each counter's value per trip
+        return trips, lambda: hop_loops.unroll_while(gm, node, trips, history)
 
 
 def _summary(records: list[LoopRecord]) -> str:

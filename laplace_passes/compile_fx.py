@@ -1,0 +1,109 @@
+"""Compiling one Dynamo graph with the passes, and capturing the graphs of a model.
+
+    compile_fx(gm, example_inputs, config)       what the `laplace` backend does with each Dynamo graph
+    capture_graphs(model_or_fn, inputs, config)  run once through it, forward and backward: the report
+
+Dynamo graph -> Dynamo-level passes (GLA re-tiling, loop unrolling) -> AOT
+Autograd -> ATen-level passes on the forward and backward graphs (see
+`laplace_passes.pipeline`) -> the inner compiler. Everything here takes a
+`CompileConfig` with the inner compiler already resolved: the names users
+write are mapped to compilers in `laplace_passes.backend`, above the
+lowering compilers, so `laplace_passes.lowering` can call `capture_graphs`
+without depending on what depends on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch._dynamo.backends.common import aot_autograd
+
+from laplace_passes.config import CompileConfig
+from laplace_passes.fx import fla_sites
+from laplace_passes.passes import run_passes
+from laplace_passes.pipeline import aten_passes, dynamo_passes, graph_context
+from laplace_passes.report import Report, remember
+from laplace_passes.unroll import compile_graph
+
+KINDS = ("forward", "backward", "inference")
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> Callable:
+    """Run the passes on a Dynamo graph and compile it: the body of the `laplace` backend."""
+    report = config.report
+    remember(report)
+    if fla_sites.install() != fla_sites.covered_before_install():
+        report.notes.append(
+            "fla was imported after the laplace backend was loaded, so fla calls traced in this "
+            "graph are not GLA sites; later compiles recognise them (or call "
+            "laplace_passes.fx.enable_fla_sites() before compiling)"
+        )
+    record = report.new_graph("dynamo", gm)
+    gm = run_passes(gm, dynamo_passes(config), record, report)
+    compilers = {kind: _aten_compiler(config, kind) for kind in KINDS}
+    kwargs: dict[str, Any] = {
+        "fw_compiler": compilers["forward"],
+        "bw_compiler": compilers["backward"],
+        "inference_compiler": compilers["inference"],
+    }
+    if config.decompositions() is not None:
+        kwargs["decompositions"] = config.decompositions()
+    if config.inner.partition_fn is not None:
+        kwargs["partition_fn"] = config.inner.partition_fn
+    return aot_autograd(**kwargs)(gm, example_inputs)
+
+
+def _aten_compiler(config: CompileConfig, kind: str) -> Callable:
+    def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        report = config.report
+        forward_graphs = [g.before for g in report.graphs if g.kind == "forward"]
+        record = report.new_graph(kind, gm)
+        passes = aten_passes(config, graph_context(config, record.name, kind), gm, forward_graphs)
+        gm = run_passes(gm, passes, record, report)
+        # A graph the budget pass cut into partitions: each compiled on its own.
+        return compile_graph(config.inner, gm, example_inputs, kind)
+
+    compile_aten_graph.__name__ = f"laplace_{kind}_compiler"
+    return compile_aten_graph
+
+
+def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: CompileConfig) -> Report:
+    """Run `model_or_fn(*example_inputs)` once through `compile_fx`; return the report it filled.
+
+    Forward and backward graphs are both captured when an output requires
+    grad (the backward is compiled at once, not at the first backward call).
+    """
+    fla_sites.install()
+    backend = functools.partial(compile_fx, config=config)
+    compiled = torch.compile(fresh_code(model_or_fn), backend=backend, dynamic=False)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        compiled(*example_inputs)
+    if not config.report.graphs:
+        raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
+    return config.report
+
+
+def fresh_code(model_or_fn: Callable) -> Callable:
+    """A new code object per capture, so Dynamo's cache never answers for an earlier one.
+
+    Dynamo keeps its cache (and its recompile limit of 8) on the code object
+    of the frame it traces; a new closure alone would share one code object.
+    """
+    if isinstance(model_or_fn, torch.nn.Module):
+        module = model_or_fn
+
+        def run(*args):
+            return module(*args)
+
+    else:
+
+        @functools.wraps(model_or_fn)
+        def run(*args):
+            return model_or_fn(*args)
+
+    fresh = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
+    return functools.update_wrapper(fresh, run)

@@ -1,0 +1,274 @@
+"""FX helpers every pass shares: fake values, provenance, value bytes, views, loop ops, op names.
+
+Passes read and write node metadata, and touch torch internals that move
+between releases (fake tensor modes, higher-order ops, process groups by
+name). All of that is here, once, so a pass speaks only of its own rewrite
+and a torch upgrade is fixed in one file. This module imports nothing from
+`laplace_passes`: every pass may import it.
+
+Fake values. Every node of a traced graph carries the FakeTensor (or tuple
+of them, or SymInt) it produces: AOT Autograd and make_fx keep it in
+`meta["val"]`, Dynamo in `meta["example_value"]`. `fake_value` reads either;
+`new_node` and `propagate_fake_value` give a node a pass creates its value,
+computed from its inputs' values in their fake mode, so that later passes,
+the size model and the inner compilers can read shapes from every node.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+Node = torch.fx.Node
+
+# -- fake values -----------------------------------------------------------------------
+
+FAKE_KEYS = ("val", "example_value")  # AOT / make_fx graphs, Dynamo graphs
+
+
+def fake_key(graph: torch.fx.Graph) -> str:
+    """Where this graph keeps fake values: AOT graphs use "val", Dynamo graphs "example_value"."""
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            return "val" if "val" in node.meta else "example_value"
+    return "val"
+
+
+def fake_value(node: Node) -> Any:
+    """What a node produces at trace time (a FakeTensor, a tuple of them, a SymInt), None when unknown."""
+    meta = node.meta
+    return meta.get("val", meta.get("example_value"))
+
+
+def fake_tensor(node: Any) -> torch.Tensor | None:
+    """The node's fake tensor; None when `node` is not a node or produces no tensor."""
+    value = fake_value(node) if isinstance(node, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def has_fake_value(node: Node) -> bool:
+    return any(key in node.meta for key in FAKE_KEYS)
+
+
+def tensor_values(value: Any) -> list[torch.Tensor]:
+    """The tensors in a fake value (nested tuples and lists flattened)."""
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensor_values(item)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def is_static(value: Any) -> bool:
+    """No symbolic size anywhere in the value (a tensor's shape, a size, a tuple of them)."""
+    if isinstance(value, torch.Tensor):
+        return all(isinstance(s, int) for s in value.shape)
+    if isinstance(value, (tuple, list)):
+        return all(is_static(v) for v in value)
+    return not isinstance(value, torch.SymInt)
+
+
+def fake_mode_of(values: Iterable[Any], graph: torch.fx.Graph | None = None) -> FakeTensorMode | None:
+    """The one fake mode the tensors among `values` belong to; None when they come from several.
+
+    Without any fake tensor among `values` (an op that makes a tensor from
+    sizes alone, `aten.full`), the mode of `graph`'s inputs, if given.
+    """
+    fakes = [x for x in pytree.tree_leaves(list(values)) if isinstance(x, FakeTensor)]
+    if not fakes and graph is not None:
+        fakes = [x for n in graph.find_nodes(op="placeholder") for x in tensor_values(fake_value(n))
+                 if isinstance(x, FakeTensor)]
+    if not fakes or len({id(f.fake_mode) for f in fakes}) != 1:
+        return None
+    return fakes[0].fake_mode
+
+
+def propagate_fake_value(node: Node) -> None:
+    """Give a new call_function node its fake value: its op run on its inputs' fake values.
+
+    Left unset when an input has no fake value or the inputs come from
+    different fake modes (a body traced on its own, say): shapes are then
+    read from the nodes that consume it. A `cond` gets its branches'
+    values too (Inductor reads them); its own value is the true branch's.
+    """
+    if node.target is COND:  # its branches are get_attr nodes, without values of their own
+        _propagate_cond(node)
+        return
+    missing = []
+
+    def to_fake(arg):
+        if isinstance(arg, Node):
+            if not has_fake_value(arg):
+                missing.append(arg)
+            return fake_value(arg)
+        return arg
+
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), to_fake)
+    mode = fake_mode_of((args, kwargs), node.graph)
+    if missing or mode is None:
+        return
+    with mode:
+        node.meta[fake_key(node.graph)] = node.target(*args, **kwargs)
+
+
+def _propagate_cond(cond: Node) -> None:
+    operands = [fake_value(n) for n in cond.args[3]]
+    mode = fake_mode_of(operands)
+    if mode is None or any(v is None for v in operands):
+        return
+    gm = cond.graph.owning_module
+    results = [
+        FakeTensorProp(subgraph(gm, branch), mode=mode).propagate_dont_convert_inputs(*operands)
+        for branch in cond.args[1:3]
+    ]
+    cond.meta[fake_key(cond.graph)] = tuple(results[0])
+
+
+def fill_fake_values(nodes: Iterable[Node]) -> None:
+    """`propagate_fake_value` for the call_function nodes among `nodes`, in graph order.
+
+    Only new nodes are run on fake tensors: the rest of the graph kept its
+    values, and a whole-graph propagation costs seconds on a large graph.
+    """
+    for node in sorted(n for n in nodes if n.op == "call_function"):
+        propagate_fake_value(node)
+
+
+def propagate_from_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    """Fake values for every node of `gm`, computed from `example_inputs` (fake or real tensors)."""
+    mode = detect_fake_mode(example_inputs)
+    if mode is not None:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*example_inputs)
+    else:
+        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
+
+
+# -- where nodes came from, and making new ones -------------------------------------------
+
+# Meta that says where a node came from. Copied from the node a rewrite
+# replaces onto every node it expands into, so per-layer accounting and
+# error messages still point at the user's code.
+PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "seq_nr")
+
+
+def provenance_of(node: Node) -> dict:
+    return {key: node.meta[key] for key in PROVENANCE_KEYS if key in node.meta}
+
+
+def new_node(
+    graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None, *,
+    name: str | None = None, provenance: dict | None = None, like: Node | None = None,
+) -> Node:
+    """A call_function node at the insertion point, with the given provenance and its fake value.
+
+    The fake value is computed from the inputs' (`propagate_fake_value`), or
+    taken from `like`, a node the new one replaces with the same shapes.
+    """
+    node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
+    node.meta.update(provenance or {})
+    if like is None:
+        propagate_fake_value(node)
+    else:
+        node.meta.update({key: like.meta[key] for key in FAKE_KEYS if key in like.meta})
+    return node
+
+
+# -- sizes and views ----------------------------------------------------------------------
+
+# Ops that only change how memory is read: no instructions, no memory of their own.
+VIEW_OPS = frozenset({
+    aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
+    aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.alias, aten.detach, aten.as_strided,
+    aten.split, aten.split_with_sizes, aten.unbind, aten.diagonal, aten._reshape_alias, aten.movedim,
+    aten.view_as, aten.expand_as, aten.unflatten, aten.flatten, aten.lift_fresh,
+})
+
+
+def is_view(node: Node) -> bool:
+    """An op that only changes how memory is read (no instructions, no memory of its own)."""
+    return getattr(node.target, "overloadpacket", None) in VIEW_OPS
+
+
+def value_bytes(node: Node) -> int:
+    """Bytes of the tensors a node produces (0 when unknown or not a tensor)."""
+    return sum(t.numel() * t.element_size() for t in tensor_values(fake_value(node)))
+
+
+# -- loops, branches and their subgraphs ---------------------------------------------------
+
+SCAN = torch.ops.higher_order.scan
+WHILE_LOOP = torch.ops.higher_order.while_loop
+COND = torch.ops.higher_order.cond
+# Every higher-order op that runs a body repeatedly: what Neuron cannot compile.
+LOOP_OPS = (SCAN, WHILE_LOOP, torch.ops.higher_order.map_impl, torch.ops.higher_order.associative_scan)
+# The loops the unroll pass knows how to unroll.
+UNROLLABLE_LOOP_OPS = (SCAN, WHILE_LOOP)
+
+
+def is_loop(node: Node, ops: tuple = LOOP_OPS) -> bool:
+    return node.op == "call_function" and node.target in ops
+
+
+def hop_name(node: Node) -> str:
+    """"scan", "while_loop", "cond", ... for a higher-order op; "" for anything else."""
+    target = node.target
+    return target.name() if isinstance(target, torch._ops.HigherOrderOperator) else ""
+
+
+def subgraph(gm: torch.fx.GraphModule, attr: Node) -> torch.fx.GraphModule:
+    """The submodule a get_attr node (a loop body, a cond branch) reads."""
+    return operator.attrgetter(attr.target)(gm)
+
+
+def output_values(gm: torch.fx.GraphModule) -> list:
+    """What the graph returns, as a list (a single value becomes a one-element list)."""
+    result = gm.graph.output_node().args[0]
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def ancestors(nodes: Iterable[Any]) -> set[Node]:
+    """The nodes among `nodes` and every node they read, directly or not."""
+    found: set[Node] = set()
+    stack = [n for n in nodes if isinstance(n, Node)]
+    while stack:
+        node = stack.pop()
+        if node not in found:
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
+
+
+# -- names ---------------------------------------------------------------------------------
+
+
+def op_name(node: Node) -> str:
+    """"aten.mm.default" for an op overload, the function's (or higher-order op's) name otherwise."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target._schema.name.replace('::', '.')}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def is_collective(node: Node) -> bool:
+    """A functional collective (`_c10d_functional.*`)."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def resolve_process_group(name: Any):
+    """The process group a functional collective names, or None (no process group here, an unknown name)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and isinstance(name, str)):
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):  # a group name this process does not know
+        return None

@@ -1,0 +1,136 @@
+"""Hyper-parameters of ShardedMuon: torch.optim.Muon's (with its checks and defaults) and AdamW's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+# torch.optim.Muon's defaults (torch/optim/_muon.py).
+EPS = 1e-7
+DEFAULT_A = 3.4445
+DEFAULT_B = -4.7750
+DEFAULT_C = 2.0315
+DEFAULT_NS_STEPS = 5
+
+# torch.optim.AdamW's defaults, used for non-2D parameters.
+ADAMW_DEFAULTS = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 1e-2,
+    "amsgrad": False,
+}
+
+# A param group's Muon settings, in the order `check_muon_hparams` takes them.
+MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+
+
+@dataclass(frozen=True)
+class MuonHParams:
+    """Hyper-parameters of one Muon matrix (from its param group)."""
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    ns_coefficients: tuple[float, float, float]
+    ns_steps: int
+    eps: float
+    adjusted_lr: float
+
+    @classmethod
+    def of(cls, group: dict[str, Any], rows: int, cols: int) -> MuonHParams:
+        """The settings of a rows x cols matrix in param group `group`."""
+        lr = float(group["lr"])
+        return cls(
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=bool(group["nesterov"]),
+            ns_coefficients=tuple(group["ns_coefficients"]),
+            ns_steps=group["ns_steps"],
+            eps=group["eps"],
+            adjusted_lr=adjust_lr(lr, group["adjust_lr_fn"], rows, cols),
+        )
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning-rate adjustment for a (rows, cols) matrix."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+def check_muon_hparams(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) -> None:
+    # torch.optim.Muon's checks ...
+    _check_lr_and_decay(lr, weight_decay, "Tensor lr must be 1-element", "Learning rate should be >= 0 but is: {}",
+                        "weight decay should be >= 0 but is: {}")
+    if not 0.0 <= momentum:
+        raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+    if adjust_lr_fn is not None and adjust_lr_fn not in ["original", "match_rms_adamw"]:
+        raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    # ... and the ones it only makes inside the step (here: before any
+    # communication, so a bad value cannot fail one rank mid-step).
+    if not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"ns_steps must be an int in [0, 100), got {ns_steps!r}")
+    if len(tuple(ns_coefficients)) != 3:
+        raise ValueError(f"ns_coefficients must be 3 values (a, b, c), got {ns_coefficients!r}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+
+
+def check_adamw_hparams(lr, betas, eps, weight_decay, amsgrad) -> None:
+    """torch.optim.AdamW's checks, with "AdamW:" in front."""
+    _check_lr_and_decay(lr, weight_decay, "AdamW: Tensor lr must be 1-element", "AdamW: invalid learning rate: {}",
+                        "AdamW: invalid weight_decay value: {}")
+    if not 0.0 <= eps:
+        raise ValueError(f"AdamW: invalid epsilon value: {eps}")
+    if len(tuple(betas)) != 2:
+        raise ValueError(f"AdamW: betas must be a pair, got {betas!r}")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"AdamW: invalid beta parameter at index {index}: {beta}")
+    if not isinstance(amsgrad, bool):
+        raise ValueError(f"AdamW: amsgrad must be a bool, got {amsgrad!r}")
+
+
+def _check_lr_and_decay(lr, weight_decay, tensor_lr: str, bad_lr: str, bad_decay: str) -> None:
+    """What Muon and AdamW both check, each with torch's own words for it."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(tensor_lr)
+    if not 0.0 <= lr:
+        raise ValueError(bad_lr.format(lr))
+    if not 0.0 <= weight_decay:
+        raise ValueError(bad_decay.format(weight_decay))
+
+
+def adamw_settings(adamw_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """AdamW's defaults updated with `adamw_kwargs`, checked (unknown keys are a TypeError)."""
+    adamw = dict(ADAMW_DEFAULTS)
+    if adamw_kwargs is not None:
+        if not isinstance(adamw_kwargs, dict):
+            raise TypeError(f"ShardedMuon: adamw_kwargs must be a dict, got {type(adamw_kwargs).__name__}")
+        unknown = sorted(set(adamw_kwargs) - set(ADAMW_DEFAULTS))
+        if unknown:
+            raise TypeError(f"ShardedMuon: unknown adamw_kwargs {unknown}; accepted: {sorted(ADAMW_DEFAULTS)}")
+        adamw.update(adamw_kwargs)
+    adamw["betas"] = tuple(adamw["betas"])
+    check_adamw_hparams(**adamw)
+    return adamw
+
+
+def check_group(group: dict[str, Any]) -> None:
+    """A param group's settings (Muon's and AdamW's), as `ShardedMuon.add_param_group` receives them."""
+    check_muon_hparams(*(group[k] for k in MUON_KEYS))
+    check_adamw_hparams(group["adamw_lr"], group["adamw_betas"], group["adamw_eps"],
+                        group["adamw_weight_decay"], group["adamw_amsgrad"])
+    use_muon = group["use_muon"]
+    if use_muon not in (None, True, False):
+        raise ValueError(f"ShardedMuon: use_muon must be None, True or False, got {use_muon!r}")

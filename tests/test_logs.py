@@ -1,0 +1,69 @@
+"""torch's logging shows the passes: TORCH_LOGS="laplace" / "+laplace", and TORCH_TRACE for tlparse.
+
+Each test runs a fresh interpreter: torch reads the environment when it is
+imported. The script inspects one GLA call (an inference graph: re-tiled,
+then unrolled).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import torch
+import laplace_passes
+
+def attention(q, k, v, gk):
+    return laplace_passes.gla(q, k, v, gk)[0]
+
+q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
+laplace_passes.inspect(attention, q, k, v, -gk.abs(), target="cpu")
+"""
+
+
+def run_script(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "inspect_one_site.py"
+    script.write_text(SCRIPT)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": path, **env},
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_torch_logs_laplace_prints_each_pass_summary(tmp_path):
+    err = run_script(tmp_path, TORCH_LOGS="laplace").stderr
+    # One line per pass and graph, in the order they ran, with the report's summary.
+    runs = re.findall(r"\] (\w+) on (\w+): (applied|no change), \d+ -> \d+ nodes: (.*)", err)
+    assert [(name, graph) for name, graph, _, _ in runs] == [
+        ("retile_gla", "dynamo_0"), ("unroll_loops", "dynamo_0"),
+        ("unroll_loops", "inference_0"), ("fit_to_budget", "inference_0"),
+    ]
+    assert runs[0][2:] == ("applied", "1 of 1 GLA sites re-tiled at chunk 64")
+    assert runs[2][3] == "unrolled 1 loop (1 x laplace.chunked_gla, 1 trips)"
+    assert "class GraphModule" not in err  # graphs only at +laplace
+
+
+def test_plus_laplace_prints_graphs_and_torch_trace_keeps_them(tmp_path):
+    trace = tmp_path / "trace"
+    err = run_script(tmp_path, TORCH_LOGS="+laplace", TORCH_TRACE=str(trace)).stderr
+    before = err.index("retile_gla: graph dynamo_0 before")
+    after = err.index("retile_gla: graph dynamo_0 after")
+    assert "torch.ops.laplace.gla.default(" in err[before:after]
+    assert "torch.ops.laplace.chunked_gla.default(" in err[after:err.index("unroll_loops: graph dynamo_0 before")]
+    assert "retile_gla on dynamo_0: applied" in err  # the summaries too
+    logged = "".join(path.read_text() for path in trace.iterdir())
+    names = re.findall(r'"graph_dump": \{"name": "(laplace_[\w]+)"\}', logged)
+    assert names == [f"laplace_{graph}_{name}_{stage}"
+                     for graph, name in (("dynamo_0", "retile_gla"), ("dynamo_0", "unroll_loops"),
+                                         ("inference_0", "unroll_loops"), ("inference_0", "fit_to_budget"))
+                     for stage in ("before", "after")]
+    # The payload follows its header: the graph after re-tiling holds the chunk-loop op.
+    header = logged.index('"laplace_dynamo_0_retile_gla_after"')
+    assert "torch.ops.laplace.chunked_gla.default(" in logged[header:logged.index('"laplace_dynamo_0_unroll_loops_before"')]
