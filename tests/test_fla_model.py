@@ -16,6 +16,12 @@ fla_models = pytest.importorskip("fla.models")
 naive = pytest.importorskip("fla.ops.gla.naive")
 
 MAX_RELATIVE_RMSE = 1e-5  # fp32
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo keeps at most 8 compiles per code object (fla's forward methods), across model instances."""
+    torch._dynamo.reset()
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=128)
 
 

@@ -12,6 +12,12 @@ from laplace_passes.cli import main
 pytest.importorskip("fla.models")
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo keeps at most 8 compiles per code object (fla's forward methods), across model instances."""
+    torch._dynamo.reset()
+
+
 def test_fla_configs_build_fla_models_and_the_1_3b_shape_lives_on_meta():
     tiny = model_zoo.build("fla-gla-tiny")
     assert type(tiny).__name__ == "GLAForCausalLM" and not tiny.config.use_short_conv
