@@ -15,7 +15,8 @@ NOTE [how fla calls are replaced] in `laplace_passes.fla.install`):
     losses         cross_entropy_loss, FusedCrossEntropyLoss, fused_linear_cross_entropy_loss,
                    FusedLinearCrossEntropyLoss
 
-What is not replaced is reported, never silent (`not_replaced`).
+What is not replaced is reported, never silent (`not_replaced`). The design:
+docs/DESIGN.md section 3.7.
 """
 
 from laplace_passes.fla.install import covered_before_install, install, not_installed, replaced

@@ -44,7 +44,7 @@ autograd of the recurrent form would save every step's state (T states of
 threshold per target is the measured crossover (`benchmarks/bench_fla.py`).
 It has no chunk plan, so it also takes a batch Dynamo made dynamic (a
 decode graph recompiled for a second batch size). The report's form column
-says which form each site got and why.
+says which form each site got and why (docs/DESIGN.md section 3.6).
 
 Sites inside the body of a scan or while_loop are rewritten there (in a copy
 of the body); the unroll pass then makes them one chunk-loop op per trip.
