@@ -59,5 +59,11 @@ def check_chunk_size(name: str, value: object) -> int:
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
-    """fla's default: 1 / sqrt(K)."""
-    return float(head_dim) ** -0.5 if scale is None else float(scale)
+    """fla's default: 1 / sqrt(K).
+
+    K = 0 is an empty sum: every score and output is 0 whatever the scale, as
+    the reference computes it with an explicit scale; 1 stands in for 1 / sqrt(0).
+    """
+    if scale is not None:
+        return float(scale)
+    return float(head_dim) ** -0.5 if head_dim else 1.0

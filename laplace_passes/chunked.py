@@ -30,7 +30,7 @@ from torch import Tensor
 from laplace_passes._checks import check_chunk_size, check_gla_args, resolve_scale
 from laplace_passes.chunked_forward import DEFAULT_SUB_CHUNK, chunk_plan, chunked_forward
 from laplace_passes.chunked_backward import chunked_backward
-from laplace_passes.gla import check_gates
+from laplace_passes.gla import check_gates, refuse_double_backward
 
 
 @torch.library.custom_op("laplace::chunked_gla", mutates_args=())
@@ -86,6 +86,7 @@ def _backward(ctx, grad_o: Tensor | None, grad_final_state: Tensor | None):
 
 
 chunked_gla_op.register_autograd(_backward, setup_context=_setup_context)
+chunked_gla_backward_op.register_autograd(refuse_double_backward("laplace_passes.chunked_gla"))
 
 CHUNK_LOOP_OPS = (torch.ops.laplace.chunked_gla.default, torch.ops.laplace.chunked_gla_backward.default)
 

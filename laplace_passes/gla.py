@@ -39,10 +39,10 @@ def check_gates(gk: Tensor) -> Tensor:
     """
     ok = bool((gk <= 0).all())
     if not ok:
-        worst = gk.float().nan_to_num(nan=float("inf")).max().item()
+        found = "NaN" if bool(gk.isnan().any()) else gk.max().item()
         raise ValueError(
             "gk must be <= 0 everywhere (it is the log of a decay in (0, 1]); "
-            f"found {worst} (use F.logsigmoid(x) or -F.softplus(x) to produce gates)"
+            f"found {found} (use F.logsigmoid(x) or -F.softplus(x) to produce gates)"
         )
     return gk.clone()
 
@@ -172,6 +172,27 @@ def _gla_backward(ctx, grad_o, grad_final_state):
 
 
 gla_op.register_autograd(_gla_backward, setup_context=_gla_setup_context)
+
+
+def refuse_double_backward(op_name: str):
+    """An autograd formula for a backward op that says, by name, that it has none.
+
+    Without one, a gradient of a gradient (`create_graph=True`, then a second
+    backward) fails with torch's "no autograd formula was registered" naming
+    an internal op. Only that second backward raises: a first backward with
+    `create_graph=True` that never differentiates through the op works.
+    """
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"laplace_passes: double backward (a gradient of a gradient) through {op_name} is not supported: "
+            "its backward has no derivative of its own"
+        )
+
+    return backward
+
+
+gla_backward_op.register_autograd(refuse_double_backward("laplace_passes.gla"))
 
 
 def gla(

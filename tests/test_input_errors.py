@@ -102,3 +102,51 @@ def test_positive_gates_are_refused_inside_compiled_graphs(good):
     compiled(q, k, v, gk)  # compiles and runs with valid gates
     with pytest.raises(ValueError, match=r"gk must be <= 0 everywhere"):
         compiled(q, k, v, gk.abs() + 0.1)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_a_nan_gate_is_reported_as_nan(fn, good):
+    q, k, v, gk = good
+    gk = gk.clone()
+    gk[0, 3, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"found NaN \(use F.logsigmoid"):
+        fn(q, k, v, gk)
+    gk[0, 3, 1, 2] = 0.25  # a positive gate: its value is named
+    with pytest.raises(ValueError, match=r"found 0.25 \(use F.logsigmoid"):
+        fn(q, k, v, gk)
+
+
+def zero_key_inputs():
+    q, k, v, gk, _ = make_inputs(1, 20, 2, 8, 6, initial_state=False)
+    return q[..., :0], k[..., :0], v.requires_grad_(), gk[..., :0]
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_zero_key_channels_give_the_empty_sum(fn):
+    """K = 0: every score is an empty sum, as the reference computes it with an explicit scale."""
+    q, k, v, gk = zero_key_inputs()
+    o, state = fn(q, k, v, gk, output_final_state=True)
+    reference, _ = gla(q, k, v, gk, scale=1.0)
+    assert o.shape == v.shape and state.shape == (1, 2, 0, 6)
+    assert torch.equal(o, reference) and torch.equal(o, torch.zeros_like(v))
+    (grad_v,) = torch.autograd.grad(o.sum(), v)
+    assert torch.equal(grad_v, torch.zeros_like(v))
+
+
+def test_zero_key_channels_through_an_fla_call():
+    from laplace_passes.fla.gla_calls import gla_site
+
+    q, k, v, gk = zero_key_inputs()
+    o, _ = gla_site(q, k, v, gk, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+                    cu_seqlens=None, origin="fla.chunk_gla")
+    assert torch.equal(o, torch.zeros_like(v))
+
+
+@pytest.mark.parametrize("fn,name", [(ENTRY_POINTS[0], "laplace_passes.gla"), (ENTRY_POINTS[1], "laplace_passes.chunked_gla")])
+def test_double_backward_is_refused_by_name(fn, name, good):
+    q, k, v, gk = good
+    q = q.clone().requires_grad_()
+    o, _ = fn(q, k, v, gk)
+    (grad_q,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)  # a first backward works
+    with pytest.raises(NotImplementedError, match=rf"double backward .* through {name} is not supported"):
+        grad_q.sum().backward()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from laplace_passes._checks import resolve_scale
 from laplace_passes.fla.not_replaced import leave_to_fla
 from laplace_passes.fla.varlen import packed_gla
 from laplace_passes.gla import gla_op
@@ -23,7 +24,7 @@ from laplace_passes.gla import gla_op
 
 def gla_site(q, k, v, g, *, scale, initial_state, output_final_state, state_v_first, cu_seqlens, origin):
     """One site with fla's conventions; returns (o, final_state or None)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
     if cu_seqlens is not None:
