@@ -37,7 +37,8 @@ def compile(
     the Neuron compiler both need them. The result carries the compile's
     report as ``.laplace_report``.
     """
-    report = options.pop("report", None) or Report()
+    report = options.pop("report", None)
+    report = Report() if report is None else report
     full_options = {"target": target, "inner": inner, "report": report, **options}
     compile_config(full_options)  # fail now, not at the first call
 
@@ -61,7 +62,7 @@ def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", *
     both captured when an output requires grad. Nothing else is changed:
     parameter ``.grad`` fields are left as they were.
     """
-    options = {"inner": "eager", **options, "target": target, "report": Report()}
+    options = {"inner": "eager", **options, "target": target}
     # Validated before anything is traced: a clear error, not one wrapped by Dynamo.
     config = compile_config(options)
     try:

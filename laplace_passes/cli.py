@@ -5,6 +5,9 @@
     laplace-passes export MODEL --stablehlo DIR             every graph as StableHLO + manifest.json
     laplace-passes bench NAME [args...]                     run a benchmark script
 
+DIR is written whole or not at all; a non-empty DIR is refused unless
+--force, which replaces it and everything in it.
+
 MODEL is a model_zoo config name (tiny, small, laplace-3b, fla-gla-tiny,
 fla-gla-1.3b) or
 `package.module:attr`, where attr is an nn.Module taking token ids, or a
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError, LookupError, ImportError) as error:
+    except (ValueError, TypeError, LookupError, ImportError, OSError) as error:
         print(f"laplace-passes {args.command}: error: {error}", file=sys.stderr)
         return 2
 
@@ -90,20 +93,24 @@ def _add_inspect(commands) -> None:
     inspect.add_argument("--target", default="trn2")
     inspect.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
     inspect.add_argument("--dump", metavar="DIR", help="write every graph before/after each pass to DIR")
+    inspect.add_argument("--force", action="store_true", help="replace DIR (and everything in it) if it is not empty")
     inspect.set_defaults(run=_run_inspect)
 
 
 def _run_inspect(args) -> int:
     import laplace_passes
     from laplace_passes.dump import dump_report
+    from laplace_passes.files import check_output_dir
 
+    if args.dump:  # before the work, which may take minutes
+        check_output_dir(args.dump, args.force)
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
     with _status(f"inspect {args.model}: capturing and transforming its graphs at batch {args.batch}, "
                  f"T = {args.seq_len}"):
         report = laplace_passes.inspect(model, *example_inputs, target=args.target)
     print(report.to_json(indent=2) if args.json else report)
     if args.dump:
-        written = dump_report(report, args.dump)
+        written = dump_report(report, args.dump, overwrite=args.force)
         print(f"wrote {len(written)} files to {args.dump}", file=sys.stderr)
     return 0
 
@@ -115,6 +122,7 @@ def _add_export(commands) -> None:
     export.add_argument("model", help="model_zoo config name or package.module:attr")
     export.add_argument("--stablehlo", metavar="DIR", required=True,
                         help="write one .mlir per graph and manifest.json to DIR")
+    export.add_argument("--force", action="store_true", help="replace DIR (and everything in it) if it is not empty")
     export.add_argument("--seq-len", type=int, default=256)
     export.add_argument("--batch", type=int, default=1)
     export.add_argument("--target", default="trn2")
@@ -128,15 +136,15 @@ def _run_export(args) -> int:
     import torch
 
     import laplace_passes
+    from laplace_passes.files import check_output_dir
 
+    check_output_dir(args.stablehlo, args.force)
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
-    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs) or _on_meta(model):
-        raise ValueError(f"{args.model} lives on the meta device (no weights to lower); "
-                         "`inspect` shows its graphs and sizes")
     # Gradients on (the default): AOT Autograd makes the forward and backward graphs of a training step.
     context = torch.no_grad() if args.inference else contextlib.nullcontext()
     with context, _status(f"export {args.model}: lowering every graph at batch {args.batch}, T = {args.seq_len}"):
-        exported = laplace_passes.export_stablehlo(model, *example_inputs, target=args.target, out_dir=args.stablehlo)
+        exported = laplace_passes.export_stablehlo(model, *example_inputs, target=args.target, out_dir=args.stablehlo,
+                                                   overwrite=args.force)
     manifest = exported.manifest
     if args.json:
         print(json.dumps(manifest, indent=2))
@@ -155,14 +163,6 @@ def _status(what: str):
     start = time.perf_counter()
     yield
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-
-
-def _on_meta(model) -> bool:
-    import torch
-
-    if not isinstance(model, torch.nn.Module):
-        return False
-    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def load_model(spec: str, batch: int, seq_len: int):

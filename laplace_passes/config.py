@@ -57,8 +57,9 @@ class CompileConfig:
         retile = options.get("retile_gla", True)
         if not isinstance(retile, bool):
             raise TypeError(f"retile_gla must be a bool, got {type(retile).__name__}")
-        report = options.get("report") or Report()
-        if not isinstance(report, Report):
+        report = options.get("report")
+        report = Report() if report is None else report
+        if not isinstance(report, Report):  # a {} or a dict of results would otherwise be dropped silently
             raise TypeError(f"report must be a laplace_passes.Report, got {type(report).__name__}")
         report.target = target.name
         report.inner = inner.name
@@ -75,3 +76,15 @@ def _check_budget(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"max_graph_instructions must be a positive int or None, got {value!r}")
     return value
+
+
+def entry_point_options(entry_point: str, options: Mapping[str, Any], **fixed: Any) -> dict[str, Any]:
+    """`options` with the values `entry_point` sets itself; one of those passed by the caller is an error.
+
+    inspect, preflight and export_stablehlo choose their own inner compiler:
+    a caller's `inner=` would otherwise be dropped without a word.
+    """
+    clash = sorted(set(options) & set(fixed))
+    if clash:
+        raise TypeError(f"{entry_point}() chooses {', '.join(clash)} itself; do not pass {', '.join(clash)}=")
+    return {**options, **fixed}

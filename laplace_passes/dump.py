@@ -4,7 +4,9 @@ For every graph and every snapshot (its input, then after each pass):
     {graph}.{index}.{label}.py    the graph as readable Python (GraphModule.code)
     {graph}.{index}.{label}.dot   the graph for Graphviz (.svg beside it when `dot` is installed)
 and per graph {graph}.diff, a unified diff of the input against the final code.
-Plus report.txt and report.json.
+Plus report.txt and report.json. The directory is written whole or not at
+all; a non-empty one is replaced only with `overwrite=True` (NOTE [output
+directories] in `laplace_passes.files`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from pathlib import Path
 
 import torch.fx
 
+from laplace_passes.files import staged_directory
 from laplace_passes.report import Report
 
 
-def dump_report(report: Report, out_dir: str | Path) -> list[Path]:
-    """Write everything; return the paths written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def dump_report(report: Report, out_dir: str | Path, overwrite: bool = False) -> list[Path]:
+    """Write everything into `out_dir`; return the paths written."""
+    with staged_directory(out_dir, overwrite) as staging:
+        written = _write_report(report, staging)
+    return [Path(out_dir) / path.relative_to(staging) for path in written]
+
+
+def _write_report(report: Report, out: Path) -> list[Path]:
     written = [_write(out / "report.txt", str(report) + "\n"), _write(out / "report.json", report.to_json(indent=2))]
     render_svg = shutil.which("dot") is not None
     for record in report.graphs:

@@ -22,7 +22,7 @@ MAX_FUNCTION_LINES = 60
 # import its own layer and those below, never one above.
 LAYERS = {
     "core": ["targets", "_checks", "gla", "chunked", "chunked_forward", "chunked_backward", "fx_helpers",
-             "report", "passes", "logs", "inner"],
+             "report", "passes", "logs", "inner", "files"],
     "passes": ["fx", "unroll", "collectives", "fla"],
     "compile": ["config", "pipeline", "compile_fx"],
     "lowering": ["lowering"],

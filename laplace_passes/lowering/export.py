@@ -24,7 +24,8 @@ import torch.fx
 from functorch.compile import make_boxed_func
 
 from laplace_passes.compile_fx import capture_graphs
-from laplace_passes.config import CompileConfig
+from laplace_passes.config import CompileConfig, entry_point_options
+from laplace_passes.files import check_output_dir, staged_directory
 from laplace_passes.lowering._deps import torch_mlir_fx
 from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
@@ -48,17 +49,40 @@ class StableHLOExport:
 
 
 def export_stablehlo(
-    model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", out_dir: str | Path, **options: Any
+    model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", out_dir: str | Path, overwrite: bool = False,
+    **options: Any,
 ) -> StableHLOExport:
-    """Lower every graph of `model_or_fn(*example_inputs)` and write one .mlir per graph plus manifest.json."""
+    """Lower every graph of `model_or_fn(*example_inputs)` and write one .mlir per graph plus manifest.json.
+
+    `out_dir` is written whole or not at all; a non-empty one is refused
+    unless `overwrite=True`, which replaces it (NOTE [output directories] in
+    `laplace_passes.files`). Everything is checked before the graphs are captured.
+    """
     # Checked here, not first inside the compile, where Dynamo would wrap the install hint in its own error.
     torch_mlir_fx("export_stablehlo")
+    _refuse_meta_tensors(model_or_fn, example_inputs)
+    check_output_dir(out_dir, overwrite)
     compiler = _ExportCompiler()
-    options = {**options, "target": target, "inner": compiler, "report": Report()}
-    report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
+    config = CompileConfig.from_options(entry_point_options("export_stablehlo", options, target=target, inner=compiler))
+    report = capture_graphs(model_or_fn, example_inputs, config)
     captured = compiler.captured
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with staged_directory(out_dir, overwrite) as staging:
+        manifest = _write_export(staging, report, captured)
+    return StableHLOExport(Path(out_dir), manifest, report)
+
+
+def _refuse_meta_tensors(model_or_fn: Callable, example_inputs: tuple) -> None:
+    """A meta-device model has no weights to lower: torch-mlir would fail on some op, naming only the op."""
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if isinstance(model_or_fn, torch.nn.Module):
+        tensors += [*model_or_fn.parameters(), *model_or_fn.buffers()]
+    if any(t.device.type == "meta" for t in tensors):
+        raise ValueError("export_stablehlo: the model (or an input) lives on the meta device (no weights to lower); "
+                         "build it on a real device, or use laplace_passes.inspect to see its graphs and sizes")
+
+
+def _write_export(out_dir: Path, report: Report, captured: list[tuple[str, LoweredGraph]]) -> dict:
+    """Write each graph's .mlir and manifest.json into `out_dir`; return the manifest."""
     entries = [
         _write_graph(out_dir, name, kind, lowered, report.target)
         for name, (kind, lowered) in zip(_graph_names(report, len(captured)), captured, strict=True)
@@ -74,7 +98,7 @@ def export_stablehlo(
         "graphs": entries,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return StableHLOExport(out_dir, manifest, report)
+    return manifest
 
 
 class _ExportCompiler(StableHLOCompiler):

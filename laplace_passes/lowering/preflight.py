@@ -33,7 +33,7 @@ import torch.fx
 from functorch.compile import make_boxed_func
 
 from laplace_passes.compile_fx import capture_graphs
-from laplace_passes.config import CompileConfig
+from laplace_passes.config import CompileConfig, entry_point_options
 from laplace_passes.inner import InnerCompiler
 from laplace_passes.lowering.checks import Finding, check_graph
 from laplace_passes.lowering.legalize import lowering_passes
@@ -170,7 +170,7 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
     backward when an output requires grad; `options` are the backend's
     (chunk_size, retile_gla, ...).
     """
-    options = {**options, "target": target, "inner": PreflightCompiler(), "report": Report()}
+    options = entry_point_options("preflight", options, target=target, inner=PreflightCompiler())
     report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
     checked = [(record.name, gm) for record in report.graphs for label, gm in record.snapshots
                if label == NeuronPreflight.name]
