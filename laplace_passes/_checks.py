@@ -8,6 +8,8 @@ compiled graphs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,8 +48,25 @@ def check_gla_args(q, k, v, gk, initial_state, scale) -> None:
         expected = (B, H, K, v.shape[-1])
         if tuple(initial_state.shape) != expected:
             raise ValueError(f"initial_state must have shape [B,H,K,V] = {list(expected)}, got {tuple(initial_state.shape)}")
-    if scale is not None and not isinstance(scale, (int, float)):
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
+    _check_scale(scale)
+
+
+def _check_scale(scale: object) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A bool argument: a string such as "no" would otherwise count as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def check_chunk_size(name: str, value: object) -> int:

@@ -37,6 +37,10 @@ def compile(
     the Neuron compiler both need them. The result carries the compile's
     report as ``.laplace_report``.
     """
+    if not isinstance(fullgraph, bool):
+        raise TypeError(f"fullgraph must be a bool, got {type(fullgraph).__name__}")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"dynamic must be a bool or None, got {type(dynamic).__name__}")
     report = options.pop("report", None)
     report = Report() if report is None else report
     full_options = {"target": target, "inner": inner, "report": report, **options}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace_passes._checks import check_chunk_size, check_gla_args, resolve_scale
+from laplace_passes._checks import check_chunk_size, check_flag, check_gla_args, resolve_scale
 from laplace_passes.chunked_forward import DEFAULT_SUB_CHUNK, chunk_plan, chunked_forward
 from laplace_passes.chunked_backward import chunked_backward
 from laplace_passes.gla import check_gates, refuse_double_backward
@@ -124,6 +124,7 @@ def chunked_gla(
     check_gla_args(q, k, v, gk, initial_state, scale)
     check_chunk_size("chunk_size", chunk_size)
     check_chunk_size("sub_chunk_size", sub_chunk_size)
+    check_flag("output_final_state", output_final_state)
     scale = resolve_scale(scale, q.shape[-1])
     o, final_state = chunked_gla_op(q, k, v, check_gates(gk), initial_state, scale, chunk_size, sub_chunk_size)
     return o, (final_state if output_final_state else None)

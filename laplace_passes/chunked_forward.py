@@ -60,6 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from laplace_passes._checks import check_chunk_size
+
 DEFAULT_SUB_CHUNK = 16
 FLUSH_BELOW = 30.0  # see NOTE [flushing tiny decays]
 
@@ -77,6 +79,9 @@ def _decay(exponent: Tensor) -> Tensor:
 
 def chunk_plan(seq_len: int, chunk_size: int) -> dict:
     """How a sequence of `seq_len` tokens is tiled: what the report shows per site."""
+    check_chunk_size("chunk_size", chunk_size)
+    if isinstance(seq_len, bool) or (isinstance(seq_len, int) and seq_len < 0):  # a SymInt passes
+        raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}")
     n_chunks = max(1, math.ceil(seq_len / chunk_size))
     return {
         "T": seq_len,

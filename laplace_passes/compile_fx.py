@@ -77,6 +77,7 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     Forward and backward graphs are both captured when an output requires
     grad (the backward is compiled at once, not at the first backward call).
     """
+    check_callable(model_or_fn)
     fla_sites.install()
     backend = functools.partial(compile_fx, config=config)
     compiled = torch.compile(fresh_code(model_or_fn), backend=backend, dynamic=False)
@@ -85,6 +86,13 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     if not config.report.graphs:
         raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
     return config.report
+
+
+def check_callable(model_or_fn: object) -> None:
+    """Refused before Dynamo starts, which would fail later with "'int' object is not callable"."""
+    if not callable(model_or_fn):
+        raise TypeError(f"expected a module or a function to run on the example inputs, "
+                        f"got {type(model_or_fn).__name__}")
 
 
 def fresh_code(model_or_fn: Callable) -> Callable:

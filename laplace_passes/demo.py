@@ -85,9 +85,21 @@ class DemoResult:
 
 
 def run_demo(config: DemoConfig) -> DemoResult:
+    _check_settings(config)
     if config.world_size == 1:
         return _train(0, 1, config)
     return _run_data_parallel(config)
+
+
+def _check_settings(config: DemoConfig) -> None:
+    """What every rank would refuse after its start (a minute each), refused once before any starts."""
+    import model_zoo
+    from laplace_passes.backend import compile_config
+    from model_zoo.mqar import MQARTask
+
+    vocab_size = model_zoo.build(config.model, device="meta").config.vocab_size  # no weights made
+    MQARTask(vocab_size=vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
+    compile_config({"target": config.target, "inner": config.inner})
 
 
 def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace_passes._checks import check_gla_args, resolve_scale
+from laplace_passes._checks import check_flag, check_gla_args, resolve_scale
 
 # `origin` names where a site came from ("laplace.gla", "fla.chunk_gla", ...),
 # so the report can answer "which of my calls was re-tiled?".
@@ -221,5 +221,6 @@ def gla(
     re-tiling pass replaces by `chunked_gla` at the target's chunk size.
     """
     check_gla_args(q, k, v, gk, initial_state, scale)
+    check_flag("output_final_state", output_final_state)
     o, final_state = gla_op(q, k, v, gk, initial_state, resolve_scale(scale, q.shape[-1]), LAPLACE_ORIGIN)
     return o, (final_state if output_final_state else None)

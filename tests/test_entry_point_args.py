@@ -40,3 +40,53 @@ def test_inspect_fills_the_report_it_is_given():
     mine = laplace_passes.Report()
     returned = laplace_passes.inspect(lambda x: x + 1, torch.ones(2), target="cpu", report=mine)
     assert returned is mine and [g.kind for g in mine.graphs] == ["dynamo", "inference"]
+
+
+@pytest.mark.parametrize("entry_point", [
+    laplace_passes.inspect,
+    laplace_passes.preflight,
+    lambda *a: laplace_passes.export_stablehlo(*a, out_dir="unused"),
+])
+def test_a_model_that_is_not_callable_is_refused_by_name(entry_point):
+    if entry_point is not laplace_passes.inspect:
+        pytest.importorskip("torch_mlir")
+    with pytest.raises(TypeError, match="expected a module or a function to run on the example inputs, got int"):
+        entry_point(42, torch.ones(2))
+
+
+def test_compile_flags_are_checked():
+    with pytest.raises(TypeError, match="fullgraph must be a bool, got str"):
+        laplace_passes.compile(lambda x: x, fullgraph="yes")
+    with pytest.raises(TypeError, match="dynamic must be a bool or None, got str"):
+        laplace_passes.compile(lambda x: x, dynamic="yes")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target", "tpu"], "unknown target 'tpu'"),
+    (["--inner", "nope"], "unknown inner compiler 'nope'"),
+    (["--seq-len", "8"], "seq_len must be >= 4 * num_pairs = 32, got 8"),
+])
+def test_demo_settings_are_checked_before_any_rank_starts(args, message, monkeypatch, capsys):
+    from laplace_passes import demo
+    from laplace_passes.cli import main
+
+    monkeypatch.setattr(demo, "_run_data_parallel", fail_if_called)
+    monkeypatch.setattr(demo, "_train", fail_if_called)
+    assert main(["demo", "--world-size", "2", "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_library_helpers_check_their_arguments():
+    from laplace_passes.lowering import neuron_compiler
+    from laplace_passes.unroll import SizeModel
+
+    with pytest.raises(TypeError, match="neuron_compiler options must be a dict of TorchNeuron options, got int"):
+        neuron_compiler(42)
+    with pytest.raises(TypeError, match="strict_preflight must be a bool, got str"):
+        neuron_compiler({}, strict_preflight="no")
+    with pytest.raises(ValueError, match="SizeModel.partition_rows must be a positive int, got 0"):
+        SizeModel(0, 512)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
+        laplace_passes.chunk_plan(10, 0)
+    with pytest.raises(ValueError, match="seq_len must be a non-negative int, got -1"):
+        laplace_passes.chunk_plan(-1, 128)

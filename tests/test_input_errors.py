@@ -150,3 +150,16 @@ def test_double_backward_is_refused_by_name(fn, name, good):
     (grad_q,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)  # a first backward works
     with pytest.raises(NotImplementedError, match=rf"double backward .* through {name} is not supported"):
         grad_q.sum().backward()
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_flag_scale_and_state_device_are_checked(fn, good):
+    q, k, v, gk = good
+    with pytest.raises(TypeError, match="output_final_state must be a bool, got str"):
+        fn(q, k, v, gk, output_final_state="no")
+    with pytest.raises(TypeError, match="scale must be a number or None, got bool"):
+        fn(q, k, v, gk, scale=True)
+    with pytest.raises(ValueError, match="scale must be finite, got nan"):
+        fn(q, k, v, gk, scale=float("nan"))
+    with pytest.raises(ValueError, match="initial_state must be on q's device cpu, got meta"):
+        fn(q, k, v, gk, initial_state=torch.zeros(1, 2, 8, 6, device="meta"))

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.compile_fx import capture_graphs
+from laplace_passes.compile_fx import capture_graphs, check_callable
 from laplace_passes.config import CompileConfig, entry_point_options
 from laplace_passes.files import check_output_dir, staged_directory
 from laplace_passes.lowering._deps import torch_mlir_fx
@@ -60,6 +60,7 @@ def export_stablehlo(
     """
     # Checked here, not first inside the compile, where Dynamo would wrap the install hint in its own error.
     torch_mlir_fx("export_stablehlo")
+    check_callable(model_or_fn)
     _refuse_meta_tensors(model_or_fn, example_inputs)
     check_output_dir(out_dir, overwrite)
     compiler = _ExportCompiler()

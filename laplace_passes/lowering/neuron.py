@@ -128,6 +128,10 @@ class NeuronCompiler(InnerCompiler):
 
 def neuron_compiler(options: dict[str, Any] | None = None, *, strict_preflight: bool = True) -> NeuronCompiler:
     """inner="neuron" with TorchNeuron `options` passed through, e.g. ``{"model_name": "gla"}``."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"neuron_compiler options must be a dict of TorchNeuron options, got {type(options).__name__}")
+    if not isinstance(strict_preflight, bool):
+        raise TypeError(f"strict_preflight must be a bool, got {type(strict_preflight).__name__}")
     return NeuronCompiler(dict(options or {}), strict_preflight)
 
 

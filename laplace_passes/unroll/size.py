@@ -62,6 +62,12 @@ class SizeModel:
     partition_rows: int = 128  # P
     free_elements: int = 512  # F
 
+    def __post_init__(self) -> None:
+        for name in ("partition_rows", "free_elements"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SizeModel.{name} must be a positive int, got {value!r}")
+
     @classmethod
     def for_target(cls, target) -> SizeModel:
         rows, free = target.matmul_tile
