@@ -77,7 +77,7 @@ def test_nan_gates_are_refused(fn, good):
     q, k, v, gk = good
     gk = gk.clone()
     gk[0, 3, 1, 2] = float("nan")
-    with pytest.raises(ValueError, match=r"gk must be <= 0 everywhere"):
+    with pytest.raises(ValueError, match=r"gk must be <= 0 everywhere .* found NaN \(use F.logsigmoid"):
         fn(q, k, v, gk)
 
 
@@ -102,18 +102,6 @@ def test_positive_gates_are_refused_inside_compiled_graphs(good):
     compiled(q, k, v, gk)  # compiles and runs with valid gates
     with pytest.raises(ValueError, match=r"gk must be <= 0 everywhere"):
         compiled(q, k, v, gk.abs() + 0.1)
-
-
-@pytest.mark.parametrize("fn", ENTRY_POINTS)
-def test_a_nan_gate_is_reported_as_nan(fn, good):
-    q, k, v, gk = good
-    gk = gk.clone()
-    gk[0, 3, 1, 2] = float("nan")
-    with pytest.raises(ValueError, match=r"found NaN \(use F.logsigmoid"):
-        fn(q, k, v, gk)
-    gk[0, 3, 1, 2] = 0.25  # a positive gate: its value is named
-    with pytest.raises(ValueError, match=r"found 0.25 \(use F.logsigmoid"):
-        fn(q, k, v, gk)
 
 
 def zero_key_inputs():
