@@ -120,3 +120,15 @@ def test_overwrite_never_replaces_the_working_directory(tmp_path, monkeypatch):
         check_output_dir(tmp_path, overwrite=True)
     with pytest.raises(OutputDirError, match="must be a path, got int"):
         check_output_dir(3)
+
+
+def test_cli_a_write_failing_half_way_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    def broken(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("laplace_passes.inspect", lambda *args, **kwargs: small_report())
+    monkeypatch.setattr(dump, "graph_to_dot", broken)
+    assert main(["inspect", "tiny", "--seq-len", "8", "--dump", str(tmp_path / "graphs")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "laplace-passes inspect: error: [Errno 28] No space left on device"
+    assert list(tmp_path.iterdir()) == []
