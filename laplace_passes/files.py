@@ -18,7 +18,8 @@ manifest and the files it lists, a report and its graphs. Three rules:
 * The files are written into a fresh directory next to the destination,
   which is renamed into place only when every file is written: a failure
   half-way leaves the destination as it was, and the partial directory is
-  removed.
+  removed (a process killed outright leaves it behind, hidden beside the
+  destination as .DIR.partial-PID-...).
 """
 
 from __future__ import annotations
