@@ -149,6 +149,25 @@ class Aliases:
         """The alias a reshape-made root was reshaped from (None: `node` is no such root)."""
         return self._reshaped.get(node)
 
+    def within_source(self, node: Node) -> Alias | None:
+        """`node`'s alias relative to its direct input taken as a contiguous value (None: not a view).
+
+        For one view op (`select`, `slice`, `getitem` of a split, ...), whatever
+        the input's own layout: which of the input's elements, in its logical
+        row-major order, the view reads.
+        """
+        is_split_item = node.target is operator.getitem and isinstance(node.args[0], Node) \
+            and node.args[0].target in SPLITS
+        op_node = node.args[0] if is_split_item else node
+        source = op_node.args[0] if op_node.args else None
+        value = fake_tensor(source) if isinstance(source, Node) else None
+        if value is None or not (is_split_item or getattr(node.target, "is_view", False)):
+            return None
+        shape = tuple(int(d) for d in value.shape)
+        alias = Alias(source, shape, contiguous_strides(shape), 0)
+        with unset_fake_temporarily():
+            return self._replay_on(alias, op_node, (lambda out: out[node.args[1]]) if is_split_item else (lambda out: out))
+
     # -- computing -----------------------------------------------------------------------
 
     def _fresh(self, node: Node) -> Alias:
@@ -179,7 +198,9 @@ class Aliases:
 
     def _replay(self, node: Node, pick) -> Alias | None:
         """Run the view op on a fake strided view of the source's root: the result's alias."""
-        src = self.of(node.args[0])
+        return self._replay_on(self.of(node.args[0]), node, pick)
+
+    def _replay_on(self, src: Alias, node: Node, pick) -> Alias | None:
         target = aten.view.default if node.target is aten._unsafe_view.default else node.target
         root = fake_tensor(src.root)
         if root is None:

@@ -28,11 +28,13 @@ Anything else is declined with the reason.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
+from laplace_passes.collectives.aliases import SPLITS, Aliases, contiguous_strides
 from laplace_passes.collectives.newton_schulz import NewtonSchulz, find_newton_schulz
 from laplace_passes.collectives.regions import (
     Region,
@@ -41,7 +43,15 @@ from laplace_passes.collectives.regions import (
     live_users,
     signature,
 )
-from laplace_passes.fx_helpers import COND, fake_tensor, output_values, resolve_process_group, subgraph
+from laplace_passes.fx_helpers import (
+    COND,
+    ancestors,
+    fake_tensor,
+    is_view,
+    output_values,
+    resolve_process_group,
+    subgraph,
+)
 from laplace_passes.passes import Declined
 
 aten = torch.ops.aten
@@ -55,8 +65,8 @@ WAIT = c10d.wait_tensor.default
 
 @dataclass
 class MatrixSite:
-    block: Node  # the matrix's column block of the gathered buffer
-    offset: int
+    block: Node  # the matrix's column block of the gathered buffer (or the whole gathered value)
+    offset: int  # element offset of this rank's shard in the flattened send buffer
     numel: int
     unpad: Region  # block -> full matrix
     newton_schulz: NewtonSchulz
@@ -66,6 +76,7 @@ class MatrixSite:
     layout: Region  # result -> [W, ...]
     selection: Node
     transport: tuple[Node, ...] = ()  # gather_broadcast: cond ... broadcast ... slice
+    send: Node | None = None  # the gather's send buffer (any shape; packed flattened)
 
     @property
     def key(self) -> tuple:
@@ -76,7 +87,7 @@ class MatrixSite:
     def nodes(self) -> set[Node]:
         ns_nodes = self.newton_schulz.region.node_set if self.owner is None else frozenset()
         return {self.block, *self.unpad.nodes, *ns_nodes, *self.transport, self.result,
-                *self.layout.nodes, self.selection, *_index_plumbing(self.selection)}
+                *self.layout.nodes, self.selection, *_index_plumbing(self.selection), *_split_of(self.selection)}
 
 
 @dataclass
@@ -112,6 +123,7 @@ class _OwnerOnly:
 def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[GatherBucket], list[str]]:
     """The Muon buckets of `gm`, and why anything close was not one."""
     declined: list[str] = []
+    fold_copies_into_new_buffers(gm.graph)
     live = live_nodes(gm.graph)
     outer, misses = find_newton_schulz(gm.graph, live)
     declined += misses
@@ -205,37 +217,110 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     send, group_size, group = all_gather.args
     if group_size != world_size:
         raise Declined(f"gathers over {group_size} ranks, but world_size={world_size}")
+    _check_gathers_before_newton_schulz(send, ns_by_input, owner_only)
     send_value = fake_tensor(send)
-    if send_value is None or send_value.dim() != 1:
-        # Packing slices the send buffer by element offsets: it must be flat.
-        shape = "unknown" if send_value is None else list(send_value.shape)
-        raise Declined(f"the all_gather_into_tensor sends a tensor of shape {shape}, not a flat buffer of shards")
+    if send_value is None or send_value.dim() == 0:
+        raise Declined("the all_gather_into_tensor sends a tensor without a known shape")
     wait = _sole_user(all_gather, "all_gather_into_tensor", live)
-    gathered = _sole_user(wait, "wait_tensor", live)
+    users = live_users(wait, live)
+    gathered = users[0] if len(users) == 1 else wait
     width = send_value.numel()
-    if gathered.target is not aten.view.default or list(fake_tensor(gathered).shape) != [world_size, width]:
-        raise Declined(f"the gathered buffer is not viewed as [{world_size}, {width}] (rank, element)")
-    infrastructure = {wait, gathered}
+    infrastructure = {wait}
+    if gathered.target is aten.view.default and list(fake_tensor(gathered).shape) == [world_size, width]:
+        infrastructure.add(gathered)
+        blocks = _column_blocks(gathered, width, live)  # a flat bucket viewed [W, N]: one block per matrix
+    elif send_value.dim() >= 2 or _feeds_whole(wait, live):
+        blocks = [(wait, 0, width)]  # one matrix per gather, its rows gathered on dim 0
+    else:
+        raise _element_ranges(wait, width, world_size, live)
     sites = []
-    for block, offset, numel in _column_blocks(gathered, width, live):
-        full = _full_matrix(block, ns_by_input, owner_only)
-        unpad = closed_region(block, full)
-        if full in ns_by_input:
-            ns = ns_by_input[full]
-            site = _finish_site(block, offset, numel, unpad, ns, ns.region, None, ns.region.output, (),
-                                world_size, group, live)
-        else:
-            info = owner_only[full]
-            result, transport = _through_broadcast(info, group, live)
-            site = _finish_site(block, offset, numel, unpad, info.newton_schulz, info.body, info.owner,
-                                result, transport, world_size, group, live)
-            infrastructure |= {n for n in transport if n.target in (BROADCAST, WAIT)}
-        sites.append(site)
+    for block, offset, numel in blocks:
+        sites.append(_site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live))
+        infrastructure |= {n for n in sites[-1].transport if n.target in (BROADCAST, WAIT)}
     if len({s.owner is None for s in sites}) > 1:
         raise Declined("mixes matrices every rank orthogonalises with owner-only ones")
     bucket = GatherBucket(all_gather, send, group, world_size, sites, infrastructure)
     _check_contained(bucket, live)
     return bucket
+
+
+def _site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live) -> MatrixSite:
+    full = _full_matrix(block, ns_by_input, owner_only)
+    unpad = closed_region(block, full)
+    if full in ns_by_input:
+        ns = ns_by_input[full]
+        site = _finish_site(block, offset, numel, unpad, ns, ns.region, None, ns.region.output, (),
+                            world_size, group, live)
+    else:
+        info = owner_only[full]
+        result, transport = _through_broadcast(info, group, live)
+        site = _finish_site(block, offset, numel, unpad, info.newton_schulz, info.body, info.owner,
+                            result, transport, world_size, group, live)
+    site.send = send
+    return site
+
+
+def _check_gathers_before_newton_schulz(send: Node, ns_by_input, owner_only) -> None:
+    """KellerJordan's round-robin: each owner orthogonalises, then the updated parameters are gathered."""
+    upstream = ancestors([send])
+    computed = [ns for ns in ns_by_input.values() if ns.output in upstream]
+    computed += [info.newton_schulz for info in owner_only.values() if info.getitem in upstream]
+    if computed:
+        raise Declined(
+            f"Newton-Schulz already runs on its owner ({computed[0].output.name} feeds the send {send.name}); "
+            "the gather carries updated parameters: there is no gather before Newton-Schulz to remove"
+        )
+
+
+def fold_copies_into_new_buffers(graph: torch.fx.Graph) -> None:
+    """`dist.all_gather_into_tensor(out, x)` is functionalised as copy(new_empty(...), wait): out is wait.
+
+    The copy writes every element of a buffer nothing else reads, so its
+    users can read the gathered value directly (same values, same dtype).
+    """
+    for node in list(graph.nodes):
+        if node.target is not WAIT or not isinstance(node.args[0], Node) or node.args[0].target is not ALL_GATHER:
+            continue
+        for user in list(node.users):
+            if user.target is aten.copy.default and user.args[1] is node and _fresh_buffer(user.args[0]) \
+                    and fake_tensor(user).shape == fake_tensor(node).shape \
+                    and fake_tensor(user).dtype == fake_tensor(node).dtype:
+                buffer = user.args[0]
+                user.replace_all_uses_with(node)
+                graph.erase_node(user)
+                graph.erase_node(buffer)
+
+
+def _fresh_buffer(node) -> bool:
+    return isinstance(node, Node) and node.target in (
+        aten.new_empty.default, aten.empty.memory_format, aten.empty_like.default, aten.new_empty_strided.default
+    ) and len(node.users) == 1
+
+
+def _feeds_whole(wait: Node, live: set[Node]) -> bool:
+    """The gathered value reaches Newton-Schulz whole (through views), not cut into element ranges."""
+    node = wait
+    while True:
+        users = live_users(node, live)
+        if len(users) != 1 or users[0].target not in (aten.view.default, aten._unsafe_view.default):
+            return not any(u.target is aten.slice.Tensor for u in users)
+        node = users[0]
+
+
+def _element_ranges(wait: Node, width: int, world_size: int, live: set[Node]) -> Declined:
+    """Megatron's layout: rank r holds elements [r L, (r+1) L) of the concatenated matrices."""
+    spans = []
+    for user in live_users(wait, live):
+        if user.target is aten.slice.Tensor and user.args[1] == 0:
+            start, end = user.args[2], min(user.args[3], width * world_size)
+            ranks = sorted({start // width, (end - 1) // width}) if end > start else []
+            spans.append(f"elements {start}..{end} from rank(s) {'-'.join(map(str, ranks))}")
+    detail = "; ".join(spans[:3]) + ("; ..." if len(spans) > 3 else "")
+    return Declined(
+        f"element-range shards cross matrix boundaries: each rank sends {width} elements of one flat buffer and "
+        f"the matrices are cut from the gathered buffer by element ranges ({detail or 'no matrix slices'}), "
+        f"not one row block of every matrix from every rank"
+    )
 
 
 def _column_blocks(gathered: Node, width: int, live: set[Node]) -> list[tuple[Node, int, int]]:
@@ -305,8 +390,8 @@ def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[N
 
 
 def _finish_site(block, offset, numel, unpad, ns, template, owner, result, transport, world_size, group, live):
-    selection = _own_row_selection(result, world_size, group, live)
-    layout = closed_region(result, selection.args[0])
+    selection = _own_row_selection(result, world_size, numel, group, live)
+    layout = closed_region(result, selection_source(selection))
     if fake_tensor(layout.output).numel() != world_size * numel:
         raise Declined(
             f"{selection.name} selects from a layout of {fake_tensor(layout.output).numel()} elements, "
@@ -315,8 +400,22 @@ def _finish_site(block, offset, numel, unpad, ns, template, owner, result, trans
     return MatrixSite(block, offset, numel, unpad, ns, template, owner, result, layout, selection, transport)
 
 
-def _own_row_selection(result: Node, world_size: int, group: str, live: set[Node]) -> Node:
+def selection_source(selection: Node) -> Node:
+    """The [W, ...] (or [W * rows, ...]) value a selection reads: the split's input for getitem(split, i)."""
+    (split,) = _split_of(selection) or (selection,)
+    return split.args[0]
+
+
+def _split_of(selection: Node) -> tuple[Node, ...]:
+    source = selection.args[0] if selection.args else None
+    if selection.target is operator.getitem and isinstance(source, Node) and source.target in SPLITS:
+        return (source,)
+    return ()
+
+
+def _own_row_selection(result: Node, world_size: int, numel: int, group: str, live: set[Node]) -> Node:
     found, seen, frontier = [], set(), [result]
+    aliases = Aliases()
     while frontier:
         node = frontier.pop(0)
         for user in live_users(node, live):
@@ -325,36 +424,66 @@ def _own_row_selection(result: Node, world_size: int, group: str, live: set[Node
             seen.add(user)
             if user.op == "output":
                 raise Declined(f"Newton-Schulz result {result.name} reaches the graph output unsharded")
-            if _is_selection(user, world_size, group):
+            if _is_selection(user, world_size, numel, group, aliases):
                 found.append(user)
             else:
                 frontier.append(user)
     if len(found) != 1:
         raise Declined(
             f"Newton-Schulz result {result.name}: expected one selection of this rank's rows "
-            f"(index_select(., 0, rank) on a [{world_size}, ...] layout), found {len(found)}"
+            f"(its {numel}-element block of the result, by index_select, select, chunk, split, narrow or slicing), "
+            f"found {len(found)}"
         )
     return found[0]
 
 
-def _is_selection(node: Node, world_size: int, group: str) -> bool:
+def _is_selection(node: Node, world_size: int, numel: int, group: str, aliases: Aliases) -> bool:
     if node.op != "call_function" or not isinstance(node.args[0], Node):
         return False
     source = fake_tensor(node.args[0])
-    if source is None or source.dim() == 0 or source.shape[0] != world_size:
+    if source is not None and source.dim() and source.shape[0] == world_size:
+        if node.target is aten.index_select.default and node.args[1] == 0:
+            _rank_input(node.args[2])
+            return True
+        if node.target is aten.index.Tensor and len(node.args[1]) == 1:
+            _rank_input(node.args[1][0])
+            return True
+    return _is_own_block(node, world_size, numel, group, aliases)
+
+
+def _is_own_block(node: Node, world_size: int, numel: int, group: str, aliases: Aliases) -> bool:
+    """Whether `node` holds one rank's `numel` elements of its source, in order (constant rank).
+
+    Covers select / chunk / split / narrow / slicing / unbind alike: the
+    selection's alias (views replayed on fake tensors) is a contiguous run of
+    its source's elements, and the run's position says whose rows they are.
+    """
+    value = fake_tensor(node)
+    if value is None or value.numel() != numel or numel == 0:
         return False
-    if node.target is aten.index_select.default and node.args[1] == 0:
-        _rank_input(node.args[2])
-        return True
-    if node.target is aten.index.Tensor and len(node.args[1]) == 1:
-        _rank_input(node.args[1][0])
-        return True
-    if node.target is aten.select.int and node.args[1] == 0:
-        rank = _this_rank(group)
-        if rank is None or node.args[2] != rank:
-            raise Declined(f"{node.name} selects rank {node.args[2]}'s rows, and this process is rank {rank}")
-        return True
-    return False
+    if not (is_view(node) or _split_of(node)):
+        return False
+    source = selection_source(node)
+    src_value = fake_tensor(source)
+    if src_value is None or src_value.numel() != world_size * numel:
+        return False
+    inner = aliases.within_source(node)
+    if inner is None:
+        return False
+    if inner.stride != contiguous_strides(inner.shape) or inner.offset % numel:
+        return False
+    owner, rank = inner.offset // numel, _this_rank(group)
+    if rank is None:
+        return False  # no process group here: a constant selection cannot be told from a layout slice
+    if owner != rank:
+        raise Declined(f"{node.name} ({_op_short(node)}) takes rank {owner}'s rows of its "
+                       f"[{world_size} x {numel}]-element result, but this process is rank {rank}")
+    return True
+
+
+def _op_short(node: Node) -> str:
+    (split,) = _split_of(node) or (node,)
+    return getattr(split.target, "__name__", str(split.target))
 
 
 _INDEX_PLUMBING = {aten.view.default, aten.unsqueeze.default, aten.squeeze.dim, aten._unsafe_view.default}

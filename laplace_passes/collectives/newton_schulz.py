@@ -324,6 +324,8 @@ class _Finder:
                 continue
             value = algebra.evaluate(node)
             if value is None:
+                if _moves_or_copies(node):
+                    push_users(node)  # a reshape or write-back: reads of it may hold a known value (see aliases)
                 continue
             algebra.set(node, value)
             push_users(node)
