@@ -184,7 +184,8 @@ def _owner_only(gm: torch.fx.GraphModule, cond: Node, live: set[Node]) -> _Owner
     return _OwnerOnly(cond, getitem, pred, owner, ns_list[0], body)
 
 
-_LAYOUT_ONLY = {aten.clone.default, aten.view.default, aten._unsafe_view.default}
+_LAYOUT_ONLY = {aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.permute.default,
+                aten.transpose.int, aten.t.default}
 
 
 def _owner_of(pred: Node) -> int:
@@ -414,30 +415,46 @@ def _split_of(selection: Node) -> tuple[Node, ...]:
 
 
 def _own_row_selection(result: Node, world_size: int, numel: int, group: str, live: set[Node]) -> Node:
-    found, seen, frontier = [], set(), [result]
+    found, others, seen, frontier = [], [], set(), [(result, False)]
     aliases = Aliases()
     while frontier:
-        node = frontier.pop(0)
+        node, beyond = frontier.pop(0)  # beyond: downstream of a selection already
         for user in live_users(node, live):
             if user in seen:
                 continue
             seen.add(user)
             if user.op == "output":
+                if beyond:
+                    continue
                 raise Declined(f"Newton-Schulz result {result.name} reaches the graph output unsharded")
-            if _is_selection(user, world_size, numel, group, aliases):
+            if _is_selection(user, world_size, numel, group, aliases, others):
                 found.append(user)
+                if user.target in (aten.index_select.default, aten.index.Tensor):
+                    continue
+                frontier.append((user, True))  # a view taking a rank's block may still be part of a layout
             else:
-                frontier.append(user)
+                frontier.append((user, beyond))
+    found = _first_selections(found)
     if len(found) != 1:
+        detail = f"; {others[0]}" if others and not found else ""
         raise Declined(
             f"Newton-Schulz result {result.name}: expected one selection of this rank's rows "
             f"(its {numel}-element block of the result, by index_select, select, chunk, split, narrow or slicing), "
-            f"found {len(found)}"
+            f"found {len(found)}{detail}"
         )
     return found[0]
 
 
-def _is_selection(node: Node, world_size: int, numel: int, group: str, aliases: Aliases) -> bool:
+def _first_selections(found: list[Node]) -> list[Node]:
+    """The rank-input selections if any (ShardedMuon), else the constant ones no other selection feeds."""
+    by_input = [n for n in found if n.target in (aten.index_select.default, aten.index.Tensor)]
+    if by_input:
+        return by_input
+    candidates = set(found)
+    return [n for n in found if not (ancestors(n.all_input_nodes) & candidates)]
+
+
+def _is_selection(node: Node, world_size: int, numel: int, group: str, aliases: Aliases, others: list[str]) -> bool:
     if node.op != "call_function" or not isinstance(node.args[0], Node):
         return False
     source = fake_tensor(node.args[0])
@@ -448,37 +465,35 @@ def _is_selection(node: Node, world_size: int, numel: int, group: str, aliases: 
         if node.target is aten.index.Tensor and len(node.args[1]) == 1:
             _rank_input(node.args[1][0])
             return True
-    return _is_own_block(node, world_size, numel, group, aliases)
+    owner = _block_owner(node, world_size, numel, aliases)
+    rank = _this_rank(group) if owner is not None else None
+    if owner is not None and rank is not None and owner != rank:
+        # Not a selection of this rank's rows; it may still be part of the layout (a later op selects).
+        others.append(f"{node.name} ({_op_short(node)}) takes rank {owner}'s rows of its "
+                      f"[{world_size} x {numel}]-element result, but this process is rank {rank}")
+    return owner is not None and owner == rank
 
 
-def _is_own_block(node: Node, world_size: int, numel: int, group: str, aliases: Aliases) -> bool:
-    """Whether `node` holds one rank's `numel` elements of its source, in order (constant rank).
+def _block_owner(node: Node, world_size: int, numel: int, aliases: Aliases) -> int | None:
+    """The rank whose `numel` elements of its source `node` holds, in order; None if it is no such block.
 
     Covers select / chunk / split / narrow / slicing / unbind alike: the
-    selection's alias (views replayed on fake tensors) is a contiguous run of
+    selection (a view op replayed on a fake tensor) is a contiguous run of
     its source's elements, and the run's position says whose rows they are.
+    Without a process group a constant selection cannot be checked: None.
     """
     value = fake_tensor(node)
     if value is None or value.numel() != numel or numel == 0:
-        return False
+        return None
     if not (is_view(node) or _split_of(node)):
-        return False
-    source = selection_source(node)
-    src_value = fake_tensor(source)
+        return None
+    src_value = fake_tensor(selection_source(node))
     if src_value is None or src_value.numel() != world_size * numel:
-        return False
+        return None
     inner = aliases.within_source(node)
-    if inner is None:
-        return False
-    if inner.stride != contiguous_strides(inner.shape) or inner.offset % numel:
-        return False
-    owner, rank = inner.offset // numel, _this_rank(group)
-    if rank is None:
-        return False  # no process group here: a constant selection cannot be told from a layout slice
-    if owner != rank:
-        raise Declined(f"{node.name} ({_op_short(node)}) takes rank {owner}'s rows of its "
-                       f"[{world_size} x {numel}]-element result, but this process is rank {rank}")
-    return True
+    if inner is None or inner.stride != contiguous_strides(inner.shape) or inner.offset % numel:
+        return None
+    return inner.offset // numel
 
 
 def _op_short(node: Node) -> str:
