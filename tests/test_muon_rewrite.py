@@ -138,6 +138,8 @@ def _body_default_backend(rank, world_size):
     _run_against_reference(rank, world_size, "all_gather", "laplace", failures)
     report = laplace_passes.last_report()
     applied = [p.modified for p in report.passes if p.name == "muon_all_to_all"]
+    if not any(applied) and "trn2's all-to-all supports groups of" not in str(report):
+        failures.append("the trn2 group-size reason is missing from str(report)")
     return failures, report.target, applied
 
 

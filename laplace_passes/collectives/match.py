@@ -38,6 +38,7 @@ from laplace_passes.collectives.aliases import SPLITS, Aliases, contiguous_strid
 from laplace_passes.collectives.newton_schulz import NewtonSchulz, find_newton_schulz
 from laplace_passes.collectives.regions import (
     Region,
+    RegionError,
     closed_region,
     live_nodes,
     live_users,
@@ -247,7 +248,14 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
 
 def _site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live) -> MatrixSite:
     full = _full_matrix(block, ns_by_input, owner_only)
-    unpad = closed_region(block, full)
+    try:
+        unpad = closed_region(block, full)
+    except RegionError as mixed:
+        raise Declined(
+            f"the gathered {block.name} is combined with other inputs before Newton-Schulz reads it as {full.name} "
+            f"({mixed}): state every rank keeps whole (a momentum of full matrices, as torch.optim.Muon's step "
+            "on a gathered gradient) needs the whole gathered value on every rank"
+        ) from None
     if full in ns_by_input:
         ns = ns_by_input[full]
         site = _finish_site(block, offset, numel, unpad, ns, ns.region, None, ns.region.output, (),
