@@ -1,10 +1,14 @@
 """Finding the gather pattern of a sharded Muon step in an ATen graph.
 
-A bucket is one `all_gather_into_tensor` whose result, viewed `[W, N]`, is
-cut into column blocks, one per matrix (every rank's padded row shard of
-it). For each block the pattern is
+A bucket is one `all_gather_into_tensor`. Either its send is flat and the
+result, viewed `[W, N]`, is cut into column blocks, one per matrix (every
+rank's padded row shard of it), or the gathered value is one matrix whole
+(a per-matrix gather of row shards on dim 0, `[W * s, c]`, or a flat
+per-matrix send viewed back to its shape). `dist.all_gather_into_tensor(out,
+x)` arrives as `copy(new_empty(...), wait)`; the copy is folded away first.
+For each block the pattern is
 
-    block = slice(gathered, 1, a, b)                       # [W, numel]
+    block = slice(gathered, 1, a, b)   or the gathered value  # [W, numel] / [W * s, c]
     full  = unpad(block)                                   # any closed computation
     then either ("all_gather": every rank computes)
         result = NewtonSchulz(full)
@@ -12,18 +16,23 @@ it). For each block the pattern is
         r = cond(rank == owner, NewtonSchulz, zeros_like, (full,))[0]
         b = wait_tensor(broadcast(cat([..., view(r, [-1]), ...]), owner))
         result = view(slice(b, 0, offset, offset + numel), shape)
-    mine = select_own(layout(result))                      # layout: [W, ...], any closed computation
+    mine = select_own(layout(result))                      # layout: any closed computation
 
-where `select_own` takes this rank's entry of the world dimension:
-`index_select(., 0, i)` or `index(., [i])` with `i` a one-element integer
-graph input, or `select(., 0, r)` with `r` this process's rank in the group.
-`i` is taken to be the rank in the gather's group (the contract of
-`rewrite_muon_step`: ShardedMuon passes its rank so); NewtonSchulz needs one
-iteration at least, so a gather followed by a plain normalisation is not
-matched.
-Every node from the all-gather to the selections must serve only this
-pattern, so that all of it dies once the selections are replaced.
-Anything else is declined with the reason.
+where `select_own` takes this rank's block of `numel` elements:
+`index_select(., 0, i)` or `index(., [i])` on a `[W, ...]` layout with `i`
+a one-element integer graph input (taken to be the rank in the gather's
+group: the contract of `rewrite_muon_step`, ShardedMuon passes it so), or,
+with the rank a constant (`dist.get_rank()` baked in by Dynamo), any view
+that reads a contiguous run of `numel` elements of its source starting at
+`rank * numel`: `select`, `chunk` / `split` + `getitem`, `narrow`, slicing.
+NewtonSchulz needs one iteration at least, so a gather followed by a plain
+normalisation is not matched. Every node from the all-gather to the
+selections must serve only this pattern, so that all of it dies once the
+selections are replaced. Anything else is declined with the reason, among
+them: a gather of values Newton-Schulz already produced (KellerJordan's
+round-robin), matrices cut from a flat buffer by element ranges
+(Megatron's layout), a gathered value combined with other state before
+Newton-Schulz (replicated optimizer state).
 """
 
 from __future__ import annotations
@@ -35,6 +44,15 @@ import torch
 import torch.fx
 
 from laplace_passes.collectives.aliases import SPLITS, Aliases, contiguous_strides
+from laplace_passes.collectives.gathers import (
+    ALL_GATHER,
+    BROADCAST,
+    WAIT,
+    check_gathers_before_newton_schulz,
+    element_ranges,
+    feeds_whole,
+    fold_copies_into_new_buffers,
+)
 from laplace_passes.collectives.newton_schulz import NewtonSchulz, find_newton_schulz
 from laplace_passes.collectives.regions import (
     Region,
@@ -56,12 +74,8 @@ from laplace_passes.fx_helpers import (
 from laplace_passes.passes import Declined
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 Node = torch.fx.Node
 
-ALL_GATHER = c10d.all_gather_into_tensor.default
-BROADCAST = c10d.broadcast.default
-WAIT = c10d.wait_tensor.default
 
 
 @dataclass
@@ -219,7 +233,7 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     send, group_size, group = all_gather.args
     if group_size != world_size:
         raise Declined(f"gathers over {group_size} ranks, but world_size={world_size}")
-    _check_gathers_before_newton_schulz(send, ns_by_input, owner_only)
+    check_gathers_before_newton_schulz(send, ns_by_input, owner_only)
     send_value = fake_tensor(send)
     if send_value is None or send_value.dim() == 0:
         raise Declined("the all_gather_into_tensor sends a tensor without a known shape")
@@ -231,10 +245,10 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     if gathered.target is aten.view.default and list(fake_tensor(gathered).shape) == [world_size, width]:
         infrastructure.add(gathered)
         blocks = _column_blocks(gathered, width, live)  # a flat bucket viewed [W, N]: one block per matrix
-    elif send_value.dim() >= 2 or _feeds_whole(wait, live):
+    elif send_value.dim() >= 2 or feeds_whole(wait, live):
         blocks = [(wait, 0, width)]  # one matrix per gather, its rows gathered on dim 0
     else:
-        raise _element_ranges(wait, width, world_size, live)
+        raise element_ranges(wait, width, world_size, live)
     sites = []
     for block, offset, numel in blocks:
         sites.append(_site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live))
@@ -267,69 +281,6 @@ def _site_of_block(block, offset, numel, send, group, world_size, ns_by_input, o
                             result, transport, world_size, group, live)
     site.send = send
     return site
-
-
-def _check_gathers_before_newton_schulz(send: Node, ns_by_input, owner_only) -> None:
-    """KellerJordan's round-robin: each owner orthogonalises, then the updated parameters are gathered."""
-    upstream = ancestors([send])
-    computed = [ns for ns in ns_by_input.values() if ns.output in upstream]
-    computed += [info.newton_schulz for info in owner_only.values() if info.getitem in upstream]
-    if computed:
-        raise Declined(
-            f"Newton-Schulz already runs on its owner ({computed[0].output.name} feeds the send {send.name}); "
-            "the gather carries updated parameters: there is no gather before Newton-Schulz to remove"
-        )
-
-
-def fold_copies_into_new_buffers(graph: torch.fx.Graph) -> None:
-    """`dist.all_gather_into_tensor(out, x)` is functionalised as copy(new_empty(...), wait): out is wait.
-
-    The copy writes every element of a buffer nothing else reads, so its
-    users can read the gathered value directly (same values, same dtype).
-    """
-    for node in list(graph.nodes):
-        if node.target is not WAIT or not isinstance(node.args[0], Node) or node.args[0].target is not ALL_GATHER:
-            continue
-        for user in list(node.users):
-            if user.target is aten.copy.default and user.args[1] is node and _fresh_buffer(user.args[0]) \
-                    and fake_tensor(user).shape == fake_tensor(node).shape \
-                    and fake_tensor(user).dtype == fake_tensor(node).dtype:
-                buffer = user.args[0]
-                user.replace_all_uses_with(node)
-                graph.erase_node(user)
-                graph.erase_node(buffer)
-
-
-def _fresh_buffer(node) -> bool:
-    return isinstance(node, Node) and node.target in (
-        aten.new_empty.default, aten.empty.memory_format, aten.empty_like.default, aten.new_empty_strided.default
-    ) and len(node.users) == 1
-
-
-def _feeds_whole(wait: Node, live: set[Node]) -> bool:
-    """The gathered value reaches Newton-Schulz whole (through views), not cut into element ranges."""
-    node = wait
-    while True:
-        users = live_users(node, live)
-        if len(users) != 1 or users[0].target not in (aten.view.default, aten._unsafe_view.default):
-            return not any(u.target is aten.slice.Tensor for u in users)
-        node = users[0]
-
-
-def _element_ranges(wait: Node, width: int, world_size: int, live: set[Node]) -> Declined:
-    """Megatron's layout: rank r holds elements [r L, (r+1) L) of the concatenated matrices."""
-    spans = []
-    for user in live_users(wait, live):
-        if user.target is aten.slice.Tensor and user.args[1] == 0:
-            start, end = user.args[2], min(user.args[3], width * world_size)
-            ranks = sorted({start // width, (end - 1) // width}) if end > start else []
-            spans.append(f"elements {start}..{end} from rank(s) {'-'.join(map(str, ranks))}")
-    detail = "; ".join(spans[:3]) + ("; ..." if len(spans) > 3 else "")
-    return Declined(
-        f"element-range shards cross matrix boundaries: each rank sends {width} elements of one flat buffer and "
-        f"the matrices are cut from the gathered buffer by element ranges ({detail or 'no matrix slices'}), "
-        f"not one row block of every matrix from every rank"
-    )
 
 
 def _column_blocks(gathered: Node, width: int, live: set[Node]) -> list[tuple[Node, int, int]]:

@@ -34,6 +34,19 @@ plan, see plan.py; no rank constant anywhere):
         view_3 = aten.view(aten.slice(received, 1, 0, 30), [2, 5, 6]) ... permute ... addmm ...
         return (aten.cat([aten.view(clone(view_7), [2, 30])], 1),)          # [W destinations, chunk]
 
+Per-matrix gathers (one `all_gather_into_tensor` of a [s, c] row shard per
+matrix, own rows by `chunk(W)[rank]`, `narrow`, slicing, ...) are planned
+together: every gather of one group and dtype becomes part of one pair of
+all-to-alls (pack slices every send buffer; the owner views its [W, numel]
+block back to the gathered [W * s, c] shape before the user's own ops).
+In a graph whose rank is a constant (`dist.get_rank()` baked in), a
+balanced plan emits only this rank's owner work, without `cond`.
+
+The plan is applied only when the received bytes per rank fall, or stay
+equal (W = 2: 2 (W-1) G / W^2 = (W-1) G / W) while the Newton-Schulz FLOPs
+per rank fall; otherwise the gathers are kept and the reason gives both
+byte counts, the chunk and the plan.
+
 When every shape group's count is a multiple of W (a "uniform" plan), there
 is no cond: every rank runs the same slots, e.g. one 10 x 6 and one 7 x 7
 matrix each when there are two of both. With comm="gather_broadcast" the
