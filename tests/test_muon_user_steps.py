@@ -30,6 +30,8 @@ STEPS = 2
 SHARD_SHAPES = [(2, 6), (3, 4)]
 
 ROUND_ROBIN = "Newton-Schulz already runs on its owner"
+BALANCED = "rewritten, fewer bytes than the gathers but above the bound"
+UNEQUAL_SHARDS = [(2, 6), (3, 4), (1, 5)]  # one of each: owners hold different shapes
 ELEMENT_RANGES = "element-range shards cross matrix boundaries"
 
 # (name, step function, keyword arguments, expected: None = rewritten, else a phrase of the decline reason)
@@ -43,6 +45,8 @@ CASES = {
         ("per-matrix all_gather_tensor, split, KellerJordan's NS", steps.per_matrix, dict(own="split", ns="kj"), None),
         ("flat bucket view(W, -1), view(W, s, c)[rank], KellerJordan's NS", steps.flat_bucket, dict(ns="kj"), None),
         ("Megatron element ranges", steps.megatron_ranges, dict(shapes=((4, 6), (5, 3))), ELEMENT_RANGES),
+        ("unequal matrices (a balanced plan, owner work on its rank only)", steps.per_matrix,
+         dict(own="chunk", ns="kj"), BALANCED),
     ],
     4: [
         ("dist.all_gather_into_tensor, narrow, torch.optim.Muon's NS", steps.per_matrix_into_tensor,
@@ -61,7 +65,8 @@ def _state(name: str, world_size: int, rank: int) -> list[list[torch.Tensor]]:
         return [torch.randn(world_size * length, generator=gen).chunk(world_size)[rank].clone() for _ in range(3)]
     if name.startswith("round-robin"):  # full replicas: W parameters of one shape
         return [[torch.randn(6, 4, generator=gen) for _ in range(world_size)] for _ in range(3)]
-    shapes = [(world_size * s, c) for s, c in SHARD_SHAPES] * world_size
+    shards = UNEQUAL_SHARDS if name.startswith("unequal") else SHARD_SHAPES * world_size
+    shapes = [(world_size * s, c) for s, c in shards]
     return [[torch.randn(shape, generator=gen).chunk(world_size)[rank].clone() for shape in shapes]
             for _ in range(3)]
 
@@ -137,6 +142,11 @@ def test_gather_before_newton_schulz_becomes_two_all_to_alls_at_the_bound(ranks)
     world_size, results = ranks
     for rank, cases in enumerate(results):
         for case in cases:
+            if case["expected"] == BALANCED:
+                assert case["modified"] == [True], (rank, case["name"], case["declined"])
+                assert case["traffic"].received_after < case["traffic"].received_before
+                FileCheck().check_count("all_to_all_single.default(", 2, exactly=True).run(case["code"])
+                continue
             if case["expected"] is not None:
                 continue
             assert case["modified"] == [True], (rank, case["name"], case["declined"])
@@ -159,7 +169,7 @@ def test_other_shapes_are_declined_with_what_is_there(ranks):
     world_size, results = ranks
     for rank, cases in enumerate(results):
         for case in cases:
-            if case["expected"] is None:
+            if case["expected"] in (None, BALANCED):
                 continue
             assert case["modified"] == [False], (rank, case["name"])
             assert any(case["expected"] in reason for reason in case["declined"]), (case["name"], case["declined"])
