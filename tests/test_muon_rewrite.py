@@ -456,6 +456,17 @@ def test_normalisation_without_newton_schulz_steps_is_not_muon():
     FileCheck().check("all_gather_into_tensor").check("index_select").run(gm.code)
 
 
+def test_small_matrices_at_three_ranks_are_kept_when_bytes_would_grow():
+    """W = 3, a 3 x 4 and a 2 x 5 matrix: one bf16 row of each per rank (4 + 5 elements sent); the best owner
+    plan still sends the 5-element row in every chunk, 2 (W-1) x 5 > (W-1) x 9 elements."""
+    result = rewrite_muon_step(_step_graph([(3, 4), (2, 5)], 3, ns_steps=1), world_size=3)
+    assert not result.modified
+    (reason,) = result.declined
+    before, after = 2 * (4 + 5) * 2, 2 * 2 * 5 * 2  # bytes: (W-1) x send, 2 (W-1) x chunk
+    assert reason.startswith(f"planned received bytes per rank {after} > {before} with the gathers"), reason
+    assert "all-to-all chunk 5 elements" in reason
+
+
 def test_one_matrix_at_two_ranks_is_kept_whatever_its_send_shape():
     """A 2-D send is matched like a flat one; alone at W = 2 its owner plan pads a zero matrix: bytes would double."""
     ns = lambda full: newton_schulz(full, (3.4445, -4.775, 2.0315), 2, 1e-7)  # noqa: E731
