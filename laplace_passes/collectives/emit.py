@@ -10,6 +10,7 @@ and takes its rows of matrix i from i's owner after the second.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -24,44 +25,104 @@ c10d = torch.ops._c10d_functional
 Node = torch.fx.Node
 
 
-def emit_all_to_all(gm: torch.fx.GraphModule, bucket: GatherBucket, plan: OwnershipPlan, rank: Node | None) -> None:
+@dataclass
+class Exchange:
+    """The matrices whose gathers become one pair of all-to-alls: one group, one dtype, one plan."""
+
+    group: str
+    world_size: int
+    buckets: list[GatherBucket]
+
+    @property
+    def sites(self) -> list[MatrixSite]:
+        return [site for bucket in self.buckets for site in bucket.sites]
+
+    @property
+    def dtype_like(self) -> torch.Tensor:
+        return fake_tensor(self.buckets[0].send)
+
+
+def emit_all_to_all(gm: torch.fx.GraphModule, exchange: Exchange, plan: OwnershipPlan, rank: Node | int | None) -> None:
     """Insert pack -> all_to_all -> owned work -> all_to_all -> unpack; reroute the selections.
 
-    `rank` (the rank as a graph input) is needed by balanced plans only.
+    `rank` (the rank as a graph input, or this process's rank when the graph
+    is per rank) is needed by balanced plans only. The new nodes go before
+    the last gather (after every send); the graph is sorted again afterwards,
+    since updates of earlier matrices now read the second all-to-all.
     """
     graph = gm.graph
-    with graph.inserting_before(bucket.all_gather):
-        packed = _pack_by_owner(graph, bucket, plan)
-        received = _all_to_all(graph, packed, plan, bucket.group)  # [W sources, chunk]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    last_gather = max((b.all_gather for b in exchange.buckets), key=order.__getitem__)
+    sites = exchange.sites
+    with graph.inserting_before(last_gather):
+        packed = _pack_by_owner(graph, exchange, plan)
+        received = _all_to_all(graph, packed, plan, exchange.group)  # [W sources, chunk]
         if plan.slots:
-            work = _slot_work(graph, bucket, plan, received)
+            work = _slot_work(graph, sites, plan, received)
+        elif isinstance(rank, int):  # a per-rank graph: only this rank's owner work
+            work = _owned_work(graph, sites, plan, rank, received, exchange.dtype_like)
         else:
-            work = _owner_work(gm, bucket, plan, received, rank)
+            work = _owner_work(gm, exchange, plan, received, rank)
         flat = _call(graph, aten.view.default, work, [-1])  # [W destinations, chunk], flattened
-        returned = _all_to_all(graph, flat, plan, bucket.group)  # [W owners, chunk]
-        mine = [_unpack(graph, returned, plan, i, site) for i, site in enumerate(bucket.sites)]
-    for site, node in zip(bucket.sites, mine):
+        returned = _all_to_all(graph, flat, plan, exchange.group)  # [W owners, chunk]
+        mine = [_unpack(graph, returned, plan, i, site) for i, site in enumerate(sites)]
+    for site, node in zip(sites, mine):
         site.selection.replace_all_uses_with(node)
+    _sort_in_place(graph)
+
+
+def _sort_in_place(graph: torch.fx.Graph) -> None:
+    """Move each node after its inputs, keeping the order otherwise (node objects unchanged)."""
+    placed: set[Node] = set()
+    waiting: dict[Node, list[Node]] = {}
+    pending = list(reversed(graph.nodes))
+    cursor = None
+    while pending:
+        node = pending.pop()
+        missing = [n for n in node.all_input_nodes if n not in placed]
+        if missing:
+            waiting.setdefault(missing[-1], []).append(node)
+            continue
+        placed.add(node)
+        if cursor is not None and cursor.next is not node:
+            cursor.append(node)
+        cursor = node
+        pending.extend(reversed(waiting.pop(node, [])))
+    if waiting:
+        raise RuntimeError("muon_all_to_all: the rewritten graph has a cycle")
 
 
 def _call(graph: torch.fx.Graph, op, *args, **kwargs) -> Node:
     return graph.call_function(op, args, kwargs)
 
 
-def _pack_by_owner(graph: torch.fx.Graph, bucket: GatherBucket, plan: OwnershipPlan) -> Node:
+def _pack_by_owner(graph: torch.fx.Graph, exchange: Exchange, plan: OwnershipPlan) -> Node:
     """This rank's shards, ordered by the rank that owns them, zeros where an owner has nothing."""
     zeros: dict[int, Node] = {}
+    flat_sends: dict[Node, Node] = {}
+    sites = exchange.sites
     pieces = []
     for owner in range(plan.world_size):
         for _, numel, i in plan.layout(owner):
             if i is None:
                 if numel not in zeros:
-                    zeros[numel] = _zeros(graph, [numel], fake_tensor(bucket.send))
+                    zeros[numel] = _zeros(graph, [numel], exchange.dtype_like)
                 pieces.append(zeros[numel])
-            else:
-                site = bucket.sites[i]
-                pieces.append(_call(graph, aten.slice.Tensor, bucket.send, 0, site.offset, site.offset + site.numel))
+                continue
+            site = sites[i]
+            if site.send not in flat_sends:
+                flat_sends[site.send] = _flat(graph, site.send)
+            pieces.append(_call(graph, aten.slice.Tensor, flat_sends[site.send], 0, site.offset, site.offset + site.numel))
     return _call(graph, aten.cat.default, pieces)
+
+
+def _flat(graph: torch.fx.Graph, send: Node) -> Node:
+    value = fake_tensor(send)
+    if value.dim() == 1:
+        return send
+    if not value.is_contiguous():
+        send = _call(graph, aten.clone.default, send, memory_format=torch.contiguous_format)
+    return _call(graph, aten.view.default, send, [-1])
 
 
 def _all_to_all(graph: torch.fx.Graph, flat: Node, plan: OwnershipPlan, group: str) -> Node:
@@ -74,7 +135,11 @@ def _all_to_all(graph: torch.fx.Graph, flat: Node, plan: OwnershipPlan, group: s
 
 def _matrix_work(graph: torch.fx.Graph, site: MatrixSite, received: Node, offset: int, world_size: int) -> Node:
     """Rebuild one matrix from every rank's shard, orthogonalise it, lay it out per rank: [W, numel]."""
-    block = _call(graph, aten.slice.Tensor, received, 1, offset, offset + site.numel)
+    block = _call(graph, aten.slice.Tensor, received, 1, offset, offset + site.numel)  # [W, numel]
+    block_shape = list(fake_tensor(site.block).shape)
+    if block_shape != [world_size, site.numel]:  # a whole gathered matrix: W row blocks, rank-major
+        block = _call(graph, aten.clone.default, block, memory_format=torch.contiguous_format)
+        block = _call(graph, aten.view.default, block, block_shape)
     full = copy_region(graph, site.unpad, block)
     result = copy_region(graph, site.ns_template, full)
     layout = copy_region(graph, site.layout, result)  # [W, shard...]
@@ -83,24 +148,34 @@ def _matrix_work(graph: torch.fx.Graph, site: MatrixSite, received: Node, offset
     return _call(graph, aten.view.default, layout, [world_size, site.numel])
 
 
-def _slot_work(graph: torch.fx.Graph, bucket: GatherBucket, plan: OwnershipPlan, received: Node) -> Node:
+def _slot_work(graph: torch.fx.Graph, sites: list[MatrixSite], plan: OwnershipPlan, received: Node) -> Node:
     """Uniform plan: every rank runs every slot's computation (its group's template)."""
-    pieces = [_matrix_work(graph, bucket.sites[s.template], received, s.offset, plan.world_size) for s in plan.slots]
+    pieces = [_matrix_work(graph, sites[s.template], received, s.offset, plan.world_size) for s in plan.slots]
     return _call(graph, aten.cat.default, pieces, 1)
 
 
-def _owner_work(gm: torch.fx.GraphModule, bucket: GatherBucket, plan: OwnershipPlan, received: Node,
+def _owned_work(graph: torch.fx.Graph, sites, plan: OwnershipPlan, rank: int, received: Node, like) -> Node:
+    """Balanced plan in a per-rank graph: this rank's matrices only, zeros for the rest of its chunk."""
+    owned = plan.owned(rank)
+    pieces = [_matrix_work(graph, sites[i], received, plan.offsets[i], plan.world_size) for i in owned]
+    used = sum(plan.numels[i] for i in owned)
+    if used < plan.chunk_numel:
+        pieces.append(_zeros(graph, [plan.world_size, plan.chunk_numel - used], like))
+    return _call(graph, aten.cat.default, pieces, 1)
+
+
+def _owner_work(gm: torch.fx.GraphModule, exchange: Exchange, plan: OwnershipPlan, received: Node,
                 rank: Node) -> Node:
     """Balanced plan: one `cond(rank == owner)` per owner; each rank's result picked by `where`."""
     graph = gm.graph
-    like = fake_tensor(bucket.send)  # dtype and device of everything sent
+    like = exchange.dtype_like  # dtype and device of everything sent
     not_owner = _add_branch(gm, "_laplace_muon_not_owner", _zeros_branch(plan, like))
     combined = None
     for owner in range(plan.world_size):
         owned = plan.owned(owner)
         if not owned:
             continue
-        branch = _add_branch(gm, f"_laplace_muon_owner_{owner}", _owner_branch(bucket, plan, owned, like))
+        branch = _add_branch(gm, f"_laplace_muon_owner_{owner}", _owner_branch(exchange.sites, plan, owned, like))
         pred = _call(graph, aten.eq.Scalar, rank, owner)
         if fake_tensor(rank).dim():
             pred = _call(graph, aten.view.default, pred, [])
@@ -112,14 +187,10 @@ def _owner_work(gm: torch.fx.GraphModule, bucket: GatherBucket, plan: OwnershipP
     return combined
 
 
-def _owner_branch(bucket: GatherBucket, plan: OwnershipPlan, owned: list[int], like) -> torch.fx.GraphModule:
+def _owner_branch(sites, plan: OwnershipPlan, owned: list[int], like) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     received = graph.placeholder("received")
-    pieces = [_matrix_work(graph, bucket.sites[i], received, plan.offsets[i], plan.world_size) for i in owned]
-    used = sum(plan.numels[i] for i in owned)
-    if used < plan.chunk_numel:
-        pieces.append(_zeros(graph, [plan.world_size, plan.chunk_numel - used], like))
-    graph.output((_call(graph, aten.cat.default, pieces, 1),))
+    graph.output((_owned_work(graph, sites, plan, plan.owners[owned[0]], received, like),))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 

@@ -1,10 +1,14 @@
 """Finding the gather pattern of a sharded Muon step in an ATen graph.
 
-A bucket is one `all_gather_into_tensor` whose result, viewed `[W, N]`, is
-cut into column blocks, one per matrix (every rank's padded row shard of
-it). For each block the pattern is
+A bucket is one `all_gather_into_tensor`. Either its send is flat and the
+result, viewed `[W, N]`, is cut into column blocks, one per matrix (every
+rank's padded row shard of it), or the gathered value is one matrix whole
+(a per-matrix gather of row shards on dim 0, `[W * s, c]`, or a flat
+per-matrix send viewed back to its shape). `dist.all_gather_into_tensor(out,
+x)` arrives as `copy(new_empty(...), wait)`; the copy is folded away first.
+For each block the pattern is
 
-    block = slice(gathered, 1, a, b)                       # [W, numel]
+    block = slice(gathered, 1, a, b)   or the gathered value  # [W, numel] / [W * s, c]
     full  = unpad(block)                                   # any closed computation
     then either ("all_gather": every rank computes)
         result = NewtonSchulz(full)
@@ -12,51 +16,72 @@ it). For each block the pattern is
         r = cond(rank == owner, NewtonSchulz, zeros_like, (full,))[0]
         b = wait_tensor(broadcast(cat([..., view(r, [-1]), ...]), owner))
         result = view(slice(b, 0, offset, offset + numel), shape)
-    mine = select_own(layout(result))                      # layout: [W, ...], any closed computation
+    mine = select_own(layout(result))                      # layout: any closed computation
 
-where `select_own` takes this rank's entry of the world dimension:
-`index_select(., 0, i)` or `index(., [i])` with `i` a one-element integer
-graph input, or `select(., 0, r)` with `r` this process's rank in the group.
-`i` is taken to be the rank in the gather's group (the contract of
-`rewrite_muon_step`: ShardedMuon passes its rank so); NewtonSchulz needs one
-iteration at least, so a gather followed by a plain normalisation is not
-matched.
-Every node from the all-gather to the selections must serve only this
-pattern, so that all of it dies once the selections are replaced.
-Anything else is declined with the reason.
+where `select_own` takes this rank's block of `numel` elements:
+`index_select(., 0, i)` or `index(., [i])` on a `[W, ...]` layout with `i`
+a one-element integer graph input (taken to be the rank in the gather's
+group: the contract of `rewrite_muon_step`, ShardedMuon passes it so), or,
+with the rank a constant (`dist.get_rank()` baked in by Dynamo), any view
+that reads a contiguous run of `numel` elements of its source starting at
+`rank * numel`: `select`, `chunk` / `split` + `getitem`, `narrow`, slicing.
+NewtonSchulz needs one iteration at least, so a gather followed by a plain
+normalisation is not matched. Every node from the all-gather to the
+selections must serve only this pattern, so that all of it dies once the
+selections are replaced. Anything else is declined with the reason, among
+them: a gather of values Newton-Schulz already produced (KellerJordan's
+round-robin), matrices cut from a flat buffer by element ranges
+(Megatron's layout), a gathered value combined with other state before
+Newton-Schulz (replicated optimizer state).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
+from laplace_passes.collectives.aliases import SPLITS, Aliases, contiguous_strides
+from laplace_passes.collectives.gathers import (
+    ALL_GATHER,
+    BROADCAST,
+    WAIT,
+    check_gathers_before_newton_schulz,
+    element_ranges,
+    feeds_whole,
+    fold_copies_into_new_buffers,
+)
 from laplace_passes.collectives.newton_schulz import NewtonSchulz, find_newton_schulz
 from laplace_passes.collectives.regions import (
     Region,
+    RegionError,
     closed_region,
     live_nodes,
     live_users,
     signature,
 )
-from laplace_passes.fx_helpers import COND, fake_tensor, output_values, resolve_process_group, subgraph
+from laplace_passes.fx_helpers import (
+    COND,
+    ancestors,
+    fake_tensor,
+    is_view,
+    output_values,
+    resolve_process_group,
+    subgraph,
+)
 from laplace_passes.passes import Declined
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 Node = torch.fx.Node
 
-ALL_GATHER = c10d.all_gather_into_tensor.default
-BROADCAST = c10d.broadcast.default
-WAIT = c10d.wait_tensor.default
 
 
 @dataclass
 class MatrixSite:
-    block: Node  # the matrix's column block of the gathered buffer
-    offset: int
+    block: Node  # the matrix's column block of the gathered buffer (or the whole gathered value)
+    offset: int  # element offset of this rank's shard in the flattened send buffer
     numel: int
     unpad: Region  # block -> full matrix
     newton_schulz: NewtonSchulz
@@ -66,6 +91,7 @@ class MatrixSite:
     layout: Region  # result -> [W, ...]
     selection: Node
     transport: tuple[Node, ...] = ()  # gather_broadcast: cond ... broadcast ... slice
+    send: Node | None = None  # the gather's send buffer (any shape; packed flattened)
 
     @property
     def key(self) -> tuple:
@@ -76,7 +102,7 @@ class MatrixSite:
     def nodes(self) -> set[Node]:
         ns_nodes = self.newton_schulz.region.node_set if self.owner is None else frozenset()
         return {self.block, *self.unpad.nodes, *ns_nodes, *self.transport, self.result,
-                *self.layout.nodes, self.selection, *_index_plumbing(self.selection)}
+                *self.layout.nodes, self.selection, *_index_plumbing(self.selection), *_split_of(self.selection)}
 
 
 @dataclass
@@ -112,6 +138,7 @@ class _OwnerOnly:
 def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[GatherBucket], list[str]]:
     """The Muon buckets of `gm`, and why anything close was not one."""
     declined: list[str] = []
+    fold_copies_into_new_buffers(gm.graph)
     live = live_nodes(gm.graph)
     outer, misses = find_newton_schulz(gm.graph, live)
     declined += misses
@@ -172,7 +199,8 @@ def _owner_only(gm: torch.fx.GraphModule, cond: Node, live: set[Node]) -> _Owner
     return _OwnerOnly(cond, getitem, pred, owner, ns_list[0], body)
 
 
-_LAYOUT_ONLY = {aten.clone.default, aten.view.default, aten._unsafe_view.default}
+_LAYOUT_ONLY = {aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.permute.default,
+                aten.transpose.int, aten.t.default}
 
 
 def _owner_of(pred: Node) -> int:
@@ -205,37 +233,54 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     send, group_size, group = all_gather.args
     if group_size != world_size:
         raise Declined(f"gathers over {group_size} ranks, but world_size={world_size}")
+    check_gathers_before_newton_schulz(send, ns_by_input, owner_only)
     send_value = fake_tensor(send)
-    if send_value is None or send_value.dim() != 1:
-        # Packing slices the send buffer by element offsets: it must be flat.
-        shape = "unknown" if send_value is None else list(send_value.shape)
-        raise Declined(f"the all_gather_into_tensor sends a tensor of shape {shape}, not a flat buffer of shards")
+    if send_value is None or send_value.dim() == 0:
+        raise Declined("the all_gather_into_tensor sends a tensor without a known shape")
     wait = _sole_user(all_gather, "all_gather_into_tensor", live)
-    gathered = _sole_user(wait, "wait_tensor", live)
+    users = live_users(wait, live)
+    gathered = users[0] if len(users) == 1 else wait
     width = send_value.numel()
-    if gathered.target is not aten.view.default or list(fake_tensor(gathered).shape) != [world_size, width]:
-        raise Declined(f"the gathered buffer is not viewed as [{world_size}, {width}] (rank, element)")
-    infrastructure = {wait, gathered}
+    infrastructure = {wait}
+    if gathered.target is aten.view.default and list(fake_tensor(gathered).shape) == [world_size, width]:
+        infrastructure.add(gathered)
+        blocks = _column_blocks(gathered, width, live)  # a flat bucket viewed [W, N]: one block per matrix
+    elif send_value.dim() >= 2 or feeds_whole(wait, live):
+        blocks = [(wait, 0, width)]  # one matrix per gather, its rows gathered on dim 0
+    else:
+        raise element_ranges(wait, width, world_size, live)
     sites = []
-    for block, offset, numel in _column_blocks(gathered, width, live):
-        full = _full_matrix(block, ns_by_input, owner_only)
-        unpad = closed_region(block, full)
-        if full in ns_by_input:
-            ns = ns_by_input[full]
-            site = _finish_site(block, offset, numel, unpad, ns, ns.region, None, ns.region.output, (),
-                                world_size, group, live)
-        else:
-            info = owner_only[full]
-            result, transport = _through_broadcast(info, group, live)
-            site = _finish_site(block, offset, numel, unpad, info.newton_schulz, info.body, info.owner,
-                                result, transport, world_size, group, live)
-            infrastructure |= {n for n in transport if n.target in (BROADCAST, WAIT)}
-        sites.append(site)
+    for block, offset, numel in blocks:
+        sites.append(_site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live))
+        infrastructure |= {n for n in sites[-1].transport if n.target in (BROADCAST, WAIT)}
     if len({s.owner is None for s in sites}) > 1:
         raise Declined("mixes matrices every rank orthogonalises with owner-only ones")
     bucket = GatherBucket(all_gather, send, group, world_size, sites, infrastructure)
     _check_contained(bucket, live)
     return bucket
+
+
+def _site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live) -> MatrixSite:
+    full = _full_matrix(block, ns_by_input, owner_only)
+    try:
+        unpad = closed_region(block, full)
+    except RegionError as mixed:
+        raise Declined(
+            f"the gathered {block.name} is combined with other inputs before Newton-Schulz reads it as {full.name} "
+            f"({mixed}): state every rank keeps whole (a momentum of full matrices, as torch.optim.Muon's step "
+            "on a gathered gradient) needs the whole gathered value on every rank"
+        ) from None
+    if full in ns_by_input:
+        ns = ns_by_input[full]
+        site = _finish_site(block, offset, numel, unpad, ns, ns.region, None, ns.region.output, (),
+                            world_size, group, live)
+    else:
+        info = owner_only[full]
+        result, transport = _through_broadcast(info, group, live)
+        site = _finish_site(block, offset, numel, unpad, info.newton_schulz, info.body, info.owner,
+                            result, transport, world_size, group, live)
+    site.send = send
+    return site
 
 
 def _column_blocks(gathered: Node, width: int, live: set[Node]) -> list[tuple[Node, int, int]]:
@@ -305,8 +350,8 @@ def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[N
 
 
 def _finish_site(block, offset, numel, unpad, ns, template, owner, result, transport, world_size, group, live):
-    selection = _own_row_selection(result, world_size, group, live)
-    layout = closed_region(result, selection.args[0])
+    selection = _own_row_selection(result, world_size, numel, group, live)
+    layout = closed_region(result, selection_source(selection))
     if fake_tensor(layout.output).numel() != world_size * numel:
         raise Declined(
             f"{selection.name} selects from a layout of {fake_tensor(layout.output).numel()} elements, "
@@ -315,46 +360,104 @@ def _finish_site(block, offset, numel, unpad, ns, template, owner, result, trans
     return MatrixSite(block, offset, numel, unpad, ns, template, owner, result, layout, selection, transport)
 
 
-def _own_row_selection(result: Node, world_size: int, group: str, live: set[Node]) -> Node:
-    found, seen, frontier = [], set(), [result]
+def selection_source(selection: Node) -> Node:
+    """The [W, ...] (or [W * rows, ...]) value a selection reads: the split's input for getitem(split, i)."""
+    (split,) = _split_of(selection) or (selection,)
+    return split.args[0]
+
+
+def _split_of(selection: Node) -> tuple[Node, ...]:
+    source = selection.args[0] if selection.args else None
+    if selection.target is operator.getitem and isinstance(source, Node) and source.target in SPLITS:
+        return (source,)
+    return ()
+
+
+def _own_row_selection(result: Node, world_size: int, numel: int, group: str, live: set[Node]) -> Node:
+    found, others, seen, frontier = [], [], set(), [(result, False)]
+    aliases = Aliases()
     while frontier:
-        node = frontier.pop(0)
+        node, beyond = frontier.pop(0)  # beyond: downstream of a selection already
         for user in live_users(node, live):
             if user in seen:
                 continue
             seen.add(user)
             if user.op == "output":
+                if beyond:
+                    continue
                 raise Declined(f"Newton-Schulz result {result.name} reaches the graph output unsharded")
-            if _is_selection(user, world_size, group):
+            if _is_selection(user, world_size, numel, group, aliases, others):
                 found.append(user)
+                if user.target in (aten.index_select.default, aten.index.Tensor):
+                    continue
+                frontier.append((user, True))  # a view taking a rank's block may still be part of a layout
             else:
-                frontier.append(user)
+                frontier.append((user, beyond))
+    found = _first_selections(found)
     if len(found) != 1:
+        detail = f"; {others[0]}" if others and not found else ""
         raise Declined(
             f"Newton-Schulz result {result.name}: expected one selection of this rank's rows "
-            f"(index_select(., 0, rank) on a [{world_size}, ...] layout), found {len(found)}"
+            f"(its {numel}-element block of the result, by index_select, select, chunk, split, narrow or slicing), "
+            f"found {len(found)}{detail}"
         )
     return found[0]
 
 
-def _is_selection(node: Node, world_size: int, group: str) -> bool:
+def _first_selections(found: list[Node]) -> list[Node]:
+    """The rank-input selections if any (ShardedMuon), else the constant ones no other selection feeds."""
+    by_input = [n for n in found if n.target in (aten.index_select.default, aten.index.Tensor)]
+    if by_input:
+        return by_input
+    candidates = set(found)
+    return [n for n in found if not (ancestors(n.all_input_nodes) & candidates)]
+
+
+def _is_selection(node: Node, world_size: int, numel: int, group: str, aliases: Aliases, others: list[str]) -> bool:
     if node.op != "call_function" or not isinstance(node.args[0], Node):
         return False
     source = fake_tensor(node.args[0])
-    if source is None or source.dim() == 0 or source.shape[0] != world_size:
-        return False
-    if node.target is aten.index_select.default and node.args[1] == 0:
-        _rank_input(node.args[2])
-        return True
-    if node.target is aten.index.Tensor and len(node.args[1]) == 1:
-        _rank_input(node.args[1][0])
-        return True
-    if node.target is aten.select.int and node.args[1] == 0:
-        rank = _this_rank(group)
-        if rank is None or node.args[2] != rank:
-            raise Declined(f"{node.name} selects rank {node.args[2]}'s rows, and this process is rank {rank}")
-        return True
-    return False
+    if source is not None and source.dim() and source.shape[0] == world_size:
+        if node.target is aten.index_select.default and node.args[1] == 0:
+            _rank_input(node.args[2])
+            return True
+        if node.target is aten.index.Tensor and len(node.args[1]) == 1:
+            _rank_input(node.args[1][0])
+            return True
+    owner = _block_owner(node, world_size, numel, aliases)
+    rank = _this_rank(group) if owner is not None else None
+    if owner is not None and rank is not None and owner != rank:
+        # Not a selection of this rank's rows; it may still be part of the layout (a later op selects).
+        others.append(f"{node.name} ({_op_short(node)}) takes rank {owner}'s rows of its "
+                      f"[{world_size} x {numel}]-element result, but this process is rank {rank}")
+    return owner is not None and owner == rank
+
+
+def _block_owner(node: Node, world_size: int, numel: int, aliases: Aliases) -> int | None:
+    """The rank whose `numel` elements of its source `node` holds, in order; None if it is no such block.
+
+    Covers select / chunk / split / narrow / slicing / unbind alike: the
+    selection (a view op replayed on a fake tensor) is a contiguous run of
+    its source's elements, and the run's position says whose rows they are.
+    Without a process group a constant selection cannot be checked: None.
+    """
+    value = fake_tensor(node)
+    if value is None or value.numel() != numel or numel == 0:
+        return None
+    if not (is_view(node) or _split_of(node)):
+        return None
+    src_value = fake_tensor(selection_source(node))
+    if src_value is None or src_value.numel() != world_size * numel:
+        return None
+    inner = aliases.within_source(node)
+    if inner is None or inner.stride != contiguous_strides(inner.shape) or inner.offset % numel:
+        return None
+    return inner.offset // numel
+
+
+def _op_short(node: Node) -> str:
+    (split,) = _split_of(node) or (node,)
+    return getattr(split.target, "__name__", str(split.target))
 
 
 _INDEX_PLUMBING = {aten.view.default, aten.unsqueeze.default, aten.squeeze.dim, aten._unsafe_view.default}

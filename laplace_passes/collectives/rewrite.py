@@ -34,6 +34,19 @@ plan, see plan.py; no rank constant anywhere):
         view_3 = aten.view(aten.slice(received, 1, 0, 30), [2, 5, 6]) ... permute ... addmm ...
         return (aten.cat([aten.view(clone(view_7), [2, 30])], 1),)          # [W destinations, chunk]
 
+Per-matrix gathers (one `all_gather_into_tensor` of a [s, c] row shard per
+matrix, own rows by `chunk(W)[rank]`, `narrow`, slicing, ...) are planned
+together: every gather of one group and dtype becomes part of one pair of
+all-to-alls (pack slices every send buffer; the owner views its [W, numel]
+block back to the gathered [W * s, c] shape before the user's own ops).
+In a graph whose rank is a constant (`dist.get_rank()` baked in), a
+balanced plan emits only this rank's owner work, without `cond`.
+
+The plan is applied only when the received bytes per rank fall, or stay
+equal (W = 2: 2 (W-1) G / W^2 = (W-1) G / W) while the Newton-Schulz FLOPs
+per rank fall; otherwise the gathers are kept and the reason gives both
+byte counts, the chunk and the plan.
+
 When every shape group's count is a multiple of W (a "uniform" plan), there
 is no cond: every rank runs the same slots, e.g. one 10 x 6 and one 7 x 7
 matrix each when there are two of both. With comm="gather_broadcast" the
@@ -69,12 +82,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from laplace_passes.collectives.emit import emit_all_to_all
+from laplace_passes.collectives.emit import Exchange, emit_all_to_all
 from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket, find_buckets, rank_input
 from laplace_passes.collectives.newton_schulz import find_newton_schulz, may_hold_newton_schulz
 from laplace_passes.collectives.plan import OwnershipPlan, plan_ownership
-from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, per_rank_totals
-from laplace_passes.fx_helpers import COND, fake_tensor, fill_fake_values, subgraph, value_bytes
+from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, count_node, per_rank_totals
+from laplace_passes.fx_helpers import (
+    COND,
+    fake_tensor,
+    fake_value,
+    fill_fake_values,
+    resolve_process_group,
+    subgraph,
+    value_bytes,
+)
 from laplace_passes.passes import Declined, GraphPass, PassOutcome, run_pass
 from laplace_passes.report import TrafficRecord
 from laplace_passes.targets import HardwareTarget
@@ -143,24 +164,32 @@ class RewriteMuonStep(GraphPass):
             except Declined as unsupported:
                 declined.append(unsupported.reason)
                 buckets = []
-        if not buckets:
-            return PassOutcome(gm, modified=False, summary="no Muon gather pattern rewritten", declined=declined)
         before = collective_bytes(gm, world_size)
-        flops_before = _ns_flops_before(buckets, world_size)
         original = set(gm.graph.nodes)
-        plans = [_rewrite_bucket(gm, bucket) for bucket in buckets]
+        done: list[tuple[Exchange, OwnershipPlan, Saving]] = []
+        for exchange in _exchanges(buckets):
+            plan = _plan(exchange)
+            try:
+                saving = _check_saves(exchange, plan)
+            except Declined as no_gain:
+                declined.append(no_gain.reason)
+                continue
+            _rewrite_exchange(gm, exchange, plan)
+            done.append((exchange, plan, saving))
+        if not done:
+            return PassOutcome(gm, modified=False, summary="no Muon gather pattern rewritten", declined=declined)
         fill_fake_values(set(gm.graph.nodes) - original)  # later passes and inner compilers read shapes
-        gm.meta[PLANS_META_KEY] = plans
-        traffic = _traffic(buckets, plans, before, collective_bytes(gm, world_size), flops_before)
-        return PassOutcome(gm, modified=True, summary=_summary(buckets, plans, traffic), declined=declined,
-                           traffic=traffic)
+        gm.meta[PLANS_META_KEY] = [plan for _, plan, _ in done]
+        traffic = _traffic(done, before, collective_bytes(gm, world_size), world_size)
+        return PassOutcome(gm, modified=True, summary=_summary(done, traffic), declined=declined, traffic=traffic)
 
     def _check_present(self, gm: torch.fx.GraphModule) -> None:
         """Declined unless the graph is an ATen graph with static shapes and a gather to rewrite."""
         if self.world_size == 1:
             raise Declined("world_size is 1: there is no communication to rewrite")
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if any(fake_tensor(n) is None for n in placeholders):
+        # DTensor inputs arrive as a local tensor and an opaque mesh object: only the tensors need shapes.
+        if any(fake_value(n) is None for n in placeholders):
             raise Declined("the graph carries no shapes (meta['val']): trace it with fake tensors (AOT Autograd, make_fx)")
         if any(_symbolic(n) for n in placeholders):
             raise Declined("dynamic shapes: the ownership plan needs static sizes (compile with dynamic=False)")
@@ -191,21 +220,77 @@ def _gather_group_size(gm: torch.fx.GraphModule) -> int:
     return next(n.args[1] for n in gm.graph.nodes if n.target is ALL_GATHER)
 
 
-def _rewrite_bucket(gm: torch.fx.GraphModule, bucket: GatherBucket) -> OwnershipPlan:
-    sites = bucket.sites
-    ranks = {rank_input(s) for s in sites}
-    rank = ranks.pop() if len(ranks) == 1 else None  # balanced plans gate each owner's work on it
-    plan = plan_ownership(
+@dataclass(frozen=True)
+class Saving:
+    """What one exchange's plan changes per rank: received bytes and Newton-Schulz FLOPs."""
+
+    received_before: int
+    received_after: int
+    flops_before: int
+    flops_after: int
+
+
+def _exchanges(buckets: list[GatherBucket]) -> list[Exchange]:
+    """All gathers of one group and dtype are planned together: one owner per matrix across the step."""
+    grouped: dict[tuple, list[GatherBucket]] = {}
+    for bucket in buckets:
+        grouped.setdefault((bucket.group, fake_tensor(bucket.send).dtype), []).append(bucket)
+    return [Exchange(key[0], members[0].world_size, members) for key, members in grouped.items()]
+
+
+def _rank_for(exchange: Exchange) -> torch.fx.Node | int | None:
+    """How owners' work is gated: the rank input (ShardedMuon), this process's rank (per-rank graphs), or None."""
+    inputs = {rank_input(site) for site in exchange.sites}
+    if len(inputs) != 1:
+        return None
+    (rank,) = inputs
+    if rank is not None:
+        return rank
+    process_group = resolve_process_group(exchange.group)
+    return None if process_group is None else process_group.rank()
+
+
+def _plan(exchange: Exchange) -> OwnershipPlan:
+    sites = exchange.sites
+    return plan_ownership(
         [s.key for s in sites], [s.numel for s in sites], [s.newton_schulz.flops for s in sites],
-        bucket.world_size, allow_balanced=rank is not None,
+        exchange.world_size, allow_balanced=_rank_for(exchange) is not None,
     )
-    emit_all_to_all(gm, bucket, plan, rank)
-    _erase_dead(gm, bucket)
+
+
+def _check_saves(exchange: Exchange, plan: OwnershipPlan) -> Saving:
+    """Declined unless the plan receives fewer bytes per rank, or as many with less Newton-Schulz work.
+
+    At W = 2 the all-to-all bound 2 (W-1) G / W^2 equals the all-gather's
+    (W-1) G / W: there the rewrite is worth it only for the Newton-Schulz
+    work it stops repeating on every rank.
+    """
+    W = exchange.world_size
+    element = fake_tensor(exchange.buckets[0].send).element_size()
+    gathers = [c for b in exchange.buckets for n in (b.all_gather, *b.broadcasts) if (c := count_node(n, W))]
+    _, before = per_rank_totals(gathers, W)
+    after = 2 * (W - 1) * plan.chunk_numel * element
+    flops_before = _ns_flops_before(exchange.sites, W)
+    saving = Saving(before, after, flops_before, plan.flops_per_rank)
+    what = (f"{len(exchange.sites)} matrices from {len(exchange.buckets)} gather(s), all-to-all chunk "
+            f"{plan.chunk_numel} elements, {plan.kind} plan with {plan.padding_matrices} zero matrices")
+    if after > before:
+        raise Declined(f"planned received bytes per rank {after} > {before} with the gathers ({what}); "
+                       "the gathers are kept")
+    if after == before and saving.flops_after >= flops_before:
+        raise Declined(f"planned received bytes per rank {after} = {before} with the gathers and Newton-Schulz "
+                       f"FLOPs per rank {saving.flops_after} >= {flops_before} ({what}); the gathers are kept")
+    return saving
+
+
+def _rewrite_exchange(gm: torch.fx.GraphModule, exchange: Exchange, plan: OwnershipPlan) -> None:
+    emit_all_to_all(gm, exchange, plan, _rank_for(exchange))
+    for bucket in exchange.buckets:
+        _erase_dead(gm, bucket)
     remaining = set(gm.graph.nodes)
-    left = [n.name for n in (bucket.all_gather, *bucket.broadcasts) if n in remaining]
-    if left:  # the pass's promise: no gather or broadcast left for the bucket's matrices
-        raise RuntimeError(f"muon_all_to_all: {left} still in the graph after rewriting their bucket")
-    return plan
+    left = [n.name for b in exchange.buckets for n in (b.all_gather, *b.broadcasts) if n in remaining]
+    if left:  # the pass's promise: no gather or broadcast left for the exchange's matrices
+        raise RuntimeError(f"muon_all_to_all: {left} still in the graph after rewriting their gathers")
 
 
 def _erase_dead(gm: torch.fx.GraphModule, bucket: GatherBucket) -> None:
@@ -222,26 +307,25 @@ def _erase_dead(gm: torch.fx.GraphModule, bucket: GatherBucket) -> None:
     gm.delete_all_unused_submodules()
 
 
-def _ns_flops_before(buckets: list[GatherBucket], world_size: int) -> int:
+def _ns_flops_before(sites, world_size: int) -> int:
     per_rank = [0] * world_size
-    for bucket in buckets:
-        for site in bucket.sites:
-            for rank in range(world_size) if site.owner is None else (site.owner,):
-                per_rank[rank] += site.newton_schulz.flops
+    for site in sites:
+        for rank in range(world_size) if site.owner is None else (site.owner,):
+            per_rank[rank] += site.newton_schulz.flops
     return max(per_rank)
 
 
-def _traffic(buckets, plans, before: list[CollectiveBytes], after: list[CollectiveBytes],
-             flops_before: int) -> TrafficRecord:
-    W = buckets[0].world_size
-    matrix_bytes = sum(value_bytes(s.result) for b in buckets for s in b.sites)
+def _traffic(done, before: list[CollectiveBytes], after: list[CollectiveBytes], W: int) -> TrafficRecord:
+    sites = [s for exchange, _, _ in done for s in exchange.sites]
+    plans = [plan for _, plan, _ in done]
+    matrix_bytes = sum(value_bytes(s.result) for s in sites)
     sent_before, received_before = per_rank_totals(before, W)
     sent_after, received_after = per_rank_totals(after, W)
     return TrafficRecord(
         graph="",  # the report's runner names the graph
         world_size=W,
         ownership=", ".join(sorted({p.kind for p in plans})),
-        matrices=sum(len(b.sites) for b in buckets),
+        matrices=len(sites),
         padding_matrices=sum(p.padding_matrices for p in plans),
         matrix_bytes=matrix_bytes,
         lower_bound_bytes=2 * (W - 1) * matrix_bytes // W**2,
@@ -252,20 +336,25 @@ def _traffic(buckets, plans, before: list[CollectiveBytes], after: list[Collecti
         sent_after=sent_after,
         received_after=received_after,
         received_ratio=received_before / received_after if received_after else float("inf"),
-        ns_flops_before=flops_before,
+        ns_flops_before=sum(saving.flops_before for _, _, saving in done),
         ns_flops_after=sum(p.flops_per_rank for p in plans),
     )
 
 
-def _summary(buckets: list[GatherBucket], plans: list[OwnershipPlan], traffic: TrafficRecord) -> str:
-    n = sum(len(b.sites) for b in buckets)
-    pads = sum(p.padding_matrices for p in plans)
-    comms = ", ".join(sorted({b.comm for b in buckets}))
-    return (
-        f"{n} Muon matrices ({comms}) in {len(buckets)} bucket(s) -> 2 all_to_all_single each, "
-        f"{traffic.ownership} ownership, {pads} zero matrices; received per rank {traffic.received_before} -> "
-        f"{traffic.received_after} bytes ({traffic.received_ratio:.2f}x less)"
+def _summary(done, traffic: TrafficRecord) -> str:
+    n = sum(len(exchange.sites) for exchange, _, _ in done)
+    gathers = sum(len(exchange.buckets) for exchange, _, _ in done)
+    comms = ", ".join(sorted({b.comm for exchange, _, _ in done for b in exchange.buckets}))
+    text = (
+        f"{n} Muon matrices ({comms}) from {gathers} gather(s) -> 2 all_to_all_single per exchange "
+        f"({len(done)} exchange(s)), {traffic.ownership} ownership, {traffic.padding_matrices} zero matrices; "
+        f"received per rank {traffic.received_before} -> {traffic.received_after} bytes"
     )
+    if traffic.received_after < traffic.received_before:
+        return text + f" ({traffic.received_ratio:.2f}x less)"
+    return text + (f" (unchanged: at W = {traffic.world_size} two all-to-alls receive what the gather did); "
+                   f"applied because Newton-Schulz FLOPs per rank fall {traffic.ns_flops_before} -> "
+                   f"{traffic.ns_flops_after}")
 
 
 def is_candidate(gm: torch.fx.GraphModule) -> bool:

@@ -38,12 +38,13 @@ class CollectiveBytes:
 
 def collective_bytes(gm: torch.fx.GraphModule, world_size: int) -> list[CollectiveBytes]:
     """One entry per collective node of `gm` (subgraphs of control flow are not searched)."""
-    out = []
-    for node in gm.graph.nodes:
-        counted = _count(node, world_size)
-        if counted is not None:
-            out.append(CollectiveBytes(node.name, node.target.__name__.split(".")[0], *counted))
-    return out
+    return [c for node in gm.graph.nodes if (c := count_node(node, world_size)) is not None]
+
+
+def count_node(node: torch.fx.Node, world_size: int) -> CollectiveBytes | None:
+    """The bytes of one collective node, or None when it is not one we account for."""
+    counted = _count(node, world_size)
+    return None if counted is None else CollectiveBytes(node.name, node.target.__name__.split(".")[0], *counted)
 
 
 def _count(node: torch.fx.Node, W: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
