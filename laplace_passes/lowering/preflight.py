@@ -152,6 +152,7 @@ class PreflightCompiler(InnerCompiler):
     """
 
     name = "neuron-preflight"
+    static_shapes = True  # the graphs inner="neuron" would receive
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         return make_boxed_func(gm.forward)

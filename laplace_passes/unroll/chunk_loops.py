@@ -60,7 +60,7 @@ def chunk_count(node: torch.fx.Node) -> int:
         raise Declined("no shape information on q")
     T = q.shape[1]
     if not isinstance(T, int):
-        raise Declined(f"T = {T} is dynamic; the chunk loop needs a static sequence length")
+        raise Declined(f"kept as a runtime loop: T is dynamic ({T}); the op counts its chunks at run time")
     scale, chunk_size, sub_chunk_size = node.args[-_SETTINGS:]
     return ChunkLayout.plan(T, chunk_size, sub_chunk_size).n_chunks
 
