@@ -101,34 +101,76 @@ class PerShapeCompiler:
         self.compile_static = compile_static  # (static graph module, example inputs) -> callable
         self.config = config
         self.compiled: dict[tuple, Callable] = {}
+        # Inputs that are numbers (sizes, floats Dynamo made dynamic): constants in each specialised graph.
+        self.is_number = [_is_number_input(n) for n in gm.graph.find_nodes(op="placeholder")]
 
     def __call__(self, *args: Any) -> Any:
-        key = tuple(_shape_key(a) for a in args)
+        key = tuple(_number(a) if number else _shape_key(a) for a, number in zip(args, self.is_number, strict=True))
         compiled = self.compiled.get(key)
         if compiled is None:
             static = specialise(self.gm, list(args))
             self.config.report.specialised.append(_describe(self.gm, args))
-            compiled = self.compiled[key] = self.compile_static(static, list(args))
-        return compiled(*args)
+            compiled = self.compiled[key] = self.compile_static(static, self._without_numbers(args))
+        return compiled(*self._without_numbers(args))
+
+    def _without_numbers(self, args: tuple) -> list:
+        return [a for a, number in zip(args, self.is_number, strict=True) if not number]
 
 
 def specialise(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
-    """A copy of Dynamo's graph `gm` whose fake values are those of `args` (real inputs): every size static.
+    """A copy of Dynamo's graph `gm` for the inputs `args` (real inputs): every size static.
 
-    Parameters and submodules are shared with `gm`; only the graph and the
-    fake values are new. The graph's code is unchanged: a size it reads
-    from a tensor or receives as an input is an int at run time anyway.
+    Numbers Dynamo passes as inputs (a size, `Sym(s70)`; with dynamic=True
+    a float attribute, as a 0-d tensor read by `.item()`) become
+    constants, and their placeholders go: the copy takes only the other
+    inputs. Fake values are recomputed from `args` in a
+    fake mode without symbols. Parameters and submodules are shared with
+    `gm`; only the graph and the fake values are new.
     """
     static = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     static.meta = dict(gm.meta)
+    kept = []
+    for node, arg in zip(list(static.graph.find_nodes(op="placeholder")), args, strict=True):
+        if not _is_number_input(node):
+            kept.append(arg)
+        else:
+            _replace_by_constant(node, _number(arg))
+    static.recompile()
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # no ShapeEnv: sizes are ints
-    FakeTensorProp(static, mode).propagate(*args)
+    FakeTensorProp(static, mode).propagate(*kept)
     for node in static.graph.nodes:
         node.meta[_DYNAMO_KEY] = node.meta.pop("val", None)
     leftover = [n.name for n in static.graph.nodes if not is_static(fake_value(n))]
     if leftover:  # a data-dependent size: fake values alone cannot make it static
         raise RuntimeError(f"specialising a graph per shape left symbolic sizes on {leftover[:5]}")
     return static
+
+
+def _replace_by_constant(node: torch.fx.Node, value: int | float) -> None:
+    """Every use of the input `node` reads `value` instead (its `.item()` calls too); `node` goes."""
+    for user in [u for u in node.users if _is_item(u)]:
+        user.replace_all_uses_with(node)
+        node.graph.erase_node(user)
+    for user in list(node.users):
+        user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), lambda n: value if n is node else n)
+    node.graph.erase_node(node)
+
+
+def _is_number_input(node: torch.fx.Node) -> bool:
+    """A size input, or a 0-d tensor input read only by `.item()` (a float Dynamo made dynamic)."""
+    if isinstance(fake_value(node), torch.SymInt):
+        return True
+    value = fake_value(node)
+    return (isinstance(value, torch.Tensor) and value.dim() == 0 and bool(node.users)
+            and all(_is_item(u) for u in node.users))
+
+
+def _is_item(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "item"
+
+
+def _number(value: Any) -> int | float:
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 def _shape_key(value: Any) -> tuple:

@@ -10,6 +10,7 @@ estimate from its shapes, in units of the target's tile, `matmul_tile` =
             dimension, one P x F output tile per instruction and K-step)
     views   view, reshape, permute, expand, slice, select, getitem, ...   0
             (layout changes the compiler folds into its access patterns)
+    sizes   sym_size and arithmetic on sizes (graphs with symbolic sizes)   0
     other   ceil(max(numel of inputs and output) / (P * F)), at least 1
             (elementwise ops, reductions, copies, scans: one instruction per
             full tile the op reads or writes)
@@ -77,6 +78,8 @@ class SizeModel:
     def node_instructions(self, node: torch.fx.Node) -> int:
         if node.op != "call_function" or node.target is operator.getitem:
             return 0
+        if isinstance(fake_value(node), (torch.SymInt, int)):
+            return 0  # a size (sym_size, arithmetic on sizes): host arithmetic, no instruction
         if node.target in (SCAN, WHILE_LOOP):
             return self._loop_instructions(node)
         if node.target is COND:
