@@ -104,26 +104,25 @@ def test_inductor_inner_matches_eager():
         torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-4)
 
 
-def test_dynamic_sequence_length_is_declined_with_a_reason():
+def test_dynamic_sequence_length_keeps_the_chunk_loop_as_a_runtime_loop():
     def f(q, k, v, gk):
         return laplace_passes.gla(q, k, v, gk)[0]
 
-    q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
-    gk = -gk.abs()
-    torch._dynamo.mark_dynamic(q, 1)
     report = laplace_passes.Report()
-    compiled = torch.compile(f, backend="laplace", dynamic=True, options={"report": report})
-    torch.testing.assert_close(compiled(q, k, v, gk), f(q, k, v, gk))
+    compiled = torch.compile(f, backend="laplace", dynamic=True, options={"report": report, "target": "cpu"})
+    for T in (40, 70):  # one graph for both: 1 chunk of 64, then 2
+        q, k, v, gk = (torch.randn(1, T, 2, 8) for _ in range(4))
+        torch.testing.assert_close(compiled(q, k, v, -gk.abs()), f(q, k, v, -gk.abs()), rtol=RTOL, atol=1e-4)
     (site,) = report.sites
-    assert site.status == "declined"
-    assert "T = " in site.reason and "is dynamic" in site.reason
-    assert report.passes[0].declined == [f"{site.node}: {site.reason}"]
-    assert "declined" in str(report)
-    # The declined site still runs: the graph keeps the reference op.
-    FileCheck().check("laplace.gla").run(report.graph("after").code)
+    assert site.status == "retiled" and isinstance(site.plan["T"], str) and site.plan["n_chunks"] == "run time"
+    assert site.form.startswith("chunked, kept as a runtime loop: T is dynamic")
+    # The token recurrence is gone; the chunk loop runs as one op, its trip count taken at run time.
+    FileCheck().check_not("laplace.gla.default").check("laplace.chunked_gla").run(report.graph("after").code)
+    (loop,) = report.graph_record("inference_0").loops
+    assert loop.status == "declined" and loop.reason.startswith("kept as a runtime loop: T is dynamic")
 
 
-def test_dynamic_value_dimension_is_declined_with_a_reason():
+def test_dynamic_value_dimension_keeps_the_chunk_loop_as_a_runtime_loop():
     def f(q, k, v, gk):
         return laplace_passes.gla(q, k, v, gk)[0]
 
@@ -132,10 +131,11 @@ def test_dynamic_value_dimension_is_declined_with_a_reason():
     torch._dynamo.mark_dynamic(v, 3)
     report = laplace_passes.Report()
     compiled = torch.compile(f, backend="laplace", options={"report": report, "target": "cpu"})
-    torch.testing.assert_close(compiled(q, k, v, -gk.abs()), f(q, k, v, -gk.abs()))
+    torch.testing.assert_close(compiled(q, k, v, -gk.abs()), f(q, k, v, -gk.abs()), rtol=RTOL, atol=1e-4)
     (site,) = report.sites
-    assert site.status == "declined"
-    assert site.reason.startswith("v has a dynamic size s") and "needs static shapes" in site.reason
+    assert site.status == "retiled" and site.shape["V"].startswith("s")
+    (loop,) = report.graph_record("inference_0").loops
+    assert loop.reason.startswith("kept as a runtime loop: a dynamic size (s")
 
 
 def test_retiling_can_be_switched_off():
