@@ -62,8 +62,9 @@ compilers) never see such a graph: each concrete shape is compiled on its
 own (`laplace_passes.shapes`), and unrolled.
 
 Declined sites keep their `laplace::gla` node (the token recurrence: correct,
-slow) and the report says why: inputs the op rejects, or inputs without
-shape information.
+slow) and the report says why: inputs the op rejects, inputs without shape
+information, or a scale computed at run time (the default scale of a
+dynamic head size K).
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ class RetileGLA(GraphPass):
         try:
             if any(v is None for v in values):
                 raise Declined("no shape information on the inputs (graph was not traced with fake tensors)")
+            if isinstance(site.scale, torch.fx.Node):  # K ** -0.5 of a symbolic K: a value known only at run time
+                raise Declined(f"the scale is computed at run time ({site.scale.name}, from a dynamic head size "
+                               "K); keep K static or pass scale= as a number")
             _require_valid_inputs(site, values)
         except Declined as declined:
             record.reason = declined.reason
