@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from laplace_passes.backend import compile_config, laplace_backend
+from laplace_passes.buckets import check_buckets, with_seq_buckets
 from laplace_passes.compile_fx import capture_graphs
 from laplace_passes.fla import FlaCallNotReplaced
 from laplace_passes.fla.not_replaced import triton_error_call
@@ -21,6 +22,7 @@ def compile(
     inner: Any = "eager",
     fullgraph: bool = False,
     dynamic: bool = False,
+    seq_buckets: Sequence[int] | None = None,
     **options: Any,
 ):
     """Compile a module or function with the laplace passes.
@@ -36,6 +38,13 @@ def compile(
     shapes are static by default (``dynamic=False``) because the chunk plan and
     the Neuron compiler both need them. The result carries the compile's
     report as ``.laplace_report``.
+
+    ``seq_buckets=[128, 256, 512]``: for causal models only (outputs at a
+    position must not depend on later positions). Token inputs are padded
+    along dimension 1 up to the next bucket and outputs sliced back, so any
+    length up to the largest bucket compiles at most once per bucket
+    (`laplace_passes.buckets`: what is padded, with what, and what is not
+    sliced). A module comes back wrapped in a module holding the compiled one.
     """
     if not isinstance(fullgraph, bool):
         raise TypeError(f"fullgraph must be a bool, got {type(fullgraph).__name__}")
@@ -45,6 +54,8 @@ def compile(
     report = Report() if report is None else report
     full_options = {"target": target, "inner": inner, "report": report, **options}
     compile_config(full_options)  # fail now, not at the first call
+    if seq_buckets is not None:
+        check_buckets(seq_buckets)
 
     def wrap(obj: Callable):
         if not callable(obj):
@@ -52,6 +63,8 @@ def compile(
         fla_sites.install()
         compiled = torch.compile(obj, backend=laplace_backend, options=full_options,
                                  fullgraph=fullgraph, dynamic=dynamic)
+        if seq_buckets is not None:
+            compiled = with_seq_buckets(compiled, seq_buckets)
         compiled.laplace_report = report
         return compiled
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from laplace_passes._checks import check_chunk_size, check_flag, check_gla_args, resolve_scale
 from laplace_passes.chunked_forward import DEFAULT_SUB_CHUNK, chunk_plan, chunked_forward
 from laplace_passes.chunked_backward import chunked_backward
+from laplace_passes.fx_helpers import tensor_bytes
 from laplace_passes.gla import check_gates, refuse_double_backward
 
 
@@ -94,10 +95,11 @@ CHUNK_LOOP_OPS = (torch.ops.laplace.chunked_gla.default, torch.ops.laplace.chunk
 def chunked_gla_saved_bytes(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None) -> int:
     """Bytes `laplace::chunked_gla` keeps for its backward: its inputs, nothing else.
 
-    Accepts fake or meta tensors: only shapes and dtypes are read.
+    Accepts fake or meta tensors: only shapes and dtypes are read (symbolic
+    sizes at the traced example's values).
     """
     kept = [q, k, v, gk] + ([initial_state] if initial_state is not None else [])
-    return sum(t.numel() * t.element_size() for t in kept)
+    return sum(tensor_bytes(t) for t in kept)
 
 
 def chunked_gla(

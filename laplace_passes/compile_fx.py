@@ -27,15 +27,27 @@ from laplace_passes.fx import fla_sites
 from laplace_passes.passes import run_passes
 from laplace_passes.pipeline import aten_passes, dynamo_passes, graph_context
 from laplace_passes.report import Report, remember
+from laplace_passes.shapes import PerShapeCompiler, report_dynamic_dims, static_shapes_reason
 from laplace_passes.unroll import compile_graph
 
 KINDS = ("forward", "backward", "inference")
 
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> Callable:
-    """Run the passes on a Dynamo graph and compile it: the body of the `laplace` backend."""
+    """Run the passes on a Dynamo graph and compile it: the body of the `laplace` backend.
+
+    A graph with symbolic sizes on a compile that needs static shapes is
+    compiled once per concrete shape, at its first call (`laplace_passes.shapes`).
+    """
+    remember(config.report)
+    if report_dynamic_dims(gm, config) and static_shapes_reason(config):
+        return PerShapeCompiler(gm, functools.partial(_compile_graph, config=config), config)
+    return _compile_graph(gm, example_inputs, config)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> Callable:
+    """The passes, AOT Autograd, the ATen passes and the inner compiler, for one Dynamo graph."""
     report = config.report
-    remember(report)
     if fla_sites.install() != fla_sites.covered_before_install():
         report.notes.append(
             "fla was imported after the laplace backend was loaded, so fla calls traced in this "

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
@@ -72,6 +73,27 @@ def is_static(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(is_static(v) for v in value)
     return not isinstance(value, torch.SymInt)
+
+
+def size_hint(size: Any) -> int:
+    """An int for a size that may be symbolic: its value in the example the graph was traced with.
+
+    Reads the symbol's hint without adding a guard: estimates (instructions,
+    bytes) made from it hold for the example, and the graph stays general.
+    """
+    return optimization_hint(size, fallback=1) if isinstance(size, torch.SymInt) else int(size)
+
+
+def dynamic_dims(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's inputs with symbolic sizes, one "input dim i = symbol" entry per dimension."""
+    found = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = fake_value(node)
+        if isinstance(value, torch.SymInt):
+            continue  # a size passed as an input: named by the tensor dimensions it comes from
+        for tensor in tensor_values(value):
+            found += [f"{node.name} dim {i} = {s}" for i, s in enumerate(tensor.shape) if not isinstance(s, int)]
+    return found
 
 
 def fake_mode_of(values: Iterable[Any], graph: torch.fx.Graph | None = None) -> FakeTensorMode | None:
@@ -196,8 +218,13 @@ def is_view(node: Node) -> bool:
 
 
 def value_bytes(node: Node) -> int:
-    """Bytes of the tensors a node produces (0 when unknown or not a tensor)."""
-    return sum(t.numel() * t.element_size() for t in tensor_values(fake_value(node)))
+    """Bytes of the tensors a node produces (0 when unknown or not a tensor); symbolic sizes at their hint."""
+    return sum(tensor_bytes(t) for t in tensor_values(fake_value(node)))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """A (fake) tensor's bytes, an int even when its sizes are symbolic (see `size_hint`)."""
+    return size_hint(tensor.numel()) * tensor.element_size()
 
 
 # -- loops, branches and their subgraphs ---------------------------------------------------

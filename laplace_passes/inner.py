@@ -26,6 +26,9 @@ class InnerCompiler:
     name = "inner"  # what the report shows
     # AOT Autograd's joint-graph partitioner (None: its default).
     partition_fn: Callable | None = None
+    # True: takes graphs with static shapes only; a graph with symbolic sizes is compiled once
+    # per concrete shape instead (`laplace_passes.shapes`).
+    static_shapes = False
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         """A boxed callable running `gm`; `kind` is "forward", "backward" or "inference"."""

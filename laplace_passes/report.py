@@ -180,6 +180,10 @@ class Report:
         self.passes: list[PassRecord] = []
         self.sites: list[SiteRecord] = []
         self.notes: list[str] = []
+        # Graphs with symbolic sizes (laplace_passes.shapes): "graph input dim i = symbol" per dynamic
+        # dimension, and one entry per concrete shape compiled on its own for a static-shape target.
+        self.dynamic_dims: list[str] = []
+        self.specialised: list[str] = []
 
     # -- building -----------------------------------------------------------
     def new_graph(self, kind: str, gm: torch.fx.GraphModule) -> GraphRecord:
@@ -223,6 +227,8 @@ class Report:
             "passes": [asdict(p) for p in self.passes],
             "sites": [asdict(s) for s in self.sites],
             "notes": list(self.notes),
+            "dynamic_dims": list(self.dynamic_dims),
+            "specialised": list(self.specialised),
         }
 
     def to_json(self, **kwargs) -> str:
@@ -262,6 +268,7 @@ class Report:
         lines += _loop_and_size_tables(self.graphs)
         if self.traffic:
             lines += _traffic_tables(self.traffic)
+        lines += _shape_lines(self.dynamic_dims, self.specialised)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -298,6 +305,17 @@ def _loop_and_size_tables(graphs: list[GraphRecord]) -> list[str]:
             ["graph", "partition", "nodes", "instructions", "bytes in"],
             [[name, p.index, p.nodes, p.instructions, _bytes(p.bytes_in)] for name, p in parts],
         )
+    return lines
+
+
+def _shape_lines(dynamic_dims: list[str], specialised: list[str]) -> list[str]:
+    if not dynamic_dims:
+        return []
+    lines = ["dynamic dimensions: " + "; ".join(dynamic_dims)]
+    if specialised:
+        count = len(specialised)
+        lines.append(f"{count} shape{'' if count == 1 else 's'} specialised (each compiled statically on its own): "
+                     + "; ".join(specialised))
     return lines
 
 

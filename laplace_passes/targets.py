@@ -44,6 +44,8 @@ class HardwareTarget:
     recurrent_max_tokens: GLA sites this short (decode: 1 token) get the recurrent form, one
         state update per token, instead of a chunk padded to `partitions` rows; measured by
         `benchmarks/bench_fla.py` (the crossover of the two forms).
+    static_shapes: the target's compiler takes static shapes only (neuronx-cc): a graph with
+        symbolic sizes is compiled once per concrete shape (`laplace_passes.shapes`).
     """
 
     name: str
@@ -54,6 +56,7 @@ class HardwareTarget:
     max_graph_instructions: int | None = None
     matmul_tile: tuple[int, int] = (128, 512)
     recurrent_max_tokens: int = 0
+    static_shapes: bool = False
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
     description: str = ""
 
@@ -77,6 +80,7 @@ TRN2 = HardwareTarget(
     matmul_tile=(128, 512),
     # The estimated instructions of the two forms cross at T = 24 (1.3B heads) to 48 (tiny heads).
     recurrent_max_tokens=16,
+    static_shapes=True,  # neuronx-cc; TorchNeuron recompiles per shape and rejects dynamic=True
     collectives=CollectiveConstraints(
         all_to_all_equal_splits_only=True,
         all_to_all_group_sizes=(4, 8, 16),

@@ -104,38 +104,52 @@ def test_inductor_inner_matches_eager():
         torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-4)
 
 
-def test_dynamic_sequence_length_is_declined_with_a_reason():
+def test_dynamic_sequence_length_keeps_the_chunk_loop_as_a_runtime_loop():
     def f(q, k, v, gk):
         return laplace_passes.gla(q, k, v, gk)[0]
 
-    q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
-    gk = -gk.abs()
-    torch._dynamo.mark_dynamic(q, 1)
     report = laplace_passes.Report()
-    compiled = torch.compile(f, backend="laplace", dynamic=True, options={"report": report})
-    torch.testing.assert_close(compiled(q, k, v, gk), f(q, k, v, gk))
-    (site,) = report.sites
-    assert site.status == "declined"
-    assert "T = " in site.reason and "is dynamic" in site.reason
-    assert report.passes[0].declined == [f"{site.node}: {site.reason}"]
-    assert "declined" in str(report)
-    # The declined site still runs: the graph keeps the reference op.
-    FileCheck().check("laplace.gla").run(report.graph("after").code)
+    compiled = torch.compile(f, backend="laplace", options={"report": report, "target": "cpu"})
+    for T in (40, 70, 150):  # the second length recompiles with a symbolic T: 2, then 3 chunks of 64
+        q, k, v, gk = (torch.randn(1, T, 2, 8) for _ in range(4))
+        torch.testing.assert_close(compiled(q, k, v, -gk.abs()), f(q, k, v, -gk.abs()), rtol=RTOL, atol=1e-4)
+    static, site = report.sites
+    assert static.plan["T"] == 40
+    assert site.status == "retiled" and isinstance(site.plan["T"], str) and site.plan["n_chunks"] == "run time"
+    assert site.form.startswith("chunked, kept as a runtime loop: T is dynamic")
+    # The token recurrence is gone; the chunk loop runs as one op, its trip count taken at run time.
+    FileCheck().check_not("laplace.gla.default").check("laplace.chunked_gla").run(
+        report.graph("after", "inference_1").code)
+    (loop,) = report.graph_record("inference_1").loops
+    assert loop.status == "declined" and loop.reason.startswith("kept as a runtime loop: T is dynamic")
 
 
-def test_dynamic_value_dimension_is_declined_with_a_reason():
+def test_dynamic_value_dimension_keeps_the_chunk_loop_as_a_runtime_loop():
     def f(q, k, v, gk):
         return laplace_passes.gla(q, k, v, gk)[0]
 
-    q, k, gk = (torch.randn(1, 20, 1, 8) for _ in range(3))
-    v = torch.randn(1, 20, 1, 6)
+    q, k, gk = (torch.randn(1, 100, 1, 8) for _ in range(3))  # over cpu's 64 tokens of the recurrent form
+    v = torch.randn(1, 100, 1, 6)
     torch._dynamo.mark_dynamic(v, 3)
     report = laplace_passes.Report()
     compiled = torch.compile(f, backend="laplace", options={"report": report, "target": "cpu"})
+    torch.testing.assert_close(compiled(q, k, v, -gk.abs()), f(q, k, v, -gk.abs()), rtol=RTOL, atol=1e-4)
+    (site,) = report.sites
+    assert site.status == "retiled" and site.shape["V"].startswith("s")
+    (loop,) = report.graph_record("inference_0").loops
+    assert loop.reason.startswith("kept as a runtime loop: a dynamic size (s")
+
+
+def test_default_scale_of_a_dynamic_head_size_is_declined_with_a_reason():
+    def f(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    report = laplace_passes.Report()
+    compiled = torch.compile(f, backend="laplace", dynamic=True, options={"report": report, "target": "cpu"})
+    q, k, v, gk = (torch.randn(1, 20, 2, 8) for _ in range(4))
     torch.testing.assert_close(compiled(q, k, v, -gk.abs()), f(q, k, v, -gk.abs()))
     (site,) = report.sites
-    assert site.status == "declined"
-    assert site.reason.startswith("v has a dynamic size s") and "needs static shapes" in site.reason
+    assert site.status == "declined" and site.reason.startswith("the scale is computed at run time")
 
 
 def test_retiling_can_be_switched_off():

@@ -24,9 +24,9 @@ LAYERS = {
     "core": ["targets", "_checks", "gla", "chunked", "chunked_forward", "chunked_backward", "fx_helpers",
              "report", "passes", "logs", "inner", "files"],
     "passes": ["fx", "unroll", "collectives", "fla"],
-    "compile": ["config", "pipeline", "compile_fx"],
+    "compile": ["config", "pipeline", "shapes", "compile_fx"],
     "lowering": ["lowering"],
-    "front door": ["backend", "api", "cli", "demo", "dump", "__init__"],
+    "front door": ["backend", "api", "buckets", "cli", "demo", "dump", "__init__"],
 }
 
 

@@ -43,15 +43,28 @@ autograd of the recurrent form would save every step's state (T states of
 [B, H, K, V]), the chunked op's explicit backward only its inputs. The
 threshold per target is the measured crossover (`benchmarks/bench_fla.py`).
 It has no chunk plan, so it also takes a batch Dynamo made dynamic (a
-decode graph recompiled for a second batch size). The report's form column
+decode graph recompiled for a second batch size); a dynamic T takes the
+chunked form (NOTE [dynamic T]). The report's form column
 says which form each site got and why (docs/DESIGN.md section 3.6).
 
 Sites inside the body of a scan or while_loop are rewritten there (in a copy
 of the body); the unroll pass then makes them one chunk-loop op per trip.
 
+NOTE [dynamic T]
+A site whose sizes are symbolic (a graph Dynamo compiled for dynamic shapes)
+is re-tiled too. The chunk-loop op takes any T: it counts its chunks, and
+pads the last one, from the actual T at each call. The ATen-level unroll
+pass cannot unroll a loop whose trip count is not static, so with a dynamic
+T the op stays in the graph as a runtime loop over chunks (the report's form
+column says "kept as a runtime loop: T is dynamic"); the token recurrence is
+never what runs. Targets that need static shapes (trn2, the lowering inner
+compilers) never see such a graph: each concrete shape is compiled on its
+own (`laplace_passes.shapes`), and unrolled.
+
 Declined sites keep their `laplace::gla` node (the token recurrence: correct,
-slow) and the report says why: a sequence length or head size that is not
-static, or inputs the op rejects.
+slow) and the report says why: inputs the op rejects, inputs without shape
+information, or a scale computed at run time (the default scale of a
+dynamic head size K).
 """
 
 from __future__ import annotations
@@ -105,28 +118,29 @@ class RetileGLA(GraphPass):
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> SiteRecord:
         record = SiteRecord(graph="", node=site.node.name, origin=site.origin, status="declined")
         values = [fake_value(n) for n in site.tensor_inputs()]
-        needs_grad = _needs_grad(site.node)
-        recurrent = self._form(_static_length(values), needs_grad).startswith("recurrent")
         try:
-            # The recurrent form has no chunk plan: it takes any batch size.
-            _require_static_shapes(values, batch_may_vary=recurrent)
+            if any(v is None for v in values):
+                raise Declined("no shape information on the inputs (graph was not traced with fake tensors)")
+            if isinstance(site.scale, torch.fx.Node):  # K ** -0.5 of a symbolic K: a value known only at run time
+                raise Declined(f"the scale is computed at run time ({site.scale.name}, from a dynamic head size "
+                               "K); keep K static or pass scale= as a number")
             _require_valid_inputs(site, values)
         except Declined as declined:
             record.reason = declined.reason
             return record
         q, v = values[0], values[2]
         B, T, H, K = q.shape
-        record.shape = {"B": B if isinstance(B, int) else str(B), "H": H, "K": K, "V": v.shape[-1],
+        record.shape = {"B": _size_cell(B), "H": _size_cell(H), "K": _size_cell(K), "V": _size_cell(v.shape[-1]),
                         "dtype": str(q.dtype).removeprefix("torch.")}
-        record.form = self._form(T, needs_grad)
-        if recurrent:
+        record.form = self._form(T if isinstance(T, int) else None, _needs_grad(site.node))
+        if record.form.startswith("recurrent"):
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
             record.saved_bytes = 0  # no gradient flows through it
             self._install(gm.graph, site, gla_recurrence, (site.scale,), "gla_recurrence")
         else:
             initial_state = values[4] if site.initial_state is not None else None
             record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state)
-            record.plan = chunk_plan(T, self.chunk_size)
+            record.plan = chunk_plan(T, self.chunk_size) if isinstance(T, int) else _runtime_plan(T, self.chunk_size)
             self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
                           (site.scale, self.chunk_size, self.sub_chunk_size), "chunked_gla")
         record.status = "retiled"
@@ -134,7 +148,10 @@ class RetileGLA(GraphPass):
 
     def _form(self, T: int | None, needs_grad: bool) -> str:
         """Which form a site of T tokens (None: not static) gets, and why (NOTE [short sites])."""
-        if T is None or T > self.recurrent_max_tokens:
+        if T is None:
+            return (f"chunked, kept as a runtime loop: T is dynamic (chunks of {self.chunk_size} counted, and "
+                    "the last one padded, at run time)")
+        if T > self.recurrent_max_tokens:
             return f"chunked: T = {T} > {self.recurrent_max_tokens}"
         if needs_grad:
             return (f"chunked: T = {T} <= {self.recurrent_max_tokens} but gradients flow through it (the "
@@ -172,26 +189,14 @@ def _bodies_with_sites(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Gra
     ]
 
 
-def _static_length(values: list) -> int | None:
-    q = values[0]
-    return q.shape[1] if q is not None and isinstance(q.shape[1], int) else None
+def _size_cell(size) -> int | str:
+    """A size for the report: the int, or the symbol's name when it is dynamic."""
+    return size if isinstance(size, int) else str(size)
 
 
-def _require_static_shapes(values: list, batch_may_vary: bool = False) -> None:
-    if any(v is None for v in values):
-        raise Declined("no shape information on the inputs (graph was not traced with fake tensors)")
-    q = values[0]
-    first = 1 if batch_may_vary else 0  # every input's first dimension is the batch
-    for name, size in list(zip("BTHK", q.shape))[first:]:
-        if not isinstance(size, int):
-            raise Declined(f"{name} = {size} is dynamic; the chunk plan needs a static shape "
-                           "(compile with dynamic=False or mark the dimension static)")
-    # The other inputs: V (v's last dimension) and the initial state's shape.
-    for input_name, value in zip(("k", "v", "gk", "initial_state"), values[1:]):
-        dynamic = [size for size in value.shape[first:] if not isinstance(size, int)]
-        if dynamic:
-            raise Declined(f"{input_name} has a dynamic size {dynamic[0]} (shape {tuple(value.shape)}); the chunked "
-                           "computation needs static shapes (compile with dynamic=False or mark the dimension static)")
+def _runtime_plan(T: torch.SymInt, chunk_size: int) -> dict:
+    """The chunk plan of a dynamic T: the chunk size is fixed, the rest is decided per call."""
+    return {"T": str(T), "chunk_size": chunk_size, "n_chunks": "run time", "padding": "run time"}
 
 
 def _require_valid_inputs(site: GlaSite, values: list) -> None:

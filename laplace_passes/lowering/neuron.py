@@ -105,6 +105,7 @@ class NeuronCompiler(InnerCompiler):
     options: dict[str, Any] = field(default_factory=dict)
     strict_preflight: bool = True
     name = "neuron"
+    static_shapes = True
 
     def __post_init__(self) -> None:
         if self.options.get("dynamic", False) is not False:

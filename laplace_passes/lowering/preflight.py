@@ -40,6 +40,7 @@ from laplace_passes.lowering.legalize import lowering_passes
 from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
 from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
 from laplace_passes.report import Report
+from laplace_passes.shapes import NEURON_ADVICE
 from laplace_passes.targets import HardwareTarget
 
 # The findings of `NeuronPreflight`, kept on the graph it checked.
@@ -131,14 +132,22 @@ class PreflightReport:
     def by_check(self, check: str) -> list[Finding]:
         return [f for f in self.findings if f.check == check]
 
+    @property
+    def dynamic_dims(self) -> list[str]:
+        """Input dimensions the examples marked dynamic: each concrete shape is checked (and compiled) on its own."""
+        return self.report.dynamic_dims
+
     def to_dict(self) -> dict:
-        return {"target": self.target, "graphs": self.graphs, "findings": [asdict(f) for f in self.findings]}
+        return {"target": self.target, "graphs": self.graphs, "findings": [asdict(f) for f in self.findings],
+                "dynamic_dims": list(self.dynamic_dims)}
 
     def __str__(self) -> str:
         head = f"Neuron preflight ({self.target}): {len(self.graphs)} graph(s) checked"
-        if self.ok:
-            return f"{head}, no finding"
-        return "\n".join([f"{head}, {len(self.findings)} finding(s):", *(f"  {f}" for f in self.findings)])
+        lines = [f"{head}, no finding"] if self.ok else [f"{head}, {len(self.findings)} finding(s):",
+                                                          *(f"  {f}" for f in self.findings)]
+        if self.dynamic_dims:
+            lines += [f"dynamic dimensions: {'; '.join(self.dynamic_dims)}", f"  {NEURON_ADVICE}"]
+        return "\n".join(lines)
 
     __repr__ = __str__
 
@@ -152,6 +161,7 @@ class PreflightCompiler(InnerCompiler):
     """
 
     name = "neuron-preflight"
+    static_shapes = True  # the graphs inner="neuron" would receive
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         return make_boxed_func(gm.forward)

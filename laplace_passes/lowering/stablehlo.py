@@ -227,6 +227,7 @@ class StableHLOCompiler(InnerCompiler):
     """inner="stablehlo": each graph lowered by torch-mlir (failing at compile time if it cannot), then run eagerly."""
 
     name = "stablehlo"
+    static_shapes = True  # neuronx-cc's input: every size static
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         lowered_graph(gm, example_inputs)

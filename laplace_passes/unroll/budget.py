@@ -6,7 +6,10 @@ report records its size either way. Over the budget, the graph becomes a
 driver that calls its partitions in order (NOTE [partitioned graph: before
 and after] in `split.py`), and `split.compile_graph` compiles each partition
 separately. A graph that no cut can fit (one node alone over the budget) is
-declined with that reason and compiled whole.
+declined with that reason and compiled whole, and so is a graph with
+symbolic sizes (its estimate holds for the traced example only; targets
+with a budget compile each concrete shape on its own, see
+`laplace_passes.shapes`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import is_view, value_bytes
+from laplace_passes.fx_helpers import dynamic_dims, is_view, value_bytes
 from laplace_passes.passes import Declined, GraphPass, PassOutcome
 from laplace_passes.report import PartitionRecord, SizeRecord
 from laplace_passes.unroll.partition import plan_partitions
@@ -59,6 +62,7 @@ class FitGraphToBudget(GraphPass):
         if self.budget is None or size.instructions <= self.budget:
             return PassOutcome(gm, modified=False, summary=summary + ": fits", size=info)
         try:
+            _require_static_sizes(gm)
             plan = plan_partitions(gm, size.per_node, self.budget)
         except Declined as declined:
             info.note = f"over budget, not cut: {declined.reason}"
@@ -81,6 +85,14 @@ class FitGraphToBudget(GraphPass):
             instructions = self.model.measure(gm.get_submodule(call.target)).instructions
             if instructions > self.budget:
                 raise RuntimeError(f"partition {index} has {instructions} instructions > budget {self.budget}")
+
+
+def _require_static_sizes(gm: torch.fx.GraphModule) -> None:
+    """Partitions are compiled for static shapes: a graph with symbolic sizes is not cut."""
+    dynamic = dynamic_dims(gm)
+    if dynamic:
+        raise Declined(f"its sizes are dynamic ({', '.join(dynamic)}), estimated at the traced example's "
+                       "values; a static-shape target compiles each concrete shape on its own instead")
 
 
 def backward_activation_bytes(gm: torch.fx.GraphModule, forward_graphs: list[torch.fx.GraphModule] = ()) -> int:

@@ -18,6 +18,9 @@ state update, and copied in place of the node:
     getitem_3 = the traced output
 
 Traces are cached per signature, so the layers of a model share one trace.
+An op with a symbolic size (T or the batch) is declined: it stays in the
+graph as a runtime loop, which takes any size (NOTE [dynamic T] in
+`laplace_passes.fx.retile`).
 The trace runs in the host graph's fake mode, so every new node carries a
 fake value in `meta["val"]` like the rest of an AOT graph.
 """
@@ -60,7 +63,12 @@ def chunk_count(node: torch.fx.Node) -> int:
         raise Declined("no shape information on q")
     T = q.shape[1]
     if not isinstance(T, int):
-        raise Declined(f"T = {T} is dynamic; the chunk loop needs a static sequence length")
+        raise Declined(f"kept as a runtime loop: T is dynamic ({T}); the op counts its chunks at run time")
+    dynamic = [f"{s}" for a in node.args for s in getattr(fake_tensor(a), "shape", ()) if not isinstance(s, int)]
+    if dynamic:
+        # The trace is static (one copy of the body per chunk); the op itself takes any size.
+        raise Declined(f"kept as a runtime loop: a dynamic size ({dynamic[0]}); the body is traced at static "
+                       "shapes only")
     scale, chunk_size, sub_chunk_size = node.args[-_SETTINGS:]
     return ChunkLayout.plan(T, chunk_size, sub_chunk_size).n_chunks
 

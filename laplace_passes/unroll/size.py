@@ -10,6 +10,7 @@ estimate from its shapes, in units of the target's tile, `matmul_tile` =
             dimension, one P x F output tile per instruction and K-step)
     views   view, reshape, permute, expand, slice, select, getitem, ...   0
             (layout changes the compiler folds into its access patterns)
+    sizes   sym_size and arithmetic on sizes (graphs with symbolic sizes)   0
     other   ceil(max(numel of inputs and output) / (P * F)), at least 1
             (elementwise ops, reductions, copies, scans: one instruction per
             full tile the op reads or writes)
@@ -19,7 +20,8 @@ estimate from its shapes, in units of the target's tile, `matmul_tile` =
     cond    the sum of both branches (each is compiled)
 
 Placeholders, outputs and attributes cost nothing. A node without shape
-information counts 1.
+information counts 1. A symbolic size (a graph compiled for dynamic shapes)
+counts at its value in the example the graph was traced with.
 
 Calibration. The estimate is made on the ATen graph; neuronx-cc compiles the
 StableHLO torch-mlir makes of it, after decompositions. The same formula
@@ -48,7 +50,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import COND, SCAN, WHILE_LOOP, fake_tensor, fake_value, is_view, subgraph, tensor_values
+from laplace_passes.fx_helpers import (
+    COND, SCAN, WHILE_LOOP, fake_tensor, fake_value, is_view, size_hint, subgraph, tensor_values,
+)
 
 aten = torch.ops.aten
 
@@ -80,6 +84,8 @@ class SizeModel:
     def node_instructions(self, node: torch.fx.Node) -> int:
         if node.op != "call_function" or node.target is operator.getitem:
             return 0
+        if isinstance(fake_value(node), (torch.SymInt, int)):
+            return 0  # a size (sym_size, arithmetic on sizes): host arithmetic, no instruction
         if node.target in (SCAN, WHILE_LOOP):
             return self._loop_instructions(node)
         if node.target is COND:
@@ -91,7 +97,6 @@ class SizeModel:
             if estimate is not None:
                 return estimate
         numels = [_numel(v) for v in _tensor_values(node)]
-        numels = [n for n in numels if n is not None]
         if not numels:
             return 1
         return self.elementwise_instructions(max(numels))
@@ -115,10 +120,8 @@ class SizeModel:
         a, b = (args[1], args[2]) if node.target.overloadpacket in (aten.addmm, aten.baddbmm) else (args[0], args[1])
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
             return None
-        *batch, M, K = a.shape
-        if not all(isinstance(d, int) for d in (*batch, M, K, b.shape[-1])):
-            return None  # a dynamic size: counted like any other op, from the static numels only
-        return self.matmul_instructions(math.prod(batch), M, K, b.shape[-1])
+        *batch, M, K = (size_hint(d) for d in a.shape)  # a dynamic size: at the example's value
+        return self.matmul_instructions(math.prod(batch), M, K, size_hint(b.shape[-1]))
 
     def _cond_instructions(self, node: torch.fx.Node) -> int:
         """Both branches: the compiler generates the code of each."""
@@ -134,7 +137,7 @@ class SizeModel:
             xs = node.args[2]
             first = fake_tensor(xs[0]) if xs else None
             length = first.shape[0] if first is not None and first.dim() else 1
-            trips = length if isinstance(length, int) else 1
+            trips = size_hint(length)
         return per_trip * trips
 
 
@@ -153,6 +156,5 @@ def _tensor_values(node: torch.fx.Node) -> list:
     return values
 
 
-def _numel(value: torch.Tensor) -> int | None:
-    numel = value.numel()
-    return numel if isinstance(numel, int) else None
+def _numel(value: torch.Tensor) -> int:
+    return size_hint(value.numel())

@@ -1,0 +1,189 @@
+"""Graphs with symbolic sizes: compiled as they are, or once per concrete shape.
+
+Dynamo hands the backend a graph with symbolic sizes when a dimension
+changed between calls (automatic dynamic shapes), with `dynamic=True`, or
+for a dimension marked with `torch._dynamo.mark_dynamic`. What happens to
+it depends on what the compile is for:
+
+* Inner compilers that take dynamic shapes (eager, inductor, a callable) on
+  a target without a graph-size budget (cpu) get the graph as it is. GLA
+  sites are still re-tiled; with a dynamic T the chunk-loop op stays a
+  runtime loop over chunks (NOTE [dynamic T] in `laplace_passes.fx.retile`).
+* Static-shape compiles (a target with `static_shapes`, trn2; an inner
+  compiler with `static_shapes`, the lowering ones; or a graph-instruction
+  budget, which is measured on static shapes) get one static compile per
+  concrete shape, made at the first call with that shape: see NOTE
+  [specialising per shape]. That is what TorchNeuron does itself (it
+  rejects dynamic=True and recompiles per shape), and each shape runs the
+  same code as a static compile would: unrolled, sized, partitioned.
+
+Either way the report names the dynamic dimensions (`Report.dynamic_dims`),
+counts the shapes specialised (`Report.specialised`) and, for Neuron
+targets, says how to compile once instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from laplace_passes.config import CompileConfig
+from laplace_passes.fx_helpers import dynamic_dims, fake_value, is_static, tensor_values
+
+# Dynamo keeps a node's fake value under this key (AOT graphs: "val").
+_DYNAMO_KEY = "example_value"
+
+
+NEURON_ADVICE = (
+    "Neuron compiles static shapes only: the dynamic dimensions above are compiled once per concrete "
+    "shape (one neuronx-cc compile each, as TorchNeuron does). To compile once, keep the dimension static "
+    "(laplace_passes.compile's default dynamic=False, no torch._dynamo.mark_dynamic, "
+    "torch._dynamo.mark_static), or pad token inputs to a few lengths: "
+    "laplace_passes.compile(model, seq_buckets=[...]) (causal models)"
+)
+
+
+def static_shapes_reason(config: CompileConfig) -> str:
+    """Why this compile needs static shapes ("" when it does not)."""
+    if config.target.static_shapes:
+        return f"target {config.target.name} compiles static shapes only"
+    if config.inner.static_shapes:
+        return f"inner compiler {config.inner.name} takes static shapes only"
+    if config.max_graph_instructions is not None:
+        return "the graph-instruction budget is measured, and graphs cut, at static shapes"
+    return ""
+
+
+def report_dynamic_dims(gm: torch.fx.GraphModule, config: CompileConfig) -> list[str]:
+    """Record the graph's dynamic dimensions in the report (and, for Neuron, what to do); return them."""
+    dims = dynamic_dims(gm)
+    report = config.report
+    report.dynamic_dims += [d for d in dims if d not in report.dynamic_dims]
+    if dims and _neuron(config) and NEURON_ADVICE not in report.notes:
+        report.notes.append(NEURON_ADVICE)
+    return dims
+
+
+def _neuron(config: CompileConfig) -> bool:
+    return config.target.static_shapes or config.inner.name == "neuron"
+
+
+class PerShapeCompiler:
+    """The backend's callable for a graph with symbolic sizes on a static-shape compile.
+
+    NOTE [specialising per shape]
+    Before (what Dynamo hands over after a second length, trn2):
+
+        def forward(self, s70: "Sym(s70)", l_input_ids_: "i64[1, s70]", ...):
+            view: "f32[1, s70, 2, 32]" = linear.view(1, s70, 2, 32)
+            gla_default = torch.ops.laplace.gla.default(view, ...)
+
+    After: nothing is compiled yet. At each call the inputs' shapes are
+    looked up; a new shape gets a copy of the graph whose fake values are
+    recomputed from the call's inputs in a fake mode without symbols, so
+    every size is an int, and that copy goes through the whole pipeline
+    like a graph Dynamo traced with static shapes:
+
+        call with l_input_ids_ [1, 48]:   view: "f32[1, 48, 2, 32]"   1 chunk of 128, unrolled
+        call with l_input_ids_ [1, 300]:  view: "f32[1, 300, 2, 32]"  3 chunks, unrolled
+
+    Each compiled shape is kept (no limit: Dynamo's recompile limit does
+    not apply, this is one Dynamo graph) and listed in the report.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, compile_static: Callable, config: CompileConfig) -> None:
+        self.gm = gm
+        self.compile_static = compile_static  # (static graph module, example inputs) -> callable
+        self.config = config
+        self.compiled: dict[tuple, Callable] = {}
+        # Inputs that are numbers (sizes, floats Dynamo made dynamic): constants in each specialised graph.
+        self.is_number = [_is_number_input(n) for n in gm.graph.find_nodes(op="placeholder")]
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple(_number(a) if number else _shape_key(a) for a, number in zip(args, self.is_number, strict=True))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            static = specialise(self.gm, list(args))
+            self.config.report.specialised.append(_describe(self.gm, args))
+            compiled = self.compiled[key] = self.compile_static(static, self._without_numbers(args))
+        return compiled(*self._without_numbers(args))
+
+    def _without_numbers(self, args: tuple) -> list:
+        return [a for a, number in zip(args, self.is_number, strict=True) if not number]
+
+
+def specialise(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
+    """A copy of Dynamo's graph `gm` for the inputs `args` (real inputs): every size static.
+
+    Numbers Dynamo passes as inputs (a size, `Sym(s70)`; with dynamic=True
+    a float attribute, as a 0-d tensor read by `.item()`) become
+    constants, and their placeholders go: the copy takes only the other
+    inputs. Fake values are recomputed from `args` in a
+    fake mode without symbols. Parameters and submodules are shared with
+    `gm`; only the graph and the fake values are new.
+    """
+    static = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    static.meta = dict(gm.meta)
+    kept = []
+    for node, arg in zip(list(static.graph.find_nodes(op="placeholder")), args, strict=True):
+        if not _is_number_input(node):
+            kept.append(arg)
+        else:
+            _replace_by_constant(node, _number(arg))
+    static.recompile()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # no ShapeEnv: sizes are ints
+    FakeTensorProp(static, mode).propagate(*kept)
+    for node in static.graph.nodes:
+        node.meta[_DYNAMO_KEY] = node.meta.pop("val", None)
+    leftover = [n.name for n in static.graph.nodes if not is_static(fake_value(n))]
+    if leftover:  # a data-dependent size: fake values alone cannot make it static
+        raise RuntimeError(f"specialising a graph per shape left symbolic sizes on {leftover[:5]}")
+    return static
+
+
+def _replace_by_constant(node: torch.fx.Node, value: int | float) -> None:
+    """Every use of the input `node` reads `value` instead (its `.item()` calls too); `node` goes."""
+    for user in [u for u in node.users if _is_item(u)]:
+        user.replace_all_uses_with(node)
+        node.graph.erase_node(user)
+    for user in list(node.users):
+        user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), lambda n: value if n is node else n)
+    node.graph.erase_node(node)
+
+
+def _is_number_input(node: torch.fx.Node) -> bool:
+    """A size input, or a 0-d tensor input read only by `.item()` (a float Dynamo made dynamic)."""
+    if isinstance(fake_value(node), torch.SymInt):
+        return True
+    value = fake_value(node)
+    return (isinstance(value, torch.Tensor) and value.dim() == 0 and bool(node.users)
+            and all(_is_item(u) for u in node.users))
+
+
+def _is_item(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "item"
+
+
+def _number(value: Any) -> int | float:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _shape_key(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device))
+    return ("value", value)
+
+
+def _describe(gm: torch.fx.GraphModule, args: tuple) -> str:
+    """The shapes of the inputs with dynamic sizes, e.g. "l_input_ids_ [1, 48]"."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    parts = [
+        f"{node.name} {list(arg.shape)}" for node, arg in zip(placeholders, args)
+        if isinstance(arg, torch.Tensor) and not all(is_static(t) for t in tensor_values(fake_value(node)))
+    ]
+    return ", ".join(parts) or "the same shapes, other strides"

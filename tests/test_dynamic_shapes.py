@@ -1,0 +1,203 @@
+"""Shapes that change: plain torch.compile(backend="laplace") over many B and T, mark_dynamic, seq_buckets.
+
+Every compiled result is checked against the same model run eagerly (the
+token recurrence), and the graphs the inner compiler receives are captured
+to check what runs: never the token recurrence; on trn2 every chunk loop
+unrolled at a static shape.
+"""
+
+import json
+
+import pytest
+import torch
+import torch._dynamo
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import laplace_passes
+import model_zoo
+from laplace_passes.buckets import IGNORE_INDEX, SeqBuckets, check_buckets
+from laplace_passes.fx_helpers import is_static, op_name
+from laplace_passes.unroll import FitGraphToBudget, SizeModel
+from laplace_passes.passes import run_pass
+from tests.lm_cases import capture_inner, loss_and_grads, tokens
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+# (B, T): T below one chunk (chunk 64 on cpu, 128 on trn2), and T not a multiple of the chunk.
+CALLS = [(1, 20), (2, 130), (3, 48)]
+TOKEN_RECURRENCE = ("laplace.gla.default", "laplace.gla_backward.default")
+CHUNK_LOOPS = ("laplace.chunked_gla.default", "laplace.chunked_gla_backward.default")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo's cache and its limit of 8 compiles per code object span model instances."""
+    torch._dynamo.reset()
+
+
+def one_layer_tiny(seed=0):
+    torch.manual_seed(seed)
+    return model_zoo.build("tiny", num_layers=1)
+
+
+def ops_of(graphs) -> set[str]:
+    return {op_name(n) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("target", ["cpu", "trn2"])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic_true"])
+def test_tiny_over_changing_batch_and_length_equals_eager(target, dynamic):
+    model = one_layer_tiny()
+    inner, seen = capture_inner()
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", dynamic=dynamic,
+                             options={"target": target, "inner": inner, "report": report})
+    for B, T in CALLS:
+        ids = tokens(T, batch=B, seed=T)
+        expected_logits, expected_grads = loss_and_grads(model, ids)
+        logits, grads = loss_and_grads(model, ids, compiled)
+        torch.testing.assert_close(logits, expected_logits, **TOL)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=name)
+
+    assert not ops_of(seen) & set(TOKEN_RECURRENCE)
+    assert report.dynamic_dims and all("l_input_ids_ dim" in d for d in report.dynamic_dims)
+    json.dumps(report.to_dict())  # nothing symbolic left in the records
+    text = str(report)
+    if target == "trn2":
+        # Every shape compiled statically: chunk loops unrolled, no symbolic size anywhere.
+        specialised = len(CALLS) - (1 if dynamic is None else 0)  # automatic: the first call is static
+        assert len(report.specialised) == specialised
+        assert f"{specialised} shapes specialised" in text and "seq_buckets" in text
+        assert not ops_of(seen) & set(CHUNK_LOOPS)
+        assert all(is_static(n.meta["val"]) for gm in seen for n in gm.graph.find_nodes(op="placeholder"))
+    else:
+        # One graph for every later shape: the chunk loop runs at run time.
+        assert report.specialised == []
+        assert ops_of(seen) >= set(CHUNK_LOOPS)
+        dynamic_sites = [s for s in report.sites if isinstance(s.plan["T"], str)]
+        assert dynamic_sites and all("kept as a runtime loop: T is dynamic" in s.form for s in dynamic_sites)
+        assert "kept as a runtime loop: T is dynamic" in text
+
+
+def test_inspect_and_preflight_name_a_dimension_marked_dynamic():
+    model = one_layer_tiny()
+    ids = tokens(40, batch=2)
+    torch._dynamo.mark_dynamic(ids, 1)
+    report = laplace_passes.inspect(model, ids, target="trn2")
+    assert len(report.dynamic_dims) == 1 and "dim 1" in report.dynamic_dims[0]
+    assert f"dynamic dimensions: {report.dynamic_dims[0]}" in str(report)
+    assert len(report.specialised) == 1 and [s.plan["T"] for s in report.sites] == [40]
+
+    ids = tokens(40, batch=2)
+    torch._dynamo.mark_dynamic(ids, 1)
+    checked = laplace_passes.preflight(model, ids, target="trn2")
+    assert checked.ok, str(checked)
+    assert len(checked.dynamic_dims) == 1 and "dim 1" in checked.dynamic_dims[0]
+    assert "dynamic dimensions" in str(checked) and "seq_buckets" in str(checked)
+    assert checked.to_dict()["dynamic_dims"] == checked.dynamic_dims
+
+
+def test_lowering_inner_compiler_gets_one_static_graph_per_shape():
+    """inner="stablehlo" takes static shapes only, even on the cpu target."""
+    report = laplace_passes.Report()
+
+    def fn(x, w):
+        return torch.tanh(x @ w).sum(-1)
+
+    compiled = torch.compile(fn, backend="laplace", dynamic=True,
+                             options={"target": "cpu", "inner": "stablehlo", "report": report})
+    w = torch.randn(8, 4)
+    for rows in (3, 5, 3):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(compiled(x, w), fn(x, w))
+    assert len(report.specialised) == 2  # 3 rows compiled once
+    assert not any("Neuron" in n for n in report.notes)
+
+
+def test_budget_pass_measures_a_symbolic_graph_and_declines_to_cut_it():
+    def fn(x, w):
+        return torch.relu(x @ w) @ w.t()
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(256, 512), torch.randn(512, 512))
+    model = SizeModel()
+    outcome = run_pass(FitGraphToBudget(1, model, "inference"), gm)
+    # At the traced example's sizes: two matmuls, one relu, the transpose free.
+    expected = 2 * model.matmul_instructions(1, 256, 512, 512) + model.elementwise_instructions(256 * 512)
+    assert type(outcome.size.instructions) is int and outcome.size.instructions == expected
+    (reason,) = outcome.declined
+    assert "its sizes are dynamic" in reason and "dim 0" in reason
+
+
+def test_seq_buckets_training_loop_compiles_once_per_bucket_and_equals_eager():
+    models = [one_layer_tiny(seed=1), one_layer_tiny(seed=1)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    compiled = laplace_passes.compile(models[0], target="cpu", seq_buckets=[64, 160])
+    for step, T in enumerate([10, 64, 33, 150, 100, 7]):
+        ids = tokens(T, batch=2, seed=step)
+        logits, grads = loss_and_grads(models[0], ids, compiled)
+        expected_logits, expected_grads = loss_and_grads(models[1], ids)
+        assert logits.shape == (2, T, 128)
+        torch.testing.assert_close(logits, expected_logits, **TOL)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+    dynamo_graphs = [g for g in compiled.laplace_report.graphs if g.kind == "dynamo"]
+    assert len(dynamo_graphs) == 2
+    assert sorted(s.plan["T"] for s in compiled.laplace_report.sites) == [64, 160]
+
+
+def test_seq_buckets_on_fla_gla_tiny_equal_unpadded_eager():
+    pytest.importorskip("fla.models")
+    from tests import fla_reference as reference
+
+    model = model_zoo.build("fla-gla-tiny")
+    ids = tokens(50, batch=2, seed=3)
+    logits, _ = reference.forward(model, ids)
+    expected_loss = reference.cross_entropy(logits, ids)
+    expected_loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    compiled = laplace_passes.compile(model, target="cpu", seq_buckets=[64])
+    out = compiled(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.shape == (2, 50, 128) and compiled.laplace_report.sites[0].plan["T"] == 64
+    torch.testing.assert_close(out.logits, logits, **TOL)
+    torch.testing.assert_close(out.loss, expected_loss, **TOL)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], **TOL, msg=name)
+
+
+def test_seq_buckets_padding_and_slicing():
+    seen = []
+
+    def fn(ids, labels=None):
+        seen.append((ids, labels))
+        return {"logits": ids[..., None].float() * 2, "count": ids.shape[1], "sum": ids.sum()}
+
+    run = SeqBuckets(fn, [4, 8])
+    out = run(torch.tensor([[1, 2, 3, 4, 5]]), labels=torch.tensor([[7, 7, 7, 7, 7]]))
+    ids, labels = seen[-1]
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
+    assert labels.tolist() == [[7] * 5 + [IGNORE_INDEX] * 3]
+    assert out["logits"].shape == (1, 5, 1) and out["count"] == 8 and out["sum"].item() == 15
+    assert run(torch.tensor([[1, 2, 3, 4]]))["logits"].shape == (1, 4, 1)  # exactly a bucket: no padding
+
+
+def test_seq_buckets_errors():
+    for bad in ([], [64, 64], [128, 64], [0, 8], [8.0], "64", None):
+        with pytest.raises(ValueError, match="seq_buckets"):
+            check_buckets(bad)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        laplace_passes.compile(torch.nn.Identity(), seq_buckets=[256, 128])
+    run = SeqBuckets(lambda *args, **kwargs: args[0], [4, 8])
+    with pytest.raises(ValueError, match="longer than the largest of seq_buckets"):
+        run(torch.zeros(1, 9))
+    with pytest.raises(ValueError, match="share one length"):
+        run(torch.zeros(1, 3), torch.zeros(1, 5))
+    with pytest.raises(ValueError, match="has none"):
+        run(torch.zeros(3))
+    with_cache = SeqBuckets(lambda ids: {"logits": ids, "past_key_values": object()}, [4])
+    with pytest.raises(ValueError, match="use_cache=False"):
+        with_cache(torch.zeros(1, 3))
