@@ -26,6 +26,9 @@ class InnerCompiler:
     name = "inner"  # what the report shows
     # AOT Autograd's joint-graph partitioner (None: its default).
     partition_fn: Callable | None = None
+    # AOT Autograd's keep_inference_input_mutations: an in-place update of an input (a buffer) stays
+    # in the graph as a trailing copy_ into it, instead of a new output AOT Autograd copies back.
+    keep_inference_input_mutations: bool = False
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         """A boxed callable running `gm`; `kind` is "forward", "backward" or "inference"."""
