@@ -432,6 +432,31 @@ def test_neuron_gets_each_aten_graph_after_the_preflight(fake_torch_neuronx):
     assert os.environ[NO_FALLBACK_ENV] == "1"  # TorchNeuron may not fall back to eager execution
 
 
+class StepCounter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(3))
+
+    def forward(self, x):
+        self.steps.add_(1.0)
+        return x * self.steps
+
+
+def test_neuron_gets_buffer_updates_in_the_graph(fake_torch_neuronx):
+    """keep_inference_input_mutations=True, as TorchNeuron's own backend: the update is a copy_ in the graph."""
+    model = StepCounter()
+    compiled = laplace_passes.compile(model, inner="neuron")
+    with torch.no_grad():
+        first = compiled(torch.ones(3))
+        second = compiled(torch.ones(3))
+    assert torch.equal(first, torch.ones(3)) and torch.equal(second, torch.full((3,), 2.0))
+    assert torch.equal(model.steps, torch.full((3,), 2.0))  # updated once per call, not copied back twice
+    ((gm, _),) = fake_torch_neuronx
+    FileCheck().check("torch.ops.aten.add.Tensor").check("torch.ops.aten.copy_.default").run(gm.code)
+    preflight = [p.summary for p in compiled.laplace_report.passes if p.name == "neuron_preflight"]
+    assert preflight and preflight[0].startswith("no finding")  # the copy_ is lowered as TorchNeuron does
+
+
 def test_preflight_findings_stop_the_hand_off(fake_torch_neuronx):
     def in_double(x):
         return (x.double() * 2).sum()

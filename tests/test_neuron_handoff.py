@@ -5,20 +5,16 @@ them) and every value's type is read: no f64, no complex, no `?` dimension,
 no op outside StableHLO, and i64 only where it comes from an i64 input.
 """
 
-import re
-import sys
-import types
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
 from torch.testing import FileCheck
 
 import laplace_passes
 import model_zoo
 from laplace_passes.lowering.hlo_checks import check_stablehlo, peak_memory, scan_stablehlo
-from laplace_passes.lowering.neuron import NO_FALLBACK_ENV, neuronx_cc_command
-from laplace_passes.lowering.stablehlo import lower_to_stablehlo, torch_mlir_decompositions
+from laplace_passes.lowering.neuron import neuronx_cc_command
+from laplace_passes.lowering.stablehlo import lower_to_stablehlo
 from laplace_passes.targets import TRN1, TRN2
 from tests.lm_cases import tokens
 from tests.neuron_clean import assert_neuron_clean
@@ -178,45 +174,18 @@ def test_neuron_cc_flags_come_last(monkeypatch):
                             "--output", "g.neff"]
 
 
-# -- inner="neuron" keeps input mutations in the graph, as TorchNeuron's backend does ----------------
+def test_input_independent_masks_are_folded_into_constants():
+    from torch.fx.experimental.proxy_tensor import make_fx
 
+    from laplace_passes.lowering.fold_constants import FoldIndexConstants
 
-class StepCounter(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("steps", torch.zeros(3))
+    def masked(scores):  # chunked GLA's "earlier key sub-chunk" mask, C = 16, sub-chunks of 4
+        earlier = (torch.arange(16) // 4)[None, :] < torch.arange(4)[:, None]
+        return torch.where(earlier, scores, 0.0) + torch.eye(4, 16)
 
-    def forward(self, x):
-        self.steps.add_(1.0)
-        return x * self.steps
-
-
-def test_neuron_gets_buffer_updates_in_the_graph(monkeypatch):
-    handed = []
-
-    def neuron_backend_fx_compiler(gm, example_inputs, pre_processing_analysis_info=None, options=None):
-        handed.append(gm)
-        return make_boxed_func(gm.forward)
-
-    modules = {
-        "torch_neuronx": types.ModuleType("torch_neuronx"),
-        "torch_neuronx.neuron_dynamo_backend": types.ModuleType("torch_neuronx.neuron_dynamo_backend"),
-        "torch_neuronx.neuron_dynamo_backend.backend": types.SimpleNamespace(
-            neuron_backend_fx_compiler=neuron_backend_fx_compiler),
-        "torch_neuronx.neuron_dynamo_backend.decompositions": types.SimpleNamespace(
-            get_compile_decomposition_table=torch_mlir_decompositions),
-    }
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setenv(NO_FALLBACK_ENV, "1")
-    model = StepCounter()
-    compiled = laplace_passes.compile(model, inner="neuron")
-    with torch.no_grad():
-        first = compiled(torch.ones(3))
-        second = compiled(torch.ones(3))
-    assert torch.equal(first, torch.ones(3)) and torch.equal(second, torch.full((3,), 2.0))
-    assert torch.equal(model.steps, torch.full((3,), 2.0))  # updated once per call, not copied back twice
-    (gm,) = handed
-    FileCheck().check("torch.ops.aten.add.Tensor").check("torch.ops.aten.copy_.default").run(gm.code)
-    preflight = [p.summary for p in compiled.laplace_report.passes if p.name == "neuron_preflight"]
-    assert preflight and preflight[0].startswith("no finding")  # the copy_ is lowered as TorchNeuron does
+    x = torch.randn(4, 16)
+    gm = make_fx(masked, tracing_mode="fake")(x)
+    outcome = FoldIndexConstants()(gm)
+    assert outcome.modified and outcome.summary.startswith("2 input-independent subgraph(s)")
+    FileCheck().check_not("iota").check_not("arange").check("_folded_").check("aten.where").run(gm.code)
+    assert torch.equal(gm(x), masked(x))
