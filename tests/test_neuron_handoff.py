@@ -189,3 +189,23 @@ def test_input_independent_masks_are_folded_into_constants():
     assert outcome.modified and outcome.summary.startswith("2 input-independent subgraph(s)")
     FileCheck().check_not("iota").check_not("arange").check("_folded_").check("aten.where").run(gm.code)
     assert torch.equal(gm(x), masked(x))
+
+
+def test_tensor_engine_use_counts_whole_tiles_and_small_products():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from laplace_passes.unroll.tiles import tile_use
+
+    def two_products(a, b, c, d):
+        return (a @ b).sum() + torch.bmm(c, d).sum()
+
+    shapes = [(256, 128), (128, 64), (4, 16, 32), (4, 32, 128)]
+    gm = make_fx(two_products, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+    use = tile_use(gm)
+    whole = 2 * 256 * 128 * 64  # K = 128 and max(M, N) = 256: whole tiles
+    small = 2 * 4 * 16 * 32 * 128  # K = 32: every product small
+    assert (use.matmul_flops, use.whole_tile_flops, use.small_products, use.products) == (whole + small, whole, 4, 5)
+    assert use.whole_tile_share == whole / (whole + small)
+    report = laplace_passes.inspect(two_products, *(torch.randn(s) for s in shapes), target="trn2")
+    assert report.graph_record("inference_0").size.small_products == 4
+    assert "whole-tile mm" in str(report) and f"{whole / (whole + small):.0%}" in str(report)
