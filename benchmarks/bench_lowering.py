@@ -22,6 +22,14 @@ sweep and pooled over every point (tiny and small models):
 estimate = a * stablehlo_estimate + b, with the worst relative gap.
 Raw StableHLO op counts do not measure size: they depend on the graph's
 structure only, identical for the tiny and the small model.
+
+TensorEngine use (`laplace_passes.unroll.tiles`), per trn2 graph: the share
+of matmul FLOPs on whole 128 x 128 tiles and the count of small products,
+with the estimated instructions per layer, for the models and for the
+intra-chunk formulations the sub-chunk size selects (16, the trn2 default;
+32; 64), on one GLA layer with head dims 64 and 128:
+
+    python -m benchmarks.bench_lowering --tiles          # this part only (a minute)
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from benchmarks.common import once
 from laplace_passes.lowering.calibrate import stablehlo_instructions
 from laplace_passes.targets import TRN2
 from laplace_passes.unroll import SizeModel
+from laplace_passes.unroll.tiles import tile_use
 
 CHUNK_SWEEP_T = (256, 512, 1024, 2048, 4096)
 LAYER_SWEEP = (1, 2, 4, 8)
@@ -151,13 +160,69 @@ def print_sweep(title: str, points: list[Point], axis: str, fits: dict) -> None:
         print(f"  fit {quantity} = {fit['slope']:.2f} * {axis} + {fit['intercept']:.1f}   (R^2 = {fit['r2']:.4f})")
 
 
+TILE_MODELS = (("tiny", 1024, 2), ("small", 1024, 2))
+TILE_SUB_CHUNKS = (16, 32, 64)
+
+
+def tile_rows(report, layers: int) -> list[dict]:
+    """Per graph of `report`: whole-tile share, small products, estimated instructions per layer."""
+    rows = []
+    for record in report.graphs:
+        if record.kind == "dynamo":
+            continue
+        use = tile_use(report.graph("after", record.name))
+        rows.append({"graph": record.name, "whole_tile_share": use.whole_tile_share,
+                     "small_products": use.small_products, "products": use.products,
+                     "instructions_per_layer": record.size.instructions / layers})
+    return rows
+
+
+def measure_tiles() -> dict:
+    """The models, then one GLA layer per head dim and sub-chunk size (the intra-chunk formulations)."""
+    result: dict = {"models": {}, "gla_layer": {}}
+    for name, T, layers in TILE_MODELS:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = model_zoo.build(name, num_layers=layers)
+        ids = torch.randint(0, model.config.vocab_size, (1, T))
+        result["models"][f"{name} T={T}"] = tile_rows(laplace_passes.inspect(model, ids, target="trn2"), layers)
+
+    def attention(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, torch.nn.functional.logsigmoid(gk))[0]
+
+    for head_dim in (64, 128):
+        for sub in TILE_SUB_CHUNKS:
+            torch._dynamo.reset()
+            gen = torch.Generator().manual_seed(0)
+            inputs = [torch.randn(1, 1024, 4, head_dim, generator=gen, requires_grad=True) for _ in range(4)]
+            report = laplace_passes.inspect(attention, *inputs, target=TRN2.with_overrides(sub_chunk_size=sub))
+            result["gla_layer"][f"K={head_dim} sub-chunk {sub}"] = tile_rows(report, 1)
+    return result
+
+
+def print_tiles(result: dict) -> None:
+    print("\nTensorEngine use per trn2 graph: matmul FLOPs on whole 128x128 tiles, small products (K or max(M, N) < 128)")
+    for section, title in (("models", "models"), ("gla_layer", "one GLA layer, T = 1024, 4 heads (intra-chunk formulations)")):
+        print(f"  {title}")
+        for name, rows in result[section].items():
+            for row in rows:
+                print(f"    {name:<22} {row['graph']:<11} whole-tile {row['whole_tile_share']:6.1%}   "
+                      f"small {row['small_products']:>6} of {row['products']:>6} products   "
+                      f"~{row['instructions_per_layer']:>8,.0f} instructions per layer")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-iree", action="store_true", help="op counts only, no IREE compile")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--repeats", type=int, default=1, help="IREE compiles per graph; the fastest counts")
+    parser.add_argument("--tiles", action="store_true", help="the TensorEngine use only")
     args = parser.parse_args(argv)
     compile_iree = not args.no_iree
+    tiles = measure_tiles()
+    if args.tiles:
+        print(json.dumps(tiles, indent=2)) if args.json else print_tiles(tiles)
+        return tiles
 
     chunk_points = [measure("tiny", T, 2, compile_iree, args.repeats) for T in CHUNK_SWEEP_T]
     layer_points = [measure("tiny", LAYER_SWEEP_T, n, compile_iree, args.repeats) for n in LAYER_SWEEP]
@@ -173,6 +238,7 @@ def main(argv=None) -> dict:
         "layers": {"points": [asdict(p) for p in layer_points], "fits": sweep_fits(layer_points, "layers")},
         "small": {"points": [asdict(p) for p in small_points], "fits": sweep_fits(small_points, "chunks")},
         "calibration": calibration,
+        "tiles": tiles,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -186,6 +252,7 @@ def main(argv=None) -> dict:
     for name, fit in calibration.items():
         print(f"  {name:<14} estimate = {fit['slope']:6.3f} * stablehlo + {fit['intercept']:8.0f}   "
               f"(R^2 = {fit['r2']:.4f}; worst gap {fit['worst_relative_gap']:.1%})")
+    print_tiles(tiles)
     return result
 
 

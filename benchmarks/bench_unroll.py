@@ -33,7 +33,7 @@ from unittest import mock
 import torch
 
 import laplace_passes
-import laplace_passes.backend as backend
+import laplace_passes.compile_fx as compile_fx
 import model_zoo
 from laplace_passes.passes import GraphPass
 from laplace_passes.unroll import SizeModel
@@ -45,7 +45,7 @@ def measure(num_layers: int, seq_len: int, budget: int | None = None) -> dict:
     model = model_zoo.build("laplace-3b", num_layers=num_layers)
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     seconds: dict[str, float] = defaultdict(float)
-    run_passes, call_pass = backend.run_passes, GraphPass.__call__
+    run_passes, call_pass = compile_fx.run_passes, GraphPass.__call__
 
     def timed(key, fn):
         def run(*args, **kwargs):
@@ -59,7 +59,7 @@ def measure(num_layers: int, seq_len: int, budget: int | None = None) -> dict:
 
     torch._dynamo.reset()
     start = time.perf_counter()
-    with mock.patch.object(backend, "run_passes", timed("pipeline", run_passes)), \
+    with mock.patch.object(compile_fx, "run_passes", timed("pipeline", run_passes)), \
             mock.patch.object(GraphPass, "__call__", timed("passes", call_pass)):
         options = {} if budget is None else {"max_graph_instructions": budget}
         report = laplace_passes.inspect(model, ids, target="trn2", **options)

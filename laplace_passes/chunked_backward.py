@@ -42,6 +42,7 @@ from laplace_passes.chunked_forward import (
     FLUSH_BELOW,
     ChunkedInputs,
     IntraChunk,
+    causal_matmul,
     chunk_recurrence,
     entering_states,
     nested_sub_chunks,
@@ -83,7 +84,7 @@ def chunked_backward(
 
     intra = IntraChunk(x.q, x.k, x.G, nested_sub_chunks(x.layout.sub))
     dq_intra, dk_intra = intra.gradients(do @ x.v.transpose(-1, -2))
-    dv = intra.scores().transpose(-1, -2) @ do + k_to_end @ leaving
+    dv = causal_matmul(intra.scores(), do, reverse=True) + k_to_end @ leaving
     dq = dq_intra + (do @ states.transpose(-1, -2)) * q_decay  # gradient of the scaled q
     dk_inter = (x.v @ leaving.transpose(-1, -2)) * k_decay
     dk = dk_intra + dk_inter

@@ -46,6 +46,16 @@ unclamped one would break G. A gate of -inf (a hard reset, or fp16 overflow)
 makes G_i - G_j = -inf - (-inf) = NaN; a finite but huge one (-1e7) pushes G
 so far that the small gates after it fall below fp32's rounding step of G.
 
+NOTE [non-finite values stay causal]
+tril(A) V is one matmul whose masked entries are exact zeros, and IEEE says
+0 * inf = NaN: an inf in v at token j would turn every row of the chunk
+non-finite, outputs before j included, though no earlier token depends on
+it (the recurrence keeps them finite). `causal_matmul` multiplies by v with
+its non-finite entries zeroed and marks as NaN exactly the (row, channel)
+pairs at or after a non-finite entry of that channel. The explicit backward's
+tril(A)^T dO is the same product backwards in time (`reverse=True`). Other
+masked products are `torch.where`, which never multiplies.
+
 Padding: T is padded with zero tokens to a multiple of C (q = k = v = 0 and
 gk = 0 leave the state untouched); each chunk is padded likewise to a multiple
 of Cs. Padded rows come after every real row, so causality hides them.
@@ -75,6 +85,19 @@ def _decay(exponent: Tensor) -> Tensor:
     """
     exponent = F.threshold(exponent.clamp(max=0.0), -FLUSH_BELOW, -math.inf)
     return torch.exp(exponent)
+
+
+def causal_matmul(scores: Tensor, x: Tensor, reverse: bool = False) -> Tensor:
+    """`scores @ x` for a lower-triangular `scores` [.., C, C] (`scores^T @ x` with `reverse`), x [.., C, V].
+
+    A non-finite x[j, c] reaches rows i >= j (i <= j with `reverse`) of
+    channel c only, as NaN; see NOTE [non-finite values stay causal].
+    """
+    finite = torch.isfinite(x)
+    product = (scores.transpose(-1, -2) if reverse else scores) @ torch.where(finite, x, 0.0)
+    bad = (~finite).to(product.dtype)
+    reached = (bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2)) > 0
+    return torch.where(reached, math.nan, product)
 
 
 def chunk_plan(seq_len: int, chunk_size: int) -> dict:
@@ -300,5 +323,5 @@ def chunked_forward(
     scores = IntraChunk(x.q, x.k, x.G, nested_sub_chunks(x.layout.sub)).scores()  # [B, H, N, C', C'], causal
     q_decay, k_decay, chunk_decay = x.inter_chunk_decays()
     states, final_state = entering_states(x.k * k_decay, x.v, chunk_decay, initial_state)
-    o = scores @ x.v + (x.q * q_decay) @ states
+    o = causal_matmul(scores, x.v) + (x.q * q_decay) @ states
     return x.layout.from_chunks(o, q.dtype), final_state

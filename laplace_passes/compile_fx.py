@@ -66,6 +66,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
         kwargs["decompositions"] = config.decompositions()
     if config.inner.partition_fn is not None:
         kwargs["partition_fn"] = config.inner.partition_fn
+    if config.inner.keep_inference_input_mutations:
+        kwargs["keep_inference_input_mutations"] = True
     return aot_autograd(**kwargs)(gm, example_inputs)
 
 

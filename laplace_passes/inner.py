@@ -29,6 +29,9 @@ class InnerCompiler:
     # True: takes graphs with static shapes only; a graph with symbolic sizes is compiled once
     # per concrete shape instead (`laplace_passes.shapes`).
     static_shapes = False
+    # AOT Autograd's keep_inference_input_mutations: an in-place update of an input (a buffer) stays
+    # in the graph as a trailing copy_ into it, instead of a new output AOT Autograd copies back.
+    keep_inference_input_mutations: bool = False
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         """A boxed callable running `gm`; `kind` is "forward", "backward" or "inference"."""

@@ -110,6 +110,9 @@ class SizeRecord:
     cut_bytes: list[int] = field(default_factory=list)  # bytes crossing the cut after partition i
     saved_for_backward_bytes: int | None = None  # backward graphs: activations the forward kept
     note: str | None = None  # e.g. why an over-budget graph could not be cut
+    # The TensorEngine's use (laplace_passes.unroll.tiles): matmul FLOPs on whole 128 x 128 tiles, small products.
+    whole_tile_share: float | None = None
+    small_products: int | None = None
 
 
 @dataclass
@@ -291,11 +294,13 @@ def _loop_and_size_tables(graphs: list[GraphRecord]) -> list[str]:
     sized = [g for g in graphs if g.size is not None]
     lines += _table(
         "graph sizes (estimated instructions)",
-        ["graph", "nodes", "instructions", "budget", "partitions", "bytes across cuts", "saved for bwd", "note"],
+        ["graph", "nodes", "instructions", "budget", "partitions", "bytes across cuts", "saved for bwd",
+         "whole-tile mm", "small mm", "note"],
         [[g.name, g.size.nodes, g.size.instructions, "none" if g.size.budget is None else g.size.budget,
           len(g.size.partitions) or 1, ", ".join(_bytes(b) for b in g.size.cut_bytes),
           "" if g.size.saved_for_backward_bytes is None else _bytes(g.size.saved_for_backward_bytes),
-          g.size.note or ""]
+          "" if g.size.whole_tile_share is None else f"{g.size.whole_tile_share:.0%}",
+          "" if g.size.small_products is None else g.size.small_products, g.size.note or ""]
          for g in sized],
     )
     parts = [(g.name, p) for g in sized for p in g.size.partitions]

@@ -2,15 +2,39 @@
 
 Passes read the chunk size, memory sizes, instruction budget and collective
 constraints from a target, never from literals, so the same pipeline serves
-Trainium2 and a CPU.
+Trainium2 and a CPU. Each number is a named field with its source beside
+it; override any of them with `target.with_overrides(name=value)` (or
+`dataclasses.replace`) and pass the result as `target=`.
+
+Sources (AWS Neuron SDK documentation, https://awsdocs-neuron.readthedocs-hosted.com,
+whose source is https://github.com/aws-neuron/aws-neuron-sdk):
+  [ARCH1]  nki/guides/architecture/trainium_inferentia2_arch.rst: NeuronCore-v2, SBUF 128 partitions x
+           192 KiB, PSUM 2 MiB, a 128x128 TensorEngine whose moving tile holds 512 fp32 per partition
+  [ARCH2]  nki/guides/architecture/trainium2_arch.rst: NeuronCore-v3, SBUF 128 x 224 KiB, PSUM 2 MiB
+  [HBM]    libraries/nxd-inference/developer_guides/feature-guide.rst: "On Inf2/Trn1, each Neuron core
+           has 16GB of memory"; "On Trn2, each Neuron core has 24GB of memory (with LNC2)"
+  [LNC]    compiler/neuronx-cc/api-reference-guide (--logical-nc-config {1, 2}, trn2 default 2) and
+           compiler/error-codes/EARG001.rst ("On trn1, only lnc=1 is supported")
+  [AUTOCAST] the same CLI reference: --auto-cast default `none`; TorchNeuron passes --auto-cast=none
+  [XTP002] neuronx-cc's error "[XTP002] Number of instructions (8658944) is over the threshold
+           (5000000)", https://github.com/aws-neuron/aws-neuron-sdk/issues/987 (also #819); the
+           documented code is NCC_EXTP004 (compiler/error-codes/EXTP004.rst), which gives no number
+  [NRT]    the Neuron runtime's collectives topology error "Supported number of Neuron Cores is 1, 2,
+           8, 16 or a multiple of 32", https://github.com/huggingface/optimum-neuron/issues/619, and
+           4-rank replica groups, release-notes/components/runtime.rst (Runtime 2.23.110)
+  [A2A]    TorchNeuron's all-to-all accepts equal splits only (torch_neuronx/distributed/backend.py,
+           alltoall_base: "Only even split sizes are supported")
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 KIB = 1024
 MIB = 1024 * KIB
+GIB = 1024 * MIB
+GB = 1000**3
 
 
 @dataclass(frozen=True)
@@ -41,6 +65,10 @@ class HardwareTarget:
         scores (numerical stability, see `laplace_passes.chunked`).
     max_graph_instructions: the compiler's limit on one graph (None: no limit).
     matmul_tile: (partition rows, free columns) of one matmul instruction.
+    hbm_bytes_per_core: device memory of one (logical) core: the preflight's bound on a graph's
+        inputs plus its peak of live intermediates (neuronx-cc: NCC_EOOM001). None: not checked.
+    logical_cores: neuronx-cc's --lnc (physical cores per logical core), None: not a Neuron target.
+    auto_cast: neuronx-cc's --auto-cast, written out explicitly.
     recurrent_max_tokens: GLA sites this short (decode: 1 token) get the recurrent form, one
         state update per token, instead of a chunk padded to `partitions` rows; measured by
         `benchmarks/bench_fla.py` (the crossover of the two forms).
@@ -58,7 +86,14 @@ class HardwareTarget:
     recurrent_max_tokens: int = 0
     static_shapes: bool = False
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
+    hbm_bytes_per_core: int | None = None
+    logical_cores: int | None = None
+    auto_cast: str = "none"
     description: str = ""
+
+    def with_overrides(self, **changes) -> HardwareTarget:
+        """This target with some numbers replaced, e.g. ``TRN2.with_overrides(max_graph_instructions=2_000_000)``."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def chunk_size(self) -> int:
@@ -74,18 +109,37 @@ TRN2 = HardwareTarget(
     description="AWS Trainium2 NeuronCore-v3 (SBUF 128 partitions x 224 KiB)",
     partitions=128,
     sub_chunk_size=16,
-    sbuf_bytes=128 * 224 * KIB,  # 28 MiB
-    psum_bytes=2 * MIB,
-    max_graph_instructions=5_000_000,  # neuronx-cc's default threshold ([XTP002])
-    matmul_tile=(128, 512),
+    sbuf_bytes=128 * 224 * KIB,  # 28 MiB, one physical core [ARCH2]
+    psum_bytes=2 * MIB,  # [ARCH2]
+    max_graph_instructions=5_000_000,  # the threshold in neuronx-cc's [XTP002] error (2024 builds)
+    matmul_tile=(128, 512),  # [ARCH1], kept by NeuronCore-v3 [ARCH2]
+    hbm_bytes_per_core=24 * GB,  # [HBM], at LNC=2
+    logical_cores=2,  # [LNC]: trn2's default
     # The estimated instructions of the two forms cross at T = 24 (1.3B heads) to 48 (tiny heads).
     recurrent_max_tokens=16,
     static_shapes=True,  # neuronx-cc; TorchNeuron recompiles per shape and rejects dynamic=True
+    # [A2A]; the group sizes follow [NRT], the runtime's trn1 topology rule plus its 4-rank groups
+    # (no document states a trn2 all-to-all rule; override it when yours differs).
     collectives=CollectiveConstraints(
         all_to_all_equal_splits_only=True,
         all_to_all_group_sizes=(4, 8, 16),
         all_to_all_group_size_multiple=32,
     ),
+)
+
+TRN1 = HardwareTarget(
+    name="trn1",
+    description="AWS Trainium NeuronCore-v2 (SBUF 128 partitions x 192 KiB); also inf2's core",
+    partitions=128,
+    sub_chunk_size=16,
+    sbuf_bytes=128 * 192 * KIB,  # 24 MiB [ARCH1]
+    psum_bytes=2 * MIB,  # [ARCH1]
+    max_graph_instructions=5_000_000,  # [XTP002]
+    matmul_tile=(128, 512),  # [ARCH1]
+    recurrent_max_tokens=16,  # as trn2: same TensorEngine shape, not measured separately
+    hbm_bytes_per_core=16 * GB,  # [HBM]
+    logical_cores=1,  # [LNC]: the only value trn1 accepts
+    collectives=TRN2.collectives,  # [A2A], [NRT]
 )
 
 CPU = HardwareTarget(
@@ -98,7 +152,7 @@ CPU = HardwareTarget(
     recurrent_max_tokens=64,
 )
 
-TARGETS: dict[str, HardwareTarget] = {t.name: t for t in (TRN2, CPU)}
+TARGETS: dict[str, HardwareTarget] = {t.name: t for t in (TRN2, TRN1, CPU)}
 
 
 def get_target(target: str | HardwareTarget) -> HardwareTarget:

@@ -165,7 +165,7 @@ def test_retiling_can_be_switched_off():
 def test_unknown_options_are_named():
     with pytest.raises(ValueError, match=r"unknown laplace option\(s\) \['chunks'\]"):
         laplace_passes.compile(lambda x: x, chunks=3)
-    with pytest.raises(ValueError, match=r"unknown target 'trn9'; known targets: cpu, trn2"):
+    with pytest.raises(ValueError, match=r"unknown target 'trn9'; known targets: cpu, trn1, trn2"):
         laplace_passes.compile(lambda x: x, target="trn9")
     with pytest.raises(ValueError, match=r"unknown inner compiler 'xla'"):
         laplace_passes.compile(lambda x: x, inner="xla")

@@ -212,3 +212,37 @@ def test_explicit_scale_is_used():
     default, _ = gla(q, k, v, gk)
     assert relative_rmse(o, expected) < 1e-5
     assert relative_rmse(o, default) > 0.1
+
+
+@pytest.mark.parametrize("where", ["v", "k"])
+def test_a_non_finite_token_never_reaches_earlier_outputs(where):
+    """An inf in v (or k) at token 3 leaves outputs 0-2 as the recurrence has them: finite, unchanged.
+
+    Later outputs are non-finite in the same channels as the recurrence's
+    (v: only the channel holding the inf). Chunks of 16 rows, sub-chunks of
+    4: token 3 sits in the first diagonal block, token 20 in the second chunk.
+    """
+    q, k, v, gk, h0 = make_inputs(1, 40, 2, 6, 5, gate_divisor=1.0)
+    for token in (3, 20):
+        (v if where == "v" else k)[0, token, 1, 2] = math.inf
+    expected, _ = gla(q, k, v, gk, initial_state=h0)
+    got, _ = chunked_gla(q, k, v, gk, initial_state=h0, chunk_size=16, sub_chunk_size=4)
+    assert torch.isfinite(expected[:, :3]).all()
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_a_non_finite_output_gradient_never_reaches_later_inputs():
+    """The backward runs backwards in time: an inf in grad_o at token 3 leaves the gradients of tokens 4.. finite."""
+    q, k, v, gk, h0 = make_inputs(1, 40, 2, 6, 5, gate_divisor=1.0)
+    do, _ = output_cotangents(1, 40, 2, 6, 5)
+    do[0, 3, 1, 2] = math.inf
+    grads = {}
+    for name, fn in (("recurrence", gla), ("chunked", functools.partial(chunked_gla, chunk_size=16, sub_chunk_size=4))):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gk)]
+        o, _ = fn(*leaves, initial_state=h0)
+        grads[name] = torch.autograd.grad(o, leaves, do)
+    for label, got, expected in zip("q k v gk".split(), grads["chunked"], grads["recurrence"]):
+        assert torch.isfinite(expected[:, 4:]).all()
+        torch.testing.assert_close(got[:, 4:], expected[:, 4:], rtol=1e-4, atol=1e-5, msg=f"d{label}")

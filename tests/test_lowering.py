@@ -31,6 +31,7 @@ from laplace_passes.targets import TRN2
 from laplace_passes.unroll import SizeModel
 from tests.gla_cases import relative_rmse
 from tests.lm_cases import lm_loss, loss_and_grads, tokens
+from tests.neuron_clean import assert_neuron_clean
 
 for module in ("torch_mlir", "iree.compiler", "iree.runtime"):
     pytest.importorskip(module, reason="the lowering extra: pip install -e '.[lowering]'")
@@ -144,17 +145,20 @@ def test_export_writes_one_file_per_graph_and_a_manifest(exported):
     assert [(g["name"], g["kind"], g["file"]) for g in manifest["graphs"]] == [
         ("forward_0", "forward", "forward_0.mlir"), ("backward_0", "backward", "backward_0.mlir"),
     ]
-    assert sorted(p.name for p in exported.out_dir.iterdir()) == ["backward_0.mlir", "forward_0.mlir", "manifest.json"]
+    assert sorted(p.name for p in exported.out_dir.iterdir()) == [
+        "backward_0.mlir", "backward_0.mlirbc", "forward_0.mlir", "forward_0.mlirbc", "manifest.json"]
     assert manifest["target"] == "trn2" and manifest["versions"]["torch-mlir"] == "20261001"
     assert "clamp(gk, max=0)" in manifest["notes"][0]
+    assert manifest["graphs"][0]["bytecode"] == "forward_0.mlirbc"
     assert manifest["graphs"][0]["neuronx_cc"] == (
-        "neuronx-cc compile --framework XLA forward_0.mlir --target trn2 --lnc 2 --model-type transformer "
-        "-O2 --output forward_0.neff"
+        "neuronx-cc compile forward_0.mlirbc --framework XLA --target trn2 --lnc 2 -O2 --model-type transformer "
+        "--auto-cast=none --output forward_0.neff"
     )
 
 
 def test_exported_stablehlo_has_no_while_and_no_gla_custom_call(exported):
     for entry in exported.manifest["graphs"]:
+        assert_neuron_clean(exported.path(entry["name"]))  # no f64, arith, dynamic_iota, ?; i64 from the ids only
         text = exported.path(entry["name"]).read_text()
         FileCheck().check("func.func @main").check("stablehlo.dot_general").run(text)
         FileCheck().check_not("stablehlo.while").run(text)
@@ -428,6 +432,31 @@ def test_neuron_gets_each_aten_graph_after_the_preflight(fake_torch_neuronx):
     assert os.environ[NO_FALLBACK_ENV] == "1"  # TorchNeuron may not fall back to eager execution
 
 
+class StepCounter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(3))
+
+    def forward(self, x):
+        self.steps.add_(1.0)
+        return x * self.steps
+
+
+def test_neuron_gets_buffer_updates_in_the_graph(fake_torch_neuronx):
+    """keep_inference_input_mutations=True, as TorchNeuron's own backend: the update is a copy_ in the graph."""
+    model = StepCounter()
+    compiled = laplace_passes.compile(model, inner="neuron")
+    with torch.no_grad():
+        first = compiled(torch.ones(3))
+        second = compiled(torch.ones(3))
+    assert torch.equal(first, torch.ones(3)) and torch.equal(second, torch.full((3,), 2.0))
+    assert torch.equal(model.steps, torch.full((3,), 2.0))  # updated once per call, not copied back twice
+    ((gm, _),) = fake_torch_neuronx
+    FileCheck().check("torch.ops.aten.add.Tensor").check("torch.ops.aten.copy_.default").run(gm.code)
+    preflight = [p.summary for p in compiled.laplace_report.passes if p.name == "neuron_preflight"]
+    assert preflight and preflight[0].startswith("no finding")  # the copy_ is lowered as TorchNeuron does
+
+
 def test_preflight_findings_stop_the_hand_off(fake_torch_neuronx):
     def in_double(x):
         return (x.double() * 2).sum()
@@ -462,10 +491,11 @@ def test_neuron_options_keep_its_constraints():
         neuron_compiler({"mode": "max-autotune"})
 
 
-def test_neuronx_cc_command_line():
-    assert neuronx_cc_command("out/backward_0.mlir") == [
-        "neuronx-cc", "compile", "--framework", "XLA", "out/backward_0.mlir", "--target", "trn2",
-        "--lnc", "2", "--model-type", "transformer", "-O2", "--output", "out/backward_0.neff",
+def test_neuronx_cc_command_line(monkeypatch):
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    assert neuronx_cc_command("out/backward_0.mlirbc") == [
+        "neuronx-cc", "compile", "out/backward_0.mlirbc", "--framework", "XLA", "--target", "trn2",
+        "--lnc", "2", "-O2", "--model-type", "transformer", "--auto-cast=none", "--output", "out/backward_0.neff",
     ]
     assert neuronx_cc_command("g.mlir", output="g.neff", extra_flags=("--verbose", "info"))[-4:] == [
         "--verbose", "info", "--output", "g.neff",

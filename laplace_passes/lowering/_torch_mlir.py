@@ -10,8 +10,10 @@ the error can name the op (see `diagnose.py`) and stderr stays quiet.
 from __future__ import annotations
 
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from laplace_passes.lowering import _deps
+from laplace_passes.lowering.clean_stablehlo import clean_module, dense_literal_hooks
 
 
 class TorchMlirFailure(RuntimeError):
@@ -23,7 +25,12 @@ class TorchMlirFailure(RuntimeError):
 
 
 def import_stablehlo(gm: torch.fx.GraphModule):
-    """`torch_mlir.fx.stateless_fx_import(gm, output_type="stablehlo")`; the function is named `main`."""
+    """`torch_mlir.fx.stateless_fx_import(gm, output_type="stablehlo")`; the function is named `main`.
+
+    Tensor literals are written inline (`dense<...>`, not `dense_resource`)
+    and the module is cleaned for neuronx-cc (`clean_stablehlo.clean_module`:
+    no f64 constants, no `arith` ops, no `dynamic_iota`) before it is returned.
+    """
     tm_fx = _deps.torch_mlir_fx()
     from torch_mlir import ir
     from torch_mlir.compiler_utils import TorchMlirCompilerError
@@ -40,10 +47,15 @@ def import_stablehlo(gm: torch.fx.GraphModule):
 
     handler = context.attach_diagnostic_handler(keep)
     try:
-        return tm_fx.stateless_fx_import(
-            gm, output_type="stablehlo", fx_importer=FxImporter(context=context), model_name="main"
-        )
-    except TorchMlirCompilerError as error:
+        # Outside the compile's fake mode: the importer converts constants (real tensors) itself.
+        with unset_fake_temporarily():
+            module = tm_fx.stateless_fx_import(
+                gm, output_type="stablehlo", fx_importer=FxImporter(context=context, hooks=dense_literal_hooks()),
+                model_name="main",
+            )
+        clean_module(module)
+        return module
+    except (TorchMlirCompilerError, ir.MLIRError) as error:
         raise TorchMlirFailure("\n".join([*messages, str(error)])) from error
     finally:
         handler.detach()

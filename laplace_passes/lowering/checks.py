@@ -9,7 +9,7 @@ returns `Finding`s that name the node, say what is wrong and how to fix it.
 from __future__ import annotations
 
 import operator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.fx
@@ -24,6 +24,8 @@ from laplace_passes.fx_helpers import (
     resolve_process_group,
 )
 from laplace_passes.lowering.diagnose import LoweringError, lower_each_op
+from laplace_passes.lowering.finding import Finding
+from laplace_passes.lowering.hlo_checks import check_stablehlo
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
 from laplace_passes.passes import Declined
 from laplace_passes.targets import HardwareTarget, get_target
@@ -32,22 +34,6 @@ from laplace_passes.unroll.size import SizeModel
 
 FLOAT64 = (torch.float64, torch.complex128)
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing the Neuron toolchain will reject, where it is and how to fix it."""
-
-    check: str
-    node: str
-    op: str
-    message: str
-    fix: str
-    graph: str = ""
-
-    def __str__(self) -> str:
-        where = f"{self.graph}: " if self.graph else ""
-        return f"[{self.check}] {where}node {self.node} ({self.op}): {self.message}. Fix: {self.fix}"
 
 
 def check_dynamic_shapes(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
@@ -172,7 +158,11 @@ def check_all_to_all(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[F
 
 
 def check_lowering(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
-    """Try torch-mlir's lowering; name each node it cannot lower.
+    """Try torch-mlir's lowering; name each node it cannot lower, or check what it produced.
+
+    A graph that lowers gets the StableHLO checks (`hlo_checks`: element
+    types, dynamic dimensions, ops, custom calls, loops, integer matmuls,
+    the HBM estimate) on the module neuronx-cc would receive.
 
     Loops are check_loops' findings, and torch-mlir's importer fails on them
     as a whole; collectives are lowered by TorchNeuron's own legalization,
@@ -183,8 +173,8 @@ def check_lowering(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Fin
         failures = lower_each_op(gm, skip=_lowered_elsewhere)
     else:
         try:
-            lower_to_stablehlo(gm)
-            return []
+            lowered = lower_to_stablehlo(gm)
+            return check_stablehlo(lowered.text, target)
         except LoweringError as error:
             failures = error.unlowerable
             if not failures:
@@ -207,13 +197,20 @@ def check_graph(
 ) -> list[Finding]:
     """Every check over one ATen graph (with fake values in meta["val"]); see the module docstring."""
     target = get_target(target)
+    dynamic, aten_f64 = check_dynamic_shapes(gm, target), check_float64(gm, target)
+    lowered = check_lowering(gm, target)
+    # The ATen finding names the node where f64 or a symbol enters; the lowered module's say no more
+    # (a symbolic graph's module is full of shape arithmetic: tensor.dim, arith.index_cast).
+    if dynamic:
+        lowered = [f for f in lowered if f.check == "unlowerable-op"]
+    said = {"stablehlo-dtype": bool(aten_f64)}
     findings = [
-        *check_dynamic_shapes(gm, target),
+        *dynamic,
         *check_loops(gm, target),
-        *check_float64(gm, target),
+        *aten_f64,
         *check_instruction_budget(gm, target, partition_budget),
         *check_all_to_all(gm, target),
-        *check_lowering(gm, target),
+        *[f for f in lowered if not said.get(f.check)],
     ]
     return [Finding(**{**asdict(f), "graph": graph_name}) for f in findings]
 

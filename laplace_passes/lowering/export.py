@@ -1,14 +1,18 @@
 """`export_stablehlo`: every ATen graph of a model as a StableHLO file, with a manifest.
 
     exported = laplace_passes.export_stablehlo(model, ids, target="trn2", out_dir="hlo/")
-    # hlo/forward_0.mlir, hlo/backward_0.mlir, hlo/manifest.json
+    # hlo/forward_0.mlir, hlo/forward_0.mlirbc, hlo/backward_0.mlir, ..., hlo/manifest.json
 
 The graphs are exactly those inner="stablehlo" lowers: the laplace passes,
 AOT Autograd with torch-mlir's decompositions, the lowering passes
-(gate checks become clamps, see `laplace_passes.lowering.legalize`). The
-manifest lists, per graph: its name and kind, the file, its inputs and
-outputs (name, shape, dtype), its op counts by op name, and for Trainium
-targets the neuronx-cc command TorchNeuron would run on it.
+(gate checks become clamps, see `laplace_passes.lowering.legalize`), the
+clean-up for neuronx-cc (`clean_stablehlo`: no f64, no arith, no
+dynamic_iota). Each graph is written as text (`.mlir`) and as MLIR
+bytecode (`.mlirbc`, what TorchNeuron hands neuronx-cc). The manifest
+lists, per graph: its name and kind, both files, its inputs and outputs
+(name, shape, dtype), its op counts by op name, and for Trainium targets
+the neuronx-cc command (`neuronx_cc_command`: the target's --lnc and
+--auto-cast, then $NEURON_CC_FLAGS) on the bytecode.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from laplace_passes.lowering._deps import torch_mlir_fx
 from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
 from laplace_passes.report import Report
+from laplace_passes.targets import HardwareTarget
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "laplace_passes.stablehlo_export/1"
@@ -68,7 +73,7 @@ def export_stablehlo(
     report = capture_graphs(model_or_fn, example_inputs, config)
     captured = compiler.captured
     with staged_directory(out_dir, overwrite) as staging:
-        manifest = _write_export(staging, report, captured)
+        manifest = _write_export(staging, report, config.target, captured)
     return StableHLOExport(Path(out_dir), manifest, report)
 
 
@@ -82,10 +87,10 @@ def _refuse_meta_tensors(model_or_fn: Callable, example_inputs: tuple) -> None:
                          "build it on a real device, or use laplace_passes.inspect to see its graphs and sizes")
 
 
-def _write_export(out_dir: Path, report: Report, captured: list[tuple[str, LoweredGraph]]) -> dict:
+def _write_export(out_dir: Path, report: Report, target: HardwareTarget, captured: list[tuple[str, LoweredGraph]]) -> dict:
     """Write each graph's .mlir and manifest.json into `out_dir`; return the manifest."""
     entries = [
-        _write_graph(out_dir, name, kind, lowered, report.target)
+        _write_graph(out_dir, name, kind, lowered, target)
         for name, (kind, lowered) in zip(_graph_names(report, len(captured)), captured, strict=True)
     ]
     manifest = {
@@ -131,12 +136,13 @@ def _graph_names(report: Report, compiled: int) -> list[str]:
     return names
 
 
-def _write_graph(out_dir: Path, name: str, kind: str, lowered: LoweredGraph, target: str) -> dict:
-    file = f"{name}.mlir"
+def _write_graph(out_dir: Path, name: str, kind: str, lowered: LoweredGraph, target: HardwareTarget) -> dict:
+    file, bytecode = f"{name}.mlir", f"{name}.mlirbc"
     (out_dir / file).write_text(lowered.text)
-    entry = {"name": name, "kind": kind, "file": file, **lowered.to_dict()}
-    if target in NEURON_TARGETS:
-        entry["neuronx_cc"] = format_command(neuronx_cc_command(file, target=target))
+    (out_dir / bytecode).write_bytes(lowered.bytecode)
+    entry = {"name": name, "kind": kind, "file": file, "bytecode": bytecode, **lowered.to_dict()}
+    if target.name in NEURON_TARGETS:
+        entry["neuronx_cc"] = format_command(neuronx_cc_command(bytecode, target=target))
     return entry
 
 

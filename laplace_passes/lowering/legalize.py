@@ -226,5 +226,11 @@ def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
 
 
 def lowering_passes() -> list[GraphPass]:
-    """The passes every torch-mlir based inner compiler needs, in order (see module docstring)."""
-    return [ClampGateChecks(), BoundSliceScatter(), DiagonalAsStridedSlice()]
+    """The passes every torch-mlir based inner compiler needs, in order (see module docstring).
+
+    Last, `FoldIndexConstants` (fold_constants.py): index masks that depend
+    on no input become constants, so no i64 index arithmetic is lowered.
+    """
+    from laplace_passes.lowering.fold_constants import FoldIndexConstants
+
+    return [ClampGateChecks(), BoundSliceScatter(), DiagonalAsStridedSlice(), FoldIndexConstants()]

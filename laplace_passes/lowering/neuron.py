@@ -19,6 +19,35 @@ TorchNeuron's constraints are honoured: shapes are static (preflight finds
 dynamic ones; `laplace_passes.compile` uses dynamic=False) and `mode` is
 "default" (the only mode it supports; the `laplace` backend never takes
 another).
+
+How TorchNeuron's own `neuron` backend calls AOT Autograd, and what we do
+(its source: torch_neuronx/neuron_dynamo_backend/backend.py,
+`create_neuron_backend`, public copy github.com/parmoham-aws/test-repo-parmoham
+at 98154b8; its documentation: awsdocs-neuron.readthedocs-hosted.com,
+torch/compile/reference-torch-compile.html):
+
+    aot_autograd(fw_compiler=..., keep_inference_input_mutations=True, decompositions=...)
+      fw_compiler     one compiler for forward, backward and inference graphs, ending in
+                      neuron_backend_fx_compiler(gm, inputs, analysis, options): ours are three
+                      compilers of one kind, all ending in that call (`NeuronCompiler.compile`)
+      partition_fn    not given: AOT Autograd's default partitioner; ours too (only inductor
+                      gets the min-cut one)
+      decompositions  get_compile_decomposition_table(): the same table (`decompositions`)
+      keep_inference_input_mutations=True ("Prevent Copy-back"): an in-place update of a
+                      buffer stays in the graph as a copy_ into the input, which TorchNeuron's
+                      FunctionalizeCopyInplacePass turns into an output its executor writes back;
+                      we set it too (`keep_inference_input_mutations` below), so the buffer is
+                      not copied back a second time by AOT Autograd's wrapper
+      options["dynamic"] = False, and its DynamicShapeAnalysis refuses symbols: we force
+                      dynamic=False and the preflight reports symbolic sizes
+      mode            other than "default": TorchNeuron warns and falls back; we refuse (clearer)
+
+Not matched: TorchNeuron runs `preprocess_graph` (AliasingAnalysis) on the
+Dynamo graph before AOT Autograd and hands its result as the third argument,
+which becomes `mhlo.input_output_alias` (outputs written into the memory of
+the inputs they alias). The inner compiler sees only ATen graphs, so we hand
+None: no aliasing is declared, every output gets its own buffer (correct,
+more device memory).
 """
 
 from __future__ import annotations
@@ -27,7 +56,7 @@ import importlib
 import os
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch.fx
 
@@ -57,9 +86,16 @@ NEURON_UNAVAILABLE = (
     "laplace_passes.preflight(...). laplace_passes never falls back to another compiler."
 )
 
-# The neuronx-cc command line TorchNeuron runs on the StableHLO it lowered (docs/DESIGN.md section 8).
-NEURONX_CC_FLAGS = ("--framework", "XLA", "--lnc", "2", "--model-type", "transformer", "-O2")
+# The neuronx-cc command TorchNeuron runs on the StableHLO bytecode it lowered, in its order
+# (torch-neuronx csrc/core/compilation/NeuronCompiler.cpp and csrc/core/KernelExecution.cpp,
+# public copy github.com/parmoham-aws/test-repo-parmoham at 98154b8):
+#   neuronx-cc compile module.mlir --framework XLA --target trn2 --lnc 2 -O2 --model-type transformer
+#       --auto-cast=none $NEURON_CC_FLAGS --output module.neff
+# --lnc and --auto-cast come from the target (laplace_passes.targets, sources there).
 NEURON_TARGETS = ("trn1", "trn2")
+# Extra flags, appended last: neuronx-cc takes the right-most of competing options, so they win
+# (the CLI reference; the Neuron docs: "pass the same options through NEURON_CC_FLAGS").
+NEURON_CC_FLAGS_ENV = "NEURON_CC_FLAGS"
 
 
 class NeuronUnavailableError(ImportError):
@@ -106,6 +142,8 @@ class NeuronCompiler(InnerCompiler):
     strict_preflight: bool = True
     name = "neuron"
     static_shapes = True
+    # As TorchNeuron's backend (module docstring): buffer updates stay in the graph as copy_.
+    keep_inference_input_mutations = True
 
     def __post_init__(self) -> None:
         if self.options.get("dynamic", False) is not False:
@@ -142,21 +180,31 @@ def neuronx_cc_command(
     target: str | HardwareTarget = "trn2",
     output: str | os.PathLike | None = None,
     extra_flags: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
 ) -> list[str]:
     """The neuronx-cc invocation TorchNeuron uses, for a StableHLO module exported by hand.
 
-        neuronx-cc compile --framework XLA forward_0.mlir --target trn2 --lnc 2
-            --model-type transformer -O2 --output forward_0.neff
+        neuronx-cc compile forward_0.mlirbc --framework XLA --target trn2 --lnc 2 -O2
+            --model-type transformer --auto-cast=none $NEURON_CC_FLAGS --output forward_0.neff
 
-    neuronx-cc is not on PyPI, so this command is not run (or verified) here.
+    `--lnc` and `--auto-cast` are the target's (trn1 accepts only --lnc 1);
+    `extra_flags`, then the words of NEURON_CC_FLAGS (read from `env`,
+    default os.environ) come last, so they override. TorchNeuron hands
+    neuronx-cc MLIR bytecode (`export_stablehlo` writes it beside the
+    text). neuronx-cc is not on PyPI, so this command is not run (or
+    verified) here.
     """
-    name = get_target(target).name
-    if name not in NEURON_TARGETS:
-        raise ValueError(f"neuronx-cc compiles for Trainium targets {NEURON_TARGETS}, not {name!r}")
+    resolved = get_target(target)
+    if resolved.name not in NEURON_TARGETS or resolved.logical_cores is None:
+        raise ValueError(f"neuronx-cc compiles for Trainium targets {NEURON_TARGETS}, not {resolved.name!r}")
     path = os.fspath(mlir_path)
     output = os.fspath(output) if output is not None else os.path.splitext(path)[0] + ".neff"
-    framework, flags = NEURONX_CC_FLAGS[:2], NEURONX_CC_FLAGS[2:]
-    return ["neuronx-cc", "compile", *framework, path, "--target", name, *flags, *extra_flags, "--output", output]
+    user_flags = shlex.split((os.environ if env is None else env).get(NEURON_CC_FLAGS_ENV, ""))
+    return [
+        "neuronx-cc", "compile", path, "--framework", "XLA", "--target", resolved.name,
+        "--lnc", str(resolved.logical_cores), "-O2", "--model-type", "transformer",
+        f"--auto-cast={resolved.auto_cast}", *extra_flags, *user_flags, "--output", output,
+    ]
 
 
 def format_command(command: list[str]) -> str:

@@ -16,6 +16,10 @@ with torch-neuronx), then checks every ATen graph:
     all-to-all-splits      unequal split sizes (TorchNeuron's all-to-all: equal splits only)
     all-to-all-group-size  a group size the target does not support (trn2: 4, 8, 16, multiples of 32)
     unlowerable-op         an op torch-mlir cannot lower: the lowering is tried, the op named
+    stablehlo-*, hbm-estimate   on the lowered module itself (`hlo_checks`): f64 or complex values,
+                           dynamic dimensions, ops outside StableHLO, unknown custom_call targets,
+                           while, integer dot_general, and inputs plus peak live intermediates
+                           over the target's HBM per logical core
 
 inner="neuron" runs the same checks as its last ATen pass (`NeuronPreflight`),
 so the findings are in its report and stop the compile before TorchNeuron
@@ -162,6 +166,7 @@ class PreflightCompiler(InnerCompiler):
 
     name = "neuron-preflight"
     static_shapes = True  # the graphs inner="neuron" would receive
+    keep_inference_input_mutations = True  # the graphs inner="neuron" gets (see lowering/neuron.py)
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         return make_boxed_func(gm.forward)

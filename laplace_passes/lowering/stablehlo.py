@@ -25,6 +25,7 @@ left out of the module and put back by `LoweredGraph.assemble_outputs`.
 from __future__ import annotations
 
 import copy
+import io
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -77,7 +78,12 @@ class LoweredGraph:
     # tensors among them, which go to `output_positions` (the rest are None).
     output_positions: list[int]
     output_count: int
+    # Inputs the graph updates in place (a trailing copy_ kept by keep_inference_input_mutations):
+    # the module returns their new values after its outputs, as TorchNeuron's importer does.
+    input_updates: list[str] = field(default_factory=list)
     op_counts: dict[str, int] = field(default_factory=dict)
+    # The same module as MLIR bytecode: what TorchNeuron hands neuronx-cc (tied to torch-mlir's MLIR version).
+    bytecode: bytes = b""
 
     @property
     def total_ops(self) -> int:
@@ -86,6 +92,7 @@ class LoweredGraph:
     def assemble_outputs(self, values) -> tuple:
         """The module's results in the ATen graph's output order, None where it returned None."""
         outputs = [None] * self.output_count
+        values = list(values)[: len(values) - len(self.input_updates)] if self.input_updates else values
         for position, value in zip(self.output_positions, values, strict=True):
             outputs[position] = value
         return tuple(outputs)
@@ -129,6 +136,7 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
     """
     ensure_fake_values(gm, example_inputs)
     lowering_gm, positions, count = _without_none_outputs(gm)
+    updates = _input_copies_as_outputs(lowering_gm)
     try:
         module = import_stablehlo(lowering_gm)
     except TorchMlirFailure as failure:
@@ -139,8 +147,16 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
         outputs=[TensorSpec.of(n) for n in output_values(lowering_gm)],
         output_positions=positions,
         output_count=count,
+        input_updates=updates,
         op_counts=count_ops(module),
+        bytecode=_bytecode(module),
     )
+
+
+def _bytecode(module) -> bytes:
+    buffer = io.BytesIO()
+    module.operation.write_bytecode(buffer)
+    return buffer.getvalue()
 
 
 def count_ops(module) -> dict[str, int]:
@@ -182,6 +198,30 @@ def _without_none_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModul
     output.args = (tuple(values[i] for i in positions),)
     copied.recompile()
     return copied, positions, len(values)
+
+
+def _input_copies_as_outputs(gm: torch.fx.GraphModule) -> list[str]:
+    """Replace each `copy_(input, value)` by returning `value` last; the names of the inputs updated.
+
+    AOT Autograd leaves an in-place update of an input in the graph when
+    keep_inference_input_mutations is set (inner="neuron", as TorchNeuron's
+    own backend does). torch-mlir's stateless importer cannot lower a copy_
+    into an argument; TorchNeuron's FunctionalizeCopyInplacePass
+    (torch_neuronx/neuron_dynamo_backend/fx/passes) rewrites it this way
+    before lowering, and its executor writes the extra results back.
+    """
+    copies = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+              and n.args[0].op == "placeholder"]
+    if not copies:
+        return []
+    updates = [(c.args[0].name, c.args[1]) for c in copies]
+    output = gm.graph.find_nodes(op="output")[0]
+    for copy_node in copies:
+        copy_node.replace_all_uses_with(copy_node.args[1])
+        gm.graph.erase_node(copy_node)
+    output.args = (tuple(output.args[0]) + tuple(value for _, value in updates),)
+    gm.recompile()
+    return [name for name, _ in updates]
 
 
 class LowerToStableHLO(GraphPass):

@@ -25,6 +25,7 @@ from laplace_passes.report import PartitionRecord, SizeRecord
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
 from laplace_passes.unroll.split import partition_calls, split_graph
+from laplace_passes.unroll.tiles import tile_use
 
 # AOT Autograd names the backward graph's inputs: tangents_1, ... for the
 # gradients, primals_1, ... for forward inputs it kept (parameters, token ids:
@@ -54,7 +55,9 @@ class FitGraphToBudget(GraphPass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
         size = self.model.measure(gm)
-        info = SizeRecord(nodes=size.nodes, instructions=size.instructions, budget=self.budget)
+        tiles = tile_use(gm, self.model.partition_rows)
+        info = SizeRecord(nodes=size.nodes, instructions=size.instructions, budget=self.budget,
+                          whole_tile_share=tiles.whole_tile_share, small_products=tiles.small_products)
         if self.kind == "backward":
             info.saved_for_backward_bytes = backward_activation_bytes(gm, self.forward_graphs)
         against = "no budget" if self.budget is None else f"budget {self.budget:,}"

@@ -11,6 +11,8 @@ estimate from its shapes, in units of the target's tile, `matmul_tile` =
     views   view, reshape, permute, expand, slice, select, getitem, ...   0
             (layout changes the compiler folds into its access patterns)
     sizes   sym_size and arithmetic on sizes (graphs with symbolic sizes)   0
+    fills   scalar_tensor, full, zeros, ones, empty, *_like   0
+            (a splat constant once lowered: Python scalars and masks' fill values)
     other   ceil(max(numel of inputs and output) / (P * F)), at least 1
             (elementwise ops, reductions, copies, scans: one instruction per
             full tile the op reads or writes)
@@ -57,6 +59,12 @@ from laplace_passes.fx_helpers import (
 aten = torch.ops.aten
 
 _MATMUL_OPS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul}
+# Tensors filled with one value: a splat constant (and a broadcast) once lowered, free like layout ops.
+CONSTANT_FILLS = frozenset({
+    aten.scalar_tensor.default, aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+    aten.empty_strided.default, aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.empty_like.default,
+})
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,7 @@ class SizeModel:
             return self._loop_instructions(node)
         if node.target is COND:
             return self._cond_instructions(node)
-        if is_view(node):
+        if is_view(node) or node.target in CONSTANT_FILLS:
             return 0
         if getattr(node.target, "overloadpacket", None) in _MATMUL_OPS:
             estimate = self._matmul_instructions(node)
