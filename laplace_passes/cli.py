@@ -57,14 +57,22 @@ def _add_demo(commands) -> None:
     demo.add_argument("--model", default=defaults.model, choices=("tiny", "fla-gla-tiny"),
                       help="model_zoo's GLA LM, or flash-linear-attention's GLAForCausalLM")
     demo.add_argument("--steps", type=int, default=defaults.steps)
-    demo.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step and rank")
+    demo.add_argument("--batch", type=int, default=defaults.batch,
+                      help="sequences per step, the global batch: split over the ranks (must divide), so the "
+                           "same command trains the same way at any world size")
     demo.add_argument("--seq-len", type=int, default=defaults.seq_len)
     demo.add_argument("--num-pairs", type=int, default=defaults.num_pairs, help="key-value pairs to recall")
     demo.add_argument("--target", default=defaults.target)
     demo.add_argument("--inner", default=defaults.inner)
     demo.add_argument("--world-size", type=int, default=defaults.world_size,
-                      help="data-parallel ranks (local gloo processes)")
+                      help="data-parallel ranks: local gloo processes started through torch.distributed's "
+                           "elastic launcher (under torchrun leave it out: torchrun starts the processes)")
     demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument("--checkpoint-dir", metavar="DIR",
+                      help="save checkpoints (torch.distributed.checkpoint) to DIR; if DIR holds one, resume from "
+                           "the newest, at any world size")
+    demo.add_argument("--checkpoint-every", type=int, metavar="N",
+                      help="steps between checkpoints (default: one at the end)")
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.set_defaults(run=_run_demo)
@@ -75,8 +83,11 @@ def _run_demo(args) -> int:
 
     config = DemoConfig(model=args.model, steps=args.steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
                         target=args.target, inner=args.inner, world_size=args.world_size, seed=args.seed,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, checkpoint_dir=args.checkpoint_dir,
+                        checkpoint_every=args.checkpoint_every)
     result = run_demo(config)
+    if result is None:  # a rank other than 0 of a torchrun job: rank 0 prints the result
+        return 0
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -2,6 +2,7 @@
 
     laplace-passes demo                    # defaults: under 2 minutes on 2 CPU cores
     laplace-passes demo --world-size 4     # data-parallel over 4 local gloo processes
+    torchrun --standalone --nproc-per-node 4 --no-python laplace-passes demo   # the same, started by torchrun
     laplace-passes demo --model fla-gla-tiny   # flash-linear-attention's own GLAForCausalLM
 
 Each step: the compiled model (GLA re-tiled into chunks of the target's size)
@@ -9,21 +10,29 @@ predicts the recalled values, and ShardedMuon updates the hidden matrices
 (AdamW the embeddings and norms). At the end: recall accuracy on a fresh
 batch against chance, and the pass report.
 
-Data-parallel (`--world-size` W > 1): ShardedMuon's step is compiled with the
-laplace backend too, whose Muon pass rewrites its all-gather into two
-all-to-alls (`laplace_passes.collectives`); the report then shows the step's
-graph and the traffic per rank before and after. The step is compiled for
-target "cpu": its collectives run over gloo on this machine, and trn2's rule
-for all-to-all group sizes (4, 8, 16, multiples of 32) would refuse W = 2 or 3.
-With one process there is no communication to rewrite and the step runs eagerly.
+Data-parallel: under torchrun (one node or several) every process joins the
+launcher's gloo group; `--world-size` W > 1 without torchrun starts W local
+processes through torch.distributed's elastic launcher
+(`laplace_passes.distributed`). `batch` is the *global* batch: each step's
+batch is generated from the seed and the step number alone and split over
+the ranks, so the same command trains the same way at any world size (the
+losses agree up to the order of the gradient sums). ShardedMuon's step is
+compiled with the laplace backend too, whose Muon pass rewrites its
+all-gather into two all-to-alls (`laplace_passes.collectives`); the report
+then shows the step's graph and the traffic per rank before and after. The
+step is compiled for target "cpu": its collectives run over gloo on this
+machine, and trn2's rule for all-to-all group sizes (4, 8, 16, multiples of
+32) would refuse W = 2 or 3. With one process there is no communication to
+rewrite and the step runs eagerly.
+
+Checkpoints (`checkpoint_dir`): see `laplace_passes.demo_checkpoint`. A run
+whose directory holds a checkpoint resumes from the newest one, at any world
+size, and its result lists the losses of every step since step 1.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import queue
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,33 +41,49 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from laplace_passes import demo_checkpoint
+from laplace_passes.distributed import join_process_group, launch_local, launcher_rank_and_world, under_torchrun
+
 
 @dataclass
 class DemoConfig:
     model: str = "tiny"  # a model_zoo name: "tiny", or "fla-gla-tiny" (fla's GLAForCausalLM)
     steps: int = 300
-    batch: int = 32
+    batch: int = 32  # the global batch: split over the ranks
     seq_len: int = 64
     num_pairs: int = 8
     target: str = "trn2"
     inner: str = "eager"
-    world_size: int = 1
+    world_size: int = 1  # local processes to start (1 under torchrun: torchrun decides)
     seed: int = 0
     muon_lr: float = 0.02
     adamw_lr: float = 3e-3
     eval_batch: int = 256
     progress: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None  # steps between checkpoints; None: only at the end
 
     def __post_init__(self):
         for name in ("steps", "batch", "seq_len", "num_pairs", "world_size", "eval_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.checkpoint_every is not None:
+            if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 1:
+                raise ValueError(f"checkpoint_every must be a positive int, got {self.checkpoint_every!r}")
+            if self.checkpoint_dir is None:
+                raise ValueError("checkpoint_every needs checkpoint_dir")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.batch % world_size:
+            raise ValueError(f"batch {self.batch} is the global batch and must divide over {world_size} ranks")
 
 
 @dataclass
 class DemoResult:
-    losses: list[float]
+    losses: list[float]  # one per step, from step 1 (a resumed run includes the checkpoint's)
     accuracy: float
     chance: float
     tokens_per_s: float
@@ -67,15 +92,18 @@ class DemoResult:
     report_dict: dict = field(default_factory=dict)
     # Data-parallel runs: per-rank bytes received by the Muon step, gathers / all-to-alls.
     muon_received_ratio: float | None = None
+    world_size: int = 1
+    resumed_from: int | None = None  # the checkpoint's step this run started from
 
     def summary(self) -> str:
         muon = ""
         if self.muon_received_ratio is not None:
             muon = f"; Muon step receives x{self.muon_received_ratio:.2f} fewer bytes per rank after the rewrite"
+        resumed = f" (resumed from step {self.resumed_from})" if self.resumed_from is not None else ""
         return (
-            f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} over {len(self.losses)} steps; "
+            f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} over {len(self.losses)} steps{resumed}; "
             f"recall accuracy {self.accuracy:.1%} (chance {self.chance:.1%}); "
-            f"{self.tokens_per_s:,.0f} training tokens/s; {self.seconds:.1f}s{muon}"
+            f"{self.tokens_per_s:,.0f} training tokens/s; {self.seconds:.1f}s on {self.world_size} rank(s){muon}"
         )
 
     def to_dict(self) -> dict:
@@ -84,11 +112,20 @@ class DemoResult:
         return data
 
 
-def run_demo(config: DemoConfig) -> DemoResult:
+def run_demo(config: DemoConfig) -> DemoResult | None:
+    """Train; the result on rank 0, None on the other ranks of a torchrun job."""
     _check_settings(config)
+    if under_torchrun():
+        _, world = launcher_rank_and_world()
+        if config.world_size not in (1, world):
+            raise ValueError(f"world_size {config.world_size} under torchrun, which started {world} processes: "
+                             "leave --world-size out (torchrun's --nproc-per-node and --nnodes decide)")
+        config.check_world_size(world)
+        return _launched_rank(config)
+    config.check_world_size(config.world_size)
     if config.world_size == 1:
         return _train(0, 1, config)
-    return _run_data_parallel(config)
+    return launch_local(config.world_size, _launched_rank, config)[0]
 
 
 def _check_settings(config: DemoConfig) -> None:
@@ -102,10 +139,34 @@ def _check_settings(config: DemoConfig) -> None:
     compile_config({"target": config.target, "inner": config.inner})
 
 
-def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
+def _launched_rank(config: DemoConfig) -> DemoResult | None:
+    """One process of a torchrun or launch_local job."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the processes share the machine's cores
+    rank, world = join_process_group()
+    try:
+        return _train(rank, world, config)
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class _Trainer:
+    """What every rank trains with."""
+
+    model: torch.nn.Module
+    compiled: torch.nn.Module
+    task: object
+    optimizer: object
+    muon_report: object
+    names: dict
+
+
+def _build(config: DemoConfig, world_size: int) -> _Trainer:
     import laplace_passes
     import model_zoo
-    from model_zoo.mqar import IGNORE, MQARTask, recall_accuracy
+    from model_zoo.mqar import MQARTask
     from model_zoo.muon import ShardedMuon
 
     torch.manual_seed(config.seed)  # same initial weights on every rank
@@ -116,51 +177,128 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult:
     optimizer = ShardedMuon(_param_groups(model), lr=config.muon_lr, weight_decay=0.0,
                             adamw_kwargs={"lr": config.adamw_lr, "weight_decay": 0.0},
                             backend=_muon_step_backend(muon_report) if world_size > 1 else None)
-    data = torch.Generator().manual_seed(config.seed * 1000 + rank + 1)
-    progress = _progress_bar(config.steps, enabled=config.progress and rank == 0)
-    losses: list[float] = []
+    names = {p: n for n, p in model.named_parameters()}
+    return _Trainer(model, compiled, task, optimizer, muon_report, names)
+
+
+def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult | None:
+    """Train on this rank; rank 0 alone evaluates and returns the result (the others return None)."""
+    trainer = _build(config, world_size)
+    start_step, losses = _resume(config, trainer)
+    progress = _progress_bar(config.steps, start_step, enabled=config.progress and rank == 0)
     start = time.perf_counter()
-    for step in range(1, config.steps + 1):
-        ids, targets = task.batch(config.batch, data)
-        logits = _logits(compiled(ids))
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    for step in range(start_step + 1, config.steps + 1):
+        losses.append(_train_step(config, trainer, step, rank, world_size))
         elapsed = time.perf_counter() - start
         progress.set_postfix({"loss": f"{losses[-1]:.3f}",
-                              "tok/s": f"{world_size * step * config.batch * config.seq_len / elapsed:,.0f}"},
+                              "tok/s": f"{(step - start_step) * config.batch * config.seq_len / elapsed:,.0f}"},
                              refresh=False)
         progress.update(1)
+        if _checkpoint_due(config, step):
+            state = demo_checkpoint.training_state(trainer.model, trainer.optimizer, trainer.names, step, losses,
+                                                   _settings(config))
+            demo_checkpoint.save(config.checkpoint_dir, step, state, rank)
     progress.close()
     seconds = time.perf_counter() - start
-    eval_ids, eval_targets = task.batch(config.eval_batch, torch.Generator().manual_seed(10_000 + config.seed))
+    if rank != 0:  # every rank holds the same model: one evaluation (its own compile) is enough
+        return None
+    return _result(config, trainer, losses, seconds, world_size, resumed_from=start_step or None)
+
+
+def _train_step(config: DemoConfig, trainer: _Trainer, step: int, rank: int, world_size: int) -> float:
+    """One optimizer step on this rank's part of the global batch; returns the global batch's loss."""
+    from model_zoo.mqar import IGNORE
+
+    ids, targets = _rank_batch(config, trainer.task, step, rank, world_size)
+    logits = _logits(trainer.compiled(ids))
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    trainer.optimizer.step()
+    return _global_mean(loss.detach(), world_size)
+
+
+def _rank_batch(config: DemoConfig, task, step: int, rank: int, world_size: int):
+    """This rank's rows of step `step`'s global batch, which depends on the seed and the step only."""
+    generator = torch.Generator().manual_seed((config.seed << 32) + step)
+    ids, targets = task.batch(config.batch, generator)
+    per_rank = config.batch // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return ids[rows], targets[rows]
+
+
+def _global_mean(value: torch.Tensor, world_size: int) -> float:
+    """The mean over the ranks (each rank's batch has as many recall targets, so this is the global loss)."""
+    if world_size == 1:
+        return value.item()
+    import torch.distributed as dist
+
+    total = value.clone()
+    dist.all_reduce(total)
+    return (total / world_size).item()
+
+
+def _checkpoint_due(config: DemoConfig, step: int) -> bool:
+    if config.checkpoint_dir is None:
+        return False
+    every = config.checkpoint_every
+    return step == config.steps or (every is not None and step % every == 0)
+
+
+def _settings(config: DemoConfig) -> dict:
+    return {name: getattr(config, name) for name in demo_checkpoint.RUN_SETTINGS}
+
+
+def _resume(config: DemoConfig, trainer: _Trainer) -> tuple[int, list[float]]:
+    """(step, losses) of the newest checkpoint in checkpoint_dir, loaded into trainer; (0, []) if none."""
+    if config.checkpoint_dir is None:
+        return 0, []
+    step = demo_checkpoint.newest_step(config.checkpoint_dir)
+    if step is None:
+        return 0, []
+    if step > config.steps:
+        raise ValueError(f"the newest checkpoint in {config.checkpoint_dir} is at step {step}, past steps={config.steps}")
+    template = demo_checkpoint.training_state(trainer.model, trainer.optimizer, trainer.names, 0, [],
+                                              _settings(config))
+    loaded = demo_checkpoint.load(config.checkpoint_dir, step, template, _settings(config))
+    trainer.optimizer.load_dcp_state_dict(trainer.names, loaded["optimizer"])
+    return loaded["step"], loaded["losses"][: loaded["step"]]
+
+
+def _result(config: DemoConfig, trainer: _Trainer, losses: list[float], seconds: float, world_size: int,
+            resumed_from: int | None) -> DemoResult:
+    from model_zoo.mqar import recall_accuracy
+
+    eval_ids, eval_targets = trainer.task.batch(config.eval_batch, torch.Generator().manual_seed(10_000 + config.seed))
     with torch.no_grad():
-        accuracy = recall_accuracy(_logits(compiled(eval_ids)), eval_targets)
-    report = compiled.laplace_report
+        accuracy = recall_accuracy(_logits(trainer.compiled(eval_ids)), eval_targets)
+    report = trainer.compiled.laplace_report
     report_text, report_dict, muon_ratio = str(report), report.to_dict(), None
     if world_size > 1:
+        muon_report = trainer.muon_report
         report_text += f"\n\nShardedMuon step over {world_size} ranks (backend='laplace', target 'cpu'):\n{muon_report}"
         report_dict["muon_step"] = muon_report.to_dict()
         traffic = muon_report.traffic
         muon_ratio = traffic[0].received_ratio if traffic else None
+    trained = config.steps - (resumed_from or 0)
     return DemoResult(
         losses=losses,
         accuracy=accuracy,
-        chance=task.chance,
-        tokens_per_s=world_size * config.steps * config.batch * config.seq_len / seconds,
+        chance=trainer.task.chance,
+        tokens_per_s=trained * config.batch * config.seq_len / seconds if trained else 0.0,
         seconds=seconds,
         report=report_text,
         report_dict=report_dict,
         muon_received_ratio=muon_ratio,
+        world_size=world_size,
+        resumed_from=resumed_from,
     )
 
 
-def _progress_bar(steps: int, enabled: bool) -> tqdm:
+def _progress_bar(steps: int, done: int, enabled: bool) -> tqdm:
     """tqdm on stderr: redrawn in place on a terminal, every tenth of the way elsewhere (logs stay short)."""
     interactive = sys.stderr.isatty()
-    return tqdm(total=steps, desc="train", disable=not enabled, file=sys.stderr, ascii=".#",
+    return tqdm(total=steps, initial=done, desc="train", disable=not enabled, file=sys.stderr, ascii=".#",
                 bar_format="{desc} [{bar:24}] {n_fmt}/{total_fmt} {elapsed}{postfix}",
                 mininterval=0.1 if interactive else 0.0, miniters=None if interactive else max(1, steps // 10))
 
@@ -184,62 +322,3 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
         is_io = "embeddings" in name or name.startswith("lm_head")
         (hidden if param.ndim == 2 and not is_io else other).append(param)
     return [{"params": hidden}, {"params": other, "use_muon": False}]
-
-
-def _run_data_parallel(config: DemoConfig) -> DemoResult:
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, config, port, results), daemon=True)
-        for rank in range(config.world_size)
-    ]
-    for process in processes:
-        process.start()
-    outcomes = _collect(results, processes)
-    for process in processes:
-        process.join()
-    failures = [o for o in outcomes if o[0] == "error"]
-    if failures:
-        raise RuntimeError("data-parallel demo failed:\n" + "\n".join(f"rank {r}: {msg}" for _, r, msg in failures))
-    return next(result for _, rank, result in outcomes if rank == 0)
-
-
-def _collect(results, processes) -> list:
-    """One outcome per rank; a rank that dies without reporting (killed, crashed) stops the demo, not hangs it."""
-    outcomes = []
-    while len(outcomes) < len(processes):
-        try:
-            outcomes.append(results.get(timeout=1.0))
-        except queue.Empty:
-            reported = {outcome[1] for outcome in outcomes}
-            dead = [(rank, p.exitcode) for rank, p in enumerate(processes)
-                    if rank not in reported and p.exitcode not in (None, 0)]
-            if dead:
-                for process in processes:
-                    process.terminate()
-                raise RuntimeError("data-parallel demo failed: " + ", ".join(
-                    f"rank {rank} exited with code {code} without a result" for rank, code in dead))
-    return outcomes
-
-
-def _rank_main(rank: int, config: DemoConfig, port: int, results) -> None:
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)  # W processes share the machine's cores
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.world_size)
-        result = _train(rank, config.world_size, config)
-        dist.destroy_process_group()
-        results.put(("ok", rank, result))
-    except Exception as error:  # reported to the parent, which raises
-        results.put(("error", rank, f"{type(error).__name__}: {error}"))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

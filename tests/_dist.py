@@ -9,8 +9,9 @@
     results = run_ranks(3, _body, 5, timeout=60)   # [result of rank 0, 1, 2]
 
 Every rank runs ``fn(rank, world_size, *args)`` in its own process, started
-with ``torch.multiprocessing``, after
-``init_process_group("gloo", "tcp://127.0.0.1:<free port>")``.  The return
+by torch.distributed's elastic launcher through
+``laplace_passes.distributed.launch_local`` (what ``laplace-passes demo
+--world-size`` uses), after joining its gloo group (``env://``).  The return
 values come back in rank order.  If any rank raises, exits without reporting,
 or the whole run exceeds ``timeout`` seconds, :class:`RankFailures` is raised
 with the traceback of every failed rank (survivors are killed after the
@@ -37,11 +38,8 @@ fork server starts (the first call in a test session).
 
 from __future__ import annotations
 
-import datetime
 import os
-import queue as queue_mod
 import socket
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -80,44 +78,19 @@ class RankFailures(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-def _worker(rank, world_size, port, pg_timeout, threads, fn, args, out_q):
-    # Runs in the child process.
+def _rank_entry(fn, args, pg_timeout, threads):
+    # Runs in each launched process: join the group, run fn, report what happened.
     import torch
-    import torch.distributed as dist
+
+    from laplace_passes.distributed import join_process_group
 
     torch.set_num_threads(threads)
-    code = 1
+    rank = int(os.environ["RANK"])
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        value = fn(rank, world_size, *args)
-        out_q.put(RankResult(rank, True, value=value))
-        code = 0
+        rank, world_size = join_process_group(pg_timeout)
+        return RankResult(rank, True, value=fn(rank, world_size, *args))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
-        try:
-            out_q.put(
-                RankResult(
-                    rank,
-                    False,
-                    error=f"{type(e).__name__}: {e}",
-                    traceback=traceback.format_exc(),
-                )
-            )
-        except Exception:  # unpicklable/oversized: still report something
-            out_q.put(RankResult(rank, False, error=repr(e)[:2000]))
-    finally:
-        # No destroy_process_group(): after a failed or timed-out collective
-        # (which tests provoke on purpose) it can block on the dead peer.
-        # Every collective fn issued has completed once it returns, so leaving
-        # at once is safe.  Flush the result queue first.
-        out_q.close()
-        out_q.join_thread()
-        os._exit(code)
+        return RankResult(rank, False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
 
 DEFAULT_PRELOAD = (
@@ -175,63 +148,18 @@ def run_ranks_detailed(
     """Like run_ranks, but return a RankResult per rank instead of raising."""
     import torch.multiprocessing as mp
 
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    from laplace_passes.distributed import LaunchError, launch_local
+
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-    ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(preload))
-    out_q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, pg_timeout, threads, fn, args, out_q),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-
-    deadline = time.monotonic() + timeout
-    got: dict[int, RankResult] = {}
-    while len(got) < world_size:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        try:
-            res = out_q.get(timeout=min(remaining, 0.5))
-            got[res.rank] = res
-            continue
-        except queue_mod.Empty:
-            pass
-        # A rank that died without reporting (segfault, os._exit) never will.
-        for r, p in enumerate(procs):
-            if r not in got and p.exitcode is not None:
-                # Give its queue item a last chance to arrive.
-                try:
-                    while True:
-                        res = out_q.get(timeout=0.2)
-                        got[res.rank] = res
-                except queue_mod.Empty:
-                    pass
-                if r not in got:
-                    got[r] = RankResult(r, False, error=f"process exited with code {p.exitcode} without reporting")
-
-    timed_out = len(got) < world_size
-    for r in range(world_size):
-        if r not in got:
-            got[r] = RankResult(r, False, error=f"no result within {timeout:.0f}s (hung?)")
-
-    # Reap the processes: successful ranks exit by themselves shortly.
-    join_deadline = time.monotonic() + (0 if timed_out else 10.0)
-    for p in procs:
-        p.join(timeout=max(0.0, join_deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-    out_q.close()
-    return [got[r] for r in range(world_size)]
+        mp.get_context("forkserver").set_forkserver_preload(list(preload))
+    try:
+        return launch_local(world_size, _rank_entry, fn, args, pg_timeout, threads, timeout_s=timeout,
+                            start_method=start_method)
+    except LaunchError as failed:  # a rank died without reporting; the agent stopped the others
+        return [RankResult(r, False, error=f"process failed without reporting: {failed.failures[r]}")
+                if r in failed.failures else RankResult(r, False, error="stopped: another rank failed")
+                for r in range(world_size)]
+    except TimeoutError:
+        return [RankResult(r, False, error=f"no result within {timeout:.0f}s (hung?)") for r in range(world_size)]

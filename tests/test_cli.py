@@ -150,17 +150,3 @@ def test_bench_in_process_returns_the_script_exit_code(capfd):
     assert main(["bench", *TINY_GLA_BENCH]) == 0
     assert json.loads(capfd.readouterr().out)["shape"]["T"] == 64
     assert main(["bench", "gla", "--no-such-flag"]) == 2  # argparse's exit code, passed through
-
-
-def test_a_rank_dying_without_a_result_stops_the_demo_instead_of_hanging():
-    import multiprocessing
-    import os
-
-    from laplace_passes.demo import _collect
-
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    process = context.Process(target=os._exit, args=(3,))
-    process.start()
-    with pytest.raises(RuntimeError, match="rank 0 exited with code 3 without a result"):
-        _collect(results, [process])

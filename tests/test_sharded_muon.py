@@ -202,11 +202,21 @@ def test_compiled_step_captures_functional_collectives():
 
 # ---------------------------------------------------------------- failures
 
-PG_TIMEOUT = 3.0
+PG_TIMEOUT = 3.0  # the faulted step's process-group timeout
+WARM_UP_PG_TIMEOUT = 120.0  # the first step compiles the shard step: ranks may reach its collectives far apart
 
 
 def _body_fault(rank, world_size, comm, phase, mode):
-    """Rank 1 raises at `phase` of the second step; return what each rank saw."""
+    """Rank 1 raises at `phase` of the second step; return what each rank saw.
+
+    The first step (compiling) runs under a generous timeout; only the
+    faulted step gets the short one, so a slow compile is never taken for a
+    hung peer.
+    """
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
     auto, emb, lrp = _make_params()
     opt, params, _, _ = _build(auto, emb, lrp, CONFIGS["default"], comm=comm)
     shapes = [p.shape for p in params]
@@ -224,6 +234,8 @@ def _body_fault(rank, world_size, comm, phase, mode):
                 raise RuntimeError("injected failure")
 
         opt._fault_hook = hook
+        torch.distributed.barrier()  # every rank has compiled and stepped once
+        _set_pg_timeout(timedelta(seconds=PG_TIMEOUT))
         t0 = time.monotonic()
         try:
             opt.step()
@@ -259,7 +271,7 @@ def _body_fault(rank, world_size, comm, phase, mode):
 def test_rank_failure_mid_step(world_size, comm, phase, mode):
     """One rank raises mid-step: every rank raises, nothing is modified anywhere."""
     results = run_ranks(
-        world_size, _body_fault, comm, phase, mode, timeout=60, pg_timeout=PG_TIMEOUT
+        world_size, _body_fault, comm, phase, mode, timeout=240, pg_timeout=WARM_UP_PG_TIMEOUT
     )
     for rank, ((kind, msg), params_unchanged, state_unchanged, elapsed) in enumerate(results):
         assert kind == "ShardedMuonStepError", f"rank {rank}: {kind}: {msg}"

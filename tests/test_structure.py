@@ -26,7 +26,7 @@ LAYERS = {
     "passes": ["fx", "unroll", "collectives", "fla"],
     "compile": ["config", "pipeline", "shapes", "compile_fx"],
     "lowering": ["lowering"],
-    "front door": ["backend", "api", "buckets", "cli", "demo", "dump", "__init__"],
+    "front door": ["backend", "api", "buckets", "cli", "demo", "demo_checkpoint", "distributed", "dump", "__init__"],
 }
 
 

@@ -67,20 +67,26 @@ raises too.  (Whatever happens after the last collective is local copying.)
 
 Requirements: every rank calls ``step()`` the same number of times with the
 same set of parameters having a ``.grad`` (``None`` grads are skipped, as in
-``torch.optim.Muon``; ranks must agree on which).  The optimizer state of a
-Muon parameter is this rank's padded momentum shard, so ``state_dict()`` is
-per rank and reloads into the same rank of the same world size (at W=1 it is
-the same as ``torch.optim.Muon``'s).
+``torch.optim.Muon``; ranks must agree on which: a step first checks that
+they do, with one small all-gather, and raises
+:class:`ShardedMuonGradLayoutError` on every rank if not).  The optimizer
+state of a Muon parameter is this rank's padded momentum shard, so
+``state_dict()`` is per rank and reloads into the same rank of the same world
+size (at W=1 it is the same as ``torch.optim.Muon``'s, and
+``load_state_dict`` also takes ``torch.optim.Muon``'s, at any W).
+``dcp_state_dict`` / ``load_dcp_state_dict`` are the
+``torch.distributed.checkpoint`` path, loadable at any world size
+(``checkpoint``).
 
 Modules: ``hparams`` (Muon's and AdamW's settings and checks),
 ``collectives`` (the row layout over ranks and the collectives that move
 rows), ``shard_step`` (``muon_shard_step``, what is compiled),
-``optimizer`` (``ShardedMuon``).
+``optimizer`` (``ShardedMuon``), ``checkpoint`` (its state for DCP).
 """
 
 from model_zoo.muon.collectives import RowSplit
 from model_zoo.muon.hparams import MuonHParams, adjust_lr
-from model_zoo.muon.optimizer import ShardedMuon, ShardedMuonStepError
+from model_zoo.muon.optimizer import ShardedMuon, ShardedMuonGradLayoutError, ShardedMuonStepError
 from model_zoo.muon.shard_step import COMM_MODES, assign_owners, muon_shard_step, newton_schulz
 
 __all__ = [
@@ -88,6 +94,7 @@ __all__ = [
     "MuonHParams",
     "RowSplit",
     "ShardedMuon",
+    "ShardedMuonGradLayoutError",
     "ShardedMuonStepError",
     "adjust_lr",
     "assign_owners",

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
+from model_zoo.muon.checkpoint import load_muon_state_from_dcp, muon_state_for_dcp
 from model_zoo.muon.collectives import RowSplit, all_gather_rows, all_reduce_mean, reduce_scatter_mean
 from model_zoo.muon.hparams import (
     DEFAULT_A,
@@ -27,6 +28,10 @@ from model_zoo.muon.shard_step import COMM_MODES, assign_owners, muon_shard_step
 
 class ShardedMuonStepError(RuntimeError):
     """``ShardedMuon.step()`` failed on this rank; nothing was modified."""
+
+
+class ShardedMuonGradLayoutError(ShardedMuonStepError):
+    """The ranks disagree on which parameters have a ``.grad``; raised on every rank before any update."""
 
 
 @dataclass
@@ -152,6 +157,12 @@ class ShardedMuon(Optimizer):
                 raise RuntimeError(
                     "ShardedMuon: process_group was given but torch.distributed is not initialised"
                 )
+            if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns outside the group
+                raise ValueError(
+                    f"ShardedMuon: this process (global rank {dist.get_rank()}) is not a member of process_group "
+                    "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here); create ShardedMuon only on "
+                    "the group's members"
+                )
             if not isinstance(process_group, dist.ProcessGroup):
                 raise TypeError(
                     f"ShardedMuon: process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}"
@@ -179,6 +190,52 @@ class ShardedMuon(Optimizer):
                     f"use_muon=True has a parameter of size {tuple(p.shape)}; leave use_muon "
                     "unset to send non-2D parameters to AdamW"
                 )
+
+    # ---- state ---------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``Optimizer.load_state_dict``, also accepting ``torch.optim.Muon``'s state_dict.
+
+        Muon's param groups lack ShardedMuon's keys (``use_muon``,
+        ``adamw_*``): they keep this optimizer's values. Muon's momentum is
+        the whole matrix; at W > 1 each rank keeps its own padded rows.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"ShardedMuon.load_state_dict: {len(groups)} param groups in the state_dict, "
+                             f"{len(self.param_groups)} in this optimizer")
+        from_muon = any("use_muon" not in g for g in groups)
+        filled = [{**{k: v for k, v in mine.items() if k != "params"}, **saved}
+                  for mine, saved in zip(self.param_groups, groups)]
+        super().load_state_dict({**state_dict, "param_groups": filled})
+        for group in self.param_groups:
+            group["ns_coefficients"] = tuple(group["ns_coefficients"])
+            group["adamw_betas"] = tuple(group["adamw_betas"])
+            check_group(group)
+        if from_muon and self.world_size > 1:
+            self._keep_own_momentum_rows()
+
+    def _keep_own_momentum_rows(self) -> None:
+        """Whole-matrix momentum (torch.optim.Muon's) -> this rank's padded rows."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p].get("momentum_buffer") if p in self.state else None
+                if buf is not None and self._is_muon(group, p) and tuple(buf.shape) == tuple(p.shape):
+                    self.state[p]["momentum_buffer"] = RowSplit(*p.shape, self.world_size).own(buf, self.rank)
+
+    def dcp_state_dict(self, names: dict[Tensor, str]) -> dict[str, Any]:
+        """This rank's state for ``torch.distributed.checkpoint``, loadable at any world size.
+
+        ``names`` maps every parameter to its name (``{p: n for n, p in
+        model.named_parameters()}``). A collective at W > 1 (all ranks call
+        it). Pass the result to ``dcp.save``, or to ``dcp.load`` and then
+        :meth:`load_dcp_state_dict`. See ``model_zoo.muon.checkpoint``.
+        """
+        return muon_state_for_dcp(self, names)
+
+    def load_dcp_state_dict(self, names: dict[Tensor, str], loaded: dict[str, Any]) -> None:
+        """Take the state ``dcp.load`` filled into a :meth:`dcp_state_dict` template."""
+        load_muon_state_from_dcp(self, names, loaded)
 
     @staticmethod
     def _is_muon(group: dict[str, Any], p: Tensor) -> bool:
@@ -278,6 +335,7 @@ class ShardedMuon(Optimizer):
         try:
             phase = "reduce"  # gradient averaging: all communication before any update
             self._hook(phase)
+            self._check_grad_layout()
             grad_shards = reduce_scatter_mean(muon.grads, muon.splits, W, group)
             adamw_grads = all_reduce_mean(adamw.grads, W, group)
             phase = "shard_step"  # Muon on the own row shards (Newton-Schulz communication inside)
@@ -288,9 +346,38 @@ class ShardedMuon(Optimizer):
             phase = "all_gather_params"  # the last collective: full parameters on every rank
             self._hook(phase)
             new_full = all_gather_rows(new_shards, muon.splits, W, group)
+        except ShardedMuonGradLayoutError:
+            raise
         except Exception as error:  # re-raised as ShardedMuonStepError, saying nothing was modified
             raise self._step_error(phase, error) from error
         return new_full, new_bufs, adamw_new
+
+    def _check_grad_layout(self) -> None:
+        """All ranks must agree on which parameters have a ``.grad``: the collectives' sizes depend on it.
+
+        Otherwise gloo finds mismatched sizes and aborts the process. One
+        small all-gather of a has-grad flag per parameter.
+        """
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        params = [p for group in self.param_groups for p in group["params"]]
+        mine = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.process_group)
+        layout = torch.stack(every)  # [W, params]
+        differ = (layout != layout[0]).any(0).nonzero().flatten().tolist()
+        if differ:
+            i = differ[0]
+            with_grad = layout[:, i].nonzero().flatten().tolist()
+            raise ShardedMuonGradLayoutError(
+                f"ShardedMuon.step(): the ranks disagree on which parameters have a .grad ({len(differ)} "
+                f"parameter(s)); e.g. parameter {i} of shape {tuple(params[i].shape)} has one on ranks "
+                f"{with_grad} only, of {self.world_size}. A parameter one rank's loss does not use has no "
+                ".grad there: give it zeros on every rank, or leave it out of the optimizer. "
+                "No parameter or optimizer state was modified on this rank."
+            )
 
     def _muon_update(self, muon: _MuonParams, momentum: list[Tensor], grad_shards: list[Tensor], group):
         if not muon.params:

@@ -1,0 +1,115 @@
+"""`laplace-passes demo` across processes: torchrun (one node, two nodes), checkpoints, restarts.
+
+One small training (6 steps, T = 16, global batch 6) is the reference, run
+in this process at W = 1 with a checkpoint every 2 steps. Every other run is
+torchrun as the README writes it, and must give the reference's per-step
+losses (relative difference <= 1e-3: the ranks' gradients are summed in
+another order). Each run prints its JSON result once (rank 0). Each torchrun
+start costs seconds of imports and compiling per process, so the runs are
+few and chained: one checkpoint directory carries W = 1 -> 2 -> 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laplace_passes.demo import DemoConfig, run_demo
+from laplace_passes.distributed import LaunchError, launch_local
+from tests._dist import free_port
+
+BIN = Path(sys.executable).parent
+TESTS = Path(__file__).resolve().parent
+SMALL = ["--batch", "6", "--seq-len", "16", "--num-pairs", "2", "--no-progress", "--json"]
+RUN_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(losses of steps 1..6 at W = 1, its checkpoint directory with steps 2, 4, 6)."""
+    directory = tmp_path_factory.mktemp("reference")
+    config = DemoConfig(steps=6, batch=6, seq_len=16, num_pairs=2, progress=False,
+                        checkpoint_dir=str(directory), checkpoint_every=2)
+    return run_demo(config).losses, directory
+
+
+def torchrun(*args: str, env: dict | None = None) -> subprocess.Popen:
+    environment = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+                   **(env or {})}
+    return subprocess.Popen([str(BIN / "torchrun"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=environment)
+
+
+def result_of(process: subprocess.Popen) -> dict:
+    """The one JSON result the run printed (rank 0), after checking it printed exactly one."""
+    out, err = process.communicate(timeout=RUN_TIMEOUT)
+    assert process.returncode == 0, err[-4000:]
+    assert out.count('"losses"') == 1, f"the result must be printed once:\n{out[:2000]}"
+    return json.loads(out)
+
+
+def assert_close(losses, expected):
+    assert len(losses) == len(expected)
+    for step, (got, want) in enumerate(zip(losses, expected), start=1):
+        assert abs(got - want) <= 1e-3 * abs(want), f"step {step}: {got} vs {want} (all: {losses} vs {expected})"
+
+
+def copy_checkpoint(source: Path, step: int, destination: Path) -> None:
+    name = f"step_{step:08d}"
+    shutil.copytree(source / name, destination / name)
+
+
+def test_resume_across_world_sizes_and_a_killed_rank(reference, tmp_path):
+    """W = 1's checkpoint at step 2 resumed by torchrun at W = 2, whose rank 1 is SIGKILLed at step 4
+    (--max-restarts 1, a checkpoint every step): the restarted ranks resume from step 3. Then W = 3
+    resumes from W = 2's checkpoint at step 4. Every step's loss is the uninterrupted reference's."""
+    losses, saved = reference
+    copy_checkpoint(saved, 2, tmp_path)
+    run = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                   str(TESTS / "demo_rank_killer.py"), "2", "demo", *SMALL, "--steps", "4",
+                   "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1",
+                   env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    two = result_of(run)
+    assert (two["world_size"], two["resumed_from"]) == (2, 3)  # the restarted attempt's result
+    assert_close(two["losses"], losses[:4])
+    demo = ["--no-python", "laplace-passes", "demo", *SMALL, "--checkpoint-dir", str(tmp_path)]
+    three = result_of(torchrun("--standalone", "--nproc-per-node", "3", *demo, "--steps", "6"))
+    assert (three["world_size"], three["resumed_from"]) == (3, 4)
+    assert_close(three["losses"], losses)
+
+
+def test_two_nodes_over_a_loopback_rendezvous(reference):
+    """Two torchrun agents ("nodes") of one process each, c10d rendezvous on 127.0.0.1."""
+    losses, _ = reference
+    node = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "demo-test", "--local-addr", "127.0.0.1",
+            "--rdzv-conf", "join_timeout=120", "--no-python", "laplace-passes", "demo", *SMALL, "--steps", "2"]
+    nodes = [torchrun(*node), torchrun(*node)]
+    outputs = [node.communicate(timeout=RUN_TIMEOUT) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    printed = [json.loads(out) for out, _ in outputs if out.strip()]
+    assert len(printed) == 1, [out[:500] for out, _ in outputs]  # rank 0's node only
+    assert printed[0]["world_size"] == 2
+    assert_close(printed[0]["losses"], losses[:2])
+
+
+def test_batch_must_divide_over_the_ranks():
+    with pytest.raises(ValueError, match="global batch and must divide over 4 ranks"):
+        run_demo(DemoConfig(steps=1, batch=6, world_size=4))
+
+
+def test_launch_local_reports_the_failed_rank():
+    """A rank that raises comes back with its traceback; one that exits, with its exit code."""
+    import operator
+
+    with pytest.raises(LaunchError, match=r"(?s)rank \d: Traceback.*ZeroDivisionError") as failed:
+        launch_local(2, operator.truediv, 1, 0, timeout_s=120)
+    assert failed.value.failures and set(failed.value.failures) <= {0, 1}
+    with pytest.raises(LaunchError, match="rank 0: exited with code 3"):
+        launch_local(1, os._exit, 3, timeout_s=120)
