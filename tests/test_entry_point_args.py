@@ -70,7 +70,7 @@ def test_demo_settings_are_checked_before_any_rank_starts(args, message, monkeyp
     from laplace_passes import demo
     from laplace_passes.cli import main
 
-    monkeypatch.setattr(demo, "_run_data_parallel", fail_if_called)
+    monkeypatch.setattr(demo, "launch_local", fail_if_called)
     monkeypatch.setattr(demo, "_train", fail_if_called)
     assert main(["demo", "--world-size", "2", "--no-progress", *args]) == 2
     assert message in capsys.readouterr().err
