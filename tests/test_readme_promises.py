@@ -165,3 +165,15 @@ def test_a_site_whose_inputs_the_checks_reject_is_declined_with_the_reason():
     assert site.status == "declined" and not outcome.modified
     assert site.reason.startswith("inputs rejected by chunked_gla: v must have shape [B,T,H,V] = [1,16,1,V]")
     FileCheck().check("laplace.gla.default").check_not("chunked_gla").run(gm.code)
+
+
+# -- the API table: inspect(..., report=r) --------------------------------------------------------
+
+
+def test_inspect_fills_the_report_it_is_given():
+    given = laplace_passes.Report()
+    inputs = [x.requires_grad_() for x in make_inputs(1, 100, 1, 8, 8)]  # T = 100: one chunk of 128
+    assert laplace_passes.inspect(_gla_with_state, *inputs, target="trn2", report=given) is given
+    assert [s.plan["n_chunks"] for s in given.sites] == [1]
+    unrolled = [p.summary for p in given.passes if p.name == "unroll_loops" and p.modified]
+    assert unrolled and all(s.startswith("unrolled 1 loop (1 x ") and s.endswith(", 1 trip)") for s in unrolled)
