@@ -196,3 +196,27 @@ def test_a_process_that_ran_iree_exits_without_leak_reports():
     done = subprocess.run([sys.executable, "-c", IREE_RUN], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "nanobind: leaked" not in done.stderr, done.stderr[-2000:]
+
+
+# -- model_zoo.mqar: "generates multi-query associative recall data" ------------------------------
+
+
+def test_mqar_asks_each_listed_key_once_for_its_value():
+    from model_zoo.mqar import IGNORE, MQARTask, recall_accuracy
+
+    task = MQARTask(vocab_size=128, num_pairs=8, seq_len=64)
+    ids, targets = task.batch(4, torch.Generator().manual_seed(0))
+    for seq, target in zip(ids.tolist(), targets.tolist()):
+        listed = dict(zip(seq[0:16:2], seq[1:16:2]))  # keys 1..63, values 64..127, as the docstring says
+        assert len(listed) == 8 and all(1 <= key <= 63 and 64 <= value <= 127 for key, value in listed.items())
+        asked = [(pos, seq[pos]) for pos, t in enumerate(target) if t != IGNORE]
+        assert sorted(key for _, key in asked) == sorted(listed)
+        assert all(target[pos] == listed[key] == seq[pos + 1] for pos, key in asked)
+        assert seq[32:] == [0] * 32  # padding
+    assert task.chance == 1 / 64
+    # recall_accuracy counts the asked positions only: right everywhere there, wrong everywhere else.
+    logits = torch.nn.functional.one_hot(targets.clamp_min(0), 128).float()
+    logits[targets == IGNORE] = torch.nn.functional.one_hot(torch.tensor(5), 128).float()
+    assert recall_accuracy(logits, targets) == 1.0
+    logits[:, :, 64:] = logits[:, :, 64:].roll(1, -1)  # every recalled value off by one
+    assert recall_accuracy(logits, targets) == 0.0
