@@ -77,7 +77,8 @@ def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", *
     The function runs once on the examples (with the eager inner compiler, so
     meta-device models allocate nothing); forward and backward graphs are
     both captured when an output requires grad. Nothing else is changed:
-    parameter ``.grad`` fields are left as they were.
+    parameter ``.grad`` fields are left as they were. ``report=`` names a
+    `Report` to fill (and return); by default a new one.
     """
     options = {"inner": "eager", **options, "target": target}
     # Validated before anything is traced: a clear error, not one wrapped by Dynamo.

@@ -121,8 +121,10 @@ def _run_inspect(args) -> int:
         report = laplace_passes.inspect(model, *example_inputs, target=args.target)
     print(report.to_json(indent=2) if args.json else report)
     if args.dump:
-        written = dump_report(report, args.dump, overwrite=args.force)
-        print(f"wrote {len(written)} files to {args.dump}", file=sys.stderr)
+        dumped = dump_report(report, args.dump, overwrite=args.force)
+        for reason in dumped.not_drawn:
+            print(f"not drawn as .svg (the .dot is written): {reason}", file=sys.stderr)
+        print(f"wrote {len(dumped.written)} files to {args.dump}", file=sys.stderr)
     return 0
 
 

@@ -186,13 +186,13 @@ def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult | None:
     trainer = _build(config, world_size)
     start_step, losses = _resume(config, trainer)
     progress = _progress_bar(config.steps, start_step, enabled=config.progress and rank == 0)
+    progress.set_postfix_str("compiling (the first step compiles the forward and backward graphs) ...")
     start = time.perf_counter()
     for step in range(start_step + 1, config.steps + 1):
         losses.append(_train_step(config, trainer, step, rank, world_size))
         elapsed = time.perf_counter() - start
-        progress.set_postfix({"loss": f"{losses[-1]:.3f}",
-                              "tok/s": f"{(step - start_step) * config.batch * config.seq_len / elapsed:,.0f}"},
-                             refresh=False)
+        tokens_per_s = (step - start_step) * config.batch * config.seq_len / elapsed  # the global batch
+        progress.set_postfix_str(progress_postfix(losses[-1], tokens_per_s), refresh=False)
         progress.update(1)
         if _checkpoint_due(config, step):
             state = demo_checkpoint.training_state(trainer.model, trainer.optimizer, trainer.names, step, losses,
@@ -296,11 +296,22 @@ def _result(config: DemoConfig, trainer: _Trainer, losses: list[float], seconds:
 
 
 def _progress_bar(steps: int, done: int, enabled: bool) -> tqdm:
-    """tqdm on stderr: redrawn in place on a terminal, every tenth of the way elsewhere (logs stay short)."""
+    """tqdm on stderr: redrawn in place on a terminal, every tenth of the way elsewhere (logs stay short).
+
+    On a terminal the line is cut to the terminal's width (`dynamic_ncols`):
+    a line that wraps can only be redrawn from its last row, leaving the
+    rows above it stale. The figures have fixed widths (`progress_postfix`),
+    so the line never gets shorter as they change.
+    """
     interactive = sys.stderr.isatty()
     return tqdm(total=steps, initial=done, desc="train", disable=not enabled, file=sys.stderr, ascii=".#",
-                bar_format="{desc} [{bar:24}] {n_fmt}/{total_fmt} {elapsed}{postfix}",
+                bar_format="{desc} [{bar:24}] {n_fmt}/{total_fmt} {elapsed}{postfix}", dynamic_ncols=interactive,
                 mininterval=0.1 if interactive else 0.0, miniters=None if interactive else max(1, steps // 10))
+
+
+def progress_postfix(loss: float, tokens_per_s: float) -> str:
+    """The progress line's figures, each in a fixed width."""
+    return f"loss {loss:7.3f}  tok/s {tokens_per_s:>9,.0f}"
 
 
 def _muon_step_backend(report):

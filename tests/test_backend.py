@@ -163,11 +163,14 @@ def test_retiling_can_be_switched_off():
 
 
 def test_unknown_options_are_named():
-    with pytest.raises(ValueError, match=r"unknown laplace option\(s\) \['chunks'\]"):
+    with pytest.raises(ValueError, match=r"unknown laplace option\(s\) \['chunks'\]; known options: ") as error:
         laplace_passes.compile(lambda x: x, chunks=3)
+    for option in ("target", "inner", "chunk_size", "retile_gla", "report", "muon_all_to_all", "max_graph_instructions"):
+        assert f"{option}: " in str(error.value)  # every option the README's table lists, with what it means
     with pytest.raises(ValueError, match=r"unknown target 'trn9'; known targets: cpu, trn1, trn2"):
         laplace_passes.compile(lambda x: x, target="trn9")
-    with pytest.raises(ValueError, match=r"unknown inner compiler 'xla'"):
+    with pytest.raises(ValueError, match=r"unknown inner compiler 'xla'; known: eager, inductor, iree, neuron, "
+                                         r"stablehlo, or a callable \(graph_module, example_inputs\) -> callable"):
         laplace_passes.compile(lambda x: x, inner="xla")
     with pytest.raises(ValueError, match=r"chunk_size must be a positive int, got 0"):
         laplace_passes.compile(lambda x: x, chunk_size=0)

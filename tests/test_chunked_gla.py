@@ -172,17 +172,21 @@ def test_any_chunk_and_sub_chunk_size(chunk_size, sub_chunk_size):
     assert_all_close(actual, expected, f"C={chunk_size} Cs={sub_chunk_size}")
 
 
-def test_one_anchor_per_chunk_would_overflow_here():
-    """The strong-gate case really passes fp32's range inside one 128-token chunk.
+@pytest.mark.parametrize("sub_chunk_size", [16, 128])
+def test_strong_gates_that_overflow_one_anchor_per_chunk_stay_exact(sub_chunk_size):
+    """The strong-gate case passes fp32's range inside one 128-token chunk, and chunked_gla stays exact there.
 
-    It shows the stress case tests what it claims: with a single anchor per
-    chunk, exp(a - G) reaches exp(>88) = inf. The sub-chunk anchors keep it
-    finite (checked by the fp32 stress tests above).
+    First the data: with a single exponential anchor per chunk, exp(a - G)
+    reaches exp(>88) = inf. Then chunked_gla on exactly these data, with
+    16-row sub-chunks and with one sub-chunk per chunk: output, state and
+    gradients match the recurrence.
     """
-    _, _, _, gk, _ = make_inputs(1, 128, 2, 64, 64, gate_divisor=0.1)
-    G = gk.cumsum(1)
+    inputs = make_inputs(1, 128, 2, 64, 64, gate_divisor=0.1)
+    G = inputs[3].cumsum(1)
     assert (G[:, 0] - G[:, -1]).max() > 88
     assert not torch.isfinite(torch.exp(G[:, 0:1] - G)).all()
+    actual = forward_backward(chunked_gla, *inputs, chunk_size=128, sub_chunk_size=sub_chunk_size)
+    assert_all_close(actual, forward_backward(gla, *inputs), f"one chunk, sub-chunks of {sub_chunk_size}")
 
 
 def test_matches_fla_naive_recurrent_gla():

@@ -81,3 +81,10 @@ def test_fla_default_scale_is_preserved():
     compiled = laplace_passes.compile(explicit, target="cpu")
     expected, _ = laplace_passes.gla(q, k, v, gk, scale=0.5)
     assert relative_rmse(compiled(q, k, v, gk), expected) < 1e-5
+
+    def default(q, k, v, gk):
+        return fla_gla.chunk_gla(q, k, v, gk)[0]
+
+    K = q.shape[-1]
+    expected, _ = laplace_passes.gla(q, k, v, gk, scale=K**-0.5)  # 0.25 here, not 0.5
+    assert relative_rmse(laplace_passes.compile(default, target="cpu")(q, k, v, gk), expected) < 1e-5

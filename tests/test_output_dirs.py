@@ -38,7 +38,7 @@ def test_dump_refuses_a_used_directory_and_replaces_it_whole_with_overwrite(tmp_
         dump_report(small_report(), out)
     assert [p.name for p in out.iterdir()] == ["stale_0.mlir"]
     written = dump_report(small_report(), out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written.written)
     assert not (out / "stale_0.mlir").exists() and (out / "dynamo_0.0.input.py").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing left beside it
 

@@ -1,9 +1,11 @@
 """`inspect` and the report: what users read and what machines parse."""
 
 import json
+import re
 
 import pytest
 import torch
+from torch.testing import FileCheck
 
 import laplace_passes
 import model_zoo
@@ -38,7 +40,18 @@ def test_text_summary(report):
     text = str(report)
     assert "target=trn2" in text
     assert "retile_gla" in text and "2 of 2 GLA sites re-tiled at chunk 128" in text
-    assert "2048" in text and "16" in text
+    # Each site's row: T, chunk, chunks, padding (K is 16 too, so the columns are matched together).
+    assert len(re.findall(r"\bretiled\s+2048\s+128\s+16\s+0\s", text)) == 2, text
+
+
+def test_the_readme_example_of_the_rewrite_is_tiny_at_2048(report):
+    """README, "What the re-tiling pass does": the scale is K ** -0.5 for tiny's K = 16, chunks of 128 and 16."""
+    K = report.sites[0].shape["K"]
+    assert K**-0.5 == 0.25
+    before, after = report.graph("before").code, report.graph("after").code
+    assert re.search(r"torch\.ops\.laplace\.gla\.default\(\w+, \w+, \w+, \w+, None, 0\.25, 'laplace\.gla'\)", before)
+    FileCheck().check("torch.ops.laplace.check_gates.default(").check(
+        "torch.ops.laplace.chunked_gla.default(").check(", None, 0.25, 128, 16)").run(after)
 
 
 def test_graph_before_and_after_are_distinct_snapshots(report):

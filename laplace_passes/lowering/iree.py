@@ -11,9 +11,20 @@ checked for numbers on a laptop.
 
 Tensors cross as NumPy arrays (bf16 through ml_dtypes, a dependency of
 iree-base-runtime); only CPU tensors can.
+
+IREE's runtime objects are nanobind instances, and nanobind reports every
+instance still alive at interpreter shutdown ("nanobind: leaked ...
+instances", over a hundred lines). Dynamo's caches keep compiled functions,
+and so our modules, alive until then; an exit handler, registered when the
+first module is made, releases every module's runtime objects before
+shutdown instead.
 """
 
 from __future__ import annotations
+
+import atexit
+import gc
+import weakref
 
 import torch
 import torch.fx
@@ -35,6 +46,29 @@ def compile_vmfb(stablehlo_text: str, flags: tuple[str, ...] = DEFAULT_FLAGS) ->
     )
 
 
+class _Runtime:
+    """One module's IREE runtime objects, in one place that `release_runtime_objects` can empty.
+
+    A holder, not attributes of IreeModule: the wrappers AOT Autograd and
+    make_boxed_func put around a module copy its __dict__ (functools.wraps),
+    so attributes would live on in every copy.
+    """
+
+    def __init__(self, context, main) -> None:
+        self.context = context  # keeps the module's device and buffers alive
+        self.main = main
+
+
+_LIVE_RUNTIMES: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_runtime_objects() -> None:
+    """Drop the IREE runtime objects of every live IreeModule (they cannot be called afterwards)."""
+    for runtime in list(_LIVE_RUNTIMES):
+        runtime.context = runtime.main = None
+    gc.collect()  # IREE's bound functions and their context reference each other
+
+
 class IreeModule:
     """A lowered graph compiled by IREE, callable with torch tensors."""
 
@@ -44,14 +78,20 @@ class IreeModule:
         self.vmfb = compile_vmfb(lowered.text, flags)
         context = runtime.SystemContext(config=runtime.Config("local-task"))
         context.add_vm_module(runtime.VmModule.copy_buffer(context.instance, self.vmfb))
-        self._context = context  # keeps the module's device and buffers alive
-        self._main = context.modules.module["main"]
+        self._runtime = _Runtime(context, context.modules.module["main"])
+        if not _LIVE_RUNTIMES:
+            atexit.unregister(release_runtime_objects)  # registered once, however many modules come and go
+            atexit.register(release_runtime_objects)
+        _LIVE_RUNTIMES.add(self._runtime)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
         """Outputs in the ATen graph's order (None where the graph returns None)."""
+        main = self._runtime.main
+        if main is None:
+            raise RuntimeError("this IREE module's runtime objects were released (release_runtime_objects)")
         if len(inputs) != len(self.lowered.inputs):
             raise TypeError(f"the module takes {len(self.lowered.inputs)} tensors, got {len(inputs)}")
-        results = self._main(*(_to_numpy(t, spec.name) for t, spec in zip(inputs, self.lowered.inputs, strict=True)))
+        results = main(*(_to_numpy(t, spec.name) for t, spec in zip(inputs, self.lowered.inputs, strict=True)))
         if not isinstance(results, (tuple, list)):
             results = (results,)
         return self.lowered.assemble_outputs([_to_torch(r.to_host()) for r in results])

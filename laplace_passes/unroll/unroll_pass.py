@@ -111,8 +111,12 @@ def _summary(records: list[LoopRecord]) -> str:
         if r.status == "unrolled":
             groups[(r.kind, r.trip_count)] = groups.get((r.kind, r.trip_count), 0) + 1
     unrolled = sum(groups.values())
-    text = f"unrolled {unrolled} loop{'' if unrolled == 1 else 's'}"
+    text = f"unrolled {_plural(unrolled, 'loop')}"
     if groups:
-        text += " (" + ", ".join(f"{n} x {kind}, {trips} trips" for (kind, trips), n in groups.items()) + ")"
+        text += " (" + ", ".join(f"{n} x {kind}, {_plural(trips, 'trip')}" for (kind, trips), n in groups.items()) + ")"
     declined = len(records) - unrolled
     return text + (f"; declined {declined}" if declined else "")
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
