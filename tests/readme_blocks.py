@@ -44,9 +44,14 @@ class Block:
         return f"README.md:{self.line}"
 
     def cli_commands(self) -> list[list[str]]:
-        """The argument lists of the `laplace-passes` commands in a shell block (`&&` chains split)."""
+        """The argument lists of the `laplace-passes` commands in a shell block.
+
+        `&&` chains are split, `\\`-continued lines joined, and a command run
+        by a launcher (`torchrun ... --no-python laplace-passes demo ...`)
+        counts from the `laplace-passes` word on.
+        """
         commands = []
-        for line in self.text.splitlines():
+        for line in self.text.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             segments, current = [], []
             for word in words + ["&&"]:
@@ -55,7 +60,10 @@ class Block:
                     current = []
                 else:
                     current.append(word)
-            commands += [seg[1:] for seg in segments if seg and Path(seg[0]).name == CLI]
+            for seg in segments:
+                starts = [i for i, word in enumerate(seg) if Path(word).name == CLI]
+                if starts:
+                    commands.append(seg[starts[0] + 1:])
         return commands
 
     def python_source(self) -> str:
