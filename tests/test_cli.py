@@ -53,7 +53,8 @@ def test_inspect_json_has_the_documented_fields():
     assert done.returncode == 0, done.stderr
     assert "inspect tiny: capturing and transforming its graphs" in done.stderr and "done in" in done.stderr
     data = json.loads(done.stdout)
-    assert set(data) == {"target", "inner", "graphs", "passes", "sites", "notes"}
+    assert set(data) == {"target", "inner", "graphs", "passes", "sites", "notes", "dynamic_dims", "specialised"}
+    assert data["dynamic_dims"] == [] and data["specialised"] == []  # static example inputs
     assert {"name", "kind", "nodes_before", "nodes_after", "passes"} <= set(data["graphs"][0])
     assert {"name", "graph", "modified", "nodes_before", "nodes_after", "summary", "declined"} <= set(data["passes"][0])
     assert {"graph", "node", "origin", "status", "reason", "plan", "shape"} <= set(data["sites"][0])

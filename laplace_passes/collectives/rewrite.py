@@ -368,4 +368,8 @@ def is_candidate(gm: torch.fx.GraphModule) -> bool:
     ]
     if any(n.target in (ALL_GATHER, BROADCAST) for n in gm.graph.nodes):
         return True
+    # The Newton-Schulz search replays views at concrete sizes: on a graph with symbolic sizes it
+    # would guard them to the example's values (Dynamo would recompile for every new size).
+    if any(_symbolic(n) or isinstance(fake_value(n), torch.SymInt) for n in gm.graph.nodes if n.op == "placeholder"):
+        return False
     return any(may_hold_newton_schulz(graph) for graph in graphs)
