@@ -137,7 +137,7 @@ def test_export_subprocess_inference_graph(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "inference_0.mlir" in done.stdout and "StableHLO ops" in done.stdout
     assert "export tiny: lowering every graph" in done.stderr and "done in" in done.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["inference_0.mlir", "manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inference_0.mlir", "inference_0.mlirbc", "manifest.json"]
 
 
 def test_export_without_torch_mlir_names_the_extra(tmp_path, monkeypatch, capsys):
