@@ -478,3 +478,8 @@ def test_one_matrix_at_two_ranks_is_kept_whatever_its_send_shape():
         assert reason.startswith(f"planned received bytes per rank {2 * shard_bytes} > {shard_bytes} with the gathers "
                                  "(1 matrices from 1 gather(s), all-to-all chunk 24 elements, uniform plan with 1 zero "
                                  "matrices)"), reason
+
+
+def test_rewrite_muon_step_rejects_what_is_not_a_graph_module():
+    with pytest.raises(TypeError, match="takes a torch.fx.GraphModule, got int"):
+        rewrite_muon_step(42, world_size=2)

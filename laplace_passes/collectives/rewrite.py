@@ -131,6 +131,8 @@ def rewrite_muon_step(
     receives its own rows from the second all-to-all), and the pass cannot
     check at compile time what value it will hold.
     """
+    if not isinstance(graph_module, torch.fx.GraphModule):
+        raise TypeError(f"rewrite_muon_step takes a torch.fx.GraphModule, got {type(graph_module).__name__}")
     outcome = run_pass(RewriteMuonStep(world_size=world_size, target=target), graph_module)
     plans = outcome.graph_module.meta.get(PLANS_META_KEY, []) if outcome.modified else []
     return MuonRewrite(outcome.graph_module, outcome.modified, outcome.declined, list(plans), outcome.traffic)
