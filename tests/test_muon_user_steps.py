@@ -14,10 +14,15 @@ case of that size runs in the same W processes.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
 from torch.testing import FileCheck
+
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import laplace_passes
 from laplace_passes.backend import laplace_backend
@@ -106,8 +111,48 @@ def _flat(x) -> list[torch.Tensor]:
     return [t for part in x for t in (part if isinstance(part, list) else [part])]
 
 
+REPLICATED = "state every rank keeps whole (a momentum of full matrices"
+
+
+def _torch_muon(rank: int, world_size: int) -> dict:
+    """torch.optim.Muon's own step on gradients gathered from row shards, compiled and eager, STEPS steps."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(world_size * s, c) for s, c in SHARD_SHAPES]
+    init = [torch.randn(shape, generator=gen) for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(STEPS)]
+    report = laplace_passes.Report()
+    backend = functools.partial(laplace_backend, options={"target": "cpu", "report": report})
+    runs = {}
+    for mode, step in (("eager", steps.torch_muon_step),
+                       ("compiled", torch.compile(steps.torch_muon_step, backend=backend, dynamic=False))):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = torch.optim.Muon(params, lr=steps.LR, weight_decay=steps.WD, momentum=steps.MU)
+        with torch.no_grad():
+            for g in grads:
+                step(opt, params, [full.chunk(world_size)[rank].clone() for full in g])
+        runs[mode] = [p.detach().clone() for p in params] + [opt.state[p]["momentum_buffer"] for p in params]
+        kept_grads = [p.grad.clone() for p in params]
+    (record,) = [p for p in report.passes if p.name == "muon_all_to_all"]
+    graph = report.graph("before", record.graph)
+    placeholders = {n.name: tuple(n.meta["val"].shape) for n in graph.graph.find_nodes(op="placeholder")
+                    if isinstance(n.meta.get("val"), torch.Tensor)}
+    return dict(differs=[f"tensor {i}" for i, (a, b) in enumerate(zip(runs["compiled"], runs["eager"]))
+                         if not torch.equal(a, b)],
+                # Plain lists, not tensors: what comes back is compared across ranks, exactly.
+                state=[t.tolist() for t in runs["compiled"]], state_shapes=[tuple(t.shape) for t in runs["compiled"]],
+                grad_shapes=[tuple(g.shape) for g in kept_grads],
+                grads_are_gathered=[torch.equal(a, b) for a, b in zip(kept_grads, grads[-1])],
+                modified=[record.modified],
+                declined=record.declined, placeholders=placeholders, shapes=shapes, splits=[],
+                traffic=report.traffic[0] if report.traffic else None, shown=str(report))
+
+
 def _body(rank: int, world_size: int):
     results = []
+    if world_size == 2:
+        results.append(dict(name="torch.optim.Muon", expected=REPLICATED, **_torch_muon(rank, world_size)))
     for name, fn, kwargs, expected in CASES[world_size]:
         report = laplace_passes.Report()
         backend = functools.partial(laplace_backend, options={"target": "cpu", "report": report})
@@ -119,10 +164,25 @@ def _body(rank: int, world_size: int):
         records = [p for p in report.passes if p.name == "muon_all_to_all"]
         traffic = report.traffic[0] if report.traffic else None
         code = report.graph("after", traffic.graph).code if traffic else ""
-        results.append(dict(name=name, expected=expected, differs=differs,
+        splits = _all_to_all_splits(report.graph("after", traffic.graph)) if traffic else []
+        results.append(dict(name=name, expected=expected, differs=differs, splits=splits,
                             modified=[r.modified for r in records], declined=[d for r in records for d in r.declined],
                             traffic=traffic, code=code, shown=str(report)))
     return results
+
+
+def _all_to_all_splits(gm: torch.fx.GraphModule) -> list[tuple[tuple, tuple]]:
+    """(the rewrite's split and group arguments, torch's own for `all_to_all_single(x, None, None, group)`)
+    for every all-to-all of `gm`: torch's functional wrapper fills equal splits in itself."""
+    pairs = []
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_to_all_single.default):
+        sent = node.args[0].meta["val"]
+        ref = make_fx(lambda x: fc.all_to_all_single(x, None, None, dist.group.WORLD), tracing_mode="fake")(
+            torch.empty(sent.shape, dtype=sent.dtype))
+        (torch_node,) = ref.graph.find_nodes(op="call_function",
+                                             target=torch.ops._c10d_functional.all_to_all_single.default)
+        pairs.append((tuple(node.args[1:]), tuple(torch_node.args[1:])))
+    return pairs
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
@@ -175,3 +235,32 @@ def test_other_shapes_are_declined_with_what_is_there(ranks):
             assert any(case["expected"] in reason for reason in case["declined"]), (case["name"], case["declined"])
             assert case["expected"] in case["shown"]  # what users read, not only the JSON
             assert case["traffic"] is None
+
+
+def test_all_to_alls_carry_the_splits_torch_fills_in_for_none(ranks):
+    """`all_to_all_single(x, None, None, group)` traces to explicit equal split lists (the ATen op takes
+    `SymInt[]`, never None): the rewrite's all-to-alls carry exactly those lists and that group."""
+    world_size, results = ranks
+    pairs = [pair for cases in results for case in cases for pair in case["splits"]]
+    assert pairs, "no rewritten case at this world size"
+    for ours, torchs in pairs:
+        assert ours == torchs
+        assert list(ours[0]) == list(ours[1]) and len(ours[0]) == world_size
+
+
+def test_torch_optim_muon_step_is_declined_for_what_is_really_there(ranks):
+    """torch.optim.Muon on a gathered gradient: every rank keeps the whole gradient (p.grad), a momentum of
+    whole matrices and whole parameters, so the gathered value is needed whole everywhere; the reason says
+    so and names a graph input of a whole matrix's shape (the momentum) as what the gather is combined with."""
+    world_size, results = ranks
+    if world_size != 2:
+        pytest.skip("run at W = 2 only")
+    cases = [next(c for c in cases if c["name"] == "torch.optim.Muon") for cases in results]
+    for case in cases:
+        shapes = case["shapes"]
+        assert case["grad_shapes"] == shapes and all(case["grads_are_gathered"])
+        assert case["state_shapes"] == shapes * 2  # parameters, then momenta: whole
+        named = re.findall(r"depends on (\w+) \(placeholder\)", " ".join(case["declined"]))
+        assert len(named) == len(shapes), case["declined"]
+        assert sorted(case["placeholders"][n] for n in named) == sorted(shapes)
+    assert cases[0]["state"] == cases[1]["state"]  # replicated: the same on both ranks
