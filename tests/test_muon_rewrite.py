@@ -299,7 +299,8 @@ def test_single_process_backend_declines_with_reason_and_matches_torch_muon():
     assert not record.modified
     assert record.declined == [
         "Newton-Schulz found, but no all_gather_into_tensor gathers its input "
-        "(world size 1, or communication this pass does not know)"
+        "(world size 1, a gather left in an earlier graph by a graph break, or communication this pass "
+        "does not know)"
     ]
 
 

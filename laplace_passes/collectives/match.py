@@ -32,7 +32,8 @@ selections are replaced. Anything else is declined with the reason, among
 them: a gather of values Newton-Schulz already produced (KellerJordan's
 round-robin), matrices cut from a flat buffer by element ranges
 (Megatron's layout), a gathered value combined with other state before
-Newton-Schulz (replicated optimizer state).
+Newton-Schulz (replicated optimizer state), a gathered value that leaves
+the graph before Newton-Schulz (a graph break between them).
 """
 
 from __future__ import annotations
@@ -307,15 +308,22 @@ def _column_blocks(gathered: Node, width: int, live: set[Node]) -> list[tuple[No
 
 def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
     """The first node downstream of `block` that Newton-Schulz (direct or owner-only) consumes."""
-    seen, frontier = set(), [block]
+    seen, frontier, leaves = set(), [block], False
     while frontier:
         node = frontier.pop(0)
         if node in ns_by_input or node in owner_only:
             return node
+        leaves |= any(user.op == "output" for user in node.users)
         for user in node.users:
             if user not in seen and user.op == "call_function":
                 seen.add(user)
                 frontier.append(user)
+    if leaves:  # what Newton-Schulz would read is computed in a later graph, not here
+        raise Declined(
+            f"the gathered {block.name} leaves the graph (a graph output) before any Newton-Schulz reads it: the "
+            "gather and Newton-Schulz are in different graphs (a graph break between them, e.g. at DTensor's "
+            "distribute_tensor, which Dynamo does not trace)"
+        )
     raise Declined(
         f"column block {block.name} feeds no Newton-Schulz region: not a Muon step "
         "(another optimizer, or Newton-Schulz written in a form this pass does not recognise)"

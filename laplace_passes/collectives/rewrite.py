@@ -199,7 +199,8 @@ class RewriteMuonStep(GraphPass):
             return
         if find_newton_schulz(gm.graph)[0] or any(n.target is COND for n in gm.graph.nodes):
             raise Declined("Newton-Schulz found, but no all_gather_into_tensor gathers its input "
-                           "(world size 1, or communication this pass does not know)")
+                           "(world size 1, a gather left in an earlier graph by a graph break, or communication this pass "
+                           "does not know)")
         if any(n.op == "call_method" for n in gm.graph.nodes):
             raise Declined("this is a torch-level (Dynamo) graph; the rewrite works on ATen graphs (after AOT Autograd)")
         raise Declined("no all_gather_into_tensor in the graph")
