@@ -484,3 +484,15 @@ def test_one_matrix_at_two_ranks_is_kept_whatever_its_send_shape():
 def test_rewrite_muon_step_rejects_what_is_not_a_graph_module():
     with pytest.raises(TypeError, match="takes a torch.fx.GraphModule, got int"):
         rewrite_muon_step(42, world_size=2)
+
+
+def test_gather_whose_value_leaves_the_graph_is_declined_as_split_from_newton_schulz():
+    """A graph that ends at the gather (as when a graph break puts Newton-Schulz in the next graph)."""
+    def step(shard):
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(shard, 2, "0")
+        return torch.ops._c10d_functional.wait_tensor(gathered).view(8, 6)
+
+    result = rewrite_muon_step(make_fx(step, tracing_mode="fake")(torch.zeros(4, 6)), world_size=2)
+    assert not result.modified
+    (reason,) = result.declined
+    assert "leaves the graph (a graph output) before any Newton-Schulz reads it" in reason, reason

@@ -308,17 +308,16 @@ def _column_blocks(gathered: Node, width: int, live: set[Node]) -> list[tuple[No
 
 def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
     """The first node downstream of `block` that Newton-Schulz (direct or owner-only) consumes."""
-    seen, frontier, leaves = set(), [block], False
+    seen, frontier = set(), [block]
     while frontier:
         node = frontier.pop(0)
         if node in ns_by_input or node in owner_only:
             return node
-        leaves |= any(user.op == "output" for user in node.users)
         for user in node.users:
             if user not in seen and user.op == "call_function":
                 seen.add(user)
                 frontier.append(user)
-    if leaves:  # what Newton-Schulz would read is computed in a later graph, not here
+    if _returned_as_is(block):  # what Newton-Schulz would read is computed in a later graph, not here
         raise Declined(
             f"the gathered {block.name} leaves the graph (a graph output) before any Newton-Schulz reads it: the "
             "gather and Newton-Schulz are in different graphs (a graph break between them, e.g. at DTensor's "
@@ -328,6 +327,19 @@ def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
         f"column block {block.name} feeds no Newton-Schulz region: not a Muon step "
         "(another optimizer, or Newton-Schulz written in a form this pass does not recognise)"
     )
+
+
+def _returned_as_is(node: Node) -> bool:
+    """Whether `node`, or a view of it, is an output of the graph."""
+    views, frontier = {node}, [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "output":
+                return True
+            if user not in views and is_view(user):
+                views.add(user)
+                frontier.append(user)
+    return False
 
 
 def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[Node, tuple[Node, ...]]:
