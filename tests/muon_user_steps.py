@@ -143,6 +143,26 @@ def round_robin(params, grads, momenta, *, ns="kj"):
     return new_params, new_momenta
 
 
+def dtensor_shard0(momenta, grads, params, *, ns="kj", back="redistribute"):
+    """FSDP2-style: DTensors sharded Shard(0) on a 1-D mesh; `.full_tensor()`, Newton-Schulz, back to Shard(0)
+    by `from_local(.., [Replicate()]).redistribute(.., [Shard(0)])` or by `distribute_tensor`."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        full = u.bfloat16().full_tensor()
+        o = NEWTON_SCHULZ[ns](full)
+        if back == "redistribute":
+            update = DTensor.from_local(o, p.device_mesh, [Replicate()], run_check=False)
+            update = update.redistribute(p.device_mesh, [Shard(0)])
+        else:
+            update = distribute_tensor(o, p.device_mesh, [Shard(0)])
+        new_m.append(buf)
+        new_p.append(_apply(p, update, *full.shape))
+    return new_m, new_p
+
+
 def torch_muon_step(opt, params, grad_shards):
     """torch.optim.Muon's own step, its gradients gathered from row shards by the caller."""
     for p, shard in zip(params, grad_shards):

@@ -299,7 +299,8 @@ def test_single_process_backend_declines_with_reason_and_matches_torch_muon():
     assert not record.modified
     assert record.declined == [
         "Newton-Schulz found, but no all_gather_into_tensor gathers its input "
-        "(world size 1, or communication this pass does not know)"
+        "(world size 1, a gather left in an earlier graph by a graph break, or communication this pass "
+        "does not know)"
     ]
 
 
@@ -478,3 +479,20 @@ def test_one_matrix_at_two_ranks_is_kept_whatever_its_send_shape():
         assert reason.startswith(f"planned received bytes per rank {2 * shard_bytes} > {shard_bytes} with the gathers "
                                  "(1 matrices from 1 gather(s), all-to-all chunk 24 elements, uniform plan with 1 zero "
                                  "matrices)"), reason
+
+
+def test_rewrite_muon_step_rejects_what_is_not_a_graph_module():
+    with pytest.raises(TypeError, match="takes a torch.fx.GraphModule, got int"):
+        rewrite_muon_step(42, world_size=2)
+
+
+def test_gather_whose_value_leaves_the_graph_is_declined_as_split_from_newton_schulz():
+    """A graph that ends at the gather (as when a graph break puts Newton-Schulz in the next graph)."""
+    def step(shard):
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(shard, 2, "0")
+        return torch.ops._c10d_functional.wait_tensor(gathered).view(8, 6)
+
+    result = rewrite_muon_step(make_fx(step, tracing_mode="fake")(torch.zeros(4, 6)), world_size=2)
+    assert not result.modified
+    (reason,) = result.declined
+    assert "leaves the graph (a graph output) before any Newton-Schulz reads it" in reason, reason

@@ -127,6 +127,9 @@ def _flat(graph: torch.fx.Graph, send: Node) -> Node:
 
 def _all_to_all(graph: torch.fx.Graph, flat: Node, plan: OwnershipPlan, group: str) -> Node:
     """Equal splits: `chunk` elements to and from every rank; viewed [W, chunk]."""
+    # The ATen op takes `SymInt[]` split lists, never None: torch's own
+    # `all_to_all_single(x, None, None, group)` fills in `[x.shape[0] // group_size] * group_size`
+    # (torch/distributed/_functional_collectives.py, torch 2.13, line 581), the lists emitted here.
     splits = [plan.chunk_numel] * plan.world_size
     sent = _call(graph, c10d.all_to_all_single.default, flat, splits, splits, group)
     done = _call(graph, c10d.wait_tensor.default, sent)

@@ -32,7 +32,8 @@ selections are replaced. Anything else is declined with the reason, among
 them: a gather of values Newton-Schulz already produced (KellerJordan's
 round-robin), matrices cut from a flat buffer by element ranges
 (Megatron's layout), a gathered value combined with other state before
-Newton-Schulz (replicated optimizer state).
+Newton-Schulz (replicated optimizer state), a gathered value that leaves
+the graph before Newton-Schulz (a graph break between them).
 """
 
 from __future__ import annotations
@@ -316,10 +317,29 @@ def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
             if user not in seen and user.op == "call_function":
                 seen.add(user)
                 frontier.append(user)
+    if _returned_as_is(block):  # what Newton-Schulz would read is computed in a later graph, not here
+        raise Declined(
+            f"the gathered {block.name} leaves the graph (a graph output) before any Newton-Schulz reads it: the "
+            "gather and Newton-Schulz are in different graphs (a graph break between them, e.g. at DTensor's "
+            "distribute_tensor, which Dynamo does not trace)"
+        )
     raise Declined(
         f"column block {block.name} feeds no Newton-Schulz region: not a Muon step "
         "(another optimizer, or Newton-Schulz written in a form this pass does not recognise)"
     )
+
+
+def _returned_as_is(node: Node) -> bool:
+    """Whether `node`, or a view of it, is an output of the graph."""
+    views, frontier = {node}, [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "output":
+                return True
+            if user not in views and is_view(user):
+                views.add(user)
+                frontier.append(user)
+    return False
 
 
 def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[Node, tuple[Node, ...]]:

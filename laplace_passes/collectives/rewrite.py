@@ -131,6 +131,8 @@ def rewrite_muon_step(
     receives its own rows from the second all-to-all), and the pass cannot
     check at compile time what value it will hold.
     """
+    if not isinstance(graph_module, torch.fx.GraphModule):
+        raise TypeError(f"rewrite_muon_step takes a torch.fx.GraphModule, got {type(graph_module).__name__}")
     outcome = run_pass(RewriteMuonStep(world_size=world_size, target=target), graph_module)
     plans = outcome.graph_module.meta.get(PLANS_META_KEY, []) if outcome.modified else []
     return MuonRewrite(outcome.graph_module, outcome.modified, outcome.declined, list(plans), outcome.traffic)
@@ -197,7 +199,8 @@ class RewriteMuonStep(GraphPass):
             return
         if find_newton_schulz(gm.graph)[0] or any(n.target is COND for n in gm.graph.nodes):
             raise Declined("Newton-Schulz found, but no all_gather_into_tensor gathers its input "
-                           "(world size 1, or communication this pass does not know)")
+                           "(world size 1, a gather left in an earlier graph by a graph break, or communication this pass "
+                           "does not know)")
         if any(n.op == "call_method" for n in gm.graph.nodes):
             raise Declined("this is a torch-level (Dynamo) graph; the rewrite works on ATen graphs (after AOT Autograd)")
         raise Declined("no all_gather_into_tensor in the graph")
