@@ -22,7 +22,7 @@ import laplace_passes
 def attention(q, k, v, gk):
     return laplace_passes.gla(q, k, v, gk)[0]
 
-q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
+q, k, v, gk = (torch.randn(1, 100, 2, 8) for _ in range(4))  # T > 64: chunked, not the recurrent form
 laplace_passes.inspect(attention, q, k, v, -gk.abs(), target="cpu")
 """
 
@@ -42,11 +42,11 @@ def test_torch_logs_laplace_prints_each_pass_summary(tmp_path):
     # One line per pass and graph, in the order they ran, with the report's summary.
     runs = re.findall(r"\] (\w+) on (\w+): (applied|no change), \d+ -> \d+ nodes: (.*)", err)
     assert [(name, graph) for name, graph, _, _ in runs] == [
-        ("retile_gla", "dynamo_0"), ("unroll_loops", "dynamo_0"),
+        ("retile_gla", "dynamo_0"), ("unroll_loops", "dynamo_0"), ("fla_calls", "dynamo_0"),
         ("unroll_loops", "inference_0"), ("fit_to_budget", "inference_0"),
     ]
     assert runs[0][2:] == ("applied", "1 of 1 GLA sites re-tiled at chunk 64")
-    assert runs[2][3] == "unrolled 1 loop (1 x laplace.chunked_gla, 1 trips)"
+    assert runs[3][3] == "unrolled 1 loop (1 x laplace.chunked_gla, 2 trips)"
     assert "class GraphModule" not in err  # graphs only at +laplace
 
 
@@ -61,7 +61,7 @@ def test_plus_laplace_prints_graphs_and_torch_trace_keeps_them(tmp_path):
     logged = "".join(path.read_text() for path in trace.iterdir())
     names = re.findall(r'"graph_dump": \{"name": "(laplace_[\w]+)"\}', logged)
     assert names == [f"laplace_{graph}_{name}_{stage}"
-                     for graph, name in (("dynamo_0", "retile_gla"), ("dynamo_0", "unroll_loops"),
+                     for graph, name in (("dynamo_0", "retile_gla"), ("dynamo_0", "unroll_loops"), ("dynamo_0", "fla_calls"),
                                          ("inference_0", "unroll_loops"), ("inference_0", "fit_to_budget"))
                      for stage in ("before", "after")]
     # The payload follows its header: the graph after re-tiling holds the chunk-loop op.
