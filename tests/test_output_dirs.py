@@ -73,7 +73,8 @@ def test_re_export_with_overwrite_leaves_only_the_files_the_manifest_lists(tmp_p
                                                 overwrite=True)
     listed = [g["file"] for g in again.manifest["graphs"]]
     assert listed == ["inference_0.mlir"]
-    assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == ["inference_0.mlir", "manifest.json"]
+    bytecode = [g["bytecode"] for g in again.manifest["graphs"]]
+    assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == sorted([*listed, *bytecode, "manifest.json"])
     assert json.loads((tmp_path / "hlo" / "manifest.json").read_text()) == again.manifest
 
 
