@@ -92,6 +92,7 @@ from laplace_passes.fx_helpers import (
     fake_tensor,
     fake_value,
     fill_fake_values,
+    is_static,
     resolve_process_group,
     subgraph,
     value_bytes,
@@ -193,7 +194,7 @@ class RewriteMuonStep(GraphPass):
         # DTensor inputs arrive as a local tensor and an opaque mesh object: only the tensors need shapes.
         if any(fake_value(n) is None for n in placeholders):
             raise Declined("the graph carries no shapes (meta['val']): trace it with fake tensors (AOT Autograd, make_fx)")
-        if any(_symbolic(n) for n in placeholders):
+        if not all(is_static(fake_value(n)) for n in placeholders):
             raise Declined("dynamic shapes: the ownership plan needs static sizes (compile with dynamic=False)")
         if any(n.target is ALL_GATHER for n in gm.graph.nodes):
             return
@@ -212,11 +213,6 @@ class RewriteMuonStep(GraphPass):
         raise Declined(f"{self.target.name}'s all-to-all supports groups of "
                        f"{', '.join(map(str, rules.all_to_all_group_sizes))} or multiples of "
                        f"{rules.all_to_all_group_size_multiple} ranks, not {world_size}; the gathers are kept")
-
-
-def _symbolic(node: torch.fx.Node) -> bool:
-    value = fake_tensor(node)
-    return value is not None and any(not isinstance(d, int) for d in value.shape)
 
 
 def _gather_group_size(gm: torch.fx.GraphModule) -> int:
@@ -373,6 +369,6 @@ def is_candidate(gm: torch.fx.GraphModule) -> bool:
         return True
     # The Newton-Schulz search replays views at concrete sizes: on a graph with symbolic sizes it
     # would guard them to the example's values (Dynamo would recompile for every new size).
-    if any(_symbolic(n) or isinstance(fake_value(n), torch.SymInt) for n in gm.graph.nodes if n.op == "placeholder"):
+    if not all(is_static(fake_value(n)) for n in gm.graph.find_nodes(op="placeholder")):
         return False
     return any(may_hold_newton_schulz(graph) for graph in graphs)
