@@ -11,18 +11,24 @@ skips its ~1 minute compile). Reports:
     reference op) and over fla's naive_recurrent_gla when installed;
   * achieved GFLOP/s by the formula of docs/DESIGN.md section 3.5 (forward
     2TC(K+V) + 4TKV, backward with recomputation 4TC(K+V) + 10TKV, per batch
-    and head) as a fraction of a dense fp32 matmul measured in the same run.
+    and head) as a fraction of a dense fp32 matmul measured in the same run:
+    the median over the repeats, and its spread (the fraction of each
+    round, min to max; the calls of a round run back to back, so a change in
+    the machine's load hits every path alike); the load average is printed
+    beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_medians, once
+from benchmarks.common import interleaved_samples, once
 import laplace_passes
 from laplace_passes import chunked_gla, gla
 
@@ -77,7 +83,9 @@ def main(argv=None) -> dict:
     }
     if not args.no_compiled:
         candidates["compiled"] = forward_backward(compiled_gla(args.chunk_size), inputs)
-    timed = interleaved_medians(candidates, repeats=args.repeats)
+    load_before = os.getloadavg()[0]
+    samples = interleaved_samples(candidates, repeats=args.repeats)
+    timed = {name: statistics.median(times) for name, times in samples.items()}
     results = {
         "shape": {k: getattr(args, k) for k in ("B", "T", "H", "K", "V")},
         "chunk_size": args.chunk_size,
@@ -86,6 +94,7 @@ def main(argv=None) -> dict:
         "compiled_s": timed.get("compiled"),
         "recurrence_s": once(forward_backward(gla, inputs)),
         "matmul_gflops": 2 * 2048**3 / timed["matmul"] / 1e9,
+        "load_average": [load_before, os.getloadavg()[0]],
     }
     try:
         from fla.ops.gla.naive import naive_recurrent_gla
@@ -100,6 +109,10 @@ def main(argv=None) -> dict:
             continue
         results[f"{name}_gflops"] = flops / seconds / 1e9
         results[f"{name}_fraction_of_matmul"] = results[f"{name}_gflops"] / results["matmul_gflops"]
+        # Round by round: this path's rate over the matmul's, both timed in that round.
+        results[f"{name}_fraction_per_round"] = [
+            (flops / t) / (2 * 2048**3 / m) for t, m in zip(samples[name], samples["matmul"])
+        ]
         results[f"{name}_speedup_vs_recurrence"] = results["recurrence_s"] / seconds
         if results["fla_naive_s"] is not None:
             results[f"{name}_speedup_vs_fla_naive"] = results["fla_naive_s"] / seconds
@@ -114,7 +127,8 @@ def _text(r: dict) -> str:
             continue
         lines.append(
             f"  {label:<24}{r[f'{name}_s'] * 1e3:9.1f} ms  {r[f'{name}_gflops']:7.1f} GFLOP/s "
-            f"= {r[f'{name}_fraction_of_matmul']:.1%} of matmul; x{r[f'{name}_speedup_vs_recurrence']:.1f} "
+            f"= {r[f'{name}_fraction_of_matmul']:.1%} of matmul (rounds {min(r[f'{name}_fraction_per_round']):.1%}"
+            f"-{max(r[f'{name}_fraction_per_round']):.1%}); x{r[f'{name}_speedup_vs_recurrence']:.1f} "
             "faster than the recurrence"
             + (f", x{r[f'{name}_speedup_vs_fla_naive']:.1f} than fla naive" if r["fla_naive_s"] else "")
         )
@@ -122,6 +136,7 @@ def _text(r: dict) -> str:
     if r["fla_naive_s"] is not None:
         lines.append(f"  {'fla naive_recurrent_gla':<24}{r['fla_naive_s'] * 1e3:9.1f} ms")
     lines.append(f"  {'dense fp32 matmul':<24}{'':9} {r['matmul_gflops']:7.1f} GFLOP/s (2048 x 2048, same run)")
+    lines.append(f"  load average {r['load_average'][0]:.2f} before, {r['load_average'][1]:.2f} after the timed rounds")
     return "\n".join(lines)
 
 

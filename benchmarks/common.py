@@ -11,8 +11,8 @@ import time
 from typing import Callable
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved round-robin."""
+def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of each call of each function, calls interleaved round-robin: sample r of every function is round r."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -22,6 +22,12 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved round-robin."""
+    samples = interleaved_samples(fns, repeats, warmup)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

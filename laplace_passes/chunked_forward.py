@@ -24,7 +24,8 @@ into sub-chunks of Cs rows. A query sub-chunk i uses the anchor a_i = G at its
 first row:
   * key sub-chunks j < i: (Q_i * exp(G_i - a_i)) @ (K_j * exp(a_i - G_j))^T,
     both exponents <= 0 because G is non-increasing and a_i lies in the past
-    of the rows of i and the future of the rows of j;
+    of the rows of i and the future of the rows of j (the key factor is
+    built in two pieces: NOTE [three-factor anchors]);
   * the diagonal block j == i: split the same way again (NOTE [nested
     sub-chunks]: 16-row blocks into 4-row groups), and the smallest diagonal
     blocks computed elementwise, sum_k Q_ck K_dk exp(G_ck - G_dk) over a
@@ -32,6 +33,23 @@ first row:
 Every exponent is clamped at 0 *before* exp (`_decay`), including entries
 that the causal mask then discards: an inf there would turn into NaN in a
 backward (0 * inf), even though the forward masks it away.
+
+NOTE [three-factor anchors]
+The key factor exp(a_i - G_j) is the one [.., S, C, K] tensor of the chunked
+form (one copy of the keys per query sub-chunk), so it is built without an
+exp per element: with b_j = G at the last row of key sub-chunk j,
+
+    exp(a_i - G_k) = exp(a_i - b_j) * exp(b_j - G_k)       (row k in sub-chunk j < i)
+
+The second factor is one [.., C, K] tensor shared by every query sub-chunk,
+the first one number per (i, j, channel), [.., S, S, K]; the big tensor is a
+single broadcast product of the two. Both exponents are <= 0 for j < i (b_j
+lies between the rows of j and a_i), so nothing overflows, and each factor
+is flushed on its own (NOTE [flushing tiny decays]): a term is dropped only
+when one of its three factors (query, between, key) is below exp(-30), which
+implies the whole decay is. A gate of -30 (a reset) lies inside exactly one
+of the three spans, so decays across a reset stay exactly 0. Every term is
+still exp(G_q - G_k) or 0, so the backward's dG rule holds unchanged.
 
 NOTE [flushing tiny decays]
 Strong gates drive exp(G) far below fp32's smallest normal number (1.2e-38).
@@ -93,11 +111,12 @@ def causal_matmul(scores: Tensor, x: Tensor, reverse: bool = False) -> Tensor:
     A non-finite x[j, c] reaches rows i >= j (i <= j with `reverse`) of
     channel c only, as NaN; see NOTE [non-finite values stay causal].
     """
-    finite = torch.isfinite(x)
-    product = (scores.transpose(-1, -2) if reverse else scores) @ torch.where(finite, x, 0.0)
-    bad = (~finite).to(product.dtype)
-    reached = (bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2)) > 0
-    return torch.where(reached, math.nan, product)
+    product = (scores.transpose(-1, -2) if reverse else scores) @ torch.where(torch.isfinite(x), x, 0.0)
+    # x * 0 is 0 where x is finite and NaN where it is not; its running sum
+    # along the rows is NaN from the first non-finite entry on, 0 elsewhere.
+    poison = x * 0.0
+    poison = poison.flip(-2).cumsum(-2).flip(-2) if reverse else poison.cumsum(-2)
+    return product + poison
 
 
 def chunk_plan(seq_len: int, chunk_size: int) -> dict:
@@ -139,7 +158,10 @@ class ChunkLayout:
         pad_tokens = self.n_chunks * self.chunk - self.seq_len
         # contiguous: matmuls over a transposed [B, T, H, D] view take a strided
         # path that is an order of magnitude slower on CPU.
-        x = F.pad(x.float(), (0, 0, 0, 0, 0, pad_tokens)).transpose(1, 2).contiguous()
+        x = x.float()
+        if pad_tokens:  # a zero-width pad would still copy the tensor
+            x = F.pad(x, (0, 0, 0, 0, 0, pad_tokens))
+        x = x.transpose(1, 2).contiguous()
         x = x.reshape(B, H, self.n_chunks, self.chunk, D)
         pad_rows = self.padded_chunk - self.chunk
         return F.pad(x, (0, 0, 0, pad_rows)) if pad_rows else x
@@ -210,13 +232,17 @@ class IntraChunk:
         self.k_sub = k.reshape(*lead, S, sub, K)
         G_sub = G.reshape(*lead, S, sub, K)
         anchors = G_sub[..., :1, :]  # [.., S, 1, K]: first row of each query sub-chunk
+        ends = G_sub[..., -1:, :]  # [.., S, 1, K]: last row of each key sub-chunk
 
-        # Blocks against earlier key sub-chunks: each query sub-chunk against
-        # the whole chunk, keeping only key sub-chunks before it.
-        self.q_anchor_decay = _decay(G_sub - anchors)  # [.., S, sub, K]
-        self.k_anchor_decay = _decay(anchors - G.unsqueeze(-3))  # [.., S, C, K]
+        # Blocks against earlier key sub-chunks, in three factors (NOTE [three-factor
+        # anchors]): each query sub-chunk i against the whole chunk, keeping only
+        # key sub-chunks j before it.
+        self.q_anchor_decay = _decay(G_sub - anchors)  # [.., S, sub, K]: exp(G_q - a_i)
+        self.k_end_decay = _decay(ends - G_sub)  # [.., S, sub, K]: exp(b_j - G_k)
+        self.between = _decay(anchors - ends.transpose(-3, -2)).unsqueeze(-2)  # [.., S_i, S_j, 1, K]: exp(a_i - b_j)
         self.q_anchored = self.q_sub * self.q_anchor_decay
-        self.k_anchored = k.unsqueeze(-3) * self.k_anchor_decay
+        k_ended = (self.k_sub * self.k_end_decay).unsqueeze(-4)  # [.., 1, S_j, sub, K]
+        self.k_anchored = (k_ended * self.between).reshape(*lead, S, C, K)  # the only [.., S, C, K] tensor
         key_sub = torch.arange(C, device=q.device) // sub
         query_sub = torch.arange(S, device=q.device)
         self.earlier = (key_sub[None, :] < query_sub[:, None])[:, None, :]  # [S, 1, C]
@@ -239,7 +265,8 @@ class IntraChunk:
         *lead, S, sub, K = self.q_sub.shape
         d_off = torch.where(self.earlier, d_scores.reshape(*lead, S, sub, self.chunk), 0.0)
         dq = (d_off @ self.k_anchored) * self.q_anchor_decay  # [.., S, sub, K]
-        dk = ((d_off.transpose(-1, -2) @ self.q_anchored) * self.k_anchor_decay).sum(-3)  # [.., C, K]
+        per_query = (d_off.transpose(-1, -2) @ self.q_anchored).reshape(*lead, S, S, sub, K)
+        dk = ((per_query * self.between).sum(-4) * self.k_end_decay).reshape(*lead, self.chunk, K)
         dq_diag, dk_diag = self._diagonal_gradients(self._take_diagonal(d_scores))  # [.., S, sub, K] each
         return (dq + dq_diag).reshape(*lead, self.chunk, K), dk + dk_diag.reshape(*lead, self.chunk, K)
 
