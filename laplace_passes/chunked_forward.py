@@ -265,8 +265,13 @@ class IntraChunk:
         *lead, S, sub, K = self.q_sub.shape
         d_off = torch.where(self.earlier, d_scores.reshape(*lead, S, sub, self.chunk), 0.0)
         dq = (d_off @ self.k_anchored) * self.q_anchor_decay  # [.., S, sub, K]
-        per_query = (d_off.transpose(-1, -2) @ self.q_anchored).reshape(*lead, S, S, sub, K)
-        dk = ((per_query * self.between).sum(-4) * self.k_end_decay).reshape(*lead, self.chunk, K)
+        # Per key sub-chunk j: its rows of d_off^T [sub, C] against every query
+        # row scaled by exp(a_i - b_j): one matmul contracting all C queries, not
+        # S products contracting `sub` rows each and summed afterwards.
+        d_off_t = d_off.reshape(*lead, self.chunk, self.chunk).transpose(-1, -2).reshape(*lead, S, sub, self.chunk)
+        between_t = self.between.transpose(-4, -3).contiguous()  # [.., S_j, S_i, 1, K], small
+        q_between = (self.q_anchored.unsqueeze(-4) * between_t).reshape(*lead, S, self.chunk, K)  # [.., S_j, C, K]
+        dk = ((d_off_t @ q_between) * self.k_end_decay).reshape(*lead, self.chunk, K)
         dq_diag, dk_diag = self._diagonal_gradients(self._take_diagonal(d_scores))  # [.., S, sub, K] each
         return (dq + dq_diag).reshape(*lead, self.chunk, K), dk + dk_diag.reshape(*lead, self.chunk, K)
 
