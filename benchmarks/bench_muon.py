@@ -1,8 +1,9 @@
 """Muon's communication: gathers against the paired all-to-alls of `laplace_passes.collectives`.
 
-    python -m benchmarks.bench_muon                       # both parts, one run
+    python -m benchmarks.bench_muon                       # parts 1 and 2, one run
     python -m benchmarks.bench_muon --part traffic --models small
     python -m benchmarks.bench_muon --part time --repeats 15 --threads 1
+    python -m benchmarks.bench_muon --part ns --repeats 3 --profile   # Newton-Schulz-bound step
 
 1. Per-rank bytes received, from graphs captured at each world size W (no
    data moves; a fake process group and meta tensors stand in for W ranks):
@@ -23,12 +24,22 @@
    cases: comm="all_gather" and "gather_broadcast" with the embedding on
    AdamW (the usual split), and "all_gather" with every 2D parameter on Muon
    (ShardedMuon's default grouping).
+3. (`--part ns`) Step time where Newton-Schulz is the work: 8 matrices of
+   512 x 512 and 4 of 1024 x 256 (`--shapes`), 4 gloo processes, one thread
+   each, ShardedMuon with comm="all_gather" without the rewrite, with it, and
+   comm="gather_broadcast", steps interleaved; per steady step the slowest
+   rank's time; printed: medians with min and max, the ratio of medians and
+   the median (min, max) of the per-round ratios, the load average.
+   `--profile` adds one more step per run under torch.profiler and splits its
+   self time into Newton-Schulz matmuls, copies, other math, collectives
+   (waiting for peers included) and the rest (Python, dispatch).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -230,18 +241,150 @@ def run_time(repeats: int, threads: int) -> None:
               f"shard step + AdamW {base_mid * 1e3:7.1f} -> {new_mid * 1e3:6.1f} ms, {base_mid / new_mid:4.2f}x")
 
 
+# ---------------------------------------------------------------- part 2b: Newton-Schulz-bound step
+
+# Matrices whose Newton-Schulz is the step's work: with W = 4, both groups'
+# counts are multiples of W (a uniform plan without zero matrices).
+NS_BOUND_SHAPES = ((512, 512),) * 8 + ((1024, 256),) * 4
+# (label, comm, rewrite): the all-gather step without and with the rewrite,
+# and the gather-and-broadcast step (owners already run Newton-Schulz once).
+NS_BOUND_RUNS = (("all_gather", "all_gather", False), ("all_to_all", "all_gather", True),
+                 ("gather_broadcast", "gather_broadcast", False))
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """'512x512*8,1024x256*4' -> eight 512 x 512 and four 1024 x 256 shapes."""
+    shapes = []
+    for item in text.split(","):
+        shape, _, count = item.partition("*")
+        rows, cols = (int(n) for n in shape.split("x"))
+        shapes += [(rows, cols)] * int(count or 1)
+    return tuple(shapes)
+
+
+def _ns_bound_rank(rank, world_size, shapes, runs, repeats, profile):
+    """Per-step seconds of every run's ShardedMuon.step(), the runs interleaved step by step.
+
+    Returns {label: [seconds per steady step]} and, with `profile`, each
+    run's torch.profiler self-time breakdown of one more step.
+    """
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(100 + rank)) for s in shapes]
+    optimizers = {}
+    for label, comm, rewrite in runs:
+        copies = [p.clone().requires_grad_() for p in params]
+        opt = ShardedMuon(copies, lr=MUON_LR, comm=comm,
+                          backend=_laplace(laplace_passes.Report(), muon_all_to_all=rewrite))
+        optimizers[label] = (opt, copies)
+    times = {label: [] for label in optimizers}
+    for repeat in range(repeats + 1):  # one warm-up round: compile, first touch
+        for label, (opt, copies) in optimizers.items():
+            seconds = _one_step(opt, copies, grads)
+            if repeat:
+                times[label].append(seconds)
+    breakdown = {}
+    if profile:
+        for label, (opt, copies) in optimizers.items():
+            breakdown[label] = _profiled_step(opt, copies, grads)
+    return times, breakdown
+
+
+def _one_step(opt, copies, grads) -> float:
+    for p, g in zip(copies, grads):
+        p.grad = g
+    dist.barrier()
+    start = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - start
+
+
+# Profiler op names -> the part of a step they are, tried in this order
+# (ATen ops first, so that aten::broadcast_tensors is no collective); what
+# no part takes, and the step's wall time beyond the parts' self times, is
+# Python, dispatch and time descheduled.
+STEP_PARTS = (
+    ("Newton-Schulz matmuls", ("aten::mm", "aten::addmm")),
+    ("copies and layout (cat, clone, copy, index, fill)", ("aten::cat", "aten::clone", "aten::copy_", "aten::index",
+                                                          "aten::_to_copy", "aten::contiguous", "aten::full",
+                                                          "aten::zeros", "aten::empty", "aten::fill_")),
+    ("other tensor math (norm, lerp, scale, AdamW)", ("aten::",)),
+    ("collectives (incl. waiting for peers)", ("c10d", "gloo", "all_to_all", "all_gather", "broadcast",
+                                               "reduce_scatter", "allreduce", "barrier", "record_param_comms")),
+)
+WALL = "step wall time"
+
+
+def _profiled_step(opt, copies, grads) -> dict[str, float]:
+    """Self time per step part (seconds) of one step under torch.profiler, and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds = _one_step(opt, copies, grads)
+    parts = dict.fromkeys([name for name, _ in STEP_PARTS], 0.0)
+    for event in prof.key_averages():
+        part = next((p for p, keys in STEP_PARTS if any(k in event.key for k in keys)), None)
+        if part is not None:
+            parts[part] += event.self_cpu_time_total / 1e6
+    parts[WALL] = seconds
+    return parts
+
+
+def run_ns_bound(shapes, repeats: int, threads: int, profile: bool) -> None:
+    from tests._dist import run_ranks
+
+    counts = ", ".join(f"{shapes.count(s)} of {s[0]}x{s[1]}" for s in dict.fromkeys(shapes))
+    print(f"\n[step time, Newton-Schulz bound] ShardedMuon.step() on {counts}, {TIMED_WORLD_SIZE} gloo processes, "
+          f"{threads} thread(s) each, {repeats} steady steps per run interleaved (after one warm-up), "
+          "slowest rank per step; load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
+    results = run_ranks(TIMED_WORLD_SIZE, _ns_bound_rank, shapes, NS_BOUND_RUNS, repeats, profile,
+                        timeout=7200, pg_timeout=1800, threads=threads)
+    steps = {label: [max(r[0][label][i] for r in results) for i in range(repeats)] for label, _, _ in NS_BOUND_RUNS}
+    for label in steps:
+        print(f"  {label:<16} median {statistics.median(steps[label]):8.3f} s  "
+              f"(min {min(steps[label]):.3f}, max {max(steps[label]):.3f})")
+    rewritten = steps["all_to_all"]
+    for label in ("all_gather", "gather_broadcast"):
+        paired = [b / a for b, a in zip(steps[label], rewritten)]  # same round: side by side
+        ratio = statistics.median(steps[label]) / statistics.median(rewritten)
+        target = f" (target 1.63x: {'met' if ratio >= 1.63 else 'NOT met'})" if label == "all_gather" else ""
+        print(f"  {label} / all_to_all: {ratio:.2f}x of medians; per round {statistics.median(paired):.2f}x "
+              f"(min {min(paired):.2f}, max {max(paired):.2f}){target}")
+    if profile:
+        _print_breakdown([r[1] for r in results])
+    print("  load average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+def _print_breakdown(per_rank: list[dict[str, dict[str, float]]]) -> None:
+    print("  one more step per run under torch.profiler: self time in seconds, mean over ranks "
+          "(wall-clock: includes time descheduled on an oversubscribed machine)")
+    labels = list(per_rank[0])
+    print(f"    {'part':<52}" + "".join(f"{label:>18}" for label in labels))
+    for part in [name for name, _ in STEP_PARTS] + [WALL]:
+        row = [statistics.mean(r[label][part] for r in per_rank) for label in labels]
+        print(f"    {part:<52}" + "".join(f"{v:>18.3f}" for v in row))
+    rest = [statistics.mean(r[label][WALL] - sum(v for k, v in r[label].items() if k != WALL) for r in per_rank)
+            for label in labels]
+    print(f"    {'rest (Python, dispatch, descheduled)':<52}" + "".join(f"{v:>18.3f}" for v in rest))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("traffic", "time", "both"), default="both")
+    parser.add_argument("--part", choices=("traffic", "time", "ns", "both"), default="both")
     parser.add_argument("--models", nargs="+", default=["small", "laplace-3b"], choices=("small", "laplace-3b"))
     parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--shapes", type=parse_shapes, default=NS_BOUND_SHAPES,
+                        help="matrices of --part ns, e.g. 512x512*8,1024x256*4 (the default)")
+    parser.add_argument("--profile", action="store_true", help="--part ns: also a torch.profiler breakdown")
     args = parser.parse_args(argv)
     if args.part in ("traffic", "both"):
         run_traffic(args.models, tuple(args.world_sizes))
     if args.part in ("time", "both"):
         run_time(args.repeats, args.threads)
+    if args.part == "ns":  # not in "both": at the default shapes a step takes minutes on 2 cores
+        run_ns_bound(args.shapes, args.repeats, args.threads, args.profile)
 
 
 if __name__ == "__main__":

@@ -241,6 +241,23 @@ def test_traffic_meets_the_lower_bound_when_counts_divide():
     FileCheck().check_not("all_gather").run(code)
 
 
+def test_shards_are_packed_straight_from_the_send_pieces():
+    """The step sends cat(flat shards): the all-to-all's buffer is built from those pieces, the cat dies."""
+    gm = _step_graph([(64, 32)] * 8, 4, ns_steps=1)
+    (gather,) = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_gather_into_tensor.default)
+    send = gather.args[0]
+    assert send.target is torch.ops.aten.cat.default
+    shards = list(send.args[0])
+    result = rewrite_muon_step(gm, world_size=4)
+    first, _ = result.graph_module.graph.find_nodes(
+        op="call_function", target=torch.ops._c10d_functional.all_to_all_single.default)
+    packed = first.args[0]
+    # Each shard goes to its owner, owner by owner in the plan's order, as the very piece the step made.
+    assert packed.target is torch.ops.aten.cat.default
+    assert packed.args[0] == [shards[i] for owner in range(4) for i in result.plans[0].owned(owner)]
+    assert send not in result.graph_module.graph.nodes  # one copy of the shards, not two
+
+
 def test_newton_schulz_runs_once_per_slot_instead_of_once_per_matrix():
     """W = 2: two of each shape, so the all-to-alls receive what the gather did and Newton-Schulz halves."""
     gm = _step_graph([(10, 6), (6, 10), (7, 7)] * 2, 2, ns_steps=2)

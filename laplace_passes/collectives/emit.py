@@ -109,11 +109,41 @@ def _pack_by_owner(graph: torch.fx.Graph, exchange: Exchange, plan: OwnershipPla
                     zeros[numel] = _zeros(graph, [numel], exchange.dtype_like)
                 pieces.append(zeros[numel])
                 continue
-            site = sites[i]
-            if site.send not in flat_sends:
-                flat_sends[site.send] = _flat(graph, site.send)
-            pieces.append(_call(graph, aten.slice.Tensor, flat_sends[site.send], 0, site.offset, site.offset + site.numel))
+            pieces.append(_shard_in_send(graph, sites[i], flat_sends))
     return _call(graph, aten.cat.default, pieces)
+
+
+def _shard_in_send(graph: torch.fx.Graph, site: MatrixSite, flat_sends: dict[Node, Node]) -> Node:
+    """This rank's shard of one matrix, flat: the send cat's own input when it is one, else a slice of the send.
+
+    ShardedMuon's send is `cat([view(u_0, [-1]), ...])`: taking `u_i`'s view
+    directly leaves the user's cat dead (erased with the gather), so the
+    shards are copied once, into the all-to-all's buffer, not twice.
+    """
+    piece = _cat_input_at(site.send, site.offset, site.numel)
+    if piece is not None:
+        return piece
+    if site.send not in flat_sends:
+        flat_sends[site.send] = _flat(graph, site.send)
+    return _call(graph, aten.slice.Tensor, flat_sends[site.send], 0, site.offset, site.offset + site.numel)
+
+
+def _cat_input_at(send: Node, offset: int, numel: int) -> Node | None:
+    """The input of a 1-D `cat` that holds exactly elements [offset, offset + numel) of it, if there is one."""
+    if send.target is not aten.cat.default or (len(send.args) > 1 and send.args[1] not in (0, -1)):
+        return None
+    like = fake_tensor(send)
+    if like is None or like.dim() != 1:
+        return None
+    start = 0
+    for piece in send.args[0]:
+        value = fake_tensor(piece) if isinstance(piece, Node) else None
+        if value is None or value.dim() != 1:
+            return None
+        if start == offset and value.numel() == numel:
+            return piece if value.dtype == like.dtype else None
+        start += value.numel()
+    return None
 
 
 def _flat(graph: torch.fx.Graph, send: Node) -> Node:

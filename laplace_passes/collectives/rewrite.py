@@ -18,8 +18,7 @@ Before (ShardedMuon, comm="all_gather", W = 2, a 10 x 6 and a 7 x 7 matrix;
 After (rank 0 owns the 10 x 6 matrix, rank 1 the 7 x 7 one: a "balanced"
 plan, see plan.py; no rank constant anywhere):
 
-    slice_tensor = aten.slice(cat, 0, 0, 30); slice_tensor_1 = aten.slice(cat, 0, 30, 58)
-    cat_default = aten.cat([slice_tensor, slice_tensor_1, full_default])  # to owner 0 | to owner 1 (+2 zeros)
+    cat_default = aten.cat([view(u_0, [-1]), view(u_1, [-1]), full_default])  # to owner 0 | to owner 1 (+2 zeros)
     all_to_all_single_default = _c10d_functional.all_to_all_single(cat_default, [30, 30], [30, 30], '0')
     view_default = aten.view(wait_tensor(all_to_all_single_default), [2, 30])   # [W sources, chunk]
     cond = higher_order.cond(eq(arg4_1, 0), _laplace_muon_owner_0_0, _laplace_muon_not_owner_0, (view_default,))
@@ -37,8 +36,10 @@ plan, see plan.py; no rank constant anywhere):
 Per-matrix gathers (one `all_gather_into_tensor` of a [s, c] row shard per
 matrix, own rows by `chunk(W)[rank]`, `narrow`, slicing, ...) are planned
 together: every gather of one group and dtype becomes part of one pair of
-all-to-alls (pack slices every send buffer; the owner views its [W, numel]
-block back to the gathered [W * s, c] shape before the user's own ops).
+all-to-alls (pack slices every send buffer, or takes the pieces of a flat
+send `cat` directly, which then dies with the gather; the owner views its
+[W, numel] block back to the gathered [W * s, c] shape before the user's
+own ops).
 In a graph whose rank is a constant (`dist.get_rank()` baked in), a
 balanced plan emits only this rank's owner work, without `cond`.
 
@@ -295,6 +296,8 @@ def _rewrite_exchange(gm: torch.fx.GraphModule, exchange: Exchange, plan: Owners
 def _erase_dead(gm: torch.fx.GraphModule, bucket: GatherBucket) -> None:
     """Remove what the rerouted selections left unused: the gathers, broadcasts and their math."""
     dying = {bucket.all_gather, *bucket.infrastructure}
+    if bucket.send.op == "call_function" and not bucket.send.is_impure():
+        dying.add(bucket.send)  # a cat whose inputs the pack took directly (emit._shard_in_send)
     for site in bucket.sites:
         dying |= site.nodes
     for node in list(dying):
