@@ -28,6 +28,7 @@ import torch._dynamo
 from torch import Tensor
 
 import laplace_passes
+from laplace_passes.compile_fx import fresh_code
 
 # The state of one layer is [B, H, K, V]; the buffer stacks the layers in front.
 BATCH_DIM_OF_BUFFER = 1
@@ -45,8 +46,10 @@ class DecodeStep:
     def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", inner: Any = "inductor") -> None:
         self.model = model
         self.report = laplace_passes.Report()
+        # A code object of its own: Dynamo's cache and its limit of 8 compiles per code object
+        # would otherwise be shared by the steps of every model (the 9th would run uncompiled).
         self._compiled = laplace_passes.compile(
-            self._step, target=target, inner=inner, dynamic=None, report=self.report
+            fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report
         )
 
     def _step(self, tokens: Tensor, states: Tensor) -> Tensor:
@@ -67,6 +70,7 @@ class DecodeStep:
         if tokens.dim() != 1 or states.dim() != 5 or states.shape[BATCH_DIM_OF_BUFFER] != tokens.shape[0]:
             raise ValueError(f"expected tokens [B] and states [layers, B, H, K, V] with the same B, got "
                              f"{tuple(tokens.shape)} and {tuple(states.shape)}")
+        tokens = tokens.contiguous()  # a column of a [B, T] batch would recompile for its strides
         if tokens.shape[0] > 1:  # one graph for every B >= 2 (B = 1 is specialised by torch)
             torch._dynamo.mark_dynamic(tokens, 0)
             torch._dynamo.mark_dynamic(states, BATCH_DIM_OF_BUFFER)
