@@ -1,6 +1,7 @@
 """Recurrent decode throughput against this machine's memory roofline, and state bytes against a KV cache.
 
     python -m benchmarks.bench_decode [--steps 16] [--repeats 3] [--json]
+    python -m benchmarks.bench_decode --profile [--steps 8]     # where a step's time goes
 
 Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
 each step feeds one token per sequence and carries the fp32 state), two ways,
@@ -94,6 +95,50 @@ class Decoder:
         return time.perf_counter() - start
 
 
+# torch.profiler event names -> where the time of a step goes (self CPU time; the rest is "other").
+PROFILE_BUCKETS = {
+    "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"),
+    "compiled kernels (Inductor)": ("## Call CompiledFxGraph",),
+    "gate checks": ("laplace::check_gates", "aten::le", "aten::all", "aten::_local_scalar_dense"),
+    "copies, stacks, cats": ("aten::copy_", "aten::cat", "aten::stack", "aten::clone", "aten::_to_copy"),
+    "elementwise (eager)": ("aten::mul", "aten::add", "aten::exp", "aten::pow", "aten::sum", "aten::mean",
+                            "aten::silu", "aten::rsqrt", "aten::div", "aten::log_sigmoid_forward"),
+    "Dynamo / AOT call overhead": ("TorchDynamo Cache Lookup", "Pregraph bytecode", "Torch-Compiled Region",
+                                   "AOTDispatcher"),
+}
+
+
+def profile_step(decoder: Decoder, form: str, steps: int) -> dict:
+    """Milliseconds per step by `PROFILE_BUCKETS`, from torch.profiler's self CPU times."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        decoder.seconds(form, steps)
+    buckets = dict.fromkeys([*PROFILE_BUCKETS, "other"], 0.0)
+    for event in prof.key_averages():
+        name = next((b for b, prefixes in PROFILE_BUCKETS.items() if event.key.startswith(prefixes)), "other")
+        buckets[name] += event.self_cpu_time_total / 1e3 / steps
+    return buckets
+
+
+def profiles(model, steps: int) -> dict:
+    out = {}
+    for batch in CONCURRENCY:
+        decoder = Decoder(model, batch)
+        out[batch] = {form: profile_step(decoder, form, steps) for form in FORMS}
+    return out
+
+
+def _profile_text(table: dict) -> str:
+    lines = ["where a step's time goes (ms per step, torch.profiler self CPU time):"]
+    for batch, forms in table.items():
+        for form, buckets in forms.items():
+            total = sum(buckets.values())
+            parts = ", ".join(f"{name} {ms:.2f} ({ms / total:.0%})" for name, ms in buckets.items() if ms > 0)
+            lines.append(f"  {batch:5d} sequences, {form:<8} {total:8.2f} ms: {parts}")
+    return "\n".join(lines)
+
+
 def step_costs(model) -> tuple[int, int, int]:
     """(weight bytes read per step, state bytes per sequence, FLOPs per token)."""
     c = model.config
@@ -159,9 +204,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every measurement")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where a step's time goes (torch.profiler) instead of the throughput table")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = model_zoo.build("tiny").eval()
+    if args.profile:
+        table = profiles(model, args.steps)
+        print(json.dumps(table, indent=2) if args.json else _profile_text(table))
+        return table
     load_before = os.getloadavg()
     results = measure(model, args.steps, args.repeats)
     results.update(load_average_before=load_before, load_average_after=os.getloadavg(),
