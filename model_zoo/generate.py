@@ -15,8 +15,10 @@ Decode (``decode=``):
   kept on the model (``model.decode_step``), so later calls reuse its
   graphs: one for a single sequence, one for every larger batch.
 - "eager": the model's forward per step, the reference op per layer.
-- "auto" (default): "compiled" for a model on the CPU with a
-  ``decode_step`` (`model_zoo.GLALM`), outside another compile; else "eager".
+- "auto" (default): "compiled" for an fp32 model on the CPU with a
+  ``decode_step`` (`model_zoo.GLALM`), outside another compile; else "eager"
+  (in bf16 or fp16, fused kernels round differently from the eager ops, and
+  greedy tokens could part on near ties).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    step = _decode_step(model, decode, input_ids.device)
+    step = _decode_step(model, decode, input_ids.device, _dtype(model))
     run_prefill = prefill if prefill is not None else model
     logits, states = run_prefill(input_ids, output_final_states=True)
     state_bytes = sum(s[0].numel() * s.element_size() for s in states)
@@ -84,7 +86,12 @@ def generate(
 DECODE_MODES = ("auto", "compiled", "eager")
 
 
-def _decode_step(model: torch.nn.Module, decode: str, device: torch.device):
+def _dtype(model: torch.nn.Module) -> torch.dtype | None:
+    parameter = next(iter(model.parameters()), None)
+    return None if parameter is None else parameter.dtype
+
+
+def _decode_step(model: torch.nn.Module, decode: str, device: torch.device, dtype: torch.dtype | None):
     """The model's compiled `DecodeStep`, or None for the eager loop (see the module docstring)."""
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
@@ -94,7 +101,7 @@ def _decode_step(model: torch.nn.Module, decode: str, device: torch.device):
                          f"{type(model).__name__} has none: use decode='eager'")
     if decode == "eager" or not has_step:
         return None
-    if decode == "auto" and (device.type != "cpu" or torch.compiler.is_compiling()):
+    if decode == "auto" and (device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling()):
         return None
     return model.decode_step
 

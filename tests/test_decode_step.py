@@ -74,6 +74,13 @@ def test_decode_steps_of_two_models_are_each_compiled():
             assert step.graphs_compiled() == 1
 
 
+def test_auto_decode_of_a_bf16_model_is_eager():
+    torch.manual_seed(0)
+    model = model_zoo.build("tiny", num_layers=1, dtype=torch.bfloat16).eval()
+    model.generate(prompt(2, 3), 2)
+    assert "_decode_step" not in model.__dict__  # never made: the eager loop ran
+
+
 def test_compiled_decode_needs_a_decode_step():
     class NoStep(torch.nn.Module):
         def forward(self, ids, initial_states=None, output_final_states=False):
