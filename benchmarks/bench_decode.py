@@ -1,18 +1,39 @@
-"""Recurrent decode throughput, and state bytes against a softmax model's KV cache.
+"""Recurrent decode throughput against this machine's memory roofline, and state bytes against a KV cache.
 
-    python -m benchmarks.bench_decode [--steps 32] [--json]
+    python -m benchmarks.bench_decode [--steps 16] [--repeats 3] [--json]
+    python -m benchmarks.bench_decode --profile [--steps 8]     # where a step's time goes
 
-Decode tokens/s of the `tiny` model at 1, 64 and 1280 concurrent sequences
-(one batch; each step feeds one token per sequence and carries the fp32
-state), measured in one run. Then the recurrent state per sequence of `tiny`
-and `laplace-3b` beside the KV cache (bf16) of a softmax model of the same
-depth and width at 2k, 8k and 32k tokens of context.
+Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
+each step feeds one token per sequence and carries the fp32 state), two ways,
+each timed over `--steps` greedy steps exactly as `model.generate` runs them:
+
+- eager:    ``decode="eager"``, the model's forward per step (the reference op per layer);
+- compiled: ``decode="compiled"`` (the default on CPU), one `model_zoo.decode.DecodeStep`
+  call per step, every layer in one graph through ``backend="laplace"``, the states
+  in one buffer updated in place.
+
+Beside each, in the same repeat:
+
+- memory roofline: tokens/s if a step cost only its memory traffic, the weights read
+  once plus every sequence's state read and written, at the bandwidth of a large
+  tensor copy measured in this run (read + write bytes over time);
+- matmul roofline: tokens/s if a step cost only its FLOPs (2 per weight per token,
+  plus the state update and readout), at the rate of a dense fp32 matmul measured
+  in this run.
+
+Measurements are interleaved (each repeat runs the copy, the matmul and every
+batch size once per form) and the spread over repeats is printed; the load
+average is printed before and after. Then the recurrent state per sequence of
+`tiny` and `laplace-3b` beside the KV cache (bf16) of a softmax model of the
+same depth and width at 2k, 8k and 32k tokens of context.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 import torch
@@ -21,15 +42,147 @@ import model_zoo
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
+FORMS = ("eager", "compiled")
+COPY_ELEMENTS = 32 * 1024 * 1024  # 128 MB per side: well past the last-level cache
+MATMUL_SIZE = 1024
 
 
-def decode_tokens_per_s(model, batch: int, steps: int, prompt_len: int = 16) -> float:
-    prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
-    model.generate(prompt, 2)  # warm up
+def copy_bytes_per_s() -> float:
+    src = torch.ones(COPY_ELEMENTS)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     start = time.perf_counter()
-    model.generate(prompt, steps)
-    seconds = time.perf_counter() - start
-    return batch * steps / seconds
+    dst.copy_(src)
+    return 2 * src.numel() * src.element_size() / (time.perf_counter() - start)
+
+
+def matmul_flops_per_s() -> float:
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    a @ a
+    start = time.perf_counter()
+    a @ a
+    return 2 * MATMUL_SIZE**3 / (time.perf_counter() - start)
+
+
+class Decoder:
+    """One batch size: a prompt prefilled once, then `steps` greedy steps timed in either form."""
+
+    def __init__(self, model, batch: int, prompt_len: int = 16) -> None:
+        self.model = model
+        prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
+                               generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            logits, self.states = model(prompt, output_final_states=True)
+        self.first_token = logits[:, -1].argmax(-1)
+        for form in FORMS:  # compile and warm up
+            self.seconds(form, 2)
+
+    @torch.no_grad()
+    def seconds(self, form: str, steps: int) -> float:
+        """Wall time of `steps` greedy decode steps, as generate() runs them."""
+        token, states = self.first_token, self.states
+        step = self.model.decode_step if form == "compiled" else None
+        if step is not None:
+            states = step.state_buffer(states)  # generate() makes it once per call, before the loop
+        start = time.perf_counter()
+        for _ in range(steps):
+            if step is not None:
+                logits = step(token, states)
+            else:
+                logits, states = self.model(token[:, None], initial_states=states, output_final_states=True)
+                logits = logits[:, -1]
+            token = logits.argmax(-1)
+        return time.perf_counter() - start
+
+
+# torch.profiler event names -> where the time of a step goes (self CPU time; the rest is "other").
+PROFILE_BUCKETS = {
+    "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"),
+    "compiled kernels (Inductor)": ("## Call CompiledFxGraph",),
+    "gate checks": ("laplace::check_gates", "aten::le", "aten::all", "aten::_local_scalar_dense"),
+    "copies, stacks, cats": ("aten::copy_", "aten::cat", "aten::stack", "aten::clone", "aten::_to_copy"),
+    "elementwise (eager)": ("aten::mul", "aten::add", "aten::exp", "aten::pow", "aten::sum", "aten::mean",
+                            "aten::silu", "aten::rsqrt", "aten::div", "aten::log_sigmoid_forward"),
+    "Dynamo / AOT call overhead": ("TorchDynamo Cache Lookup", "Pregraph bytecode", "Torch-Compiled Region",
+                                   "AOTDispatcher"),
+}
+
+
+def profile_step(decoder: Decoder, form: str, steps: int) -> dict:
+    """Milliseconds per step by `PROFILE_BUCKETS`, from torch.profiler's self CPU times."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        decoder.seconds(form, steps)
+    buckets = dict.fromkeys([*PROFILE_BUCKETS, "other"], 0.0)
+    for event in prof.key_averages():
+        name = next((b for b, prefixes in PROFILE_BUCKETS.items() if event.key.startswith(prefixes)), "other")
+        buckets[name] += event.self_cpu_time_total / 1e3 / steps
+    return buckets
+
+
+def profiles(model, steps: int) -> dict:
+    out = {}
+    for batch in CONCURRENCY:
+        decoder = Decoder(model, batch)
+        out[batch] = {form: profile_step(decoder, form, steps) for form in FORMS}
+    return out
+
+
+def _profile_text(table: dict) -> str:
+    lines = ["where a step's time goes (ms per step, torch.profiler self CPU time):"]
+    for batch, forms in table.items():
+        for form, buckets in forms.items():
+            total = sum(buckets.values())
+            parts = ", ".join(f"{name} {ms:.2f} ({ms / total:.0%})" for name, ms in buckets.items() if ms > 0)
+            lines.append(f"  {batch:5d} sequences, {form:<8} {total:8.2f} ms: {parts}")
+    return "\n".join(lines)
+
+
+def step_costs(model) -> tuple[int, int, int]:
+    """(weight bytes read per step, state bytes per sequence, FLOPs per token)."""
+    c = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    state_elements = c.num_layers * c.num_heads * c.head_k_dim * c.head_v_dim
+    # 2 FLOPs per weight (every weight multiplies once per token; the tied embedding counts as the
+    # output head), and per state element: decay, k v^T (multiply, add), readout q S (multiply, add).
+    flops = 2 * model.num_parameters() + 5 * state_elements
+    return weight_bytes, state_elements * 4, flops
+
+
+def measure(model, steps: int, repeats: int) -> dict:
+    decoders = {b: Decoder(model, b) for b in CONCURRENCY}
+    weight_bytes, state_bytes, flops = step_costs(model)
+    samples = {b: {k: [] for k in (*FORMS, "memory_roofline", "matmul_roofline")} for b in CONCURRENCY}
+    bandwidths, rates = [], []
+    for _ in range(repeats):
+        bandwidths.append(copy_bytes_per_s())
+        rates.append(matmul_flops_per_s())
+        for batch, decoder in decoders.items():
+            for form in FORMS:
+                samples[batch][form].append(batch * steps / decoder.seconds(form, steps))
+            step_bytes = weight_bytes + 2 * batch * state_bytes
+            samples[batch]["memory_roofline"].append(batch * bandwidths[-1] / step_bytes)
+            samples[batch]["matmul_roofline"].append(rates[-1] / flops)
+    return {
+        "copy_GB_per_s": [b / 1e9 for b in bandwidths],
+        "matmul_GFLOP_per_s": [r / 1e9 for r in rates],
+        "bytes_per_step": {"weights": weight_bytes, "state_read_and_written_per_sequence": 2 * state_bytes},
+        "flops_per_token": flops,
+        "decode": {b: _summary(s) for b, s in samples.items()},
+    }
+
+
+def _summary(samples: dict) -> dict:
+    out = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in samples.items()}
+    for form in FORMS:  # shares per repeat: the roofline measured beside the decode
+        for roof in ("memory_roofline", "matmul_roofline"):
+            shares = [a / r for a, r in zip(samples[form], samples[roof])]
+            out[f"{form}_share_of_{roof}"] = {"median": statistics.median(shares), "min": min(shares),
+                                              "max": max(shares)}
+    speedups = [c / e for c, e in zip(samples["compiled"], samples["eager"])]
+    out["compiled_over_eager"] = {"median": statistics.median(speedups), "min": min(speedups), "max": max(speedups)}
+    return out
 
 
 def state_table() -> list[dict]:
@@ -48,15 +201,25 @@ def state_table() -> list[dict]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every measurement")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where a step's time goes (torch.profiler) instead of the throughput table")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = model_zoo.build("tiny").eval()
-    results = {
-        "decode_tokens_per_s": {b: decode_tokens_per_s(model, b, args.steps) for b in CONCURRENCY},
-        "state": state_table(),
-    }
+    if args.profile:
+        table = profiles(model, args.steps)
+        print(json.dumps(table, indent=2) if args.json else _profile_text(table))
+        return table
+    load_before = os.getloadavg()
+    results = measure(model, args.steps, args.repeats)
+    results.update(load_average_before=load_before, load_average_after=os.getloadavg(),
+                   threads=torch.get_num_threads(), steps=args.steps, repeats=args.repeats, state=state_table())
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -64,16 +227,40 @@ def main(argv=None) -> dict:
     return results
 
 
+def _spread(cell: dict, fmt: str) -> str:
+    return f"{format(cell['median'], fmt)} [{format(cell['min'], fmt)}-{format(cell['max'], fmt)}]"
+
+
 def _text(results: dict) -> str:
-    lines = ["decode, tiny model (one token per sequence per step, fp32 state, CPU):"]
-    for batch, rate in results["decode_tokens_per_s"].items():
-        lines.append(f"  {batch:5d} concurrent sequences: {rate:12,.0f} tokens/s")
+    load = lambda avg: " ".join(f"{x:.2f}" for x in avg)  # noqa: E731
+    lines = [
+        f"decode, tiny model (greedy, fp32 state, CPU, {results['threads']} threads, {results['steps']} steps, "
+        f"median [min-max] of {results['repeats']} interleaved repeats)",
+        f"  load average before {load(results['load_average_before'])}, after {load(results['load_average_after'])}",
+        f"  copy bandwidth {_spread(_stats(results['copy_GB_per_s']), '.1f')} GB/s; "
+        f"dense fp32 matmul {_spread(_stats(results['matmul_GFLOP_per_s']), '.1f')} GFLOP/s",
+        f"  per step: weights {results['bytes_per_step']['weights'] / 1e3:,.0f} kB, state read+written "
+        f"{results['bytes_per_step']['state_read_and_written_per_sequence']:,} B per sequence; "
+        f"{results['flops_per_token']:,} FLOPs per token",
+    ]
+    for batch, row in results["decode"].items():
+        lines.append(f"  {batch:5d} sequences: memory roofline {row['memory_roofline']['median']:12,.0f} tokens/s, "
+                     f"matmul roofline {row['matmul_roofline']['median']:12,.0f} tokens/s")
+        for form in FORMS:
+            lines.append(f"        {form:<8} {_spread(row[form], '11,.0f')} tokens/s = "
+                         f"{_spread(row[f'{form}_share_of_memory_roofline'], '.2%')} of memory roofline, "
+                         f"{_spread(row[f'{form}_share_of_matmul_roofline'], '.2%')} of matmul roofline")
+        lines.append(f"        compiled / eager {_spread(row['compiled_over_eager'], '.2f')}x")
     lines.append("state per sequence vs softmax KV cache (bf16) of the same depth and width:")
     for row in results["state"]:
         kv = ", ".join(f"{c // 1024}k: {row[f'kv_bytes_{c}'] / 1e6:,.1f} MB (x{row[f'kv_over_state_{c}']:,.0f})"
                        for c in CONTEXTS)
         lines.append(f"  {row['model']:<10} state {row['state_bytes'] / 1e6:.3f} MB; KV cache {kv}")
     return "\n".join(lines)
+
+
+def _stats(values: list) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 if __name__ == "__main__":

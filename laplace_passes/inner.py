@@ -71,6 +71,9 @@ class InductorCompiler(InnerCompiler):
     """torch's own compiler, with its decompositions and its min-cut partitioner."""
 
     name = "inductor"
+    # As torch.compile's own Inductor path: a buffer updated in place (a decode state) is written by
+    # the kernel that computes it, not copied back from a new output after the graph.
+    keep_inference_input_mutations = True
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         from torch._inductor.compile_fx import compile_fx_inner

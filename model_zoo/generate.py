@@ -6,7 +6,19 @@ A GLA model's memory of the context is one fixed-size state per layer
 
 Prefill may run through any callable with the model's signature, e.g. the
 model compiled with ``backend="laplace"`` (chunked GLA); decode then
-continues from the states it returns with the token recurrence.
+continues from the states it returns.
+
+Decode (``decode=``):
+- "compiled": each step is one call of a `model_zoo.decode.DecodeStep`,
+  the whole model compiled through ``backend="laplace"`` (target "cpu",
+  Inductor), with the states in one buffer updated in place. The step is
+  kept on the model (``model.decode_step``), so later calls reuse its
+  graphs: one for a single sequence, one for every larger batch.
+- "eager": the model's forward per step, the reference op per layer.
+- "auto" (default): "compiled" for an fp32 model on the CPU with a
+  ``decode_step`` (`model_zoo.GLALM`), outside another compile; else "eager"
+  (in bf16 or fp16, fused kernels round differently from the eager ops, and
+  greedy tokens could part on near ties).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ def generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     return_logits: bool = False,
+    decode: str = "auto",
 ) -> Generation:
     """Greedy (temperature 0) or sampled continuation of every sequence in `input_ids`."""
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
@@ -43,8 +56,12 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    step = _decode_step(model, decode, input_ids.device, _dtype(model))
     run_prefill = prefill if prefill is not None else model
     logits, states = run_prefill(input_ids, output_final_states=True)
+    state_bytes = sum(s[0].numel() * s.element_size() for s in states)
+    if step is not None:
+        states = step.state_buffer(states)
     step_logits = logits[:, -1]
     tokens, chosen_from = [input_ids], []
     for _ in range(max_new_tokens):
@@ -54,14 +71,39 @@ def generate(
             chosen_from.append(step_logits)
         if len(tokens) - 1 == max_new_tokens:
             break
-        logits, states = model(next_token[:, None], initial_states=states, output_final_states=True)
-        step_logits = logits[:, -1]
-    state_bytes = sum(s[0].numel() * s.element_size() for s in states)
+        if step is not None:
+            step_logits = step(next_token, states)  # states advanced in place
+        else:
+            logits, states = model(next_token[:, None], initial_states=states, output_final_states=True)
+            step_logits = logits[:, -1]
     return Generation(
         tokens=torch.cat(tokens, dim=1),
         logits=torch.stack(chosen_from, dim=1) if return_logits else None,
         state_bytes_per_sequence=state_bytes,
     )
+
+
+DECODE_MODES = ("auto", "compiled", "eager")
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype | None:
+    parameter = next(iter(model.parameters()), None)
+    return None if parameter is None else parameter.dtype
+
+
+def _decode_step(model: torch.nn.Module, decode: str, device: torch.device, dtype: torch.dtype | None):
+    """The model's compiled `DecodeStep`, or None for the eager loop (see the module docstring)."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+    has_step = hasattr(type(model), "decode_step")
+    if decode == "compiled" and not has_step:
+        raise ValueError(f"decode='compiled' needs a model with a decode_step (model_zoo.GLALM); "
+                         f"{type(model).__name__} has none: use decode='eager'")
+    if decode == "eager" or not has_step:
+        return None
+    if decode == "auto" and (device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling()):
+        return None
+    return model.decode_step
 
 
 def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:

@@ -263,6 +263,22 @@ class GLALM(nn.Module):
 
         return generate(self, input_ids, max_new_tokens, **kwargs)
 
+    @property
+    def decode_step(self):
+        """This model's compiled decode step (`model_zoo.decode.DecodeStep`), made at first use and kept."""
+        step = self.__dict__.get("_decode_step")
+        if step is None:
+            from model_zoo.decode import DecodeStep  # imports laplace_passes' compile stack: only when decoding
+
+            step = DecodeStep(self)
+            self.__dict__["_decode_step"] = step
+        return step
+
+    def __getstate__(self):
+        """Copies and pickles leave the compiled decode step behind (it holds this model); they make their own."""
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k != "_decode_step"}
+
     def num_parameters(self) -> int:
         """Counts the tied embedding / head weight once."""
         return sum(p.numel() for p in self.parameters())
