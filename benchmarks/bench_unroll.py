@@ -3,6 +3,7 @@
     python -m benchmarks.bench_unroll                  # laplace-3b on meta, T=2048; 1, 8, 32 and 36 layers
     python -m benchmarks.bench_unroll --layers 1 8 --json
     python -m benchmarks.bench_unroll --layers 36 --budget 1000000   # force partitions
+    python -m benchmarks.bench_unroll --model tiny --layers 1 2 --seq-len 256   # seconds: another model_zoo config
 
 Nothing is allocated: the model is built on the meta device and
 `laplace_passes.inspect` runs Dynamo, the passes and AOT Autograd on fake
@@ -41,8 +42,8 @@ from laplace_passes.unroll import SizeModel
 LAYER = re.compile(r"layers[.\[](\d+)")
 
 
-def measure(num_layers: int, seq_len: int, budget: int | None = None) -> dict:
-    model = model_zoo.build("laplace-3b", num_layers=num_layers)
+def measure(num_layers: int, seq_len: int, budget: int | None = None, model_name: str = "laplace-3b") -> dict:
+    model = model_zoo.build(model_name, num_layers=num_layers, device="meta")
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     seconds: dict[str, float] = defaultdict(float)
     run_passes, call_pass = compile_fx.run_passes, GraphPass.__call__
@@ -81,6 +82,7 @@ def measure(num_layers: int, seq_len: int, budget: int | None = None) -> dict:
             "by_layer": by_layer(_uncut(report, record.name), model_size),
         }
     return {
+        "model": model_name,
         "layers": num_layers,
         "seq_len": seq_len,
         "inspect_s": total_seconds,
@@ -116,10 +118,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 8, 32, 36])
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--budget", type=int, default=None, help="instruction budget (default: trn2's)")
+    parser.add_argument("--model", default="laplace-3b", help="a model_zoo GLA config (built on meta)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    measure(1, args.seq_len)  # first-call costs (imports, tracing the chunk bodies' ops) out of the figures
-    results = [measure(n, args.seq_len, args.budget) for n in args.layers]
+    measure(1, args.seq_len, model_name=args.model)  # first-call costs (imports, tracing the chunk ops) out
+    results = [measure(n, args.seq_len, args.budget, args.model) for n in args.layers]
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     else:
@@ -129,7 +132,7 @@ def main(argv=None) -> list[dict]:
 
 def _text(results: list[dict]) -> str:
     budget = next(iter(results[0]["graphs"].values()))["budget"]
-    lines = [f"laplace-3b on meta, T={results[0]['seq_len']}, target trn2, budget {budget:,} estimated instructions"]
+    lines = [f"{results[0]['model']} on meta, T={results[0]['seq_len']}, target trn2, budget {budget:,} estimated instructions"]
     for r in results:
         lines.append(
             f"\n{r['layers']} layers: passes {r['passes_s']:.2f} s, pass pipeline with lint and report snapshots "

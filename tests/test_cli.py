@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
+import model_zoo
 from laplace_passes.cli import available_benchmarks, main
+from laplace_passes.demo import DemoConfig, run_demo
 
 
 def run_cli(*args, timeout=600):
@@ -21,7 +23,13 @@ def test_demo_lowers_the_loss(capsys):
     losses = result["losses"]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2
-    assert 0 <= result["accuracy"] <= 1 and result["chance"] == pytest.approx(1 / 64)
+    # MQAR's keys and values are disjoint halves of the vocabulary after the padding token 0: chance is one in
+    # the value tokens. 30 steps leave the accuracy near chance (the README quotes a 300-step run's, measured).
+    vocab = model_zoo.config("tiny").vocab_size
+    assert result["chance"] == pytest.approx(1 / (vocab - 1 - (vocab - 1) // 2))
+    recalls = DemoConfig().eval_batch * DemoConfig().num_pairs  # the evaluation batch's recall positions
+    correct = result["accuracy"] * recalls
+    assert 0 <= result["accuracy"] <= 1 and correct == pytest.approx(round(correct))
     assert [s["plan"]["chunk_size"] for s in result["report_dict"]["sites"]][:2] == [128, 128]
 
 
@@ -33,18 +41,28 @@ def test_demo_subprocess_prints_progress_report_and_summary():
     assert "retile_gla" in done.stdout and "recall accuracy" in done.stdout
 
 
-def test_demo_data_parallel_two_ranks():
-    done = run_cli("demo", "--steps", "3", "--batch", "4", "--world-size", "2", "--no-progress", "--json")
+def test_demo_data_parallel_four_ranks_trains_like_one_process():
+    """README: `demo --world-size 4`, data-parallel over 4 local gloo processes, ShardedMuon's step rewritten.
+
+    The global batch is split over the ranks, so the losses are those of one process (up to the order in which
+    the ranks' gradients are summed)."""
+    small = ["--steps", "2", "--batch", "4", "--seq-len", "16", "--num-pairs", "2"]
+    done = run_cli("demo", *small, "--world-size", "4", "--no-progress", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert len(result["losses"]) == 3
+    one = run_demo(DemoConfig(steps=2, batch=4, seq_len=16, num_pairs=2, progress=False))
+    assert result["world_size"] == 4 and len(result["losses"]) == 2
+    for got, want in zip(result["losses"], one.losses, strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), (result["losses"], one.losses)
     # ShardedMuon's step went through the laplace backend: its gather became two all-to-alls.
     muon_graphs = [g for g in result["report_dict"]["muon_step"]["graphs"] if g["traffic"] is not None]
     (traffic,) = [g["traffic"] for g in muon_graphs]
-    assert traffic["world_size"] == 2
+    assert traffic["world_size"] == 4
     assert [c["op"] for c in traffic["before"]] == ["all_gather_into_tensor"]
     assert [c["op"] for c in traffic["after"]] == ["all_to_all_single", "all_to_all_single"]
-    assert traffic["ns_flops_after"] * 2 == traffic["ns_flops_before"]
+    assert traffic["lower_bound_bytes"] <= traffic["received_after"] < traffic["received_before"]
+    assert traffic["received_ratio"] == pytest.approx(traffic["received_before"] / traffic["received_after"])
+    assert traffic["ns_flops_after"] < traffic["ns_flops_before"]
     assert result["muon_received_ratio"] == traffic["received_ratio"]
 
 

@@ -99,6 +99,15 @@ def test_two_nodes_over_a_loopback_rendezvous(reference):
     assert_close(printed[0]["losses"], losses[:2])
 
 
+def test_a_checkpoint_of_other_settings_is_refused(reference, tmp_path):
+    """README: a run refuses a checkpoint written with other settings (here the seed), naming them."""
+    _, saved = reference
+    copy_checkpoint(saved, 2, tmp_path)
+    config = DemoConfig(steps=6, batch=6, seq_len=16, num_pairs=2, seed=1, progress=False, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"from a different run \(seed 0 there, 1 here\)"):
+        run_demo(config)
+
+
 def test_batch_must_divide_over_the_ranks():
     with pytest.raises(ValueError, match="global batch and must divide over 4 ranks"):
         run_demo(DemoConfig(steps=1, batch=6, world_size=4))

@@ -88,3 +88,25 @@ def test_fla_default_scale_is_preserved():
     K = q.shape[-1]
     expected, _ = laplace_passes.gla(q, k, v, gk, scale=K**-0.5)  # 0.25 here, not 0.5
     assert relative_rmse(laplace_passes.compile(default, target="cpu")(q, k, v, gk), expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend,origin", [("aot_eager", "fla.chunk_gla"), ("eager", "fla.fused_recurrent_gla")])
+def test_another_backend_runs_the_reference_op_in_place_of_fla(backend, origin):
+    """README: while installed, fla calls compiled by another backend use the replacements too.
+
+    The graph Dynamo hands the other backend holds the `laplace::gla` op (whose
+    kernel is the token recurrence) and no fla function; it runs where fla's
+    Triton kernels cannot, and agrees with fla's naive_recurrent_gla.
+    """
+    laplace_passes.fla.install(import_fla=True)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    inputs = make_inputs(1, 24, 2, 8, 4, gate_divisor=0.5)
+    actual = run(torch.compile(FlaAttention(FLA_FUNCTIONS[origin]), backend=counter, fullgraph=True), inputs)
+    expected = run(FlaAttention(naive_module.naive_recurrent_gla), inputs)
+    for name, a, e in zip(["o", "state", "dq", "dk", "dv", "dgk", "dh0"], actual, expected):
+        assert relative_rmse(a, e) <= 1e-5, name
+    (graph,) = counter.graphs
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.laplace.gla.default in targets or torch.ops.laplace.gla in targets, targets
+    assert not any("fla" in getattr(t, "__module__", "") for t in targets), targets

@@ -8,6 +8,7 @@ import torch
 import laplace_passes
 import model_zoo
 from laplace_passes.cli import main
+from tests.gla_cases import relative_rmse
 
 pytest.importorskip("fla.models")
 
@@ -51,3 +52,40 @@ def test_demo_trains_the_fla_model_on_mqar(capsys):
     losses = result["losses"]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2
     assert {s["origin"] for s in result["report_dict"]["sites"]} == {"fla.fused_recurrent_gla"}  # T = 64: fla's rule
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "laplace-3b"])
+def test_the_model_zoo_mlp_has_flas_gated_mlp_weights(name):
+    """README (model zoo): fla's layer structure with a SwiGLU MLP: the same parameter names and shapes as
+    fla 0.6.0's GatedMLP at fla's default intermediate size (2/3 of hidden_ratio * d, rounded up to 256)."""
+    from fla.modules import GatedMLP
+
+    config = model_zoo.config(name)
+    ours = model_zoo.build(name, num_layers=1, device="meta").layers[0].mlp
+    with torch.device("meta"):
+        theirs = GatedMLP(config.hidden_size, hidden_ratio=config.hidden_ratio)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+
+
+@pytest.mark.parametrize("fuse_swiglu", [True, False])
+def test_the_model_zoo_mlp_computes_flas_gated_mlp(fuse_swiglu):
+    """The tiny model's MLP, its weights loaded by name into fla's GatedMLP, gives fla's outputs and gradients.
+    fla's module runs compiled (Dynamo), where its swiglu kernels are replaced (Triton cannot run here)."""
+    from fla.modules import GatedMLP
+
+    torch.manual_seed(0)
+    config = model_zoo.config("tiny")
+    ours = model_zoo.build("tiny", num_layers=1).layers[0].mlp
+    theirs = GatedMLP(config.hidden_size, hidden_ratio=config.hidden_ratio, fuse_swiglu=fuse_swiglu)
+    theirs.load_state_dict(ours.state_dict())
+    laplace_passes.fla.install(import_fla=True)
+    x = torch.randn(2, 5, config.hidden_size)
+    results = []
+    for module in (ours, torch.compile(theirs, backend="eager", fullgraph=True)):
+        xs = x.clone().requires_grad_()
+        out = module(xs)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        weights = [p.grad for p in (module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight)]
+        results.append([out.detach(), xs.grad, *weights])
+    for what, a, e in zip(["out", "dx", "d gate_proj", "d up_proj", "d down_proj"], *results):
+        assert relative_rmse(a, e) <= 1e-5, what

@@ -28,7 +28,8 @@ def test_report_lists_graphs_passes_and_sites(report):
 
 
 def test_to_dict_is_json_and_matches_the_records(report):
-    data = json.loads(json.dumps(report.to_dict()))
+    data = json.loads(report.to_json())  # the README's to_json(): to_dict() as JSON text
+    assert data == json.loads(json.dumps(report.to_dict()))
     assert data["target"] == "trn2" and data["inner"] == "eager"
     assert {"graphs", "passes", "sites", "notes"} <= set(data)
     assert data["sites"][0]["plan"] == {"T": 2048, "chunk_size": 128, "n_chunks": 16, "padding": 0}

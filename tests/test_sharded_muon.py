@@ -325,6 +325,34 @@ def test_single_process_compiled_eager_backend():
     _single_process_compare(CONFIGS["default"], "all_gather", backend="eager", steps=2)
 
 
+def test_a_new_learning_rate_compiles_a_new_step_and_an_old_one_reuses_its_own():
+    """README: the step keeps the learning rate as a constant, so a changed lr recompiles the step.
+
+    A graph compiled at one lr and silently reused at another would update
+    with the old lr: every step is compared with torch.optim.Muon at the lr
+    of that step, and the compiles are counted at the backend.
+    """
+    compiled = []
+
+    def counting_backend(graph_module, example_inputs):
+        compiled.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    ps = [torch.randn(8, 4)]
+    a = [p.clone().requires_grad_() for p in ps]
+    b = [p.clone().requires_grad_() for p in ps]
+    settings = dict(lr=0.02, ns_steps=1)  # one Newton-Schulz step: each compile traces less
+    opt, ref = ShardedMuon(a, **settings, backend=counting_backend), torch.optim.Muon(b, **settings)
+    for lr, compiles in [(0.02, 1), (0.02, 1), (0.005, 2), (0.02, 2), (0.005, 2)]:
+        for group in (*opt.param_groups, *ref.param_groups):
+            group["lr"] = lr
+        step_with_same_grads(opt, a, [ref], b, steps=1)
+        assert len(compiled) == compiles, f"lr {lr}: {len(compiled)} compiles, expected {compiles}"
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"lr {lr}: the step differs from torch.optim.Muon's"
+
+
 def test_only_muon_params_equals_torch_muon_exactly():
     """The plain drop-in: ShardedMuon(params) vs torch.optim.Muon(params), all defaults."""
     torch.manual_seed(3)

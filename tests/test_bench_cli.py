@@ -1,0 +1,84 @@
+"""`laplace-passes bench unroll|muon|decode` run with their smallest arguments, and their figures agree.
+
+Performance is never asserted: each check is that a printed figure is what
+the other printed figures (or a formula written here) make it, so a ratio
+upside down, a sum that misses a part or a wrong formula fails. `bench gla`
+is checked in test_cli.py. `bench lowering` is not run here: lowering even
+its smallest point with torch-mlir takes about a minute on 2 cores.
+"""
+
+import json
+import math
+import re
+
+import pytest
+
+from laplace_passes.cli import main
+
+
+def bench(capfd, *args) -> str:
+    assert main(["bench", *args]) == 0, capfd.readouterr().err[-3000:]
+    return capfd.readouterr().out
+
+
+def test_bench_unroll_sizes_add_up_per_layer_and_partitions_fit_the_budget(capfd):
+    budget = 300  # between the tiny model's graphs at T = 128 (about 210 to 860 instructions): some are cut
+    results = json.loads(bench(capfd, "unroll", "--model", "tiny", "--layers", "1", "2", "--seq-len", "128",
+                               "--budget", str(budget), "--json"))
+    assert [r["layers"] for r in results] == [1, 2]
+    for result in results:
+        assert set(result["graphs"]) >= {"forward_0", "backward_0"}
+        for name, graph in result["graphs"].items():
+            by_layer = graph["by_layer"]
+            # Every node and instruction is attributed to one layer or to "other", and each layer has its own.
+            assert sum(by_layer["nodes"].values()) == graph["nodes"], name
+            assert sum(by_layer["instructions"].values()) == graph["instructions"], name
+            assert set(by_layer["nodes"]) - {"other"} == {str(i) for i in range(result["layers"])}, name
+            assert graph["budget"] == budget
+            # The fewest partitions that fit: none over the budget, and no fewer than the size demands.
+            assert graph["partitions"] >= math.ceil(graph["instructions"] / budget), name
+            if graph["partitions"] > 1:
+                assert len(graph["partition_instructions"]) == graph["partitions"], name
+                assert max(graph["partition_instructions"]) <= budget, name
+    assert any(g["partitions"] > 1 for r in results for g in r["graphs"].values())
+    one, two = results
+    for name in one["graphs"]:  # the layers are alike: each layer of the deeper model is the one layer's size
+        layer = {key: one["graphs"][name]["by_layer"][key]["0"] for key in ("nodes", "instructions")}
+        for key in ("nodes", "instructions"):
+            assert two["graphs"][name]["by_layer"][key]["0"] == two["graphs"][name]["by_layer"][key]["1"] == layer[key]
+
+
+def test_bench_decode_prints_tokens_per_second_and_state_against_kv_cache(capfd):
+    result = json.loads(bench(capfd, "decode", "--steps", "1", "--json"))
+    rates = result["decode_tokens_per_s"]
+    assert rates and all(0 < rate < math.inf for rate in rates.values())
+    for row in result["state"]:
+        contexts = sorted(int(key.rsplit("_", 1)[1]) for key in row if key.startswith("kv_bytes_"))
+        assert len(contexts) >= 2, row
+        for context in contexts:
+            assert row[f"kv_over_state_{context}"] == pytest.approx(row[f"kv_bytes_{context}"] / row["state_bytes"])
+            # A KV cache grows with the context; the recurrent state does not.
+            assert row[f"kv_bytes_{context}"] == row[f"kv_bytes_{contexts[0]}"] * context // contexts[0]
+
+
+TRAFFIC_ROW = re.compile(
+    r"^\s*(?P<W>\d+)\s+(?P<comm>\w+)\s+(?P<G>[\d.]+) MB\s+(?P<before>[\d.]+) MB\s+(?P<after>[\d.]+) MB\s+"
+    r"(?P<ratio>[\d.]+)x\s+(?P<half_W>[\d.]+)\s+(?P<ratio_over_half_W>[\d.]+)\s+(?P<bound>[\d.]+) MB\s+"
+    r"(?P<after_over_bound>[\d.]+)\s", re.MULTILINE)
+
+
+def test_bench_muon_traffic_ratios_follow_from_the_bytes_printed(capfd):
+    """The traffic part at W = 4 on the small model (the step-time part needs 4 gloo processes for minutes)."""
+    out = bench(capfd, "muon", "--part", "traffic", "--models", "small", "--world-sizes", "4")
+    rows = [{k: (v if k == "comm" else float(v)) for k, v in m.groupdict().items()} for m in TRAFFIC_ROW.finditer(out)]
+    assert sorted(row["comm"] for row in rows) == ["all_gather", "gather_broadcast"], out
+    for row in rows:
+        W, G = row["W"], row["G"]
+        assert W == 4 and row["half_W"] == W / 2
+        assert row["ratio"] == pytest.approx(row["before"] / row["after"], rel=0.01)
+        assert row["ratio_over_half_W"] == pytest.approx(row["ratio"] / (W / 2), rel=0.01)
+        assert row["bound"] == pytest.approx(2 * (W - 1) * G / W**2, rel=0.01)  # README's lower bound
+        assert row["after_over_bound"] == pytest.approx(row["after"] / row["bound"], rel=0.01)
+        assert row["after"] >= row["bound"] * 0.999
+    (gather,) = [row for row in rows if row["comm"] == "all_gather"]
+    assert gather["before"] == pytest.approx((gather["W"] - 1) * gather["G"] / gather["W"], rel=0.01)
