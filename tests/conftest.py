@@ -3,12 +3,13 @@
 The tests' tensors are small and their ops many (a token recurrence is
 thousands of ops on small tensors). On them, torch's second OpenMP thread
 costs more than it gives: each op waits for both threads, and on a busy
-2-core machine a descheduled thread stalls every op. The token recurrence
-at T = 2048, D = 128 (test_chunked_gla.py's reference) took 9 s (3 CPU
-seconds) with one thread and 168 s (54 CPU seconds) with two, one run after
-the other on a loaded 2-core machine. OMP_NUM_THREADS also reaches the
-processes the tests start (the CLI, torchrun and its workers, the gloo
-ranks). Set OMP_NUM_THREADS yourself to run the tests with more threads.
+2-core machine a descheduled thread stalls every op, the more the busier
+it is. test_chunked_gla.py took 56 s with one thread and 118 s with two,
+one run after the other on this 2-core machine at a load average of 4;
+its token recurrence at T = 2048, D = 128 alone, 9 s and 168 s at a load
+of 23. OMP_NUM_THREADS also reaches the processes the tests start (the
+CLI, torchrun and its workers, the gloo ranks). Set OMP_NUM_THREADS
+yourself to run the tests with more threads.
 """
 
 import os
