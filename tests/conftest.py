@@ -7,7 +7,7 @@ costs more than it gives: each op waits for both threads, and on a busy
 it is. test_chunked_gla.py took 56 s with one thread and 118 s with two,
 one run after the other on this 2-core machine at a load average of 4;
 its token recurrence at T = 2048, D = 128 alone, 9 s and 168 s at a load
-of 23. OMP_NUM_THREADS also reaches the processes the tests start (the
+of 23. On an idle machine the two are even (44 s and 43 s). OMP_NUM_THREADS also reaches the processes the tests start (the
 CLI, torchrun and its workers, the gloo ranks). Set OMP_NUM_THREADS
 yourself to run the tests with more threads.
 """
