@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_decode [--steps 16] [--repeats 3] [--json]
     python -m benchmarks.bench_decode --profile [--steps 8]     # where a step's time goes
+    python -m benchmarks.bench_decode --sequences 1 4 --steps 1 --repeats 1   # seconds: a smoke run
 
 Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
 each step feeds one token per sequence and carries the fp32 state), two ways,
@@ -150,10 +151,10 @@ def step_costs(model) -> tuple[int, int, int]:
     return weight_bytes, state_elements * 4, flops
 
 
-def measure(model, steps: int, repeats: int) -> dict:
-    decoders = {b: Decoder(model, b) for b in CONCURRENCY}
+def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY) -> dict:
+    decoders = {b: Decoder(model, b) for b in concurrency}
     weight_bytes, state_bytes, flops = step_costs(model)
-    samples = {b: {k: [] for k in (*FORMS, "memory_roofline", "matmul_roofline")} for b in CONCURRENCY}
+    samples = {b: {k: [] for k in (*FORMS, "memory_roofline", "matmul_roofline")} for b in concurrency}
     bandwidths, rates = [], []
     for _ in range(repeats):
         bandwidths.append(copy_bytes_per_s())
@@ -203,6 +204,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every measurement")
+    parser.add_argument("--sequences", type=int, nargs="+", default=list(CONCURRENCY),
+                        help="concurrent sequences, one measurement each (default: %(default)s)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="print where a step's time goes (torch.profiler) instead of the throughput table")
@@ -217,7 +220,7 @@ def main(argv=None) -> dict:
         print(json.dumps(table, indent=2) if args.json else _profile_text(table))
         return table
     load_before = os.getloadavg()
-    results = measure(model, args.steps, args.repeats)
+    results = measure(model, args.steps, args.repeats, args.sequences)
     results.update(load_average_before=load_before, load_average_after=os.getloadavg(),
                    threads=torch.get_num_threads(), steps=args.steps, repeats=args.repeats, state=state_table())
     if args.json:

@@ -48,10 +48,24 @@ def test_bench_unroll_sizes_add_up_per_layer_and_partitions_fit_the_budget(capfd
             assert two["graphs"][name]["by_layer"][key]["0"] == two["graphs"][name]["by_layer"][key]["1"] == layer[key]
 
 
-def test_bench_decode_prints_tokens_per_second_and_state_against_kv_cache(capfd):
-    result = json.loads(bench(capfd, "decode", "--steps", "1", "--json"))
-    rates = result["decode_tokens_per_s"]
-    assert rates and all(0 < rate < math.inf for rate in rates.values())
+def test_bench_decode_rates_rooflines_and_state_agree(capfd):
+    """One repeat, so every printed median is that repeat's figure and each ratio follows from the others."""
+    result = json.loads(bench(capfd, "decode", "--sequences", "1", "3", "--steps", "1", "--repeats", "1", "--json"))
+    (bandwidth,), (matmul_rate,) = result["copy_GB_per_s"], result["matmul_GFLOP_per_s"]
+    weights = result["bytes_per_step"]["weights"]
+    state_rw = result["bytes_per_step"]["state_read_and_written_per_sequence"]
+    assert sorted(int(b) for b in result["decode"]) == [1, 3]
+    for batch, row in result["decode"].items():
+        batch = int(batch)
+        # Memory roofline: every step reads the weights once and each sequence's state twice (read, write).
+        assert row["memory_roofline"]["median"] == pytest.approx(batch * bandwidth * 1e9 / (weights + batch * state_rw))
+        assert row["matmul_roofline"]["median"] == pytest.approx(matmul_rate * 1e9 / result["flops_per_token"])
+        for form in ("eager", "compiled"):
+            rate = row[form]["median"]
+            assert 0 < rate < math.inf
+            for roof in ("memory_roofline", "matmul_roofline"):
+                assert row[f"{form}_share_of_{roof}"]["median"] == pytest.approx(rate / row[roof]["median"])
+        assert row["compiled_over_eager"]["median"] == pytest.approx(row["compiled"]["median"] / row["eager"]["median"])
     for row in result["state"]:
         contexts = sorted(int(key.rsplit("_", 1)[1]) for key in row if key.startswith("kv_bytes_"))
         assert len(contexts) >= 2, row
