@@ -7,10 +7,10 @@
 
 1. Per-rank bytes received, from graphs captured at each world size W (no
    data moves; a fake process group and meta tensors stand in for W ranks):
-   - model_zoo "small": `ShardedMuon(backend=laplace)` steps once per W, for
-     comm="all_gather" and comm="gather_broadcast"; the laplace report's
-     traffic record gives the bytes of the captured graph before and after
-     the rewrite.
+   - model_zoo "small" (and "tiny", `--models tiny`: the same in seconds):
+     `ShardedMuon(backend=laplace)` steps once per W, for comm="all_gather"
+     and comm="gather_broadcast"; the laplace report's traffic record gives
+     the bytes of the captured graph before and after the rewrite.
    - model_zoo "laplace-3b" (shapes only): the same shard step traced with
      make_fx (Dynamo needs minutes for its 360 matrices) and rewritten with
      the public `rewrite_muon_step`; all-gather baseline.
@@ -143,17 +143,21 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.3f} MB"
 
 
+# Models whose Muon step Dynamo captures in reasonable time; laplace-3b goes through make_fx.
+CAPTURED_MODELS = ("tiny", "small")
+
+
 def run_traffic(models: list[str], world_sizes: tuple[int, ...]) -> None:
-    if "small" in models:
-        shapes = muon_shapes("small")
-        print(f"\nsmall: {len(shapes)} Muon matrices, {sum(r * c for r, c in shapes) / 1e6:.2f} M elements")
+    for name in (m for m in CAPTURED_MODELS if m in models):
+        shapes = muon_shapes(name)
+        print(f"\n{name}: {len(shapes)} Muon matrices, {sum(r * c for r, c in shapes) / 1e6:.2f} M elements")
         rows = []
         for world_size in world_sizes:
             for comm in ("all_gather", "gather_broadcast"):
                 start = time.perf_counter()
                 rows.append((world_size, comm, traffic_through_backend(shapes, world_size, comm)))
                 print(f"  captured W={world_size} {comm} in {time.perf_counter() - start:.0f}s", flush=True)
-        print_traffic("small (ShardedMuon + laplace backend, fake process group)", rows)
+        print_traffic(f"{name} (ShardedMuon + laplace backend, fake process group)", rows)
     if "laplace-3b" in models:
         shapes = muon_shapes("laplace-3b")
         print(f"\nlaplace-3b: {len(shapes)} Muon matrices, {sum(r * c for r, c in shapes) / 1e9:.2f} G elements")
@@ -371,7 +375,7 @@ def _print_breakdown(per_rank: list[dict[str, dict[str, float]]]) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("traffic", "time", "ns", "both"), default="both")
-    parser.add_argument("--models", nargs="+", default=["small", "laplace-3b"], choices=("small", "laplace-3b"))
+    parser.add_argument("--models", nargs="+", default=["small", "laplace-3b"], choices=(*CAPTURED_MODELS, "laplace-3b"))
     parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)

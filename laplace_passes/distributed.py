@@ -10,9 +10,12 @@ launcher (torchelastic):
 * ``launch_local(W, fn, *args)`` on this machine: the same agent, started
   in-process through ``torch.distributed.launcher.api.elastic_launch`` with a
   c10d rendezvous on 127.0.0.1 and a free port, and no restarts. ``fn`` runs
-  in W spawned processes, each of which sees the torchrun environment above
-  and calls :func:`join_process_group` itself; the return values come back in
-  rank order.
+  in W processes, each of which sees the torchrun environment above and
+  calls :func:`join_process_group` itself; the return values come back in
+  rank order. The processes are forked from a fork server that imported
+  torch, torch._dynamo and this project once (``preload``): a spawned
+  process would spend seconds of CPU importing them, W times over on a
+  machine with fewer cores than ranks.
 
 The process group is gloo (CPU). See the README, "More than one machine".
 """
@@ -36,6 +39,11 @@ DEFAULT_PG_TIMEOUT_S = 300.0
 # The agent's TCPStore outlives a restart; gloo then reads the dead attempt's
 # addresses (pytorch/pytorch#135712). Disabling the shared store avoids it.
 _SHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+# Imported once by the fork server that locally launched ranks are forked from.
+# A name that fails to import is skipped (multiprocessing's forkserver ignores it).
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "laplace_passes", "model_zoo", "model_zoo.muon")
 
 
 class LaunchError(RuntimeError):
@@ -86,7 +94,7 @@ def join_process_group(timeout_s: float = DEFAULT_PG_TIMEOUT_S) -> tuple[int, in
 
 
 def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
-                 start_method: str = "spawn") -> list[Any]:
+                 start_method: str = "forkserver", preload: tuple[str, ...] = DEFAULT_PRELOAD) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` local processes through torchelastic; rank-ordered results.
 
     ``fn`` must be a module-level function (it is pickled) and calls
@@ -95,13 +103,26 @@ def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s:
     they fail. Raises :class:`LaunchError` if any rank raised or died, and
     ``TimeoutError`` after ``timeout_s`` seconds (the agent then stops every
     rank). The agent's signal handlers are removed afterwards.
+
+    ``start_method`` "forkserver" (default; "spawn" where the platform has
+    no fork server) forks every rank from one process that imported
+    ``preload``; the list is fixed when that server starts, at the first
+    forkserver launch of this process. "spawn" starts fresh interpreters.
     """
+    import multiprocessing
+
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        start_method = "spawn"
+    if start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     log_dir = tempfile.mkdtemp(prefix="laplace_launch_")
     logs = DefaultLogsSpecs(log_dir=log_dir, redirects={r: Std.NONE if r == 0 else Std.ALL for r in range(world_size)},
                             tee=Std.NONE)

@@ -44,6 +44,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from laplace_passes.distributed import DEFAULT_PRELOAD
+
 __all__ = ["RankFailures", "RankResult", "free_port", "run_ranks"]
 
 
@@ -93,16 +95,6 @@ def _rank_entry(fn, args, pg_timeout, threads):
         return RankResult(rank, False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
 
-DEFAULT_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "laplace_passes",
-    "model_zoo",
-    "model_zoo.muon",
-)
-
-
 def run_ranks(
     world_size: int,
     fn: Callable[..., Any],
@@ -146,17 +138,11 @@ def run_ranks_detailed(
     preload: tuple[str, ...] = DEFAULT_PRELOAD,
 ) -> list[RankResult]:
     """Like run_ranks, but return a RankResult per rank instead of raising."""
-    import torch.multiprocessing as mp
-
     from laplace_passes.distributed import LaunchError, launch_local
 
-    if start_method not in ("forkserver", "spawn"):
-        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-    if start_method == "forkserver":
-        mp.get_context("forkserver").set_forkserver_preload(list(preload))
     try:
         return launch_local(world_size, _rank_entry, fn, args, pg_timeout, threads, timeout_s=timeout,
-                            start_method=start_method)
+                            start_method=start_method, preload=preload)
     except LaunchError as failed:  # a rank died without reporting; the agent stopped the others
         return [RankResult(r, False, error=f"process failed without reporting: {failed.failures[r]}")
                 if r in failed.failures else RankResult(r, False, error="stopped: another rank failed")

@@ -79,9 +79,9 @@ def test_reference_gla_is_fla_naive_recurrent_gla():
         assert relative_rmse(actual, expected) < 1e-6
 
 
-@pytest.mark.parametrize("T", [256, 1000, 2048])
+@pytest.mark.parametrize("T", [256, 1000])
 def test_default_flags_both_modes_match_the_reference(T):
-    """Logits, loss and every gradient, attn_mode chunk and fused_recurrent, B = 2."""
+    """Logits, loss and every gradient, attn_mode chunk and fused_recurrent, B = 2 (2 chunks, and 8 with padding)."""
     ids = tokens(2, T)
     model = fla_model()
     expected = reference_run(model, ids)

@@ -158,3 +158,11 @@ def test_model_zoo_table_matches_the_models(row):
     model = model_zoo.build(name, device="meta")
     parameters = sum(p.numel() for p in model.parameters())  # tied weights once
     assert (_as_written(parameters, row[1]), _as_written(_state_bytes(model), row[2])) == (row[1], row[2])
+
+
+def test_ci_runs_the_readme_test_command():
+    """`.ci/run` runs the README's test command, word for word (CI checks what a user would run)."""
+    readme_commands = [line.strip() for line in README.read_text().splitlines() if 'pip install -e ".[test]"' in line]
+    ci_lines = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert len(readme_commands) == 1, readme_commands
+    assert readme_commands[0] in [line.strip() for line in ci_lines]

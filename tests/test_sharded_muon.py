@@ -264,7 +264,6 @@ def _body_fault(rank, world_size, comm, phase, mode):
     [
         (2, "all_gather", "reduce", "exit"),
         (3, "gather_broadcast", "shard_step", "hang"),
-        (3, "all_gather", "all_gather_params", "exit"),
         (4, "all_gather", "all_gather_params", "hang"),
     ],
 )
