@@ -51,7 +51,7 @@ def test_bench_unroll_sizes_add_up_per_layer_and_partitions_fit_the_budget(capfd
 def test_bench_decode_rates_rooflines_and_state_agree(capfd):
     """One repeat, so every printed median is that repeat's figure and each ratio follows from the others.
 
-    Batch sizes 2 and 3 share one compiled graph (the batch is dynamic from 2 on): one Inductor compile.
+    Batch sizes 2 and 3 share one compiled decode step (its batch is dynamic from 2 on), where 1 and 3 took two.
     """
     result = json.loads(bench(capfd, "decode", "--sequences", "2", "3", "--steps", "1", "--repeats", "1", "--json"))
     (bandwidth,), (matmul_rate,) = result["copy_GB_per_s"], result["matmul_GFLOP_per_s"]

@@ -2,7 +2,8 @@
 
 One small training (6 steps, T = 16, global batch 6) is the reference, run
 in this process at W = 1 with a checkpoint every 2 steps. Every other run is
-torchrun as the README writes it, and must give the reference's per-step
+torchrun as the README writes it (but the last leg of the resume chain,
+`--world-size 3` launched from this process), and must give the reference's per-step
 losses (relative difference <= 1e-3: the ranks' gradients are summed in
 another order). Each run prints its JSON result once (rank 0). Each torchrun
 start costs seconds of imports and compiling per process, so the runs are
