@@ -175,14 +175,11 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY) -> dict:
 
 
 def _summary(samples: dict) -> dict:
-    out = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in samples.items()}
+    out = {k: _stats(v) for k, v in samples.items()}
     for form in FORMS:  # shares per repeat: the roofline measured beside the decode
         for roof in ("memory_roofline", "matmul_roofline"):
-            shares = [a / r for a, r in zip(samples[form], samples[roof])]
-            out[f"{form}_share_of_{roof}"] = {"median": statistics.median(shares), "min": min(shares),
-                                              "max": max(shares)}
-    speedups = [c / e for c, e in zip(samples["compiled"], samples["eager"])]
-    out["compiled_over_eager"] = {"median": statistics.median(speedups), "min": min(speedups), "max": max(speedups)}
+            out[f"{form}_share_of_{roof}"] = _stats([a / r for a, r in zip(samples[form], samples[roof])])
+    out["compiled_over_eager"] = _stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
     return out
 
 

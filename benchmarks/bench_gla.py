@@ -32,6 +32,10 @@ from benchmarks.common import interleaved_samples, once
 import laplace_passes
 from laplace_passes import chunked_gla, gla
 
+# The dense fp32 matmul every rate is compared with, timed in the same rounds.
+MATMUL_SIZE = 2048
+MATMUL_FLOPS = 2 * MATMUL_SIZE**3
+
 
 def gla_flops(B: int, T: int, H: int, K: int, V: int, C: int) -> float:
     forward = 2 * T * C * (K + V) + 4 * T * K * V
@@ -76,7 +80,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     inputs = make_inputs(args.B, args.T, args.H, args.K, args.V)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
     candidates = {
         "chunked": forward_backward(chunked_gla, inputs, chunk_size=args.chunk_size),
         "matmul": lambda: a @ b,
@@ -93,7 +97,7 @@ def main(argv=None) -> dict:
         "chunked_s": timed["chunked"],
         "compiled_s": timed.get("compiled"),
         "recurrence_s": once(forward_backward(gla, inputs)),
-        "matmul_gflops": 2 * 2048**3 / timed["matmul"] / 1e9,
+        "matmul_gflops": MATMUL_FLOPS / timed["matmul"] / 1e9,
         "load_average": [load_before, os.getloadavg()[0]],
     }
     try:
@@ -111,7 +115,7 @@ def main(argv=None) -> dict:
         results[f"{name}_fraction_of_matmul"] = results[f"{name}_gflops"] / results["matmul_gflops"]
         # Round by round: this path's rate over the matmul's, both timed in that round.
         results[f"{name}_fraction_per_round"] = [
-            (flops / t) / (2 * 2048**3 / m) for t, m in zip(samples[name], samples["matmul"])
+            (flops / t) / (MATMUL_FLOPS / m) for t, m in zip(samples[name], samples["matmul"])
         ]
         results[f"{name}_speedup_vs_recurrence"] = results["recurrence_s"] / seconds
         if results["fla_naive_s"] is not None:
@@ -135,7 +139,7 @@ def _text(r: dict) -> str:
     lines.append(f"  {'token recurrence':<24}{r['recurrence_s'] * 1e3:9.1f} ms")
     if r["fla_naive_s"] is not None:
         lines.append(f"  {'fla naive_recurrent_gla':<24}{r['fla_naive_s'] * 1e3:9.1f} ms")
-    lines.append(f"  {'dense fp32 matmul':<24}{'':9} {r['matmul_gflops']:7.1f} GFLOP/s (2048 x 2048, same run)")
+    lines.append(f"  {'dense fp32 matmul':<24}{'':9} {r['matmul_gflops']:7.1f} GFLOP/s ({MATMUL_SIZE} x {MATMUL_SIZE}, same run)")
     lines.append(f"  load average {r['load_average'][0]:.2f} before, {r['load_average'][1]:.2f} after the timed rounds")
     return "\n".join(lines)
 
