@@ -86,11 +86,31 @@ def gla_recurrence(
     What `laplace::gla` computes, written step by step: the re-tiling pass
     gives it to short sites (decode), where tracing it makes T straight-line
     state updates instead of a padded chunk. Gates are not checked here.
+
+    Batch and heads are folded into one dimension and every input is split
+    per token once (`unbind`), so a traced token is four ops (two products,
+    a sum, a [1, K] @ [K, V] matmul) instead of a dozen index and einsum
+    ops: a 64-token eval step traces several times faster.
     """
-    states, _ = _states(k, v, gk, initial_state)
-    qf = q.float()
-    o = torch.stack([torch.einsum("bhk,bhkv->bhv", qf[:, t], s) for t, s in enumerate(states[1:])], dim=1)
-    return (o * scale).to(q.dtype), states[-1]
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+
+    def per_token(x: Tensor, rows: int, cols: int) -> tuple[Tensor, ...]:
+        # [B, T, H, D] -> T tensors [B*H, rows, cols] (one of rows/cols is D, the other 1).
+        return x.float().transpose(1, 2).reshape(B * H, T, rows, cols).unbind(1)
+
+    h = (q.new_zeros(B * H, K, V, dtype=torch.float32) if initial_state is None
+         else initial_state.float().reshape(B * H, K, V))
+    outputs = []
+    for q_t, k_t, v_t, decay_t in zip(per_token(q, 1, K), per_token(k, K, 1), per_token(v, 1, V),
+                                      per_token(gk.float().exp(), K, 1)):
+        h = h * decay_t + k_t * v_t
+        outputs.append(torch.bmm(q_t, h))
+    if T:
+        o = torch.cat(outputs, dim=1).view(B, H, T, V).transpose(1, 2)
+    else:
+        o = q.new_zeros(B, 0, H, V, dtype=torch.float32)
+    return (o * scale).to(q.dtype), h.view(B, H, K, V)
 
 
 @torch.library.custom_op("laplace::gla", mutates_args=())

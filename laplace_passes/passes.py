@@ -133,7 +133,7 @@ def run_passes(
         outcome = run_pass(graph_pass, gm, graph.name)
         gm = outcome.graph_module
         record = _file(outcome, graph_pass.name, graph, report, nodes_before)
-        graph.snapshot(graph_pass.name, gm)
+        graph.snapshot(graph_pass.name, gm, modified=outcome.modified)
         logs.pass_done(record, gm)
     return gm
 

@@ -16,6 +16,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from laplace_passes.fx_helpers import op_name
 
@@ -126,7 +127,17 @@ class GraphRecord:
     size: SizeRecord | None = None
     traffic: TrafficRecord | None = None  # set by the Muon all-to-all rewrite
 
-    def snapshot(self, label: str, gm: torch.fx.GraphModule) -> None:
+    def snapshot(self, label: str, gm: torch.fx.GraphModule, modified: bool = True) -> None:
+        """Keep a copy of `gm` as it is after `label`; a pass that changed nothing shares the previous copy.
+
+        "Nothing" is checked, not taken on trust: the same node count and the
+        same graph-level annotations (`gm.meta`, where passes leave findings).
+        """
+        if not modified and self.snapshots:
+            previous = self.snapshots[-1][1]
+            if len(previous.graph.nodes) == len(gm.graph.nodes) and _same_entries(previous.meta, gm.meta):
+                self.snapshots.append((label, previous))
+                return
         self.snapshots.append((label, copy_graphs(gm)))
 
     @property
@@ -154,6 +165,10 @@ class GraphRecord:
         }
 
 
+def _same_entries(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[key] is b[key] for key in a)
+
+
 def copy_graphs(gm: torch.fx.GraphModule, class_name: str = "GraphModule") -> torch.fx.GraphModule:
     """`gm` with its graph copied, and the graphs of the subgraphs it reads (loop bodies, branches).
 
@@ -161,7 +176,9 @@ def copy_graphs(gm: torch.fx.GraphModule, class_name: str = "GraphModule") -> to
     mutating `gm` or its subgraphs cannot change what the user inspects.
     The graph-level annotations passes leave in `gm.meta` are kept.
     """
-    copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=class_name)
+    # Lazy: its Python code is generated when first read (`.code`, a call), not
+    # for every snapshot of every pass; most snapshots are never read.
+    copied = _LazyGraphModule(gm, copy.deepcopy(gm.graph), class_name=class_name)
     copied.meta = dict(gm.meta)
     done = set()
     for node in copied.graph.nodes:

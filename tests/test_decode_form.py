@@ -1,5 +1,7 @@
 """Short GLA sites without gradient (decode) get the recurrent form; others stay chunked, with the reason."""
 
+import operator
+
 import torch
 
 import laplace_passes
@@ -49,3 +51,23 @@ def test_decode_site_of_a_dynamic_batch_keeps_the_recurrent_form():
     static, dynamic = report.sites  # the third batch reuses the dynamic graph
     assert static.shape["B"] == 3 and isinstance(dynamic.shape["B"], str)
     assert all(s.status == "retiled" and s.form.startswith("recurrent") for s in (static, dynamic))
+
+
+def test_the_recurrent_form_traces_to_four_ops_per_token():
+    """Two products, a sum and a [1, K] @ [K, V] matmul per token (plus a fixed set of layout ops): tracing
+    a 64-token eval step stays quick, and the result is the reference op's, bit for bit."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from laplace_passes.gla import gla_op, gla_recurrence
+
+    counts = {}
+    for T in (4, 12):
+        inputs = make_inputs(2, T, 2, 8, 4)
+        gm = make_fx(lambda *x: gla_recurrence(*x, 0.5))(*inputs)
+        ops = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+        counts[T] = len(ops)
+        assert ops.count(torch.ops.aten.bmm.default) == T
+        o, state = gla_recurrence(*inputs, 0.5)
+        o_ref, state_ref = gla_op(*inputs, 0.5, "test")
+        assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
+    assert counts[12] - counts[4] == 4 * (12 - 4), counts

@@ -1,6 +1,7 @@
 """`inspect` and the report: what users read and what machines parse."""
 
 import json
+import operator
 import re
 
 import pytest
@@ -64,6 +65,58 @@ def test_graph_before_and_after_are_distinct_snapshots(report):
         report.graph("during")
     with pytest.raises(LookupError, match="no graph named 'forward_9'"):
         report.graph("after", "forward_9")
+
+
+def test_a_pass_that_changed_nothing_shares_the_previous_snapshot(report):
+    """Snapshots are copies, one per pass that changed the graph; the others share the copy before them."""
+    dynamo = report.graph_record("dynamo_0")
+    labels = [label for label, _ in dynamo.snapshots]
+    assert labels == ["input", "retile_gla", "unroll_loops", "fla_calls"]
+    by_label = dict(dynamo.snapshots)
+    assert by_label["retile_gla"] is not by_label["input"]  # re-tiled: a copy of its own
+    assert by_label["fla_calls"] is by_label["unroll_loops"]  # reports only: nothing changed
+
+
+def test_a_pass_that_says_unchanged_but_changed_the_graph_still_gets_a_copy():
+    """`modified=False` is checked against the graph (node count, gm.meta), not taken on trust."""
+    from laplace_passes.passes import GraphPass, PassOutcome, run_passes
+    from laplace_passes.report import Report
+
+    class Says(GraphPass):
+        def __init__(self, name, change):
+            self.name, self.change = name, change
+
+        def call(self, gm):
+            self.change(gm)
+            return PassOutcome(gm, modified=False, summary="says nothing changed")
+
+    def add_node(gm):
+        x = next(iter(gm.graph.nodes))
+        with gm.graph.inserting_after(x):
+            gm.graph.call_function(torch.neg, (x,))
+
+    def annotate(gm):
+        gm.meta["finding"] = "noted"
+
+    class Swaps(GraphPass):  # same node count, same meta: only its word says the graph changed
+        name = "swaps"
+
+        def call(self, gm):
+            (add,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.add]
+            add.target = operator.sub
+            return PassOutcome(gm, modified=True, summary="add -> sub")
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    report = Report()
+    record = report.new_graph("dynamo", gm)
+    run_passes(gm, [Says("quiet", lambda gm: None), Says("adds", add_node), Says("notes", annotate), Swaps()],
+               record, report)
+    snapshots = dict(record.snapshots)
+    assert snapshots["quiet"] is snapshots["input"]
+    assert snapshots["adds"] is not snapshots["quiet"] and "neg" in snapshots["adds"].code
+    assert snapshots["notes"] is not snapshots["adds"] and snapshots["notes"].meta["finding"] == "noted"
+    assert "finding" not in snapshots["adds"].meta
+    assert "x - 1" in snapshots["swaps"].code and "x + 1" in snapshots["notes"].code
 
 
 def test_inspect_leaves_gradients_alone_and_can_repeat():

@@ -447,7 +447,9 @@ def test_row_split():
             sp = RowSplit(rows, 2, W)
             sizes = [sp.size(r) for r in range(W)]
             assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1
-            assert sp.shard_rows == max(sizes)
+            assert sp.shard_rows == max(sizes) and sp.shard_numel == sp.shard_rows * 2
+            # Stored, not properties: Dynamo reads a field as a constant, a property it inlines as a call.
+            assert {"base", "extra", "shard_rows", "shard_numel"} <= vars(sp).keys()
             assert [sp.offset(r) for r in range(W)] == [sum(sizes[:r]) for r in range(W)]
             full = torch.arange(rows * 2, dtype=torch.float32).view(rows, 2)
             padded = sp.pad_all(full)

@@ -16,7 +16,7 @@ The bucketed functions (`reduce_scatter_mean`, `all_gather_rows`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -35,22 +35,20 @@ class RowSplit:
     rows: int
     cols: int
     world_size: int
+    # Derived sizes, stored rather than properties: torch.compile traces the
+    # shard step through these reads, and a property is a function call for
+    # Dynamo to inline (hundreds per step; a field read is a constant).
+    base: int = field(init=False, repr=False)  # rows every rank owns
+    extra: int = field(init=False, repr=False)  # ranks owning one row more
+    shard_rows: int = field(init=False, repr=False)
+    shard_numel: int = field(init=False, repr=False)
 
-    @property
-    def base(self) -> int:
-        return self.rows // self.world_size
-
-    @property
-    def extra(self) -> int:
-        return self.rows % self.world_size
-
-    @property
-    def shard_rows(self) -> int:
-        return self.base + (1 if self.extra else 0)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.shard_rows * self.cols
+    def __post_init__(self) -> None:
+        base, extra = divmod(self.rows, self.world_size)
+        shard_rows = base + (1 if extra else 0)
+        for name, value in (("base", base), ("extra", extra), ("shard_rows", shard_rows),
+                            ("shard_numel", shard_rows * self.cols)):
+            object.__setattr__(self, name, value)
 
     def size(self, rank: int) -> int:
         return self.base + (1 if rank < self.extra else 0)
