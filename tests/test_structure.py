@@ -124,3 +124,11 @@ def test_every_cited_document_is_in_the_repository():
     missing = {doc: sorted(where) for doc, where in cited.items()
                if not (ROOT / doc).is_file() or ROOT not in (ROOT / doc).resolve().parents}
     assert not missing, f"cited but not in the repository: {missing}"
+
+
+def test_the_slowest_modules_handed_out_first_exist():
+    """tests/conftest.py orders modules for the two workers by name: a renamed module would silently run last."""
+    from tests.conftest import SLOWEST_MODULES_FIRST
+
+    missing = [name for name in SLOWEST_MODULES_FIRST if not (ROOT / "tests" / name).is_file()]
+    assert not missing and len(set(SLOWEST_MODULES_FIRST)) == len(SLOWEST_MODULES_FIRST), missing

@@ -14,7 +14,7 @@ which every read of that slice goes through the scattered buffer.
 
 `Aliases.of(node)` describes a node's value as a strided view of a *root*
 value: `Alias(root, shape, stride, offset)`, strides and offset over the
-root's logical row-major index. View ops are replayed on fake tensors (exact,
+root's logical row-major index. View ops are replayed on meta tensors (exact,
 no memory); casts and copies are seen through (the analysis is for
 recognition: the rewrite copies the user's own nodes, so rounding is
 preserved); a reshape that is no strided view (`view` of a transposed value,
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from laplace_passes.fx_helpers import fake_tensor
 
@@ -128,7 +128,6 @@ class Aliases:
     def __init__(self) -> None:
         self._memo: dict[Node, Alias] = {}
         self._reshaped: dict[Node, Alias] = {}  # roots made by a reshape -> the alias they reshaped
-        self._mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def of(self, node: Node) -> Alias:
         found = self._memo.get(node)
@@ -143,6 +142,12 @@ class Aliases:
         return self.of(a).key() == self.of(b).key()
 
     def is_transpose_of(self, a: Node, b: Node) -> bool:
+        # An alias has its node's shape: when the shapes already differ, no view need be replayed
+        # (most matmuls of a model, asked about by the Newton-Schulz search, end here).
+        shape_a, shape_b = _static_shape(a), _static_shape(b)
+        if shape_a is not None and shape_b is not None and len(shape_b) >= 2 \
+                and shape_a != shape_b[:-2] + (shape_b[-1], shape_b[-2]):
+            return False
         return self.of(a).key() == self.of(b).transposed().key()
 
     def reshaped_from(self, node: Node) -> Alias | None:
@@ -206,10 +211,10 @@ class Aliases:
         if root is None:
             return None
         try:
-            with self._mode:
-                storage = torch.empty(max(root.numel(), 1))
-                base = torch.as_strided(storage, src.shape, src.stride, src.offset)
-                out = pick(target(base, *node.args[1:], **node.kwargs))
+            # On the meta device: strides and offsets exact, no memory, and no fake-tensor dispatch.
+            storage = torch.empty(max(root.numel(), 1), device="meta")
+            base = torch.as_strided(storage, src.shape, src.stride, src.offset)
+            out = pick(target(base, *node.args[1:], **node.kwargs))
         except (RuntimeError, TypeError, ValueError, IndexError):  # not a strided view of the root
             return None
         if not isinstance(out, torch.Tensor):
@@ -252,6 +257,14 @@ class Aliases:
                 return None
             alias = Alias(base_alias.root, alias.shape, alias.stride, alias.offset)
         return alias
+
+
+def _static_shape(node: Node) -> tuple[int, ...] | None:
+    """The node's shape when it is known and every size is a plain int (None otherwise: no guess)."""
+    value = fake_tensor(node)
+    if value is None or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return tuple(value.shape)
 
 
 def _same_shape(a, b) -> bool:
