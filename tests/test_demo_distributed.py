@@ -1,13 +1,15 @@
 """`laplace-passes demo` across processes: torchrun (one node, two nodes), checkpoints, restarts.
 
-One small training (6 steps, T = 16, global batch 6) is the reference, run
+One small training (6 steps, T = 16, global batch 12) is the reference, run
 in this process at W = 1 with a checkpoint every 2 steps. Every other run is
 torchrun as the README writes it (but the last leg of the resume chain,
-`--world-size 3` launched from this process), and must give the reference's per-step
-losses (relative difference <= 1e-3: the ranks' gradients are summed in
-another order). Each run prints its JSON result once (rank 0). Each torchrun
-start costs seconds of imports and compiling per process, so the runs are
-few and chained: one checkpoint directory carries W = 1 -> 2 -> 3.
+`demo --world-size 4` run from this process), and must give the reference's
+per-step losses (relative difference <= 1e-3: the ranks' gradients are
+summed in another order). Each run prints its JSON result once (rank 0).
+Each torchrun start costs seconds of imports and compiling per process, so
+the runs are few and chained: one checkpoint directory carries
+W = 1 -> 2 -> 4, and the W = 4 leg is also the README's `demo --world-size 4`
+(ShardedMuon's step rewritten to all-to-alls).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from laplace_passes.cli import main
 from laplace_passes.demo import DemoConfig, run_demo
 from laplace_passes.distributed import LaunchError, launch_local
 from tests._dist import free_port
 
 BIN = Path(sys.executable).parent
 TESTS = Path(__file__).resolve().parent
-SMALL = ["--batch", "6", "--seq-len", "16", "--num-pairs", "2", "--no-progress", "--json"]
+SMALL = ["--batch", "12", "--seq-len", "16", "--num-pairs", "2", "--no-progress", "--json"]
 RUN_TIMEOUT = 300
 
 
@@ -35,7 +38,7 @@ RUN_TIMEOUT = 300
 def reference(tmp_path_factory):
     """(losses of steps 1..6 at W = 1, its checkpoint directory with steps 2, 4, 6)."""
     directory = tmp_path_factory.mktemp("reference")
-    config = DemoConfig(steps=6, batch=6, seq_len=16, num_pairs=2, progress=False,
+    config = DemoConfig(steps=6, batch=12, seq_len=16, num_pairs=2, progress=False,
                         checkpoint_dir=str(directory), checkpoint_every=2)
     return run_demo(config).losses, directory
 
@@ -66,12 +69,12 @@ def copy_checkpoint(source: Path, step: int, destination: Path) -> None:
     shutil.copytree(source / name, destination / name)
 
 
-def test_resume_across_world_sizes_and_a_killed_rank(reference, tmp_path):
+def test_resume_across_world_sizes_and_a_killed_rank(reference, tmp_path, capsys):
     """W = 1's checkpoint at step 2 resumed by torchrun at W = 2, whose rank 1 is SIGKILLed at step 4
-    (--max-restarts 1, a checkpoint every step): the restarted ranks resume from step 3. Then W = 3
-    resumes from W = 2's checkpoint at step 4 (launched from this process, `--world-size 3`: the ranks
-    fork from a server that has imported torch, seconds faster than torchrun's fresh interpreters).
-    Every step's loss is the uninterrupted reference's."""
+    (--max-restarts 1, a checkpoint every step): the restarted ranks resume from step 3. Then
+    `demo --world-size 4` (launched from this process: the ranks fork from a server that has imported
+    torch, seconds faster than torchrun's fresh interpreters) resumes from W = 2's checkpoint at step 4.
+    Every step's loss is the uninterrupted reference's: each rank trains its own rows of the global batch."""
     losses, saved = reference
     copy_checkpoint(saved, 2, tmp_path)
     run = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
@@ -81,10 +84,23 @@ def test_resume_across_world_sizes_and_a_killed_rank(reference, tmp_path):
     two = result_of(run)
     assert (two["world_size"], two["resumed_from"]) == (2, 3)  # the restarted attempt's result
     assert_close(two["losses"], losses[:4])
-    three = run_demo(DemoConfig(steps=6, batch=6, seq_len=16, num_pairs=2, progress=False, world_size=3,
-                                checkpoint_dir=str(tmp_path)))
-    assert (three.world_size, three.resumed_from) == (3, 4)
-    assert_close(three.losses, losses)
+    assert main(["demo", *SMALL, "--steps", "6", "--world-size", "4", "--checkpoint-dir", str(tmp_path)]) == 0
+    four = json.loads(capsys.readouterr().out)
+    assert (four["world_size"], four["resumed_from"]) == (4, 4)
+    assert_close(four["losses"], losses)
+    assert_muon_step_rewritten(four, world_size=4)
+
+
+def assert_muon_step_rewritten(result: dict, world_size: int) -> None:
+    """ShardedMuon's step went through the laplace backend: its gather became two all-to-alls."""
+    (traffic,) = [g["traffic"] for g in result["report_dict"]["muon_step"]["graphs"] if g["traffic"] is not None]
+    assert traffic["world_size"] == world_size
+    assert [c["op"] for c in traffic["before"]] == ["all_gather_into_tensor"]
+    assert [c["op"] for c in traffic["after"]] == ["all_to_all_single", "all_to_all_single"]
+    assert traffic["lower_bound_bytes"] <= traffic["received_after"] < traffic["received_before"]
+    assert traffic["received_ratio"] == pytest.approx(traffic["received_before"] / traffic["received_after"])
+    assert traffic["ns_flops_after"] < traffic["ns_flops_before"]
+    assert result["muon_received_ratio"] == traffic["received_ratio"]
 
 
 def test_two_nodes_over_a_loopback_rendezvous(reference):
@@ -106,7 +122,7 @@ def test_a_checkpoint_of_other_settings_is_refused(reference, tmp_path):
     """README: a run refuses a checkpoint written with other settings (here the seed), naming them."""
     _, saved = reference
     copy_checkpoint(saved, 2, tmp_path)
-    config = DemoConfig(steps=6, batch=6, seq_len=16, num_pairs=2, seed=1, progress=False, checkpoint_dir=str(tmp_path))
+    config = DemoConfig(steps=6, batch=12, seq_len=16, num_pairs=2, seed=1, progress=False, checkpoint_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"from a different run \(seed 0 there, 1 here\)"):
         run_demo(config)
 
