@@ -24,16 +24,13 @@ and return a description of it, so that the run itself succeeds.
 collective whose peer has hung raises after about that long (a peer that
 exited is noticed at once: its connections close).
 
-Start method: ``forkserver`` by default.  The fork server is a fresh process
-(never a fork of the test runner) that imports ``preload`` once (torch,
-torch._dynamo and the project's packages: several seconds of CPU, because
-``model_zoo`` imports ``laplace_passes`` which imports ``torch._dynamo``) and
-forks every rank from that state, so a rank starts in milliseconds instead of
-re-importing everything; on a 2-core machine that is most of a multi-process
-test's runtime.  A preload module that fails to import is skipped (the ranks
-then import what they need themselves).  The preload list is fixed when the
-fork server starts (the first call in a test session).
-``start_method="spawn"`` gives fully independent interpreters.
+Ranks start as `laplace_passes.distributed.launch_local` starts them (its
+defaults): forked from a fork server, a fresh process (never a fork of the
+test runner) that imported torch, torch._dynamo and the project's packages
+once (several seconds of CPU), so a rank starts in milliseconds instead of
+re-importing everything; on a 2-core machine that is most of a
+multi-process test's runtime. The preload list is fixed when the fork
+server starts (the first launch in a test session).
 """
 
 from __future__ import annotations
@@ -43,8 +40,6 @@ import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
-
-from laplace_passes.distributed import DEFAULT_PRELOAD
 
 __all__ = ["RankFailures", "RankResult", "free_port", "run_ranks"]
 
@@ -102,8 +97,6 @@ def run_ranks(
     timeout: float = 60.0,
     pg_timeout: float = 30.0,
     threads: int = 1,
-    start_method: str = "forkserver",
-    preload: tuple[str, ...] = DEFAULT_PRELOAD,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -119,8 +112,6 @@ def run_ranks(
         timeout=timeout,
         pg_timeout=pg_timeout,
         threads=threads,
-        start_method=start_method,
-        preload=preload,
     )
     if not all(r.ok for r in results):
         raise RankFailures(results, f"{sum(not r.ok for r in results)} of {world_size} ranks failed:")
@@ -134,15 +125,12 @@ def run_ranks_detailed(
     timeout: float = 60.0,
     pg_timeout: float = 30.0,
     threads: int = 1,
-    start_method: str = "forkserver",
-    preload: tuple[str, ...] = DEFAULT_PRELOAD,
 ) -> list[RankResult]:
     """Like run_ranks, but return a RankResult per rank instead of raising."""
     from laplace_passes.distributed import LaunchError, launch_local
 
     try:
-        return launch_local(world_size, _rank_entry, fn, args, pg_timeout, threads, timeout_s=timeout,
-                            start_method=start_method, preload=preload)
+        return launch_local(world_size, _rank_entry, fn, args, pg_timeout, threads, timeout_s=timeout)
     except LaunchError as failed:  # a rank died without reporting; the agent stopped the others
         return [RankResult(r, False, error=f"process failed without reporting: {failed.failures[r]}")
                 if r in failed.failures else RankResult(r, False, error="stopped: another rank failed")
