@@ -26,8 +26,8 @@ structure only, identical for the tiny and the small model.
 TensorEngine use (`laplace_passes.unroll.tiles`), per trn2 graph: the share
 of matmul FLOPs on whole 128 x 128 tiles and the count of small products,
 with the estimated instructions per layer, for the models and for the
-intra-chunk formulations the sub-chunk size selects (16, the trn2 default;
-32; 64), on one GLA layer with head dims 64 and 128:
+intra-chunk halving's leaf sizes (`sub_chunk_size`: 4; 16, the trn2 default;
+64), on one GLA layer with head dims 64 and 128:
 
     python -m benchmarks.bench_lowering --tiles          # this part only (a minute)
 """
@@ -161,7 +161,7 @@ def print_sweep(title: str, points: list[Point], axis: str, fits: dict) -> None:
 
 
 TILE_MODELS = (("tiny", 1024, 2), ("small", 1024, 2))
-TILE_SUB_CHUNKS = (16, 32, 64)
+TILE_SUB_CHUNKS = (4, 16, 64)
 
 
 def tile_rows(report, layers: int) -> list[dict]:
@@ -178,7 +178,7 @@ def tile_rows(report, layers: int) -> list[dict]:
 
 
 def measure_tiles() -> dict:
-    """The models, then one GLA layer per head dim and sub-chunk size (the intra-chunk formulations)."""
+    """The models, then one GLA layer per head dim and leaf size (`sub_chunk_size`) of the intra-chunk halving."""
     result: dict = {"models": {}, "gla_layer": {}}
     for name, T, layers in TILE_MODELS:
         torch._dynamo.reset()
@@ -196,7 +196,7 @@ def measure_tiles() -> dict:
             gen = torch.Generator().manual_seed(0)
             inputs = [torch.randn(1, 1024, 4, head_dim, generator=gen, requires_grad=True) for _ in range(4)]
             report = laplace_passes.inspect(attention, *inputs, target=TRN2.with_overrides(sub_chunk_size=sub))
-            result["gla_layer"][f"K={head_dim} sub-chunk {sub}"] = tile_rows(report, 1)
+            result["gla_layer"][f"K={head_dim} leaves {sub}"] = tile_rows(report, 1)
     return result
 
 

@@ -117,8 +117,9 @@ def chunked_gla(
     """GLA computed chunk by chunk; same contract as `laplace_passes.gla`.
 
     `chunk_size` is the tokens per chunk (the target's partition count when the
-    re-tiling pass installs this); `sub_chunk_size` the rows that share one
-    anchor in the intra-chunk scores (see `laplace_passes.chunked_forward`). Any T, K,
+    re-tiling pass installs this); `sub_chunk_size` the rows of the leaves of
+    the intra-chunk halving, computed elementwise (NOTE [stable intra-chunk
+    scores] in `laplace_passes.chunked_forward`; 4 runs fastest on a CPU). Any T, K,
     V; inputs in fp32, bf16 or fp16, computed in fp32, output in the input
     dtype, final state in fp32. The backward is the explicit reverse
     recurrence over chunks (`laplace_passes.chunked_backward`).

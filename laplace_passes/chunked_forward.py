@@ -19,37 +19,36 @@ update per chunk. The public entry point, `chunked_gla`, and the
 NOTE [stable intra-chunk scores]
 Factorising A as (Q * exp(G - a)) (K * exp(a - G))^T with one anchor `a` per
 chunk overflows fp32 once the decay accumulated in the chunk passes ~88 (with
-128-token chunks and gates logsigmoid(x)/0.1 it does). So the chunk is split
-into sub-chunks of Cs rows. A query sub-chunk i uses the anchor a_i = G at its
-first row:
-  * key sub-chunks j < i: (Q_i * exp(G_i - a_i)) @ (K_j * exp(a_i - G_j))^T,
-    both exponents <= 0 because G is non-increasing and a_i lies in the past
-    of the rows of i and the future of the rows of j (the key factor is
-    built in two pieces: NOTE [three-factor anchors]);
-  * the diagonal block j == i: split the same way again (NOTE [nested
-    sub-chunks]: 16-row blocks into 4-row groups), and the smallest diagonal
-    blocks computed elementwise, sum_k Q_ck K_dk exp(G_ck - G_dk) over a
-    [.., 4, 4, K] tensor, exponent <= 0 for d <= c.
+128-token chunks and gates logsigmoid(x)/0.1 it does). So tril(A) is built
+by halving (`IntraChunk`): a block of P rows is its two diagonal halves
+(halved again, recursively) plus one off-diagonal block, queries of the
+second half against keys of the first, which is a single matmul with one
+anchor a = G at the last row of the first half:
+
+    A[second, first] = (Q_2 * exp(G_2 - a)) @ (K_1 * exp(a - G_1))^T
+
+Both exponents are <= 0 because G is non-increasing along rows and `a` lies
+in the future of every key and the past of every query, so nothing
+overflows; each factor is flushed on its own (NOTE [flushing tiny decays]):
+a term is dropped only when its query or key factor is below exp(-30),
+which implies the whole decay exp(G_q - G_k) is. A gate of -30 (a reset)
+lies on one side of the anchor, so decays across a reset stay exactly 0,
+and every term is still exp(G_q - G_k) or 0, so the backward's dG rule
+holds unchanged.
+
+Each token is a query or a key of exactly one off-diagonal block per level,
+so every level costs one [.., C, K] elementwise pass and no tensor grows
+beyond [.., C, K] (an anchor per query sub-chunk instead would need a copy
+of the keys for each query sub-chunk, [.., C/Cs, C, K]). Blocks
+are halved down to `sub_chunk_size` rows, the leaves, whose scores are
+computed elementwise: sum_k Q_ck K_dk exp(G_ck - G_dk) over a
+[.., sub, sub, K] tensor, exponent <= 0 for d <= c. The leaf size trades
+elementwise work (sub per token and channel) against small matmuls: on
+trn2's size model 16-row leaves give the fewest instructions, on a CPU
+4-row leaves run fastest (`HardwareTarget.sub_chunk_size`).
 Every exponent is clamped at 0 *before* exp (`_decay`), including entries
 that the causal mask then discards: an inf there would turn into NaN in a
 backward (0 * inf), even though the forward masks it away.
-
-NOTE [three-factor anchors]
-The key factor exp(a_i - G_j) is the one [.., S, C, K] tensor of the chunked
-form (one copy of the keys per query sub-chunk), so it is built without an
-exp per element: with b_j = G at the last row of key sub-chunk j,
-
-    exp(a_i - G_k) = exp(a_i - b_j) * exp(b_j - G_k)       (row k in sub-chunk j < i)
-
-The second factor is one [.., C, K] tensor shared by every query sub-chunk,
-the first one number per (i, j, channel), [.., S, S, K]; the big tensor is a
-single broadcast product of the two. Both exponents are <= 0 for j < i (b_j
-lies between the rows of j and a_i), so nothing overflows, and each factor
-is flushed on its own (NOTE [flushing tiny decays]): a term is dropped only
-when one of its three factors (query, between, key) is below exp(-30), which
-implies the whole decay is. A gate of -30 (a reset) lies inside exactly one
-of the three spans, so decays across a reset stay exactly 0. Every term is
-still exp(G_q - G_k) or 0, so the backward's dG rule holds unchanged.
 
 NOTE [flushing tiny decays]
 Strong gates drive exp(G) far below fp32's smallest normal number (1.2e-38).
@@ -75,8 +74,10 @@ tril(A)^T dO is the same product backwards in time (`reverse=True`). Other
 masked products are `torch.where`, which never multiplies.
 
 Padding: T is padded with zero tokens to a multiple of C (q = k = v = 0 and
-gk = 0 leave the state untouched); each chunk is padded likewise to a multiple
-of Cs. Padded rows come after every real row, so causality hides them.
+gk = 0 leave the state untouched); each chunk is padded likewise to Cs * 2^m
+rows, the fewest that halve evenly down to leaves of at most Cs rows (no
+padding when C and Cs are powers of two). Padded rows come after every real
+row, so causality hides them.
 """
 
 from __future__ import annotations
@@ -90,15 +91,17 @@ from torch import Tensor
 
 from laplace_passes._checks import check_chunk_size
 
-DEFAULT_SUB_CHUNK = 16
+# Leaf rows of the intra-chunk halving for a direct call (eager, on the host CPU, where
+# 4-row leaves run fastest: benchmarks/bench_gla.py); targets set their own.
+DEFAULT_SUB_CHUNK = 4
 FLUSH_BELOW = 30.0  # see NOTE [flushing tiny decays]
 
 
 def _decay(exponent: Tensor) -> Tensor:
     """exp(exponent) for exponent <= 0 (larger values clamped to 0), exactly 0 at or below -FLUSH_BELOW.
 
-    Three elementwise kernels: these tensors are the largest in the
-    computation ([.., Cs, Cs, K] and [.., S, C, K]), so each pass counts.
+    Three elementwise kernels: the leaves' decays ([.., Cs, Cs, K]) are the
+    largest tensors of the computation, so each pass counts.
     exp(-inf) is exactly 0 and has gradient 0.
     """
     exponent = F.threshold(exponent.clamp(max=0.0), -FLUSH_BELOW, -math.inf)
@@ -149,8 +152,12 @@ class ChunkLayout:
 
     @property
     def padded_chunk(self) -> int:
-        """C': C rounded up to whole sub-chunks."""
-        return math.ceil(self.chunk / self.sub) * self.sub
+        """C': the fewest rows, at least C, that halve evenly into leaves of at most Cs rows.
+
+        Cs * 2^m: C itself when C / Cs is a power of two (128 and 16, or 64 and 4).
+        """
+        leaves = math.ceil(self.chunk / self.sub)
+        return self.sub * (1 << (leaves - 1).bit_length())
 
     def to_chunks(self, x: Tensor) -> Tensor:
         """[B, T, H, D] -> [B, H, N, C', D] in fp32, zero rows padding T and each chunk."""
@@ -197,115 +204,86 @@ class ChunkedInputs:
         return _decay(self.G), _decay(self.G_last - self.G), _decay(self.G_last).transpose(-1, -2)
 
 
-def nested_sub_chunks(sub: int) -> tuple[int, ...]:
-    """Sub-chunk sizes, outermost first: each level's diagonal blocks are split again, by 4.
+@dataclass
+class _Halving:
+    """One level of IntraChunk: `n` blocks of 2h rows, each split into halves of h rows."""
 
-    NOTE [nested sub-chunks]: the diagonal blocks are the costly part
-    (elementwise over [.., Cs, Cs, K]). Splitting each 16-row block into
-    4-row groups, anchored the same way, turns most of it into small
-    matmuls: elementwise work per token and channel drops from
-    C/16 + 16 = 24 to C/16 + 16/4 + 4 = 16 (C = 128).
-    """
-    sizes = [sub]
-    while sizes[-1] > 4 and sizes[-1] % 4 == 0:
-        sizes.append(sizes[-1] // 4)
-    return tuple(sizes)
+    half: int
+    q_decay: Tensor  # [.., n, h, K]: exp(G - a) on the second halves (the queries)
+    k_decay: Tensor  # [.., n, h, K]: exp(a - G) on the first halves (the keys)
+    q_anchored: Tensor  # q * q_decay
+    k_anchored: Tensor  # k * k_decay
 
 
 class IntraChunk:
-    """The sub-chunk factors of tril(A) (NOTE [stable intra-chunk scores]).
+    """tril(A) by recursive halving (NOTE [stable intra-chunk scores]).
 
-    Built once from q (scaled), k and G in the chunk layout, [.., C, K];
-    `scores()` gives tril(A), `gradients(dA)` the gradients of q and k
-    through it, so the explicit backward reuses the decays it computes for
-    both. `sizes` are the sub-chunk sizes, outermost first: the diagonal
-    blocks of one level are the chunks of the next (NOTE [nested
-    sub-chunks]); the last level's are computed elementwise.
+    Built once from q (scaled), k and G in the chunk layout, [.., C, K],
+    with C = Cs * 2^m (`ChunkLayout.padded_chunk`); `scores()` gives tril(A),
+    `gradients(dA)` the gradients of q and k through it, so the explicit
+    backward reuses the decays computed here for both. Each level is one
+    matmul between the halves of every block; blocks of `leaf` rows (or
+    fewer, or odd) are computed elementwise.
     """
 
-    def __init__(self, q: Tensor, k: Tensor, G: Tensor, sizes: tuple[int, ...]) -> None:
-        *lead, C, K = q.shape
-        sub = sizes[0]
-        S = C // sub
-        self.sub, self.n_sub, self.chunk = sub, S, C
-        self.q_sub = q.reshape(*lead, S, sub, K)
-        self.k_sub = k.reshape(*lead, S, sub, K)
-        G_sub = G.reshape(*lead, S, sub, K)
-        anchors = G_sub[..., :1, :]  # [.., S, 1, K]: first row of each query sub-chunk
-        ends = G_sub[..., -1:, :]  # [.., S, 1, K]: last row of each key sub-chunk
+    def __init__(self, q: Tensor, k: Tensor, G: Tensor, leaf: int) -> None:
+        *self.lead, C, K = q.shape
+        self.chunk = C
+        self.levels: list[_Halving] = []
+        size = C
+        while size > leaf and size % 2 == 0:
+            self.levels.append(self._halve(q, k, G, size))
+            size //= 2
+        self.leaf = size
+        self.q_leaf, self.k_leaf, G_leaf = (x.reshape(*self.lead, C // size, size, K) for x in (q, k, G))
+        self.leaf_decay = _decay(G_leaf.unsqueeze(-2) - G_leaf.unsqueeze(-3))  # [.., n, c, d, K]: exp(G_c - G_d)
+        self.causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
 
-        # Blocks against earlier key sub-chunks, in three factors (NOTE [three-factor
-        # anchors]): each query sub-chunk i against the whole chunk, keeping only
-        # key sub-chunks j before it.
-        self.q_anchor_decay = _decay(G_sub - anchors)  # [.., S, sub, K]: exp(G_q - a_i)
-        self.k_end_decay = _decay(ends - G_sub)  # [.., S, sub, K]: exp(b_j - G_k)
-        self.between = _decay(anchors - ends.transpose(-3, -2)).unsqueeze(-2)  # [.., S_i, S_j, 1, K]: exp(a_i - b_j)
-        self.q_anchored = self.q_sub * self.q_anchor_decay
-        k_ended = (self.k_sub * self.k_end_decay).unsqueeze(-4)  # [.., 1, S_j, sub, K]
-        self.k_anchored = (k_ended * self.between).reshape(*lead, S, C, K)  # the only [.., S, C, K] tensor
-        key_sub = torch.arange(C, device=q.device) // sub
-        query_sub = torch.arange(S, device=q.device)
-        self.earlier = (key_sub[None, :] < query_sub[:, None])[:, None, :]  # [S, 1, C]
-
-        # Diagonal blocks: the next level, or elementwise with exponent G_c - G_d per (c, d).
-        self.inner = IntraChunk(self.q_sub, self.k_sub, G_sub, sizes[1:]) if len(sizes) > 1 else None
-        if self.inner is None:
-            self.diag_decay = _decay(G_sub.unsqueeze(-2) - G_sub.unsqueeze(-3))  # [.., S, c, d, K]
-            self.causal = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
+    def _halve(self, q: Tensor, k: Tensor, G: Tensor, size: int) -> _Halving:
+        h, K = size // 2, q.shape[-1]
+        q_halves, k_halves, G_halves = (x.reshape(*self.lead, self.chunk // size, 2, h, K) for x in (q, k, G))
+        anchor = G_halves[..., 0, -1:, :]  # [.., n, 1, K]: the last row of each first half
+        q_decay = _decay(G_halves[..., 1, :, :] - anchor)
+        k_decay = _decay(anchor - G_halves[..., 0, :, :])
+        return _Halving(h, q_decay, k_decay, q_halves[..., 1, :, :] * q_decay, k_halves[..., 0, :, :] * k_decay)
 
     def scores(self) -> Tensor:
-        """tril(A): [.., C, C]."""
-        *lead, S, sub, _ = self.q_sub.shape
-        off_diag = self.q_anchored @ self.k_anchored.transpose(-1, -2)  # [.., S, sub, C]
-        off_diag = torch.where(self.earlier, off_diag, 0.0).reshape(*lead, self.chunk, self.chunk)
-        return off_diag + self._place_diagonal(self._diagonal_scores())
+        """tril(A): [.., C, C], assembled from the leaves up."""
+        blocks = (self.q_leaf.unsqueeze(-2) * self.k_leaf.unsqueeze(-3) * self.leaf_decay).sum(-1)
+        blocks = torch.where(self.causal, blocks, 0.0)  # [.., C/leaf, leaf, leaf]
+        for level in reversed(self.levels):
+            h = level.half
+            halves = blocks.reshape(*self.lead, -1, 2, h, h)
+            lower_left = level.q_anchored @ level.k_anchored.transpose(-1, -2)  # [.., n, h, h]
+            top = F.pad(halves[..., 0, :, :], (0, h))
+            bottom = torch.cat([lower_left, halves[..., 1, :, :]], dim=-1)
+            blocks = torch.cat([top, bottom], dim=-2)  # [.., n, 2h, 2h]
+        return blocks.reshape(*self.lead, self.chunk, self.chunk)
 
     def gradients(self, d_scores: Tensor) -> tuple[Tensor, Tensor]:
-        """Gradients of (scaled) q and k, [.., C, K] each, given the gradient of tril(A)."""
-        *lead, S, sub, K = self.q_sub.shape
-        d_off = torch.where(self.earlier, d_scores.reshape(*lead, S, sub, self.chunk), 0.0)
-        dq = (d_off @ self.k_anchored) * self.q_anchor_decay  # [.., S, sub, K]
-        # Per key sub-chunk j: its rows of d_off^T [sub, C] against every query
-        # row scaled by exp(a_i - b_j): one matmul contracting all C queries, not
-        # S products contracting `sub` rows each and summed afterwards.
-        d_off_t = d_off.reshape(*lead, self.chunk, self.chunk).transpose(-1, -2).reshape(*lead, S, sub, self.chunk)
-        between_t = self.between.transpose(-4, -3).contiguous()  # [.., S_j, S_i, 1, K], small
-        q_between = (self.q_anchored.unsqueeze(-4) * between_t).reshape(*lead, S, self.chunk, K)  # [.., S_j, C, K]
-        dk = ((d_off_t @ q_between) * self.k_end_decay).reshape(*lead, self.chunk, K)
-        dq_diag, dk_diag = self._diagonal_gradients(self._take_diagonal(d_scores))  # [.., S, sub, K] each
-        return (dq + dq_diag).reshape(*lead, self.chunk, K), dk + dk_diag.reshape(*lead, self.chunk, K)
+        """Gradients of (scaled) q and k, [.., C, K] each, given the gradient of tril(A).
 
-    def _diagonal_scores(self) -> Tensor:
-        """tril of each diagonal block: [.., S, sub, sub]."""
-        if self.inner is not None:
-            return self.inner.scores()
-        diag = (self.q_sub.unsqueeze(-2) * self.k_sub.unsqueeze(-3) * self.diag_decay).sum(-1)
-        return torch.where(self.causal, diag, 0.0)
-
-    def _diagonal_gradients(self, d_diag: Tensor) -> tuple[Tensor, Tensor]:
-        if self.inner is not None:
-            return self.inner.gradients(d_diag)
-        weighted = self.diag_decay * torch.where(self.causal, d_diag, 0.0).unsqueeze(-1)  # [.., S, c, d, K]
-        dq = (weighted * self.k_sub.unsqueeze(-3)).sum(-2)
-        dk = (weighted * self.q_sub.unsqueeze(-2)).sum(-3)
-        return dq, dk
-
-    def _place_diagonal(self, diag: Tensor) -> Tensor:
-        """[.., S, sub, sub] blocks -> [.., C, C] block-diagonal matrix."""
-        *lead, S, sub, _ = diag.shape
-        eye = torch.eye(S, dtype=diag.dtype, device=diag.device)
-        return (diag.unsqueeze(-2) * eye[:, None, :, None]).reshape(*lead, self.chunk, self.chunk)
-
-    def _take_diagonal(self, x: Tensor) -> Tensor:
-        """[.., C, C] -> its [.., S, sub, sub] diagonal blocks.
-
-        A mask and a sum rather than torch.diagonal: a contiguous result whose
-        layout no later rewrite of `diagonal` (for lowering) can change.
+        Only the entries tril(A) is built from are read: the upper triangle of
+        `d_scores` is ignored.
         """
-        *lead, _, _ = x.shape
-        blocks = x.reshape(*lead, self.n_sub, self.sub, self.n_sub, self.sub)
-        eye = torch.eye(self.n_sub, dtype=x.dtype, device=x.device)
-        return (blocks * eye[:, None, :, None]).sum(-2)
+        lead, C = self.lead, self.chunk
+        dq_parts, dk_parts = [], []
+        blocks = d_scores
+        for level in self.levels:
+            h = level.half
+            quarters = blocks.reshape(*lead, -1, 2, h, 2, h)
+            d_lower_left = quarters[..., 1, :, 0, :]  # [.., n, h, h]
+            dq = (d_lower_left @ level.k_anchored) * level.q_decay  # rows of the second halves
+            dk = (d_lower_left.transpose(-1, -2) @ level.q_anchored) * level.k_decay  # rows of the first halves
+            # Back to [.., C, K]: a zero first (second) half beside each block's rows.
+            dq_parts.append(F.pad(dq.unsqueeze(-3), (0, 0, 0, 0, 1, 0)).reshape(*lead, C, -1))
+            dk_parts.append(F.pad(dk.unsqueeze(-3), (0, 0, 0, 0, 0, 1)).reshape(*lead, C, -1))
+            blocks = torch.stack([quarters[..., 0, :, 0, :], quarters[..., 1, :, 1, :]], dim=-3)
+        d_leaf = torch.where(self.causal, blocks.reshape(*lead, -1, self.leaf, self.leaf), 0.0)
+        weighted = self.leaf_decay * d_leaf.unsqueeze(-1)  # [.., n, c, d, K]
+        dq_parts.append((weighted * self.k_leaf.unsqueeze(-3)).sum(-2).reshape(*lead, C, -1))
+        dk_parts.append((weighted * self.q_leaf.unsqueeze(-2)).sum(-3).reshape(*lead, C, -1))
+        return sum(dq_parts[1:], dq_parts[0]), sum(dk_parts[1:], dk_parts[0])
 
 
 def chunk_recurrence(
@@ -352,7 +330,7 @@ def chunked_forward(
     the body of the `laplace::chunked_gla` op, differentiable by autograd too.
     """
     x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)
-    scores = IntraChunk(x.q, x.k, x.G, nested_sub_chunks(x.layout.sub)).scores()  # [B, H, N, C', C'], causal
+    scores = IntraChunk(x.q, x.k, x.G, x.layout.sub).scores()  # [B, H, N, C', C'], causal
     q_decay, k_decay, chunk_decay = x.inter_chunk_decays()
     states, final_state = entering_states(x.k * k_decay, x.v, chunk_decay, initial_state)
     o = causal_matmul(scores, x.v) + (x.q * q_decay) @ states

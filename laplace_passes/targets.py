@@ -61,8 +61,10 @@ class HardwareTarget:
     """A compilation target.
 
     partitions: rows of the on-chip memory tile; the GLA chunk size.
-    sub_chunk_size: rows sharing one anchor in the chunked GLA's intra-chunk
-        scores (numerical stability, see `laplace_passes.chunked`).
+    sub_chunk_size: rows of the leaves of chunked GLA's intra-chunk halving, whose scores
+        are computed elementwise (NOTE [stable intra-chunk scores] in
+        `laplace_passes.chunked_forward`): the fewest estimated instructions on trn2 at 16,
+        the fastest on a CPU at 4 (`benchmarks/bench_gla.py`).
     max_graph_instructions: the compiler's limit on one graph (None: no limit).
     matmul_tile: (partition rows, free columns) of one matmul instruction.
     hbm_bytes_per_core: device memory of one (logical) core: the preflight's bound on a graph's
@@ -146,7 +148,7 @@ CPU = HardwareTarget(
     name="cpu",
     description="Host CPU: fla's default chunk of 64 tokens, no graph-size limit",
     partitions=64,
-    sub_chunk_size=16,
+    sub_chunk_size=4,
     # Measured on a CPU (one thread, the tiny model's heads): the forms cross between T = 64 and 256;
     # fla switches to its recurrent kernel at T <= 64 too.
     recurrent_max_tokens=64,

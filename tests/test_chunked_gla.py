@@ -82,7 +82,7 @@ def plain_recurrence(q, k, v, gk, h0, scale):
 def test_explicit_backward_matches_autograd_of_the_recurrence(initial_state, final_state_grad):
     """Every gradient, against autograd of the written-out recurrence in float64.
 
-    Several chunks, padded T and sub-chunks, strong gates; with and without an
+    Several chunks, padded T, chunks halved down to 4-row leaves, strong gates; with and without an
     initial state and a gradient reaching the final state.
     """
     B, T, H, K, V = 2, 45, 2, 6, 5
@@ -172,21 +172,46 @@ def test_any_chunk_and_sub_chunk_size(chunk_size, sub_chunk_size):
     assert_all_close(actual, expected, f"C={chunk_size} Cs={sub_chunk_size}")
 
 
-@pytest.mark.parametrize("sub_chunk_size", [16, 128])
+@pytest.mark.parametrize("sub_chunk_size", [4, 16, 128])
 def test_strong_gates_that_overflow_one_anchor_per_chunk_stay_exact(sub_chunk_size):
     """The strong-gate case passes fp32's range inside one 128-token chunk, and chunked_gla stays exact there.
 
     First the data: with a single exponential anchor per chunk, exp(a - G)
-    reaches exp(>88) = inf. Then chunked_gla on exactly these data, with
-    16-row sub-chunks and with one sub-chunk per chunk: output, state and
-    gradients match the recurrence.
+    reaches exp(>88) = inf. Then chunked_gla on exactly these data, halving
+    down to 4-row leaves (the CPU's), to 16-row leaves (trn2's) and not at
+    all (one 128-row leaf): output, state and gradients match the recurrence.
     """
     inputs = make_inputs(1, 128, 2, 64, 64, gate_divisor=0.1)
     G = inputs[3].cumsum(1)
     assert (G[:, 0] - G[:, -1]).max() > 88
     assert not torch.isfinite(torch.exp(G[:, 0:1] - G)).all()
     actual = forward_backward(chunked_gla, *inputs, chunk_size=128, sub_chunk_size=sub_chunk_size)
-    assert_all_close(actual, forward_backward(gla, *inputs), f"one chunk, sub-chunks of {sub_chunk_size}")
+    assert_all_close(actual, forward_backward(gla, *inputs), f"one chunk, leaves of {sub_chunk_size}")
+
+
+def test_intra_chunk_scores_are_halved_without_a_copy_of_the_keys_per_block():
+    """The traced forward and backward (C = 128, 4-row leaves, K = 64): one [h, K] @ [K, h] matmul per halving level,
+    and no intermediate larger than max(C x C, Cs x C x K) per chunk and head.
+
+    Anchoring each query block on its own would need a copy of the keys per
+    block, C / Cs x C x K: 4x over the bound here.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from laplace_passes.chunked_backward import chunked_backward
+
+    B, T, H, K, V, C, leaf = 1, 256, 2, 64, 8, 128, 4
+    q, k, v, gk, _ = make_inputs(B, T, H, K, V, initial_state=False)
+    forward = make_fx(lambda q, k, v, gk: chunked_forward(q, k, v, gk, None, 0.5, C, leaf))(q, k, v, gk)
+    backward = make_fx(lambda q, k, v, gk, do: chunked_backward(q, k, v, gk, None, do, None, 0.5, C, leaf))(
+        q, k, v, gk, torch.randn(B, T, H, V))
+    bound = B * H * (T // C) * max(C * C, leaf * C * K)
+    for name, gm in (("forward", forward), ("backward", backward)):
+        values = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        assert max(v.numel() for v in values) <= bound, name
+        squares = {n.meta["val"].shape[-1] for n in gm.graph.nodes if n.target == torch.ops.aten.bmm.default
+                   and n.meta["val"].shape[-1] == n.meta["val"].shape[-2] < C}
+        assert squares == {64, 32, 16, 8, 4}, (name, squares)  # halves of 128 down to the leaves
 
 
 def test_matches_fla_naive_recurrent_gla():
@@ -223,8 +248,8 @@ def test_a_non_finite_token_never_reaches_earlier_outputs(where):
     """An inf in v (or k) at token 3 leaves outputs 0-2 as the recurrence has them: finite, unchanged.
 
     Later outputs are non-finite in the same channels as the recurrence's
-    (v: only the channel holding the inf). Chunks of 16 rows, sub-chunks of
-    4: token 3 sits in the first diagonal block, token 20 in the second chunk.
+    (v: only the channel holding the inf). Chunks of 16 rows, 4-row leaves:
+    token 3 sits in the first leaf, token 20 in the second chunk.
     """
     q, k, v, gk, h0 = make_inputs(1, 40, 2, 6, 5, gate_divisor=1.0)
     for token in (3, 20):

@@ -179,7 +179,7 @@ def test_input_independent_masks_are_folded_into_constants():
 
     from laplace_passes.lowering.fold_constants import FoldIndexConstants
 
-    def masked(scores):  # chunked GLA's "earlier key sub-chunk" mask, C = 16, sub-chunks of 4
+    def masked(scores):  # an index mask: which 4-column block comes before each row's block
         earlier = (torch.arange(16) // 4)[None, :] < torch.arange(4)[:, None]
         return torch.where(earlier, scores, 0.0) + torch.eye(4, 16)
 

@@ -7,7 +7,7 @@ Before (one site, T = 2048, trn2):
     o = gla[0]
     state = gla[1]
 
-After (16 chunks of 128 tokens, sub-chunks of 16; see `laplace_passes.chunked`):
+After (16 chunks of 128 tokens, 16-row leaves; see `laplace_passes.chunked`):
 
     check_gates = torch.ops.laplace.check_gates.default(gk)
     chunked_gla = torch.ops.laplace.chunked_gla.default(q, k, v, check_gates, None, 0.0884, 128, 16)
@@ -22,7 +22,7 @@ ATen-level unroll pass (`laplace_passes.unroll`) then expands both into
 straight-line chunked code, one state update per chunk:
 
     cumsum = aten.cumsum(gates, -2)                 # G inside each chunk
-    ... sub-chunk scores, tril(A) @ V ...
+    ... intra-chunk scores by halving, tril(A) @ V ...
     mul_15 = aten.mul(exp_last_15, add_14); add_15 = aten.add(mul_15, update_15)   # 16 state updates
 
 NOTE [short sites]

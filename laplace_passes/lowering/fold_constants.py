@@ -1,11 +1,10 @@
 """`FoldIndexConstants`: index arithmetic that depends on no input, computed once at compile time.
 
-Chunked GLA builds its masks from `arange` (which key sub-chunk comes
-before which query sub-chunk, the causal mask of the smallest blocks, the
-block diagonal). The shapes are static, so these are constants; lowered as
-they are, torch-mlir turns them into i64 `iota`, f64 floor divisions and
-compares, and neuronx-cc receives i64 index arithmetic the model never asked
-for (Trainium1 downcasts every i64 to i32; Trainium2 computes i64 only with
+Masks built by constructors and index arithmetic (chunked GLA's causal mask
+of its leaf blocks, `ones` and `tril`; `arange` comparisons, `eye`) depend
+on no input. The shapes are static, so these are constants; lowered as they
+are, torch-mlir turns them into i64 `iota`, floor divisions and compares,
+and neuronx-cc receives i64 index arithmetic the model never asked for (Trainium1 downcasts every i64 to i32; Trainium2 computes i64 only with
 `--native-int64`, AWS Neuron SDK data-types.rst). Computed here, each is one
 constant (`dense<...> : tensor<8x128xi1>`), and i64 is left only where the
 model's inputs are i64 (token ids).
@@ -30,21 +29,16 @@ class FoldIndexConstants(GraphPass):
     """Replace each input-independent subgraph (index masks, eye, arange) by one constant.
 
     NOTE [fold_index_constants: before and after]
-    Before (the sub-chunk mask of chunked GLA, C = 128, 16-row sub-chunks):
+    Before (the causal mask of chunked GLA's 16-row leaf blocks):
 
-        iota = torch.ops.prims.iota.default(128, start = 0, step = 1, dtype = torch.int64, ...)
-        div = torch.ops.aten.div.Tensor_mode(iota, 16, rounding_mode = 'floor')
-        iota_1 = torch.ops.prims.iota.default(8, start = 0, step = 1, dtype = torch.int64, ...)
-        unsqueeze = torch.ops.aten.unsqueeze.default(div, 0)
-        unsqueeze_1 = torch.ops.aten.unsqueeze.default(iota_1, 1)
-        lt = torch.ops.aten.lt.Tensor(unsqueeze, unsqueeze_1)
-        unsqueeze_2 = torch.ops.aten.unsqueeze.default(lt, 1)
-        where = torch.ops.aten.where.self(unsqueeze_2, view_3, full_default)
+        ones = torch.ops.aten.ones.default([16, 16], dtype = torch.bool, device = device(type='cpu'), ...)
+        tril = torch.ops.aten.tril.default(ones)
+        where = torch.ops.aten.where.self(tril, sum_1, scalar_tensor)
 
     After:
 
-        _folded_unsqueeze_2 = self._folded_unsqueeze_2          # bool [8, 1, 128], a buffer of the module
-        where = torch.ops.aten.where.self(_folded_unsqueeze_2, view_3, full_default)
+        _folded_tril = self._folded_tril          # bool [16, 16], a buffer of the module
+        where = torch.ops.aten.where.self(_folded_tril, sum_1, scalar_tensor)
 
     A constant filled with one value (`full`, `scalar_tensor`) is left as
     it is (it lowers to one splat constant); `eye`, `arange`, `tril` masks

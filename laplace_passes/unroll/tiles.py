@@ -14,8 +14,9 @@ idle. Per graph:
     small products      batch elements of products whose K or L is under 128
 
 Chunked GLA's intra-chunk scores are built from small products by design
-(sub-chunks of 16 rows, NOTE [stable intra-chunk scores]); this measure is
-what the report and `benchmarks/bench_lowering.py` show for them.
+(halves of 64, 32 and 16 rows down to 16-row leaves on trn2, NOTE [stable
+intra-chunk scores]); this measure is what the report and
+`benchmarks/bench_lowering.py` show for them.
 """
 
 from __future__ import annotations
