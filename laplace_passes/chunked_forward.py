@@ -41,10 +41,15 @@ so every level costs one [.., C, K] elementwise pass and no tensor grows
 beyond [.., C, K] (an anchor per query sub-chunk instead would need a copy
 of the keys for each query sub-chunk, [.., C/Cs, C, K]). Blocks
 are halved down to `sub_chunk_size` rows, the leaves, whose scores are
-computed elementwise: sum_k Q_ck K_dk exp(G_ck - G_dk) over a
-[.., sub, sub, K] tensor, exponent <= 0 for d <= c. The leaf size trades
-elementwise work (sub per token and channel) against small matmuls: on
-trn2's size model 16-row leaves give the fewest instructions, on a CPU
+computed elementwise, one diagonal at a time: for each offset d < Cs, row c
+of every leaf against row c - d,
+
+    A[c, c - d] = sum_k Q_ck K_(c-d)k exp(G_ck - G_(c-d)k)      (exponent <= 0)
+
+over [.., Cs - d, K] slices, so only the lower triangle is computed:
+(Cs + 1) / 2 products per token and channel, and no [.., Cs, Cs, K] tensor.
+The leaf size trades that elementwise work against more, smaller matmuls:
+on trn2's size model 16-row leaves give the fewest instructions, on a CPU
 4-row leaves run fastest (`HardwareTarget.sub_chunk_size`).
 Every exponent is clamped at 0 *before* exp (`_decay`), including entries
 that the causal mask then discards: an inf there would turn into NaN in a
@@ -100,8 +105,8 @@ FLUSH_BELOW = 30.0  # see NOTE [flushing tiny decays]
 def _decay(exponent: Tensor) -> Tensor:
     """exp(exponent) for exponent <= 0 (larger values clamped to 0), exactly 0 at or below -FLUSH_BELOW.
 
-    Three elementwise kernels: the leaves' decays ([.., Cs, Cs, K]) are the
-    largest tensors of the computation, so each pass counts.
+    Three elementwise kernels, on the [.., C, K]-sized decay tensors, which
+    every level of the intra-chunk halving computes again: each pass counts.
     exp(-inf) is exactly 0 and has gradient 0.
     """
     exponent = F.threshold(exponent.clamp(max=0.0), -FLUSH_BELOW, -math.inf)
@@ -223,7 +228,7 @@ class IntraChunk:
     `gradients(dA)` the gradients of q and k through it, so the explicit
     backward reuses the decays computed here for both. Each level is one
     matmul between the halves of every block; blocks of `leaf` rows (or
-    fewer, or odd) are computed elementwise.
+    fewer, or odd) are computed elementwise, one diagonal at a time.
     """
 
     def __init__(self, q: Tensor, k: Tensor, G: Tensor, leaf: int) -> None:
@@ -236,8 +241,11 @@ class IntraChunk:
             size //= 2
         self.leaf = size
         self.q_leaf, self.k_leaf, G_leaf = (x.reshape(*self.lead, C // size, size, K) for x in (q, k, G))
-        self.leaf_decay = _decay(G_leaf.unsqueeze(-2) - G_leaf.unsqueeze(-3))  # [.., n, c, d, K]: exp(G_c - G_d)
-        self.causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        # Diagonal d of every leaf: rows c >= d against rows c - d. Its decays
+        # exp(G_c - G_(c-d)), [.., n, leaf - d, K] (none on the main diagonal:
+        # exp(0) = 1), and a constant [leaf, leaf] with ones on it.
+        self.diagonal_decays = [None] + [_decay(G_leaf[..., d:, :] - G_leaf[..., : size - d, :]) for d in range(1, size)]
+        self.diagonals = [F.pad(torch.eye(size - d, dtype=q.dtype, device=q.device), (0, d, d, 0)) for d in range(size)]
 
     def _halve(self, q: Tensor, k: Tensor, G: Tensor, size: int) -> _Halving:
         h, K = size // 2, q.shape[-1]
@@ -249,8 +257,7 @@ class IntraChunk:
 
     def scores(self) -> Tensor:
         """tril(A): [.., C, C], assembled from the leaves up."""
-        blocks = (self.q_leaf.unsqueeze(-2) * self.k_leaf.unsqueeze(-3) * self.leaf_decay).sum(-1)
-        blocks = torch.where(self.causal, blocks, 0.0)  # [.., C/leaf, leaf, leaf]
+        blocks = self._leaf_scores()  # [.., C/leaf, leaf, leaf]
         for level in reversed(self.levels):
             h = level.half
             halves = blocks.reshape(*self.lead, -1, 2, h, h)
@@ -279,11 +286,36 @@ class IntraChunk:
             dq_parts.append(F.pad(dq.unsqueeze(-3), (0, 0, 0, 0, 1, 0)).reshape(*lead, C, -1))
             dk_parts.append(F.pad(dk.unsqueeze(-3), (0, 0, 0, 0, 0, 1)).reshape(*lead, C, -1))
             blocks = torch.stack([quarters[..., 0, :, 0, :], quarters[..., 1, :, 1, :]], dim=-3)
-        d_leaf = torch.where(self.causal, blocks.reshape(*lead, -1, self.leaf, self.leaf), 0.0)
-        weighted = self.leaf_decay * d_leaf.unsqueeze(-1)  # [.., n, c, d, K]
-        dq_parts.append((weighted * self.k_leaf.unsqueeze(-3)).sum(-2).reshape(*lead, C, -1))
-        dk_parts.append((weighted * self.q_leaf.unsqueeze(-2)).sum(-3).reshape(*lead, C, -1))
+        for dq, dk in self._leaf_gradients(blocks.reshape(*lead, -1, self.leaf, self.leaf)):
+            dq_parts.append(dq.reshape(*lead, C, -1))
+            dk_parts.append(dk.reshape(*lead, C, -1))
         return sum(dq_parts[1:], dq_parts[0]), sum(dk_parts[1:], dk_parts[0])
+
+    def _leaf_scores(self) -> Tensor:
+        """The leaves' lower triangles, [.., n, leaf, leaf], one diagonal at a time."""
+        L, blocks = self.leaf, None
+        for d, (decay, diagonal) in enumerate(zip(self.diagonal_decays, self.diagonals)):
+            products = self.q_leaf[..., d:, :] * self.k_leaf[..., : L - d, :]
+            scores = (products if decay is None else products * decay).sum(-1)  # [.., n, L - d]: A[c, c - d]
+            placed = _pad_rows(scores.unsqueeze(-1), d, 0) * diagonal  # row c holds it at column c - d
+            blocks = placed if blocks is None else blocks + placed
+        return blocks
+
+    def _leaf_gradients(self, d_leaf: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per diagonal, its share of the gradients of q and k, [.., n, leaf, K] each."""
+        L, parts = self.leaf, []
+        for d, (decay, diagonal) in enumerate(zip(self.diagonal_decays, self.diagonals)):
+            d_scores = (d_leaf * diagonal).sum(-1)[..., d:].unsqueeze(-1)  # [.., n, L - d, 1]: dA[c, c - d]
+            weights = d_scores if decay is None else d_scores * decay
+            dq = _pad_rows(weights * self.k_leaf[..., : L - d, :], d, 0)  # rows c
+            dk = _pad_rows(weights * self.q_leaf[..., d:, :], 0, d)  # rows c - d
+            parts.append((dq, dk))
+        return parts
+
+
+def _pad_rows(x: Tensor, before: int, after: int) -> Tensor:
+    """x [.., R, D] with zero rows added before and after; x itself when there are none (a pad would copy)."""
+    return F.pad(x, (0, 0, before, after)) if before or after else x
 
 
 def chunk_recurrence(

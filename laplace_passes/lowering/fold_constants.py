@@ -1,7 +1,7 @@
 """`FoldIndexConstants`: index arithmetic that depends on no input, computed once at compile time.
 
-Masks built by constructors and index arithmetic (chunked GLA's causal mask
-of its leaf blocks, `ones` and `tril`; `arange` comparisons, `eye`) depend
+Masks built by constructors and index arithmetic (chunked GLA's diagonals
+of its leaf blocks, `eye` and `pad`; `arange` comparisons, `tril`) depend
 on no input. The shapes are static, so these are constants; lowered as they
 are, torch-mlir turns them into i64 `iota`, floor divisions and compares,
 and neuronx-cc receives i64 index arithmetic the model never asked for (Trainium1 downcasts every i64 to i32; Trainium2 computes i64 only with
@@ -29,16 +29,17 @@ class FoldIndexConstants(GraphPass):
     """Replace each input-independent subgraph (index masks, eye, arange) by one constant.
 
     NOTE [fold_index_constants: before and after]
-    Before (the causal mask of chunked GLA's 16-row leaf blocks):
+    Before (chunked GLA's mask of the first diagonal below the main one in
+    its 16-row leaf blocks):
 
-        ones = torch.ops.aten.ones.default([16, 16], dtype = torch.bool, device = device(type='cpu'), ...)
-        tril = torch.ops.aten.tril.default(ones)
-        where = torch.ops.aten.where.self(tril, sum_1, scalar_tensor)
+        eye_1 = torch.ops.aten.eye.default(15, dtype = torch.float32, device = device(type='cpu'), ...)
+        constant_pad_nd_1 = torch.ops.aten.constant_pad_nd.default(eye_1, [0, 1, 1, 0], 0.0)
+        mul_11 = torch.ops.aten.mul.Tensor(constant_pad_nd_16, constant_pad_nd_1)
 
     After:
 
-        _folded_tril = self._folded_tril          # bool [16, 16], a buffer of the module
-        where = torch.ops.aten.where.self(_folded_tril, sum_1, scalar_tensor)
+        _folded_constant_pad_nd_1 = self._folded_constant_pad_nd_1   # float [16, 16], a buffer of the module
+        mul_11 = torch.ops.aten.mul.Tensor(constant_pad_nd_16, _folded_constant_pad_nd_1)
 
     A constant filled with one value (`full`, `scalar_tensor`) is left as
     it is (it lowers to one splat constant); `eye`, `arange`, `tril` masks
