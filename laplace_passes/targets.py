@@ -117,8 +117,8 @@ TRN2 = HardwareTarget(
     matmul_tile=(128, 512),  # [ARCH1], kept by NeuronCore-v3 [ARCH2]
     hbm_bytes_per_core=24 * GB,  # [HBM], at LNC=2
     logical_cores=2,  # [LNC]: trn2's default
-    # The estimated instructions of the two forms cross at T = 24 (1.3B heads) to 48 (tiny heads).
-    recurrent_max_tokens=16,
+    # The estimated instructions of the two forms cross between T = 8 and 16 (tiny and 1.3B heads).
+    recurrent_max_tokens=8,
     static_shapes=True,  # neuronx-cc; TorchNeuron recompiles per shape and rejects dynamic=True
     # [A2A]; the group sizes follow [NRT], the runtime's trn1 topology rule plus its 4-rank groups
     # (no document states a trn2 all-to-all rule; override it when yours differs).
@@ -138,7 +138,7 @@ TRN1 = HardwareTarget(
     psum_bytes=2 * MIB,  # [ARCH1]
     max_graph_instructions=5_000_000,  # [XTP002]
     matmul_tile=(128, 512),  # [ARCH1]
-    recurrent_max_tokens=16,  # as trn2: same TensorEngine shape, not measured separately
+    recurrent_max_tokens=8,  # as trn2: same TensorEngine shape, not measured separately
     hbm_bytes_per_core=16 * GB,  # [HBM]
     logical_cores=1,  # [LNC]: the only value trn1 accepts
     collectives=TRN2.collectives,  # [A2A], [NRT]
