@@ -51,9 +51,9 @@ over [.., Cs - d, K] slices, so only the lower triangle is computed:
 The leaf size trades that elementwise work against more, smaller matmuls:
 on trn2's size model 16-row leaves give the fewest instructions, on a CPU
 4-row leaves run fastest (`HardwareTarget.sub_chunk_size`).
-Every exponent is clamped at 0 *before* exp (`_decay`), including entries
-that the causal mask then discards: an inf there would turn into NaN in a
-backward (0 * inf), even though the forward masks it away.
+Every exponent is clamped at 0 *before* exp (`_decay`): each is <= 0 by
+construction, and the clamp guarantees it, so no exp can be inf (which a
+backward would turn into NaN, 0 * inf).
 
 NOTE [flushing tiny decays]
 Strong gates drive exp(G) far below fp32's smallest normal number (1.2e-38).

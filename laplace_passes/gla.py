@@ -78,8 +78,13 @@ def _recurrence_states(q, k, v, gk, initial_state):
     return torch.stack(states), decay
 
 
+# How the recurrent form reads o_t = q_t S out of the state (`gla_recurrence`).
+READOUTS = ("matmul", "reduce")
+
+
 def gla_recurrence(
-    q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None, scale: float
+    q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None, scale: float,
+    readout: str = "matmul",
 ) -> tuple[Tensor, Tensor]:
     """The token recurrence in standard ops, one state update per token: (o in q's dtype, final state fp32).
 
@@ -91,7 +96,16 @@ def gla_recurrence(
     per token once (`unbind`), so a traced token is four ops (two products,
     a sum, a [1, K] @ [K, V] matmul) instead of a dozen index and einsum
     ops: a 64-token eval step traces several times faster.
+
+    `readout`: "matmul" reads each output as that [1, K] @ [K, V] product,
+    bit for bit the reference op's result; "reduce" as (q_t^T * S) summed
+    over K (five ops per token), which a fusing compiler puts in the state
+    update's kernel, so the state is read once per token instead of twice:
+    the `cpu` target's choice (`HardwareTarget.recurrent_readout`). Sums in
+    another order, so equal to the reference op within fp32 rounding.
     """
+    if readout not in READOUTS:
+        raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
 
@@ -102,10 +116,11 @@ def gla_recurrence(
     h = (q.new_zeros(B * H, K, V, dtype=torch.float32) if initial_state is None
          else initial_state.float().reshape(B * H, K, V))
     outputs = []
-    for q_t, k_t, v_t, decay_t in zip(per_token(q, 1, K), per_token(k, K, 1), per_token(v, 1, V),
-                                      per_token(gk.float().exp(), K, 1)):
+    reduce = readout == "reduce"
+    queries = per_token(q, K, 1) if reduce else per_token(q, 1, K)
+    for q_t, k_t, v_t, decay_t in zip(queries, per_token(k, K, 1), per_token(v, 1, V), per_token(gk.float().exp(), K, 1)):
         h = h * decay_t + k_t * v_t
-        outputs.append(torch.bmm(q_t, h))
+        outputs.append((q_t * h).sum(1, keepdim=True) if reduce else torch.bmm(q_t, h))
     if T:
         o = torch.cat(outputs, dim=1).view(B, H, T, V).transpose(1, 2)
     else:

@@ -27,7 +27,9 @@ def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
     """Passes over the torch-level graph Dynamo captured, before AOT Autograd."""
     passes: list[GraphPass] = []
     if config.retile_gla:
-        passes.append(RetileGLA(config.chunk_size, config.target.sub_chunk_size, config.target.recurrent_max_tokens))
+        target = config.target
+        passes.append(RetileGLA(config.chunk_size, target.sub_chunk_size, target.recurrent_max_tokens,
+                                target.recurrent_readout))
     # User scan / while_loop: unrolled before AOT Autograd, which cannot
     # differentiate a scan in torch 2.13.
     passes.append(UnrollLoops("dynamo"))

@@ -74,6 +74,9 @@ class HardwareTarget:
     recurrent_max_tokens: GLA sites this short (decode: 1 token) get the recurrent form, one
         state update per token, instead of a chunk padded to `partitions` rows; measured by
         `benchmarks/bench_fla.py` (the crossover of the two forms).
+    recurrent_readout: how the recurrent form reads each output out of the state
+        (`laplace_passes.gla.gla_recurrence`): "matmul" (the trn2 estimate's choice for fla's
+        1.3B heads) or "reduce" (fuses with the state update on a CPU: `benchmarks/bench_decode.py`).
     static_shapes: the target's compiler takes static shapes only (neuronx-cc): a graph with
         symbolic sizes is compiled once per concrete shape (`laplace_passes.shapes`).
     """
@@ -86,6 +89,7 @@ class HardwareTarget:
     max_graph_instructions: int | None = None
     matmul_tile: tuple[int, int] = (128, 512)
     recurrent_max_tokens: int = 0
+    recurrent_readout: str = "matmul"
     static_shapes: bool = False
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
     hbm_bytes_per_core: int | None = None
@@ -152,6 +156,7 @@ CPU = HardwareTarget(
     # Measured on a CPU (one thread, the tiny model's heads): the forms cross between T = 64 and 256;
     # fla switches to its recurrent kernel at T <= 64 too.
     recurrent_max_tokens=64,
+    recurrent_readout="reduce",
 )
 
 TARGETS: dict[str, HardwareTarget] = {t.name: t for t in (TRN2, TRN1, CPU)}

@@ -4,7 +4,11 @@ import operator
 
 import torch
 
+import pytest
+
 import laplace_passes
+from laplace_passes.fx.retile import RetileGLA
+from laplace_passes.gla import gla_op, gla_recurrence
 from tests.gla_cases import make_inputs, relative_rmse
 
 
@@ -23,7 +27,21 @@ def test_short_site_without_gradient_is_recurrent_and_exact():
     assert record.plan == {"T": 12, "chunk_size": 1, "n_chunks": 12, "padding": 0}
     assert record.form.startswith("recurrent: T = 12 <= 64, no gradient")
     after = compiled.laplace_report.graph("after")
-    assert [n.target.__name__ for n in after.graph.nodes if n.op == "call_function"].count("gla_recurrence") == 1
+    (recurrence,) = [n for n in after.graph.nodes if n.op == "call_function" and n.target.__name__ == "gla_recurrence"]
+    assert recurrence.args[-1] == "reduce"  # the cpu target's readout
+
+
+def test_each_target_installs_its_readout_and_an_unknown_one_is_refused():
+    inputs = make_inputs(2, 4, 2, 8, 4)
+    for target, readout in (("cpu", "reduce"), ("trn2", "matmul")):
+        report = laplace_passes.inspect(site, *inputs, target=target)
+        (recurrence,) = [n for n in report.graph("after").graph.nodes
+                         if n.op == "call_function" and n.target.__name__ == "gla_recurrence"]
+        assert recurrence.args[-1] == readout, target
+    with pytest.raises(ValueError, match=r"recurrent_readout must be one of \('matmul', 'reduce'\), got 'dot'"):
+        RetileGLA(64, 4, 64, "dot")
+    with pytest.raises(ValueError, match=r"readout must be one of \('matmul', 'reduce'\), got 'dot'"):
+        gla_recurrence(*inputs, 0.5, "dot")
 
 
 def test_short_site_with_gradient_stays_chunked_and_says_why():
@@ -58,8 +76,6 @@ def test_the_recurrent_form_traces_to_four_ops_per_token():
     a 64-token eval step stays quick, and the result is the reference op's, bit for bit."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from laplace_passes.gla import gla_op, gla_recurrence
-
     counts = {}
     for T in (4, 12):
         inputs = make_inputs(2, T, 2, 8, 4)
@@ -71,3 +87,22 @@ def test_the_recurrent_form_traces_to_four_ops_per_token():
         o_ref, state_ref = gla_op(*inputs, 0.5, "test")
         assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
     assert counts[12] - counts[4] == 4 * (12 - 4), counts
+
+
+def test_the_reduce_readout_traces_to_five_ops_per_token_and_no_matmul():
+    """The cpu target's readout: (q_t^T * S) summed over K, one more op per token than the matmul and no bmm;
+    the state bit for bit the reference op's, the output within fp32 rounding (another summation order)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    counts = {}
+    for T in (4, 12):
+        inputs = make_inputs(2, T, 2, 32, 4)
+        gm = make_fx(lambda *x: gla_recurrence(*x, 0.5, "reduce"))(*inputs)
+        ops = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+        counts[T] = len(ops)
+        assert torch.ops.aten.bmm.default not in ops
+        o, state = gla_recurrence(*inputs, 0.5, "reduce")
+        o_ref, state_ref = gla_op(*inputs, 0.5, "test")
+        torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(state, state_ref)
+    assert counts[12] - counts[4] == 5 * (12 - 4), counts

@@ -33,7 +33,7 @@ instead, the token recurrence as T straight-line state updates
 any Python function in the graph:
 
     check_gates = torch.ops.laplace.check_gates.default(gk)
-    gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, check_gates, state, 0.0884)
+    gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, check_gates, state, 0.0884, 'matmul')
 
     S = diag(exp(g_t)) S + k_t^T v_t;  o_t = scale * q_t S     (for each of the T tokens)
 
@@ -41,8 +41,10 @@ A chunk would pad a decode step to a whole chunk (127 of 128 rows padding
 on trn2). Sites in training keep the chunked form whatever their length:
 autograd of the recurrent form would save every step's state (T states of
 [B, H, K, V]), the chunked op's explicit backward only its inputs. The
-threshold per target is the measured crossover (`benchmarks/bench_fla.py`).
-It has no chunk plan, so it also takes a batch Dynamo made dynamic (a
+threshold per target is the measured crossover (`benchmarks/bench_fla.py`);
+the last argument is the target's `recurrent_readout` (trn2: 'matmul', a
+[1, K] @ [K, V] product per token; cpu: 'reduce', a product summed over K,
+which fuses with the state update). It has no chunk plan, so it also takes a batch Dynamo made dynamic (a
 decode graph recompiled for a second batch size); a dynamic T takes the
 chunked form (NOTE [dynamic T]). The report's form column
 says which form each site got and why (docs/DESIGN.md section 3.6).
@@ -76,7 +78,7 @@ from laplace_passes._checks import check_gla_args
 from laplace_passes.chunked import chunk_plan, chunked_gla_saved_bytes
 from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
 from laplace_passes.fx_helpers import fake_value, new_node, provenance_of
-from laplace_passes.gla import gla_recurrence
+from laplace_passes.gla import READOUTS, gla_recurrence
 from laplace_passes.passes import Declined, GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
 
@@ -86,11 +88,15 @@ class RetileGLA(GraphPass):
 
     name = "retile_gla"
 
-    def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0) -> None:
+    def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0,
+                 recurrent_readout: str = "matmul") -> None:
+        if recurrent_readout not in READOUTS:
+            raise ValueError(f"recurrent_readout must be one of {READOUTS}, got {recurrent_readout!r}")
         self.chunk_size = chunk_size
         self.sub_chunk_size = sub_chunk_size
         # Sites of at most this many tokens (decode) get the recurrent form: NOTE [short sites].
         self.recurrent_max_tokens = recurrent_max_tokens
+        self.recurrent_readout = recurrent_readout
 
     def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
         records, declined = [], []
@@ -136,7 +142,7 @@ class RetileGLA(GraphPass):
         if record.form.startswith("recurrent"):
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
             record.saved_bytes = 0  # no gradient flows through it
-            self._install(gm.graph, site, gla_recurrence, (site.scale,), "gla_recurrence")
+            self._install(gm.graph, site, gla_recurrence, (site.scale, self.recurrent_readout), "gla_recurrence")
         else:
             initial_state = values[4] if site.initial_state is not None else None
             record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state)
