@@ -244,7 +244,8 @@ class IntraChunk:
         # Diagonal d of every leaf: rows c >= d against rows c - d. Its decays
         # exp(G_c - G_(c-d)), [.., n, leaf - d, K] (none on the main diagonal:
         # exp(0) = 1), and a constant [leaf, leaf] with ones on it.
-        self.diagonal_decays = [None] + [_decay(G_leaf[..., d:, :] - G_leaf[..., : size - d, :]) for d in range(1, size)]
+        self.diagonal_decays = [None] + [_decay(G_leaf[..., d:, :] - G_leaf[..., : size - d, :])
+                                         for d in range(1, size)]
         self.diagonals = [F.pad(torch.eye(size - d, dtype=q.dtype, device=q.device), (0, d, d, 0)) for d in range(size)]
 
     def _halve(self, q: Tensor, k: Tensor, G: Tensor, size: int) -> _Halving:

@@ -118,7 +118,8 @@ def gla_recurrence(
     outputs = []
     reduce = readout == "reduce"
     queries = per_token(q, K, 1) if reduce else per_token(q, 1, K)
-    for q_t, k_t, v_t, decay_t in zip(queries, per_token(k, K, 1), per_token(v, 1, V), per_token(gk.float().exp(), K, 1)):
+    decays = per_token(gk.float().exp(), K, 1)
+    for q_t, k_t, v_t, decay_t in zip(queries, per_token(k, K, 1), per_token(v, 1, V), decays):
         h = h * decay_t + k_t * v_t
         outputs.append((q_t * h).sum(1, keepdim=True) if reduce else torch.bmm(q_t, h))
     if T:

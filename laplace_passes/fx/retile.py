@@ -44,10 +44,11 @@ autograd of the recurrent form would save every step's state (T states of
 threshold per target is the measured crossover (`benchmarks/bench_fla.py`);
 the last argument is the target's `recurrent_readout` (trn2: 'matmul', a
 [1, K] @ [K, V] product per token; cpu: 'reduce', a product summed over K,
-which fuses with the state update). It has no chunk plan, so it also takes a batch Dynamo made dynamic (a
-decode graph recompiled for a second batch size); a dynamic T takes the
-chunked form (NOTE [dynamic T]). The report's form column
-says which form each site got and why (docs/DESIGN.md section 3.6).
+which fuses with the state update). It has no chunk plan, so it also takes
+a batch Dynamo made dynamic (a decode graph recompiled for a second batch
+size); a dynamic T takes the chunked form (NOTE [dynamic T]). The report's
+form column says which form each site got and why (docs/DESIGN.md section
+3.6).
 
 Sites inside the body of a scan or while_loop are rewritten there (in a copy
 of the body); the unroll pass then makes them one chunk-loop op per trip.
