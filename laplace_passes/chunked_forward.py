@@ -147,7 +147,7 @@ class ChunkLayout:
 
     seq_len: int
     chunk: int  # C: real rows per chunk
-    sub: int  # Cs: rows per sub-chunk
+    sub: int  # Cs: rows per leaf of the intra-chunk halving
     n_chunks: int  # N
 
     @classmethod
