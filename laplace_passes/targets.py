@@ -64,7 +64,7 @@ class HardwareTarget:
     sub_chunk_size: rows of the leaves of chunked GLA's intra-chunk halving, whose scores
         are computed elementwise (NOTE [stable intra-chunk scores] in
         `laplace_passes.chunked_forward`): the fewest estimated instructions on trn2 at 16,
-        the fastest on a CPU at 4 (`benchmarks/bench_gla.py`).
+        the fastest on a CPU at 4 (timed at `benchmarks/bench_gla.py`'s shape).
     max_graph_instructions: the compiler's limit on one graph (None: no limit).
     matmul_tile: (partition rows, free columns) of one matmul instruction.
     hbm_bytes_per_core: device memory of one (logical) core: the preflight's bound on a graph's
@@ -76,7 +76,8 @@ class HardwareTarget:
         `benchmarks/bench_fla.py` (the crossover of the two forms).
     recurrent_readout: how the recurrent form reads each output out of the state
         (`laplace_passes.gla.gla_recurrence`): "matmul" (the trn2 estimate's choice for fla's
-        1.3B heads) or "reduce" (fuses with the state update on a CPU: `benchmarks/bench_decode.py`).
+        1.3B heads) or "reduce" (fuses with the state update on a CPU: the compiled decode step
+        of the tiny model ran 1.20x faster at 1280 sequences; README, "Short sites and decode").
     static_shapes: the target's compiler takes static shapes only (neuronx-cc): a graph with
         symbolic sizes is compiled once per concrete shape (`laplace_passes.shapes`).
     """
