@@ -82,6 +82,11 @@ def _recurrence_states(q, k, v, gk, initial_state):
 READOUTS = ("matmul", "reduce")
 
 
+def check_readout(readout: str, name: str = "readout") -> None:
+    if readout not in READOUTS:
+        raise ValueError(f"{name} must be one of {READOUTS}, got {readout!r}")
+
+
 def gla_recurrence(
     q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None, scale: float,
     readout: str = "matmul",
@@ -104,8 +109,7 @@ def gla_recurrence(
     the `cpu` target's choice (`HardwareTarget.recurrent_readout`). Sums in
     another order, so equal to the reference op within fp32 rounding.
     """
-    if readout not in READOUTS:
-        raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+    check_readout(readout)
     B, T, H, K = q.shape
     V = v.shape[-1]
 

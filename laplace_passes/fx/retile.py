@@ -79,7 +79,7 @@ from laplace_passes._checks import check_gla_args
 from laplace_passes.chunked import chunk_plan, chunked_gla_saved_bytes
 from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
 from laplace_passes.fx_helpers import fake_value, new_node, provenance_of
-from laplace_passes.gla import READOUTS, gla_recurrence
+from laplace_passes.gla import check_readout, gla_recurrence
 from laplace_passes.passes import Declined, GraphPass, PassOutcome
 from laplace_passes.report import SiteRecord
 
@@ -91,8 +91,7 @@ class RetileGLA(GraphPass):
 
     def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0,
                  recurrent_readout: str = "matmul") -> None:
-        if recurrent_readout not in READOUTS:
-            raise ValueError(f"recurrent_readout must be one of {READOUTS}, got {recurrent_readout!r}")
+        check_readout(recurrent_readout, "recurrent_readout")
         self.chunk_size = chunk_size
         self.sub_chunk_size = sub_chunk_size
         # Sites of at most this many tokens (decode) get the recurrent form: NOTE [short sites].
