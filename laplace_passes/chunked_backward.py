@@ -17,17 +17,19 @@ so, with dO given and dS' = dh_n coming from the chunk after:
     dG_last += rowsum over the chunk of K * dK_inter + exp(G_last) * rowsum_v(S * dS')
     dgk  = reverse cumsum of dG inside the chunk (G_last is the last row of G)
 
-The intra-chunk part reuses the forward's anchors and decays (IntraChunk),
-so every exponent stays <= 0 and flushed decays have zero gradient, exactly
-as in the forward. The anchor's own derivative cancels term by term (each term
-is exp(G_i - a) exp(a - G_j), or 0 when flushed), so the dG rule above holds.
+The decays, intra-chunk and inter-chunk, come from one IntraChunk built as
+in the forward (NOTE [decays as products]): products of token decays, each
+at most 1 and flushed like the forward's, so flushed decays have zero
+gradient. Each intra-chunk term is exp(G_i - a) exp(a - G_j) = exp(G_i - G_j),
+or 0 when flushed: the anchor's own derivative cancels term by term, so the
+dG rule above holds.
 
 What is saved: nothing but the op's inputs q, k, v, gk (and initial_state).
 The states entering each chunk are recomputed here (one batched matmul and N
 elementwise updates), and so is tril(A). Autograd through the forward keeps
-the anchored queries, keys and decays of every halving level and the
-leaves' decays alive instead, O(T x K x (levels + Cs)) and more: at B=1,
-T=2048, H=4, K=128, V=256 and 4-row leaves, eager autograd saves 237 MB
+the anchored queries, keys, prefix and suffix decays of every halving level
+and the leaves' decays alive instead, O(T x K x (levels + Cs)) and more: at
+B=1, T=2048, H=4, K=128, V=256 and 4-row leaves, eager autograd saves 177 MB
 against 4 MB here (a copy of gk) besides q, k, v, gk themselves.
 
 Checked against autograd of the token recurrence (tests/test_chunked_gla.py).
@@ -76,12 +78,12 @@ def chunked_backward(
     """
     x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)
     do = x.layout.to_chunks(grad_o)
-    q_decay, k_decay, chunk_decay = x.inter_chunk_decays()
+    intra = IntraChunk(x.q, x.k, x.steps, x.layout.sub)
+    q_decay, k_decay, chunk_decay = intra.chunk_decays()
     q_decayed, k_to_end = x.q * q_decay, x.k * k_decay
     states, _ = entering_states(k_to_end, x.v, chunk_decay, initial_state)
     leaving, dh0 = leaving_state_gradients(q_decayed, do, chunk_decay, grad_final_state)
 
-    intra = IntraChunk(x.q, x.k, x.G, x.layout.sub)
     dq_intra, dk_intra = intra.gradients(do @ x.v.transpose(-1, -2))
     dv = causal_matmul(intra.scores(), do, reverse=True) + k_to_end @ leaving
     dq = dq_intra + (do @ states.transpose(-1, -2)) * q_decay  # gradient of the scaled q
@@ -92,8 +94,9 @@ def chunked_backward(
     dG_last = (x.k * dk_inter).sum(-2, keepdim=True) + (chunk_decay * (states * leaving).sum(-1, keepdim=True)).transpose(-1, -2)
     dG = torch.cat([dG[..., :-1, :], dG[..., -1:, :] + dG_last], dim=-2)
     dgk = dG.flip(-2).cumsum(-2).flip(-2)
-    # The forward clamps each gate at -FLUSH_BELOW before its cumsum: no gradient below.
-    dgk = dgk * (x.gates >= -FLUSH_BELOW)
+    # A gate at or below -FLUSH_BELOW makes its token's decay exactly 0 (flushed), which has no
+    # gradient; the running sum above would leave rounding noise there instead of 0.
+    dgk = dgk * (x.gates > -FLUSH_BELOW)
 
     layout = x.layout
     return (

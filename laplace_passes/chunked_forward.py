@@ -28,13 +28,13 @@ anchor a = G at the last row of the first half:
     A[second, first] = (Q_2 * exp(G_2 - a)) @ (K_1 * exp(a - G_1))^T
 
 Both exponents are <= 0 because G is non-increasing along rows and `a` lies
-in the future of every key and the past of every query, so nothing
-overflows; each factor is flushed on its own (NOTE [flushing tiny decays]):
-a term is dropped only when its query or key factor is below exp(-30),
-which implies the whole decay exp(G_q - G_k) is. A gate of -30 (a reset)
-lies on one side of the anchor, so decays across a reset stay exactly 0,
-and every term is still exp(G_q - G_k) or 0, so the backward's dG rule
-holds unchanged.
+in the future of every key and the past of every query, so no factor
+exceeds 1; each is flushed on its own (NOTE [flushing tiny decays]): a term
+is dropped only when its query or key factor is below exp(-30), which
+implies the whole decay exp(G_q - G_k) is. A gate of -30 (a reset) lies on
+one side of the anchor, so decays across a reset stay exactly 0, and every
+term is still exp(G_q - G_k) or 0, so the backward's dG rule holds
+unchanged.
 
 Each token is a query or a key of exactly one off-diagonal block per level,
 so every level costs one [.., C, K] elementwise pass and no tensor grows
@@ -44,29 +44,49 @@ are halved down to `sub_chunk_size` rows, the leaves, whose scores are
 computed elementwise, one diagonal at a time: for each offset d < Cs, row c
 of every leaf against row c - d,
 
-    A[c, c - d] = sum_k Q_ck K_(c-d)k exp(G_ck - G_(c-d)k)      (exponent <= 0)
+    A[c, c - d] = sum_k Q_ck K_(c-d)k exp(G_ck - G_(c-d)k)
 
 over [.., Cs - d, K] slices, so only the lower triangle is computed:
 (Cs + 1) / 2 products per token and channel, and no [.., Cs, Cs, K] tensor.
 The leaf size trades that elementwise work against more, smaller matmuls:
 on trn2's size model 16-row leaves give the fewest instructions, on a CPU
 4-row leaves run fastest (`HardwareTarget.sub_chunk_size`).
-Every exponent is clamped at 0 *before* exp (`_decay`): each is <= 0 by
-construction, and the clamp guarantees it, so no exp can be inf (which a
-backward would turn into NaN, 0 * inf).
+
+NOTE [decays as products]
+G itself is never formed. Every decay above is exp of a sum of gates over a
+run of consecutive tokens, so it is the product of those tokens' own decays
+exp(gk), taken once per token and channel (`ChunkedInputs.steps`, the only
+exp of the chunked form), and built bottom-up:
+  * leaf diagonal d is diagonal d - 1 times one more token's decay;
+  * each block keeps, per row, its prefix exp(G_r - G_(start-1)) and suffix
+    exp(G_end - G_r). When two blocks merge, the second's prefix is the
+    level's query decay exp(G - a) and the first's suffix its key decay
+    exp(a - G); the merged block's prefix is the first's prefix beside the
+    second's times the first's whole decay (its last prefix), likewise for
+    suffixes;
+  * at the top, the chunk's prefix and suffix are the inter-chunk decays
+    exp(G) and exp(G_last - G), and its last prefix exp(G_last).
+Every factor is at most 1, and each product is flushed (NOTE [flushing
+tiny decays]), so no product overflows and none goes denormal. A row's
+decay is the product of at most log2(C / Cs) + Cs factors, each rounded
+once: relative error a few fp32 ulps, where exp(G_q - G_k) would carry the
+rounding of G, which grows with |G| (G = -960 has an ulp of 6e-5; the
+test `test_decays_after_a_long_strong_decay_keep_fp32_precision` measures
+2.4e-5 relative error in that form and 2e-7 in this one). Costs: one exp
+per token and channel instead of one per token, channel and level (exp is
+the dearest elementwise op on a CPU), and no cumulative sum of the gates.
 
 NOTE [flushing tiny decays]
-Strong gates drive exp(G) far below fp32's smallest normal number (1.2e-38).
+Strong gates drive decays far below fp32's smallest normal number (1.2e-38).
 Denormal operands make CPU matmuls about 100x slower, so every decay factor
-whose exponent is at or below -FLUSH_BELOW (exp(-30), about 1e-13) is set to
-exactly 0. The terms dropped weigh less than 1e-13 against the token's own
-term (weight 1): far under fp32 rounding. GPUs and Trainium flush denormals in
-hardware; this does it in the graph, so it holds for every backend.
-Each gate is also clamped at -FLUSH_BELOW before the cumulative sum (its
-gradient is 0 below): any decay through such a gate is flushed anyway, and an
-unclamped one would break G. A gate of -inf (a hard reset, or fp16 overflow)
-makes G_i - G_j = -inf - (-inf) = NaN; a finite but huge one (-1e7) pushes G
-so far that the small gates after it fall below fp32's rounding step of G.
+at or below exp(-FLUSH_BELOW) (exp(-30), about 1e-13) is set to exactly 0:
+each token decay, and each product of decays as it is formed, so a product
+of two unflushed factors (each above 1e-13) is a normal number. The terms
+dropped weigh less than 1e-13 against the token's own term (weight 1): far
+under fp32 rounding. GPUs and Trainium flush denormals in hardware; this
+does it in the graph, so it holds for every backend. A gate at or below
+-FLUSH_BELOW (a hard reset, -inf, or fp16 overflow) gives a token decay of
+exactly 0, so every decay across it is 0, and its gradient is 0.
 
 NOTE [non-finite values stay causal]
 tril(A) V is one matmul whose masked entries are exact zeros, and IEEE says
@@ -100,17 +120,16 @@ from laplace_passes._checks import check_chunk_size
 # 4-row leaves run fastest: benchmarks/bench_gla.py); targets set their own.
 DEFAULT_SUB_CHUNK = 4
 FLUSH_BELOW = 30.0  # see NOTE [flushing tiny decays]
+FLUSH_FACTOR = math.exp(-FLUSH_BELOW)
 
 
-def _decay(exponent: Tensor) -> Tensor:
-    """exp(exponent) for exponent <= 0 (larger values clamped to 0), exactly 0 at or below -FLUSH_BELOW.
+def _decay(gates: Tensor) -> Tensor:
+    """Each token's decay exp(gk): gk clamped at 0 (a positive gate decays nothing), exactly 0 at or below -FLUSH_BELOW.
 
-    Three elementwise kernels, on the [.., C, K]-sized decay tensors, which
-    every level of the intra-chunk halving computes again: each pass counts.
-    exp(-inf) is exactly 0 and has gradient 0.
+    The only exp of the chunked form (NOTE [decays as products]); exp(-inf)
+    is exactly 0 and has gradient 0, so a flushed token passes no gradient.
     """
-    exponent = F.threshold(exponent.clamp(max=0.0), -FLUSH_BELOW, -math.inf)
-    return torch.exp(exponent)
+    return torch.exp(F.threshold(gates.clamp(max=0.0), -FLUSH_BELOW, -math.inf))
 
 
 def causal_matmul(scores: Tensor, x: Tensor, reverse: bool = False) -> Tensor:
@@ -187,26 +206,20 @@ class ChunkLayout:
 
 @dataclass
 class ChunkedInputs:
-    """q (already scaled), k, v and the in-chunk cumulative gates G, in the chunk layout."""
+    """q (already scaled), k, v and each token's decay exp(gk), in the chunk layout."""
 
     layout: ChunkLayout
     q: Tensor  # scale * Q
     k: Tensor
     v: Tensor
-    gates: Tensor  # gk, unclamped (the backward masks the clamped ones)
-    G: Tensor  # cumsum of the clamped gk inside each chunk: non-increasing along rows
-    G_last: Tensor  # [.., 1, K]: the last row (padded rows have gk = 0, so it is the chunk's)
+    gates: Tensor  # gk, unclamped (the backward masks the flushed ones)
+    steps: Tensor  # exp(gk): the decay of one token, flushed (NOTE [flushing tiny decays])
 
     @classmethod
     def build(cls, q, k, v, gk, scale: float, chunk_size: int, sub_chunk_size: int) -> ChunkedInputs:
         layout = ChunkLayout.plan(q.shape[1], chunk_size, sub_chunk_size)
         qc, kc, vc, gc = (layout.to_chunks(x) for x in (q, k, v, gk))
-        G = gc.clamp(min=-FLUSH_BELOW).cumsum(-2)  # NOTE [flushing tiny decays]
-        return cls(layout, qc * scale, kc, vc, gc, G, G[..., -1:, :])
-
-    def inter_chunk_decays(self) -> tuple[Tensor, Tensor, Tensor]:
-        """exp(G) for queries, exp(G_last - G) for keys, exp(G_last) per chunk as [B, H, N, K, 1]."""
-        return _decay(self.G), _decay(self.G_last - self.G), _decay(self.G_last).transpose(-1, -2)
+        return cls(layout, qc * scale, kc, vc, gc, _decay(gc))
 
 
 @dataclass
@@ -221,40 +234,60 @@ class _Halving:
 
 
 class IntraChunk:
-    """tril(A) by recursive halving (NOTE [stable intra-chunk scores]).
+    """tril(A) by recursive halving (NOTE [stable intra-chunk scores]), every decay a product of token decays.
 
-    Built once from q (scaled), k and G in the chunk layout, [.., C, K],
-    with C = Cs * 2^m (`ChunkLayout.padded_chunk`); `scores()` gives tril(A),
-    `gradients(dA)` the gradients of q and k through it, so the explicit
-    backward reuses the decays computed here for both. Each level is one
-    matmul between the halves of every block; blocks of `leaf` rows (or
+    Built once from q (scaled), k and the token decays exp(gk) in the chunk
+    layout, [.., C, K], with C = Cs * 2^m (`ChunkLayout.padded_chunk`);
+    `scores()` gives tril(A), `gradients(dA)` the gradients of q and k
+    through it, and `chunk_decays()` the decays the inter-chunk part needs,
+    so the explicit backward reuses everything computed here. Each level is
+    one matmul between the halves of every block; blocks of `leaf` rows (or
     fewer, or odd) are computed elementwise, one diagonal at a time.
+    NOTE [decays as products] says how the decays are built.
     """
 
-    def __init__(self, q: Tensor, k: Tensor, G: Tensor, leaf: int) -> None:
+    def __init__(self, q: Tensor, k: Tensor, steps: Tensor, leaf: int) -> None:
         *self.lead, C, K = q.shape
         self.chunk = C
-        self.levels: list[_Halving] = []
         size = C
         while size > leaf and size % 2 == 0:
-            self.levels.append(self._halve(q, k, G, size))
             size //= 2
         self.leaf = size
-        self.q_leaf, self.k_leaf, G_leaf = (x.reshape(*self.lead, C // size, size, K) for x in (q, k, G))
-        # Diagonal d of every leaf: rows c >= d against rows c - d. Its decays
-        # exp(G_c - G_(c-d)), [.., n, leaf - d, K] (none on the main diagonal:
-        # exp(0) = 1), and a constant [leaf, leaf] with ones on it.
-        self.diagonal_decays = [None] + [_decay(G_leaf[..., d:, :] - G_leaf[..., : size - d, :])
-                                         for d in range(1, size)]
+        self.q_leaf, self.k_leaf, steps_leaf = (x.reshape(*self.lead, C // size, size, K) for x in (q, k, steps))
+        self.diagonal_decays = _diagonal_decays(steps_leaf)
         self.diagonals = [F.pad(torch.eye(size - d, dtype=q.dtype, device=q.device), (0, d, d, 0)) for d in range(size)]
+        prefix, suffix = _leaf_prefix_suffix(steps_leaf, self.diagonal_decays)
+        self.levels: list[_Halving] = []
+        while size < C:  # merge pairs of blocks, from the leaves up to the whole chunk
+            level, prefix, suffix = self._merge(q, k, prefix, suffix, size)
+            self.levels.insert(0, level)  # coarsest first
+            size *= 2
+        self.prefix, self.suffix = prefix.reshape(*self.lead, C, K), suffix.reshape(*self.lead, C, K)
 
-    def _halve(self, q: Tensor, k: Tensor, G: Tensor, size: int) -> _Halving:
-        h, K = size // 2, q.shape[-1]
-        q_halves, k_halves, G_halves = (x.reshape(*self.lead, self.chunk // size, 2, h, K) for x in (q, k, G))
-        anchor = G_halves[..., 0, -1:, :]  # [.., n, 1, K]: the last row of each first half
-        q_decay = _decay(G_halves[..., 1, :, :] - anchor)
-        k_decay = _decay(anchor - G_halves[..., 0, :, :])
-        return _Halving(h, q_decay, k_decay, q_halves[..., 1, :, :] * q_decay, k_halves[..., 0, :, :] * k_decay)
+    def chunk_decays(self) -> tuple[Tensor, Tensor, Tensor]:
+        """exp(G) for queries, exp(G_last - G) for keys, exp(G_last) per chunk as [B, H, N, K, 1]."""
+        return self.prefix, self.suffix, self.prefix[..., -1:, :].transpose(-1, -2)
+
+    def _merge(self, q: Tensor, k: Tensor, prefix: Tensor, suffix: Tensor, h: int) -> tuple[_Halving, Tensor, Tensor]:
+        """Blocks of h rows -> blocks of 2h: this level's anchored halves, and the merged blocks' decays.
+
+        prefix [.., n, h, K]: each row's decay since its block began, exp(G_r - G_(start-1));
+        suffix: from each row to its block's end, exp(G_end - G_r). With the
+        blocks paired as (first, second) and the anchor a = G at the first's
+        last row, the second's prefix is exp(G - a) and the first's suffix
+        exp(a - G): exactly the level's query and key decays.
+        """
+        K = q.shape[-1]
+        n = self.chunk // (2 * h)
+        q_halves, k_halves, prefix, suffix = (x.reshape(*self.lead, n, 2, h, K) for x in (q, k, prefix, suffix))
+        first_prefix, second_prefix = prefix[..., 0, :, :], prefix[..., 1, :, :]
+        first_suffix, second_suffix = suffix[..., 0, :, :], suffix[..., 1, :, :]
+        level = _Halving(h, second_prefix, first_suffix,
+                         q_halves[..., 1, :, :] * second_prefix, k_halves[..., 0, :, :] * first_suffix)
+        across_first, across_second = first_prefix[..., -1:, :], second_prefix[..., -1:, :]  # each half's whole decay
+        merged_prefix = torch.cat([first_prefix, _flush(second_prefix * across_first)], dim=-2)
+        merged_suffix = torch.cat([_flush(first_suffix * across_second), second_suffix], dim=-2)
+        return level, merged_prefix, merged_suffix
 
     def scores(self) -> Tensor:
         """tril(A): [.., C, C], assembled from the leaves up."""
@@ -319,6 +352,38 @@ def _pad_rows(x: Tensor, before: int, after: int) -> Tensor:
     return F.pad(x, (0, 0, before, after)) if before or after else x
 
 
+def _flush(decay: Tensor) -> Tensor:
+    """A product of decays, exactly 0 at or below exp(-FLUSH_BELOW) (NOTE [flushing tiny decays])."""
+    return F.threshold(decay, FLUSH_FACTOR, 0.0)
+
+
+def _diagonal_decays(steps: Tensor) -> list[Tensor | None]:
+    """Per diagonal d of every leaf, exp(G_c - G_(c-d)) for its rows c >= d: [.., n, L - d, K].
+
+    None for d = 0 (exp(0) = 1). Diagonal d is diagonal d - 1 times one more
+    token's decay: D_d[c] = D_(d-1)[c] * exp(gk_(c-d+1)).
+    """
+    L = steps.shape[-2]
+    decays: list[Tensor | None] = [None]
+    for d in range(1, L):
+        step = steps[..., 1 : L - d + 1, :]  # the token c - d + 1 of each row c = d .. L-1
+        decays.append(step if d == 1 else _flush(decays[-1][..., 1:, :] * step))
+    return decays
+
+
+def _leaf_prefix_suffix(steps: Tensor, diagonal_decays: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+    """Each leaf row's decay since the leaf began, exp(G_c - G_(-1)), and to its end, exp(G_(L-1) - G_c).
+
+    Read off the diagonals: the prefix of row c is the leaf's first token
+    decay times diagonal c's first row, the suffix of row c diagonal
+    L - 1 - c's last row (1 for the last row).
+    """
+    first = steps[..., :1, :]
+    prefix = [first] + [_flush(first * decay[..., :1, :]) for decay in diagonal_decays[1:]]
+    suffix = [decay[..., -1:, :] for decay in reversed(diagonal_decays[1:])] + [torch.ones_like(first)]
+    return torch.cat(prefix, dim=-2), torch.cat(suffix, dim=-2)
+
+
 def chunk_recurrence(
     terms: Tensor, decay: Tensor, start: Tensor | None, reverse: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -363,8 +428,9 @@ def chunked_forward(
     the body of the `laplace::chunked_gla` op, differentiable by autograd too.
     """
     x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)
-    scores = IntraChunk(x.q, x.k, x.G, x.layout.sub).scores()  # [B, H, N, C', C'], causal
-    q_decay, k_decay, chunk_decay = x.inter_chunk_decays()
+    intra = IntraChunk(x.q, x.k, x.steps, x.layout.sub)
+    scores = intra.scores()  # [B, H, N, C', C'], causal
+    q_decay, k_decay, chunk_decay = intra.chunk_decays()
     states, final_state = entering_states(x.k * k_decay, x.v, chunk_decay, initial_state)
     o = causal_matmul(scores, x.v) + (x.q * q_decay) @ states
     return x.layout.from_chunks(o, q.dtype), final_state

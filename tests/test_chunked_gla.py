@@ -215,6 +215,51 @@ def test_intra_chunk_scores_are_halved_without_a_copy_of_the_keys_per_block():
         assert squares == {64, 32, 16, 8, 4}, (name, squares)  # halves of 128 down to the leaves
 
 
+@pytest.mark.parametrize("sub_chunk_size", [4, 16])
+def test_decays_after_a_long_strong_decay_keep_fp32_precision(sub_chunk_size):
+    """Half a chunk of gates -15 (G reaches -960), then gates -0.001: output and gradients within 2e-6 of fp64.
+
+    A decay taken as exp(G_q - G_k) would inherit G's rounding at -960
+    (6e-5 per ulp): about 2.4e-5 relative error here. Products of token
+    decays do not carry G at all (NOTE [decays as products]).
+    """
+    from laplace_passes.chunked_backward import chunked_backward
+
+    B, T, H, K, V, scale = 1, 128, 2, 16, 16, 0.25
+    q, k, v, _, _ = make_inputs(B, T, H, K, V, initial_state=False)
+    gk = torch.full((B, T, H, K), -0.001)
+    gk[:, : T // 2] = -15.0
+    fp64 = [x.double().requires_grad_() for x in (q, k, v, gk)]
+    expected_o, _ = plain_recurrence(*fp64, torch.zeros(B, H, K, V, dtype=torch.float64), scale)
+    grad_o = torch.randn(expected_o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected_grads = torch.autograd.grad(expected_o, fp64, grad_o)
+
+    o, _ = chunked_forward(q, k, v, gk, None, scale, 128, sub_chunk_size)
+    grads = chunked_backward(q, k, v, gk, None, grad_o.float(), None, scale, 128, sub_chunk_size)[:4]
+    for name, actual, expected in zip(("o", "dq", "dk", "dv", "dgk"), (o, *grads), (expected_o, *expected_grads)):
+        assert relative_rmse(actual, expected) < 2e-6, (name, relative_rmse(actual, expected))
+
+
+def test_one_exp_per_token_and_channel_builds_every_decay():
+    """The traced forward and backward each take exp once, of gk itself: every decay is a product of those."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from laplace_passes.chunked_backward import chunked_backward
+
+    B, T, H, K, V, C = 1, 256, 2, 8, 4, 64
+    q, k, v, gk, _ = make_inputs(B, T, H, K, V, initial_state=False)
+    forward = make_fx(lambda q, k, v, gk: chunked_forward(q, k, v, gk, None, 0.5, C, 4))(q, k, v, gk)
+    backward = make_fx(lambda q, k, v, gk, do: chunked_backward(q, k, v, gk, None, do, None, 0.5, C, 4))(
+        q, k, v, gk, torch.randn(B, T, H, V))
+    for name, gm in (("forward", forward), ("backward", backward)):
+        exps = [n for n in gm.graph.nodes if n.target == torch.ops.aten.exp.default]
+        assert len(exps) == 1 and exps[0].meta["val"].numel() == B * H * T * K, (name, len(exps))
+        # No running sum of the gates either: the scans left mark non-finite values ([.., C, V]) and, in the
+        # backward, sum dG back into dgk ([.., C, K]).
+        cumsums = [n.meta["val"].shape[-1] for n in gm.graph.nodes if n.target == torch.ops.aten.cumsum.default]
+        assert sorted(cumsums) == ([V] if name == "forward" else sorted([K, V])), (name, cumsums)
+
+
 def test_matches_fla_naive_recurrent_gla():
     """An independent oracle: flash-linear-attention's own reference."""
     naive = pytest.importorskip("fla.ops.gla.naive").naive_recurrent_gla

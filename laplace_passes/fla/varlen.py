@@ -8,9 +8,9 @@ own final state, as if run alone. With the gates g (log decays):
 
 1. A gate of -inf at the first token of each sequence makes the recurrence
    forget everything before it: S_t = exp(-inf) S_{t-1} + k_t v_t^T. The
-   chunked algorithm handles it exactly (it clamps gates at -30 before its
-   cumsum and flushes decays below exp(-30) to 0), so the whole packed batch
-   is one `laplace::gla` site, re-tiled like any other.
+   chunked algorithm handles it exactly (a gate at or below -30 gives its
+   token a decay of exactly 0, and every decay across it is 0), so the
+   whole packed batch is one `laplace::gla` site, re-tiled like any other.
 2. What the reset drops is each sequence's initial state h0[n]. Its part of
    the output is linear: o_t += scale * (q_t * exp(G_t)) h0[n], with G_t the
    sum of the gates from the sequence's first token to t.

@@ -21,8 +21,8 @@ the backward graph, and saves only q, k, v, gk (and the initial state). The
 ATen-level unroll pass (`laplace_passes.unroll`) then expands both into
 straight-line chunked code, one state update per chunk:
 
-    cumsum = aten.cumsum(gates, -2)                 # G inside each chunk
-    ... intra-chunk scores by halving, tril(A) @ V ...
+    exp = aten.exp(threshold)                       # each token's decay exp(gk), flushed
+    ... every other decay a product of these; intra-chunk scores by halving, tril(A) @ V ...
     mul_15 = aten.mul(exp_last_15, add_14); add_15 = aten.add(mul_15, update_15)   # 16 state updates
 
 NOTE [short sites]

@@ -12,7 +12,7 @@ these static shapes, so its loop over the 16 chunks is 16 copies of the
 state update, and copied in place of the node:
 
     constant_pad_nd = aten.constant_pad_nd(view_1, [0, 0, 0, 0, 0, 0]) ...
-    cumsum = aten.cumsum(view_10, -2) ...
+    exp = aten.exp(threshold) ...                                              # token decays
     mul_20 = aten.mul(select_4, zeros); add_2 = aten.add(mul_20, select_5)      # chunk 0
     ...                                                                        # chunks 1..15
     getitem_3 = the traced output
