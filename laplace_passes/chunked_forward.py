@@ -93,7 +93,8 @@ tril(A) V is one matmul whose masked entries are exact zeros, and IEEE says
 0 * inf = NaN: an inf in v at token j would turn every row of the chunk
 non-finite, outputs before j included, though no earlier token depends on
 it (the recurrence keeps them finite). `causal_matmul` multiplies by v with
-its non-finite entries zeroed and marks as NaN exactly the (row, channel)
+its non-finite entries zeroed (`nan_to_num`: one pass, where isfinite and
+`where` take four in eager) and marks as NaN exactly the (row, channel)
 pairs at or after a non-finite entry of that channel. The explicit backward's
 tril(A)^T dO is the same product backwards in time (`reverse=True`). Other
 masked products are `torch.where`, which never multiplies.
@@ -138,7 +139,7 @@ def causal_matmul(scores: Tensor, x: Tensor, reverse: bool = False) -> Tensor:
     A non-finite x[j, c] reaches rows i >= j (i <= j with `reverse`) of
     channel c only, as NaN; see NOTE [non-finite values stay causal].
     """
-    product = (scores.transpose(-1, -2) if reverse else scores) @ torch.where(torch.isfinite(x), x, 0.0)
+    product = (scores.transpose(-1, -2) if reverse else scores) @ torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     # x * 0 is 0 where x is finite and NaN where it is not; its running sum
     # along the rows is NaN from the first non-finite entry on, 0 elsewhere.
     poison = x * 0.0
