@@ -37,7 +37,8 @@ def check_gates(gk: Tensor) -> Tensor:
     result silently becomes inf/NaN; we refuse it instead. It is an op (not a
     Python check) so that it also runs inside compiled graphs.
     """
-    ok = bool((gk <= 0).all())
+    # One pass: the largest gate is NaN when any gate is (amax propagates NaN), and NaN <= 0 is False.
+    ok = gk.numel() == 0 or bool(gk.amax() <= 0)
     if not ok:
         found = "NaN" if bool(gk.isnan().any()) else gk.max().item()
         raise ValueError(
