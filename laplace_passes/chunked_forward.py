@@ -67,14 +67,17 @@ exp of the chunked form), and built bottom-up:
   * at the top, the chunk's prefix and suffix are the inter-chunk decays
     exp(G) and exp(G_last - G), and its last prefix exp(G_last).
 Every factor is at most 1, and each product is flushed (NOTE [flushing
-tiny decays]), so no product overflows and none goes denormal. A row's
-decay is the product of at most log2(C / Cs) + Cs factors, each rounded
-once: relative error a few fp32 ulps, where exp(G_q - G_k) would carry the
-rounding of G, which grows with |G| (G = -960 has an ulp of 6e-5; the
-test `test_decays_after_a_long_strong_decay_keep_fp32_precision` measures
-2.4e-5 relative error in that form and 2e-7 in this one). Costs: one exp
-per token and channel instead of one per token, channel and level (exp is
-the dearest elementwise op on a CPU), and no cumulative sum of the gates.
+tiny decays]), so no product overflows and none goes denormal. A decay
+over n tokens is the product of their n decays, n - 1 roundings however the
+tree groups them: relative error at most (n - 1) fp32 ulps and about
+sqrt(n) in practice, whatever the gates did before. exp(G_q - G_k) would
+carry the rounding of G instead, which grows with |G| (G = -960 has an ulp
+of 6e-5; the test `test_decays_after_a_long_strong_decay_keep_fp32_precision`
+measures 2.4e-5 relative error in that form and 2e-7 in this one).
+Work: one exp per token and channel instead of one per token, channel and
+level (an exp costs about four multiplies on a CPU), no cumulative sum of
+the gates, and a product and a flush per level where there were a
+difference, a clamp, a flush and an exp.
 
 NOTE [flushing tiny decays]
 Strong gates drive decays far below fp32's smallest normal number (1.2e-38).
