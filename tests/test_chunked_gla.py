@@ -217,7 +217,7 @@ def test_intra_chunk_scores_are_halved_without_a_copy_of_the_keys_per_block():
 
 @pytest.mark.parametrize("sub_chunk_size", [4, 16])
 def test_decays_after_a_long_strong_decay_keep_fp32_precision(sub_chunk_size):
-    """Half a chunk of gates -15 (G reaches -960), then gates -0.001: output and gradients within 2e-6 of fp64.
+    """Half a chunk of gates -15 (G reaches -960), then gates -0.001: output and gradients within 2e-6 (relative RMSE) of fp64.
 
     A decay taken as exp(G_q - G_k) would inherit G's rounding at -960
     (6e-5 per ulp): about 2.4e-5 relative error here. Products of token
