@@ -154,8 +154,8 @@ CPU = HardwareTarget(
     description="Host CPU: fla's default chunk of 64 tokens, no graph-size limit",
     partitions=64,
     sub_chunk_size=4,
-    # Measured on a CPU (one thread, the tiny model's heads): the forms cross between T = 64 and 256;
-    # fla switches to its recurrent kernel at T <= 64 too.
+    # Measured on a CPU (one thread, the tiny model's heads): the forms cost about the same at T = 64,
+    # one chunk (benchmarks/bench_fla.py --part crossover); fla switches to its recurrent kernel at T <= 64 too.
     recurrent_max_tokens=64,
     recurrent_readout="reduce",
 )
