@@ -312,7 +312,7 @@ class IntraChunk:
         `d_scores` is ignored.
         """
         lead, C = self.lead, self.chunk
-        dq_parts, dk_parts = [], []
+        level_gradients = []
         blocks = d_scores
         for level in self.levels:
             h = level.half
@@ -320,14 +320,16 @@ class IntraChunk:
             d_lower_left = quarters[..., 1, :, 0, :]  # [.., n, h, h]
             dq = (d_lower_left @ level.k_anchored) * level.q_decay  # rows of the second halves
             dk = (d_lower_left.transpose(-1, -2) @ level.q_anchored) * level.k_decay  # rows of the first halves
-            # Back to [.., C, K]: a zero first (second) half beside each block's rows.
-            dq_parts.append(F.pad(dq.unsqueeze(-3), (0, 0, 0, 0, 1, 0)).reshape(*lead, C, -1))
-            dk_parts.append(F.pad(dk.unsqueeze(-3), (0, 0, 0, 0, 0, 1)).reshape(*lead, C, -1))
+            level_gradients.append((h, dq, dk))
             blocks = torch.stack([quarters[..., 0, :, 0, :], quarters[..., 1, :, 1, :]], dim=-3)
-        for dq, dk in self._leaf_gradients(blocks.reshape(*lead, -1, self.leaf, self.leaf)):
-            dq_parts.append(dq.reshape(*lead, C, -1))
-            dk_parts.append(dk.reshape(*lead, C, -1))
-        return sum(dq_parts[1:], dq_parts[0]), sum(dk_parts[1:], dk_parts[0])
+        dq, dk = self._leaf_gradients(blocks.reshape(*lead, -1, self.leaf, self.leaf))
+        # From the leaves up, each level's gradients added to the rows they belong to as the
+        # blocks double (no zero-padded [.., C, K] copy per level to sum: eager 1.2x).
+        for h, dq_level, dk_level in reversed(level_gradients):
+            dq, dk = (x.reshape(*lead, C // (2 * h), 2, h, x.shape[-1]) for x in (dq, dk))  # K may be 0
+            dq = torch.stack([dq[..., 0, :, :], dq[..., 1, :, :] + dq_level], dim=-3)
+            dk = torch.stack([dk[..., 0, :, :] + dk_level, dk[..., 1, :, :]], dim=-3)
+        return dq.reshape(*lead, C, -1), dk.reshape(*lead, C, -1)
 
     def _leaf_scores(self) -> Tensor:
         """The leaves' lower triangles, [.., n, leaf, leaf], one diagonal at a time."""
@@ -339,16 +341,17 @@ class IntraChunk:
             blocks = placed if blocks is None else blocks + placed
         return blocks
 
-    def _leaf_gradients(self, d_leaf: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Per diagonal, its share of the gradients of q and k, [.., n, leaf, K] each."""
-        L, parts = self.leaf, []
+    def _leaf_gradients(self, d_leaf: Tensor) -> tuple[Tensor, Tensor]:
+        """The gradients of q and k through the leaves' scores, [.., n, leaf, K] each: every diagonal's share summed."""
+        L, dq, dk = self.leaf, None, None
         for d, (decay, diagonal) in enumerate(zip(self.diagonal_decays, self.diagonals)):
             d_scores = (d_leaf * diagonal).sum(-1)[..., d:].unsqueeze(-1)  # [.., n, L - d, 1]: dA[c, c - d]
             weights = d_scores if decay is None else d_scores * decay
-            dq = _pad_rows(weights * self.k_leaf[..., : L - d, :], d, 0)  # rows c
-            dk = _pad_rows(weights * self.q_leaf[..., d:, :], 0, d)  # rows c - d
-            parts.append((dq, dk))
-        return parts
+            dq_part = _pad_rows(weights * self.k_leaf[..., : L - d, :], d, 0)  # rows c
+            dk_part = _pad_rows(weights * self.q_leaf[..., d:, :], 0, d)  # rows c - d
+            dq = dq_part if dq is None else dq + dq_part
+            dk = dk_part if dk is None else dk + dk_part
+        return dq, dk
 
 
 def _pad_rows(x: Tensor, before: int, after: int) -> Tensor:
