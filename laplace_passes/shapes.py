@@ -25,9 +25,11 @@ targets, says how to compile once instead.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable
 
 import torch
+import torch._dynamo
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -92,8 +94,11 @@ class PerShapeCompiler:
         call with l_input_ids_ [1, 48]:   view: "f32[1, 48, 2, 32]"   1 chunk of 128, unrolled
         call with l_input_ids_ [1, 300]:  view: "f32[1, 300, 2, 32]"  3 chunks, unrolled
 
-    Each compiled shape is kept (no limit: Dynamo's recompile limit does
-    not apply, this is one Dynamo graph) and listed in the report.
+    Each compiled shape is kept and listed in the report. Dynamo's
+    recompile limit does not apply (this is one Dynamo graph), so once a
+    graph has more shapes than that limit (`torch._dynamo.config.recompile_limit`,
+    8 by default) a `UserWarning` says so, once, with the way to fewer
+    compiles: each shape is a compile of its own (a neuronx-cc run on Neuron).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, compile_static: Callable, config: CompileConfig) -> None:
@@ -111,7 +116,22 @@ class PerShapeCompiler:
             static = specialise(self.gm, list(args))
             self.config.report.specialised.append(_describe(self.gm, args))
             compiled = self.compiled[key] = self.compile_static(static, self._without_numbers(args))
+            if len(self.compiled) == torch._dynamo.config.recompile_limit + 1:
+                self._warn_many_shapes()
         return compiled(*self._without_numbers(args))
+
+    def _warn_many_shapes(self) -> None:
+        """Too many static compiles of one graph: say so in the report and as a warning."""
+        dims = "; ".join(dynamic_dims(self.gm))
+        message = (
+            f"laplace_passes: one graph has now been compiled for {len(self.compiled)} shapes, more than "
+            f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}), each a static "
+            f"compile of its own ({static_shapes_reason(self.config)}); dynamic dimensions: {dims}. "
+            "Pad token inputs to a few lengths (laplace_passes.compile(model, seq_buckets=[...])) "
+            "or keep the changing dimension static"
+        )
+        self.config.report.notes.append(message)
+        warnings.warn(message, stacklevel=2)
 
     def _without_numbers(self, args: tuple) -> list:
         return [a for a, number in zip(args, self.is_number, strict=True) if not number]

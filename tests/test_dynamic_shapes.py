@@ -7,6 +7,7 @@ unrolled at a static shape.
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -201,3 +202,19 @@ def test_seq_buckets_errors():
     with_cache = SeqBuckets(lambda ids: {"logits": ids, "past_key_values": object()}, [4])
     with pytest.raises(ValueError, match="use_cache=False"):
         with_cache(torch.zeros(1, 3))
+
+
+def test_a_graph_specialised_past_the_recompile_limit_warns_once():
+    """Each shape is a static compile of its own (a neuronx-cc run on Neuron): past Dynamo's limit, say so."""
+    report = laplace_passes.Report()
+    compiled = torch.compile(lambda x: (x * 2).sum(-1), backend="laplace", dynamic=True,
+                             options={"target": "trn2", "report": report})
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for T in (3, 4, 5, 6):
+            torch.testing.assert_close(compiled(torch.ones(2, T)), torch.full((2,), 2.0 * T))
+    many = [str(w.message) for w in caught if "shapes, more than" in str(w.message)]
+    assert len(many) == 1, many
+    assert "compiled for 3 shapes" in many[0] and "recompile_limit (2)" in many[0]
+    assert "target trn2 compiles static shapes only" in many[0] and "seq_buckets" in many[0]
+    assert len(report.specialised) == 4 and many[0] in report.notes and many[0] in str(report)
