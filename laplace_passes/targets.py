@@ -22,6 +22,12 @@ whose source is https://github.com/aws-neuron/aws-neuron-sdk):
   [NRT]    the Neuron runtime's collectives topology error "Supported number of Neuron Cores is 1, 2,
            8, 16 or a multiple of 32", https://github.com/huggingface/optimum-neuron/issues/619, and
            4-rank replica groups, release-notes/components/runtime.rst (Runtime 2.23.110)
+  [LNCENV] about-neuron/arch/neuron-features/logical-neuroncore-config.rst: the runtime variable
+           NEURON_LOGICAL_NC_CONFIG sets the LNC, and "AWS Neuron currently doesn't support setting the
+           compiler flag to a different LNC configuration than the Neuron Runtime environment variable";
+           TorchNeuron passes the variable's value as --lnc when set (torch-neuronx
+           csrc/core/utils/PlatformUtils.cpp, GetLogicalNeuronCores; public copy
+           github.com/parmoham-aws/test-repo-parmoham at 98154b8), the instance's default otherwise
   [A2A]    TorchNeuron's all-to-all accepts equal splits only (torch_neuronx/distributed/backend.py,
            alltoall_base: "Only even split sizes are supported")
 """
@@ -29,7 +35,9 @@ whose source is https://github.com/aws-neuron/aws-neuron-sdk):
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -70,6 +78,9 @@ class HardwareTarget:
     hbm_bytes_per_core: device memory of one (logical) core: the preflight's bound on a graph's
         inputs plus its peak of live intermediates (neuronx-cc: NCC_EOOM001). None: not checked.
     logical_cores: neuronx-cc's --lnc (physical cores per logical core), None: not a Neuron target.
+        The Neuron runtime's NEURON_LOGICAL_NC_CONFIG, when set, overrides it where a command or
+        check is made for this machine (`laplace_passes.lowering.neuron.runtime_target`).
+    logical_core_choices: the --lnc values the target accepts; `at_logical_cores` picks one.
     auto_cast: neuronx-cc's --auto-cast, written out explicitly.
     recurrent_max_tokens: GLA sites this short (decode: 1 token) get the recurrent form, one
         state update per token, instead of a chunk padded to `partitions` rows; measured by
@@ -95,12 +106,23 @@ class HardwareTarget:
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
     hbm_bytes_per_core: int | None = None
     logical_cores: int | None = None
+    logical_core_choices: tuple[int, ...] = ()
     auto_cast: str = "none"
     description: str = ""
 
     def with_overrides(self, **changes) -> HardwareTarget:
         """This target with some numbers replaced, e.g. ``TRN2.with_overrides(max_graph_instructions=2_000_000)``."""
         return dataclasses.replace(self, **changes)
+
+    def at_logical_cores(self, logical_cores: int) -> HardwareTarget:
+        """This Neuron target with `logical_cores` physical cores per logical core; HBM per logical core scales with them."""
+        if logical_cores not in self.logical_core_choices:
+            choices = ", ".join(map(str, self.logical_core_choices)) or "none (not a Neuron target)"
+            raise ValueError(f"{self.name} takes a logical NeuronCore config (--lnc) of {choices}, not {logical_cores!r}")
+        hbm = self.hbm_bytes_per_core
+        if hbm is not None:
+            hbm = hbm // self.logical_cores * logical_cores
+        return self.with_overrides(logical_cores=logical_cores, hbm_bytes_per_core=hbm)
 
     @property
     def chunk_size(self) -> int:
@@ -122,6 +144,7 @@ TRN2 = HardwareTarget(
     matmul_tile=(128, 512),  # [ARCH1], kept by NeuronCore-v3 [ARCH2]
     hbm_bytes_per_core=24 * GB,  # [HBM], at LNC=2
     logical_cores=2,  # [LNC]: trn2's default
+    logical_core_choices=(1, 2),  # [LNC]
     # The estimated instructions of the two forms cross between T = 8 and 16 (tiny and 1.3B heads).
     recurrent_max_tokens=8,
     static_shapes=True,  # neuronx-cc; TorchNeuron recompiles per shape and rejects dynamic=True
@@ -146,6 +169,7 @@ TRN1 = HardwareTarget(
     recurrent_max_tokens=8,  # as trn2: same TensorEngine shape, not measured separately
     hbm_bytes_per_core=16 * GB,  # [HBM]
     logical_cores=1,  # [LNC]: the only value trn1 accepts
+    logical_core_choices=(1,),  # [LNC]
     collectives=TRN2.collectives,  # [A2A], [NRT]
 )
 
@@ -170,3 +194,25 @@ def get_target(target: str | HardwareTarget) -> HardwareTarget:
     if isinstance(target, str) and target in TARGETS:
         return TARGETS[target]
     raise ValueError(f"unknown target {target!r}; known targets: {', '.join(sorted(TARGETS))} (or a HardwareTarget)")
+
+
+# [LNCENV]: the Neuron runtime's logical NeuronCore config, which a NEFF's --lnc must match.
+LOGICAL_NC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+
+
+def runtime_target(target: str | HardwareTarget, env: Mapping[str, str] | None = None) -> HardwareTarget:
+    """`target` at the logical NeuronCore config the runtime here uses: NEURON_LOGICAL_NC_CONFIG when set.
+
+    Read from `env` (default os.environ). Sets the target's `--lnc` and
+    scales its HBM per logical core (`HardwareTarget.at_logical_cores`);
+    other targets, or an unset variable, give the target unchanged. A value
+    the target does not take (trn1: only 1) is a ValueError naming the variable.
+    """
+    resolved = get_target(target)
+    value = (os.environ if env is None else env).get(LOGICAL_NC_ENV, "").strip()
+    if not value or resolved.logical_cores is None:
+        return resolved
+    try:
+        return resolved.at_logical_cores(int(value))
+    except ValueError as error:
+        raise ValueError(f"{LOGICAL_NC_ENV}={value!r}: {error}") from None

@@ -15,7 +15,7 @@ import model_zoo
 from laplace_passes.lowering.hlo_checks import check_stablehlo, peak_memory, scan_stablehlo
 from laplace_passes.lowering.neuron import neuronx_cc_command
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
-from laplace_passes.targets import TRN1, TRN2
+from laplace_passes.targets import CPU, TRN1, TRN2, runtime_target
 from tests.lm_cases import tokens
 from tests.neuron_clean import assert_neuron_clean
 
@@ -139,6 +139,20 @@ def test_a_graph_over_the_hbm_estimate_through_the_preflight():
     assert "pass trn2's 2.00 MiB of HBM per logical core" in finding.message
 
 
+def test_the_hbm_estimate_follows_the_runtimes_logical_core_config(monkeypatch):
+    """NEURON_LOGICAL_NC_CONFIG=1 on trn2: one physical core per logical core, half the HBM of the default 2."""
+    def big(x):
+        return (x @ x.T).exp().sum()
+
+    x, target = torch.randn(512, 512), TRN2.with_overrides(hbm_bytes_per_core=4 * MIB)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    assert laplace_passes.preflight(big, x, target=target).ok
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    (finding,) = laplace_passes.preflight(big, x, target=target).findings
+    assert finding.check == "hbm-estimate"
+    assert "pass trn2's 2.00 MiB of HBM per logical core at --lnc 1" in finding.message
+
+
 def test_other_stablehlo_findings():
     text = """
 func.func @main(%arg0: tensor<4x4xi32>) -> tensor<4x4xi32> {
@@ -165,6 +179,24 @@ def test_neuronx_cc_command_for_trn1_and_trn2(monkeypatch):
     trn1 = neuronx_cc_command("g.mlirbc", target="trn1")
     assert trn1[trn1.index("--target"):trn1.index("--target") + 4] == ["--target", "trn1", "--lnc", "1"]
     assert TRN1.logical_cores == 1 and TRN2.logical_cores == 2
+
+
+def test_neuronx_cc_command_follows_the_runtimes_logical_core_config(monkeypatch):
+    """A NEFF loads only at the runtime's LNC: NEURON_LOGICAL_NC_CONFIG sets --lnc, as in TorchNeuron."""
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    command = neuronx_cc_command("g.mlirbc", target="trn2")
+    assert command[command.index("--lnc"):command.index("--lnc") + 2] == ["--lnc", "1"]
+    assert runtime_target("trn2").hbm_bytes_per_core == TRN2.hbm_bytes_per_core // 2
+    assert runtime_target("cpu") is CPU  # not a Neuron target: unchanged
+    explicit = neuronx_cc_command("g.mlirbc", target="trn2", env={"NEURON_LOGICAL_NC_CONFIG": "2"})
+    assert explicit[explicit.index("--lnc") + 1] == "2"
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with pytest.raises(ValueError, match=r"NEURON_LOGICAL_NC_CONFIG='2': trn1 takes a logical NeuronCore "
+                                         r"config \(--lnc\) of 1, not 2"):
+        neuronx_cc_command("g.mlirbc", target="trn1")
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG='two'"):
+        runtime_target("trn2", env={"NEURON_LOGICAL_NC_CONFIG": "two"})
 
 
 def test_neuron_cc_flags_come_last(monkeypatch):

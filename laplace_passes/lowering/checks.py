@@ -28,7 +28,7 @@ from laplace_passes.lowering.finding import Finding
 from laplace_passes.lowering.hlo_checks import check_stablehlo
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
 from laplace_passes.passes import Declined
-from laplace_passes.targets import HardwareTarget, get_target
+from laplace_passes.targets import HardwareTarget, runtime_target
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
 
@@ -195,8 +195,12 @@ def check_graph(
     gm: torch.fx.GraphModule, target: str | HardwareTarget = "trn2", graph_name: str = "",
     partition_budget: int | None = None,
 ) -> list[Finding]:
-    """Every check over one ATen graph (with fake values in meta["val"]); see the module docstring."""
-    target = get_target(target)
+    """Every check over one ATen graph (with fake values in meta["val"]); see the module docstring.
+
+    A Neuron target is checked at the runtime's logical NeuronCore config
+    (NEURON_LOGICAL_NC_CONFIG, when set: `targets.runtime_target`).
+    """
+    target = runtime_target(target)
     dynamic, aten_f64 = check_dynamic_shapes(gm, target), check_float64(gm, target)
     lowered = check_lowering(gm, target)
     # The ATen finding names the node where f64 or a symbol enters; the lowered module's say no more

@@ -140,10 +140,14 @@ def check_stablehlo(text: str, target: HardwareTarget, graph_name: str = "") -> 
             findings.append(Finding(
                 "hbm-estimate", where.result, where.name,
                 f"inputs of {_size(arguments)} plus a peak of {_size(peak)} of live intermediates (at this op) "
-                f"pass {target.name}'s {_size(limit)} of HBM per logical core (neuronx-cc: NCC_EOOM001)",
+                f"pass {target.name}'s {_size(limit)} of HBM per logical core{_lnc(target)} (neuronx-cc: NCC_EOOM001)",
                 "shorter sequences or a smaller batch per graph, fewer layers per graph (a lower "
                 "max_graph_instructions cuts the graph into partitions), or activation checkpointing", graph_name))
     return findings
+
+
+def _lnc(target: HardwareTarget) -> str:
+    return "" if target.logical_cores is None else f" at --lnc {target.logical_cores}"
 
 
 def _size(n: int) -> str:

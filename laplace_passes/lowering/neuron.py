@@ -64,7 +64,7 @@ from laplace_passes.inner import InnerCompiler
 from laplace_passes.lowering.legalize import lowering_passes
 from laplace_passes.lowering.preflight import NeuronPreflight, RequireCleanPreflight
 from laplace_passes.passes import GraphContext
-from laplace_passes.targets import HardwareTarget, get_target
+from laplace_passes.targets import HardwareTarget, get_target, runtime_target
 
 # (module, attribute) of each TorchNeuron entry point we call.
 NEURON_ENTRY_POINTS = {
@@ -187,9 +187,11 @@ def neuronx_cc_command(
         neuronx-cc compile forward_0.mlirbc --framework XLA --target trn2 --lnc 2 -O2
             --model-type transformer --auto-cast=none $NEURON_CC_FLAGS --output forward_0.neff
 
-    `--lnc` and `--auto-cast` are the target's (trn1 accepts only --lnc 1);
-    `extra_flags`, then the words of NEURON_CC_FLAGS (read from `env`,
-    default os.environ) come last, so they override. TorchNeuron hands
+    `--lnc` and `--auto-cast` are the target's (trn1 accepts only --lnc 1),
+    `--lnc` the value of NEURON_LOGICAL_NC_CONFIG instead when that is set,
+    as TorchNeuron does (a NEFF for another LNC than the runtime's does not
+    load); `extra_flags`, then the words of NEURON_CC_FLAGS (both variables
+    read from `env`, default os.environ) come last, so they override. TorchNeuron hands
     neuronx-cc MLIR bytecode (`export_stablehlo` writes it beside the
     text). neuronx-cc is not on PyPI, so this command is not run (or
     verified) here.
@@ -197,6 +199,7 @@ def neuronx_cc_command(
     resolved = get_target(target)
     if resolved.name not in NEURON_TARGETS or resolved.logical_cores is None:
         raise ValueError(f"neuronx-cc compiles for Trainium targets {NEURON_TARGETS}, not {resolved.name!r}")
+    resolved = runtime_target(resolved, env)
     path = os.fspath(mlir_path)
     output = os.fspath(output) if output is not None else os.path.splitext(path)[0] + ".neff"
     user_flags = shlex.split((os.environ if env is None else env).get(NEURON_CC_FLAGS_ENV, ""))
