@@ -79,7 +79,7 @@ class HardwareTarget:
         inputs plus its peak of live intermediates (neuronx-cc: NCC_EOOM001). None: not checked.
     logical_cores: neuronx-cc's --lnc (physical cores per logical core), None: not a Neuron target.
         The Neuron runtime's NEURON_LOGICAL_NC_CONFIG, when set, overrides it where a command or
-        check is made for this machine (`laplace_passes.lowering.neuron.runtime_target`).
+        check is made for this machine (`runtime_target` below).
     logical_core_choices: the --lnc values the target accepts; `at_logical_cores` picks one.
     auto_cast: neuronx-cc's --auto-cast, written out explicitly.
     recurrent_max_tokens: GLA sites this short (decode: 1 token) get the recurrent form, one

@@ -191,8 +191,8 @@ def neuronx_cc_command(
     `--lnc` the value of NEURON_LOGICAL_NC_CONFIG instead when that is set,
     as TorchNeuron does (a NEFF for another LNC than the runtime's does not
     load); `extra_flags`, then the words of NEURON_CC_FLAGS (both variables
-    read from `env`, default os.environ) come last, so they override. TorchNeuron hands
-    neuronx-cc MLIR bytecode (`export_stablehlo` writes it beside the
+    read from `env`, default os.environ) come last, so they override.
+    TorchNeuron hands neuronx-cc MLIR bytecode (`export_stablehlo` writes it beside the
     text). neuronx-cc is not on PyPI, so this command is not run (or
     verified) here.
     """
