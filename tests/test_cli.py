@@ -3,7 +3,6 @@
 import ast
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -11,11 +10,12 @@ import pytest
 import model_zoo
 from laplace_passes.cli import available_benchmarks, main
 from laplace_passes.demo import DemoConfig
+from tests import processes
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "laplace_passes.cli", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    """The CLI in a subprocess; on a timeout its ranks (`--world-size`) are killed with it."""
+    return processes.run([sys.executable, "-m", "laplace_passes.cli", *args], timeout=timeout)
 
 
 def test_demo_lowers_the_loss(capsys):

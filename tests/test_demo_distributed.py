@@ -26,6 +26,7 @@ import pytest
 from laplace_passes.cli import main
 from laplace_passes.demo import DemoConfig, run_demo
 from laplace_passes.distributed import LaunchError, launch_local
+from tests import processes
 from tests._dist import free_port
 
 BIN = Path(sys.executable).parent
@@ -46,13 +47,12 @@ def reference(tmp_path_factory):
 def torchrun(*args: str, env: dict | None = None) -> subprocess.Popen:
     environment = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
                    **(env or {})}
-    return subprocess.Popen([str(BIN / "torchrun"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=environment)
+    return processes.start([str(BIN / "torchrun"), *args], env=environment)
 
 
 def result_of(process: subprocess.Popen) -> dict:
     """The one JSON result the run printed (rank 0), after checking it printed exactly one."""
-    out, err = process.communicate(timeout=RUN_TIMEOUT)
+    out, err = processes.communicate(process, RUN_TIMEOUT)
     assert process.returncode == 0, err[-4000:]
     assert out.count('"losses"') == 1, f"the result must be printed once:\n{out[:2000]}"
     return json.loads(out)
@@ -110,7 +110,7 @@ def test_two_nodes_over_a_loopback_rendezvous(reference):
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "demo-test", "--local-addr", "127.0.0.1",
             "--rdzv-conf", "join_timeout=120", "--no-python", "laplace-passes", "demo", *SMALL, "--steps", "2"]
     nodes = [torchrun(*node), torchrun(*node)]
-    outputs = [node.communicate(timeout=RUN_TIMEOUT) for node in nodes]
+    outputs = [processes.communicate(node, RUN_TIMEOUT) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
     printed = [json.loads(out) for out, _ in outputs if out.strip()]
     assert len(printed) == 1, [out[:500] for out, _ in outputs]  # rank 0's node only
