@@ -150,3 +150,25 @@ def test_launch_local_forks_ranks_from_the_fork_server_by_default():
     assert launch_local(1, os.getppid, timeout_s=120, start_method="spawn") == [os.getpid()]
     with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
         launch_local(2, os.getppid, start_method="fork")
+
+
+@pytest.mark.parametrize("agent_store", ["True", "False"])
+def test_a_restartable_run_sharing_the_agents_store_is_warned_about(monkeypatch, capsys, agent_store):
+    """torchrun --max-restarts with the agent's store shared: gloo's rendezvous would fail on restart (rank 0 warns)."""
+    import torch.distributed as dist
+
+    from laplace_passes.distributed import join_process_group
+
+    joined = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: joined.append(kwargs))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    for name, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "WORLD_SIZE": "2",
+                        "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": agent_store}.items():
+        monkeypatch.setenv(name, value)
+    assert join_process_group(timeout_s=5) == (0, 2) and len(joined) == 1
+    warning = capsys.readouterr().err
+    if agent_store == "True":
+        assert "pytorch/pytorch#135712" in warning and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning
+    else:  # a c10d rendezvous that does not share the store: nothing to warn about
+        assert warning == ""
