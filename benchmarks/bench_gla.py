@@ -2,11 +2,16 @@
 
     python -m benchmarks.bench_gla            # B=1, T=2048, H=4, K=128, V=256, fp32
     python -m benchmarks.bench_gla --json
+    python -m benchmarks.bench_gla --recompute-residuals   # and the backward that recomputes, side by side
 
 Forward plus backward. Two chunked versions are measured: `chunked_gla`
 run eagerly, and `laplace_passes.gla` compiled with backend="laplace" and
 inner="inductor" (the re-tiled graph, fused by Inductor; `--no-compiled`
-skips its ~1 minute compile). Reports:
+skips its ~1 minute compile). Both keep the forward's residuals for the
+backward, as the cpu target does (`save_residuals`); `--recompute-residuals`
+adds both again with a backward that recomputes them, as the Neuron targets'
+does, timed in the same rounds, and prints how much faster keeping them is.
+Reports:
   * speed-up of each over the token-by-token recurrence (the `laplace::gla`
     reference op) and over fla's naive_recurrent_gla when installed;
   * achieved GFLOP/s by the formula of docs/DESIGN.md section 3.5 (forward
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from benchmarks.common import interleaved_samples, once
 import laplace_passes
 from laplace_passes import chunked_gla, gla
+from laplace_passes.targets import CPU
 
 # The dense fp32 matmul every rate is compared with, timed in the same rounds.
 MATMUL_SIZE = 2048
@@ -59,11 +65,12 @@ def forward_backward(fn, inputs, **kwargs):
     return run
 
 
-def compiled_gla(chunk_size: int):
+def compiled_gla(chunk_size: int, save_residuals: bool = True):
     def call_gla(q, k, v, gk):
         return gla(q, k, v, gk)
 
-    return laplace_passes.compile(call_gla, target="cpu", chunk_size=chunk_size, inner="inductor")
+    target = CPU.with_overrides(save_residuals=save_residuals)
+    return laplace_passes.compile(call_gla, target=target, chunk_size=chunk_size, inner="inductor")
 
 
 def main(argv=None) -> dict:
@@ -76,6 +83,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compiled", action="store_true", help="skip the inductor-compiled version")
+    parser.add_argument("--recompute-residuals", action="store_true",
+                        help="also time each version with a backward that recomputes the chunk states and tril(A)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -85,8 +94,13 @@ def main(argv=None) -> dict:
         "chunked": forward_backward(chunked_gla, inputs, chunk_size=args.chunk_size),
         "matmul": lambda: a @ b,
     }
+    if args.recompute_residuals:
+        candidates["chunked_recomputing"] = forward_backward(
+            chunked_gla, inputs, chunk_size=args.chunk_size, save_residuals=False)
     if not args.no_compiled:
         candidates["compiled"] = forward_backward(compiled_gla(args.chunk_size), inputs)
+        if args.recompute_residuals:
+            candidates["compiled_recomputing"] = forward_backward(compiled_gla(args.chunk_size, False), inputs)
     load_before = os.getloadavg()[0]
     samples = interleaved_samples(candidates, repeats=args.repeats)
     timed = {name: statistics.median(times) for name, times in samples.items()}
@@ -96,6 +110,8 @@ def main(argv=None) -> dict:
         "threads": torch.get_num_threads(),
         "chunked_s": timed["chunked"],
         "compiled_s": timed.get("compiled"),
+        "chunked_recomputing_s": timed.get("chunked_recomputing"),
+        "compiled_recomputing_s": timed.get("compiled_recomputing"),
         "recurrence_s": once(forward_backward(gla, inputs)),
         "matmul_gflops": MATMUL_FLOPS / timed["matmul"] / 1e9,
         "load_average": [load_before, os.getloadavg()[0]],
@@ -107,7 +123,7 @@ def main(argv=None) -> dict:
     else:
         results["fla_naive_s"] = once(forward_backward(naive_recurrent_gla, inputs))
     flops = gla_flops(args.B, args.T, args.H, args.K, args.V, args.chunk_size)
-    for name in ("chunked", "compiled"):
+    for name in ("chunked", "compiled", "chunked_recomputing", "compiled_recomputing"):
         seconds = results[f"{name}_s"]
         if seconds is None:
             continue
@@ -120,13 +136,21 @@ def main(argv=None) -> dict:
         results[f"{name}_speedup_vs_recurrence"] = results["recurrence_s"] / seconds
         if results["fla_naive_s"] is not None:
             results[f"{name}_speedup_vs_fla_naive"] = results["fla_naive_s"] / seconds
+    for name in ("chunked", "compiled"):
+        if results[f"{name}_recomputing_s"] is not None:
+            # Per round, then the median: both were timed back to back in each round.
+            ratios = [r / k for r, k in zip(samples[f"{name}_recomputing"], samples[name])]
+            results[f"{name}_keeping_residuals_speedup_per_round"] = ratios
+            results[f"{name}_keeping_residuals_speedup"] = statistics.median(ratios)
     print(json.dumps(results, indent=2) if args.json else _text(results))
     return results
 
 
 def _text(r: dict) -> str:
     lines = [f"GLA forward+backward {r['shape']} fp32, chunk {r['chunk_size']}, {r['threads']} threads"]
-    for name, label in (("chunked", "chunked_gla (eager)"), ("compiled", "laplace + inductor")):
+    rows = (("chunked", "chunked_gla (eager)"), ("chunked_recomputing", "  recomputing residuals"),
+            ("compiled", "laplace + inductor"), ("compiled_recomputing", "  recomputing residuals"))
+    for name, label in rows:
         if r[f"{name}_s"] is None:
             continue
         lines.append(
@@ -136,6 +160,11 @@ def _text(r: dict) -> str:
             "faster than the recurrence"
             + (f", x{r[f'{name}_speedup_vs_fla_naive']:.1f} than fla naive" if r["fla_naive_s"] else "")
         )
+    for name, label in (("chunked", "eager"), ("compiled", "laplace + inductor")):
+        if f"{name}_keeping_residuals_speedup" in r:
+            per_round = r[f"{name}_keeping_residuals_speedup_per_round"]
+            lines.append(f"  {label}: keeping the residuals x{r[f'{name}_keeping_residuals_speedup']:.2f} faster "
+                         f"than recomputing them (median of rounds; rounds x{min(per_round):.2f}-x{max(per_round):.2f})")
     lines.append(f"  {'token recurrence':<24}{r['recurrence_s'] * 1e3:9.1f} ms")
     if r["fla_naive_s"] is not None:
         lines.append(f"  {'fla naive_recurrent_gla':<24}{r['fla_naive_s'] * 1e3:9.1f} ms")

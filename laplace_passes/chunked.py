@@ -4,14 +4,17 @@ Two custom ops carry the chunked computation through Dynamo and AOT Autograd
 as single nodes ("GLA chunk-loop ops"), so the backward is the explicit one
 this project wrote, not whatever autograd would save:
 
-    laplace::chunked_gla(q, k, v, gk, initial_state?, scale, chunk_size, sub_chunk_size)
-        -> (o, final_state)                                   body: chunked.chunked_forward
-    laplace::chunked_gla_backward(q, k, v, gk, initial_state?, grad_o, grad_final_state?,
+    laplace::chunked_gla(q, k, v, gk, initial_state?, scale, chunk_size, sub_chunk_size, save_residuals)
+        -> (o, final_state, states, scores)                   body: chunked_forward.chunked_forward
+    laplace::chunked_gla_backward(q, k, v, gk, initial_state?, grad_o, grad_final_state?, states?, scores?,
                                   scale, chunk_size, sub_chunk_size)
         -> (dq, dk, dv, dgk, dh0)                             body: chunked_backward.chunked_backward
 
-The first op's autograd calls the second, saving only q, k, v, gk and
-initial_state (see NOTE [explicit chunked backward]). AOT Autograd puts the
+The first op's autograd calls the second, saving q, k, v, gk and
+initial_state, and with `save_residuals` the two residuals the backward
+would otherwise recompute: the states entering each chunk and tril(A) (see
+NOTE [explicit chunked backward]; `chunked_gla_saved_bytes` counts them).
+Its residual outputs are not differentiable. AOT Autograd puts the
 forward op in the forward graph and the backward op in the backward graph;
 the unroll pass (`laplace_passes.unroll`) then replaces each by a static
 trace of its body: straight-line ATen code with one step per chunk.
@@ -28,7 +31,7 @@ import torch
 from torch import Tensor
 
 from laplace_passes._checks import check_chunk_size, check_flag, check_gla_args, resolve_scale
-from laplace_passes.chunked_forward import DEFAULT_SUB_CHUNK, chunk_plan, chunked_forward
+from laplace_passes.chunked_forward import DEFAULT_SUB_CHUNK, ChunkLayout, chunk_plan, chunked_forward
 from laplace_passes.chunked_backward import chunked_backward
 from laplace_passes.fx_helpers import tensor_bytes
 from laplace_passes.gla import check_gates, refuse_double_backward
@@ -37,53 +40,70 @@ from laplace_passes.gla import check_gates, refuse_double_backward
 @torch.library.custom_op("laplace::chunked_gla", mutates_args=())
 def chunked_gla_op(
     q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,
-    scale: float, chunk_size: int, sub_chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    """Chunked GLA forward: (o in q's dtype, final state in fp32). Gates are not checked here."""
+    scale: float, chunk_size: int, sub_chunk_size: int, save_residuals: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Chunked GLA forward: (o in q's dtype, final state, states entering each chunk, tril(A), in fp32).
+
+    Gates are not checked here. `save_residuals` says only what the autograd
+    formula keeps: the residuals are returned either way (computed anyway).
+    """
     return chunked_forward(q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size)
 
 
 @chunked_gla_op.register_fake
-def _chunked_gla_fake(q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size):
+def _chunked_gla_fake(q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size, save_residuals):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32)
+    n_chunks, rows = residual_sizes(T, chunk_size, sub_chunk_size)
+    return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32),
+            q.new_empty(B, H, n_chunks, K, V, dtype=torch.float32),
+            q.new_empty(B, H, n_chunks, rows, rows, dtype=torch.float32))
+
+
+def residual_sizes(T, chunk_size: int, sub_chunk_size: int) -> tuple:
+    """(N, C'): chunks, and rows per padded chunk, of the residuals; T may be a SymInt (fake tensors)."""
+    rows = ChunkLayout.plan(0, chunk_size, sub_chunk_size).padded_chunk  # C' depends on C and Cs only
+    return torch.sym_max(1, (T + chunk_size - 1) // chunk_size), rows
 
 
 @torch.library.custom_op("laplace::chunked_gla_backward", mutates_args=())
 def chunked_gla_backward_op(
     q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,
-    grad_o: Tensor, grad_final_state: Tensor | None,
+    grad_o: Tensor, grad_final_state: Tensor | None, states: Tensor | None, scores: Tensor | None,
     scale: float, chunk_size: int, sub_chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The explicit backward: (dq, dk, dv, dgk in the inputs' dtypes, dh0 in fp32)."""
+    """The explicit backward: (dq, dk, dv, dgk in the inputs' dtypes, dh0 in fp32); residuals None are recomputed."""
     return chunked_backward(
-        q, k, v, gk, initial_state, grad_o, grad_final_state, scale, chunk_size, sub_chunk_size
+        q, k, v, gk, initial_state, grad_o, grad_final_state, states, scores, scale, chunk_size, sub_chunk_size
     )
 
 
 @chunked_gla_backward_op.register_fake
-def _chunked_gla_backward_fake(q, k, v, gk, initial_state, grad_o, grad_final_state, scale, chunk_size, sub_chunk_size):
+def _chunked_gla_backward_fake(q, k, v, gk, initial_state, grad_o, grad_final_state, states, scores,
+                               scale, chunk_size, sub_chunk_size):
     B, _, H, K = q.shape
     dh0 = q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gk), dh0
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size = inputs
-    ctx.save_for_backward(q, k, v, gk, initial_state)
+    q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size, save_residuals = inputs
+    _, _, states, scores = output
+    ctx.mark_non_differentiable(states, scores)
+    residuals = (states, scores) if save_residuals else (None, None)
+    ctx.save_for_backward(q, k, v, gk, initial_state, *residuals)
     ctx.settings = (scale, chunk_size, sub_chunk_size)
 
 
-def _backward(ctx, grad_o: Tensor | None, grad_final_state: Tensor | None):
-    q, k, v, gk, initial_state = ctx.saved_tensors
+def _backward(ctx, grad_o: Tensor | None, grad_final_state: Tensor | None, _grad_states, _grad_scores):
+    q, k, v, gk, initial_state, states, scores = ctx.saved_tensors
     if grad_o is None:  # only the final state was used
         grad_o = q.new_zeros(*q.shape[:3], v.shape[-1])
     dq, dk, dv, dgk, dh0 = chunked_gla_backward_op(
-        q, k, v, gk, initial_state, grad_o, grad_final_state, *ctx.settings
+        q, k, v, gk, initial_state, grad_o, grad_final_state, states, scores, *ctx.settings
     )
     d_initial = None if initial_state is None else dh0.to(initial_state.dtype)
-    return dq, dk, dv, dgk, d_initial, None, None, None
+    return dq, dk, dv, dgk, d_initial, None, None, None, None
 
 
 chunked_gla_op.register_autograd(_backward, setup_context=_setup_context)
@@ -92,13 +112,14 @@ chunked_gla_backward_op.register_autograd(refuse_double_backward("laplace_passes
 CHUNK_LOOP_OPS = (torch.ops.laplace.chunked_gla.default, torch.ops.laplace.chunked_gla_backward.default)
 
 
-def chunked_gla_saved_bytes(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None) -> int:
-    """Bytes `laplace::chunked_gla` keeps for its backward: its inputs, nothing else.
+def chunked_gla_saved_bytes(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,
+                            residuals: tuple[Tensor, Tensor] | None = None) -> int:
+    """Bytes `laplace::chunked_gla` keeps for its backward: its inputs, and the residuals when it saves them.
 
     Accepts fake or meta tensors: only shapes and dtypes are read (symbolic
     sizes at the traced example's values).
     """
-    kept = [q, k, v, gk] + ([initial_state] if initial_state is not None else [])
+    kept = [q, k, v, gk] + ([initial_state] if initial_state is not None else []) + list(residuals or ())
     return sum(tensor_bytes(t) for t in kept)
 
 
@@ -113,6 +134,7 @@ def chunked_gla(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     sub_chunk_size: int = DEFAULT_SUB_CHUNK,
+    save_residuals: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """GLA computed chunk by chunk; same contract as `laplace_passes.gla`.
 
@@ -122,14 +144,21 @@ def chunked_gla(
     scores] in `laplace_passes.chunked_forward`; 4 runs fastest on a CPU). Any T, K,
     V; inputs in fp32, bf16 or fp16, computed in fp32, output in the input
     dtype, final state in fp32. The backward is the explicit reverse
-    recurrence over chunks (`laplace_passes.chunked_backward`).
+    recurrence over chunks (`laplace_passes.chunked_backward`); with
+    `save_residuals` (the default, as the `cpu` target) the forward keeps the
+    states entering each chunk and tril(A) for it, B*H*N*(K*V + C'*C') fp32
+    values, where without them the backward recomputes both (less memory,
+    about 1.1x slower on a CPU: `benchmarks/bench_gla.py --recompute-residuals`).
     """
     check_gla_args(q, k, v, gk, initial_state, scale)
     check_chunk_size("chunk_size", chunk_size)
     check_chunk_size("sub_chunk_size", sub_chunk_size)
     check_flag("output_final_state", output_final_state)
+    check_flag("save_residuals", save_residuals)
     scale = resolve_scale(scale, q.shape[-1])
-    o, final_state = chunked_gla_op(q, k, v, check_gates(gk), initial_state, scale, chunk_size, sub_chunk_size)
+    o, final_state, _, _ = chunked_gla_op(
+        q, k, v, check_gates(gk), initial_state, scale, chunk_size, sub_chunk_size, save_residuals
+    )
     return o, (final_state if output_final_state else None)
 
 

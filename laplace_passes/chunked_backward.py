@@ -24,13 +24,18 @@ gradient. Each intra-chunk term is exp(G_i - a) exp(a - G_j) = exp(G_i - G_j),
 or 0 when flushed: the anchor's own derivative cancels term by term, so the
 dG rule above holds.
 
-What is saved: nothing but the op's inputs q, k, v, gk (and initial_state).
-The states entering each chunk are recomputed here (one batched matmul and N
-elementwise updates), and so is tril(A). Autograd through the forward keeps
+What is saved: the op's inputs q, k, v, gk (and initial_state), and, when
+the op was asked to keep them (`save_residuals`), the states entering each
+chunk and tril(A), O(T/C x K x V + T x C). Otherwise both are recomputed
+here (one batched matmul and N elementwise updates; the halving's level
+matmuls and leaves), from the same ops on the same values: the gradients are
+the same bit for bit either way. The decays are always rebuilt: each level's
+are O(T x K), too many to keep. Autograd through the forward keeps
 the anchored queries, keys, prefix and suffix decays of every halving level
 and the leaves' decays alive instead, O(T x K x (levels + Cs)) and more: at
 B=1, T=2048, H=4, K=128, V=256 and 4-row leaves, eager autograd saves 177 MB
-against 4 MB here (a copy of gk) besides q, k, v, gk themselves.
+against 4 MB here (a copy of gk) besides q, k, v, gk themselves, 17 MB with
+the residuals (8 MB of states, 4 MB of tril(A)).
 
 Checked against autograd of the token recurrence (tests/test_chunked_gla.py).
 """
@@ -68,24 +73,30 @@ def chunked_backward(
     initial_state: Tensor | None,
     grad_o: Tensor,
     grad_final_state: Tensor | None,
+    states: Tensor | None,
+    scores: Tensor | None,
     scale: float,
     chunk_size: int,
     sub_chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, dgk in the inputs' dtypes; dh0 in fp32) of `chunked_forward`.
 
-    `grad_final_state=None` means the final state was not used.
+    `grad_final_state=None` means the final state was not used. `states` and
+    `scores` are the forward's residuals when it kept them, None to recompute them.
     """
     x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)
     do = x.layout.to_chunks(grad_o)
     intra = IntraChunk(x.q, x.k, x.steps, x.layout.sub)
     q_decay, k_decay, chunk_decay = intra.chunk_decays()
     q_decayed, k_to_end = x.q * q_decay, x.k * k_decay
-    states, _ = entering_states(k_to_end, x.v, chunk_decay, initial_state)
+    if states is None:
+        states, _ = entering_states(k_to_end, x.v, chunk_decay, initial_state)
+    if scores is None:
+        scores = intra.scores()
     leaving, dh0 = leaving_state_gradients(q_decayed, do, chunk_decay, grad_final_state)
 
     dq_intra, dk_intra = intra.gradients(do @ x.v.transpose(-1, -2))
-    dv = causal_matmul(intra.scores(), do, reverse=True) + k_to_end @ leaving
+    dv = causal_matmul(scores, do, reverse=True) + k_to_end @ leaving
     dq = dq_intra + (do @ states.transpose(-1, -2)) * q_decay  # gradient of the scaled q
     dk_inter = (x.v @ leaving.transpose(-1, -2)) * k_decay
     dk = dk_intra + dk_inter

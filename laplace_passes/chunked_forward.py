@@ -428,9 +428,12 @@ def chunked_forward(
     scale: float,
     chunk_size: int,
     sub_chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    """GLA chunk by chunk: (o in q's dtype [B, T, H, V], final state in fp32 [B, H, K, V]).
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """GLA chunk by chunk: o in q's dtype [B, T, H, V], then in fp32 the final state [B, H, K, V] and the residuals.
 
+    The residuals are what the explicit backward would otherwise recompute
+    (NOTE [explicit chunked backward]): the states entering each chunk
+    [B, H, N, K, V] and tril(A) [B, H, N, C', C'] (scaled, padded rows and all).
     Arguments are not checked here (see `laplace_passes.chunked.chunked_gla`); this is
     the body of the `laplace::chunked_gla` op, differentiable by autograd too.
     """
@@ -440,4 +443,4 @@ def chunked_forward(
     q_decay, k_decay, chunk_decay = intra.chunk_decays()
     states, final_state = entering_states(x.k * k_decay, x.v, chunk_decay, initial_state)
     o = causal_matmul(scores, x.v) + (x.q * q_decay) @ states
-    return x.layout.from_chunks(o, q.dtype), final_state
+    return x.layout.from_chunks(o, q.dtype), final_state, states, scores

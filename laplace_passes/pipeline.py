@@ -29,7 +29,7 @@ def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
     if config.retile_gla:
         target = config.target
         passes.append(RetileGLA(config.chunk_size, target.sub_chunk_size, target.recurrent_max_tokens,
-                                target.recurrent_readout))
+                                target.recurrent_readout, target.save_residuals))
     # User scan / while_loop: unrolled before AOT Autograd, which cannot
     # differentiate a scan in torch 2.13.
     passes.append(UnrollLoops("dynamo"))

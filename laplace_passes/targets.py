@@ -91,6 +91,13 @@ class HardwareTarget:
         of the tiny model ran 1.20x faster at 1280 sequences; README, "Short sites and decode").
     static_shapes: the target's compiler takes static shapes only (neuronx-cc): a graph with
         symbolic sizes is compiled once per concrete shape (`laplace_passes.shapes`).
+    save_residuals: chunked GLA's forward keeps the states entering each chunk and tril(A) for
+        its backward (`laplace_passes.chunked`), which otherwise recomputes them from the inputs:
+        more memory for less work. On a CPU a forward+backward step runs faster with them kept
+        (`benchmarks/bench_gla.py --recompute-residuals`). The Neuron targets recompute, the
+        form their graphs were sized and HBM-checked with: for laplace-3b at T = 2048 on trn2,
+        keeping them would take 6% off the backward's estimated instructions per layer and
+        add 5% to the activations saved for it, a trade to settle on the device.
     """
 
     name: str
@@ -103,6 +110,7 @@ class HardwareTarget:
     recurrent_max_tokens: int = 0
     recurrent_readout: str = "matmul"
     static_shapes: bool = False
+    save_residuals: bool = False
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
     hbm_bytes_per_core: int | None = None
     logical_cores: int | None = None
@@ -182,6 +190,7 @@ CPU = HardwareTarget(
     # one chunk (benchmarks/bench_fla.py --part crossover); fla switches to its recurrent kernel at T <= 64 too.
     recurrent_max_tokens=64,
     recurrent_readout="reduce",
+    save_residuals=True,  # the backward's recomputation was about a tenth of a step (bench_gla.py)
 )
 
 TARGETS: dict[str, HardwareTarget] = {t.name: t for t in (TRN2, TRN1, CPU)}

@@ -1,10 +1,11 @@
 """chunked_gla against the token-by-token recurrence, with fla's stress cases.
 
 Criterion: relative RMSE <= 0.005 (fla's own), on the output, the final state
-and the gradient of every input, initial_state included. Two backward paths
+and the gradient of every input, initial_state included. Three backward paths
 are checked on the same inputs:
   * "explicit": `chunked_gla`, whose backward is the reverse recurrence over
-    chunks (`laplace::chunked_gla_backward`);
+    chunks (`laplace::chunked_gla_backward`), given the forward's residuals;
+  * "explicit-recomputing": the same with `save_residuals=False`, recomputing them;
   * "autograd": autograd through the forward's standard ops
     (`chunked_forward`), an independent derivation of the same gradients.
 """
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from laplace_passes import chunked_gla, gla
+from laplace_passes.chunked import chunked_gla_saved_bytes
 from laplace_passes.chunked_forward import chunked_forward
 from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
 
@@ -27,11 +29,15 @@ TOLERANCE = 0.005
 def autograd_chunked_gla(q, k, v, gk, *, chunk_size=128, sub_chunk_size=16, scale=None,
                          initial_state=None, output_final_state=False):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, state = chunked_forward(q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size)
+    o, state, _, _ = chunked_forward(q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size)
     return o, (state if output_final_state else None)
 
 
-BACKWARDS = {"explicit": chunked_gla, "autograd": autograd_chunked_gla}
+BACKWARDS = {
+    "explicit": chunked_gla,  # the residuals saved
+    "explicit-recomputing": functools.partial(chunked_gla, save_residuals=False),
+    "autograd": autograd_chunked_gla,
+}
 
 
 def forward_backward(fn, q, k, v, gk, h0, **kwargs):
@@ -126,9 +132,14 @@ def test_reset_gates_match_the_recurrence(reset):
         torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-4, msg=f"gradient of {name}")
 
 
-def test_backward_keeps_only_the_inputs():
-    """Saved for backward: q, k, v, gk and the initial state, nothing of size T x C or T x Cs x K."""
-    q, k, v, gk, h0 = (x.requires_grad_() for x in make_inputs(1, 512, 2, 32, 48))
+@pytest.mark.parametrize("save_residuals", [False, True])
+def test_backward_keeps_the_inputs_and_at_most_the_two_residuals(save_residuals):
+    """Saved for backward: q, k, v, gk, the initial state and, with save_residuals, the chunk states and tril(A).
+
+    Nothing of size T x Cs x K either way (autograd through the forward keeps the halving's decays).
+    """
+    B, T, H, K, V, C = 1, 512, 2, 32, 48, 128
+    q, k, v, gk, h0 = (x.requires_grad_() for x in make_inputs(B, T, H, K, V))
     saved = []
 
     def pack(t):
@@ -136,12 +147,27 @@ def test_backward_keeps_only_the_inputs():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o, _ = chunked_gla(q, k, v, gk, initial_state=h0, chunk_size=128)
+        o, _ = chunked_gla(q, k, v, gk, initial_state=h0, chunk_size=C, save_residuals=save_residuals)
+    # check_gates hands the op a copy of gk: it is the only tensor saved besides the inputs and residuals.
+    inputs = (q, k, v, gk, h0)
+    assert [t.shape for t in saved[:5]] == [x.shape for x in inputs]
+    residuals = [(B, H, T // C, K, V), (B, H, T // C, C, C)] if save_residuals else []
+    assert [tuple(t.shape) for t in saved[5:]] == residuals
     kept = sum(t.numel() * t.element_size() for t in saved)
-    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, gk, h0))
-    # check_gates hands the op a copy of gk: it is the only tensor saved besides the inputs.
-    assert kept == inputs
-    assert all(t.shape[1:] == x.shape[1:] for t, x in zip(saved, (q, k, v, gk, h0)))
+    assert kept == chunked_gla_saved_bytes(*inputs, saved[5:] if save_residuals else None)
+
+
+def test_a_backward_with_or_without_the_residuals_gives_the_same_gradients():
+    """The residuals are the forward's own values: the gradients match the recomputing backward bit for bit."""
+    q, k, v, gk, h0 = make_inputs(2, 200, 2, 16, 8, gate_divisor=0.5)
+    do = torch.randn(2, 200, 2, 8, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for save in (False, True):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gk, h0)]
+        o, _ = chunked_gla(*leaves[:4], initial_state=leaves[4], chunk_size=64, save_residuals=save)
+        grads.append(torch.autograd.grad(o, leaves, do))
+    for recomputed, kept in zip(*grads):
+        assert torch.equal(recomputed, kept)
 
 
 def test_gradient_when_only_the_output_is_used():
@@ -204,7 +230,7 @@ def test_intra_chunk_scores_are_halved_without_a_copy_of_the_keys_per_block():
     B, T, H, K, V, C, leaf = 1, 256, 1, 256, 8, 128, 4
     q, k, v, gk, _ = make_inputs(B, T, H, K, V, initial_state=False)
     forward = make_fx(lambda q, k, v, gk: chunked_forward(q, k, v, gk, None, 0.5, C, leaf))(q, k, v, gk)
-    backward = make_fx(lambda q, k, v, gk, do: chunked_backward(q, k, v, gk, None, do, None, 0.5, C, leaf))(
+    backward = make_fx(lambda q, k, v, gk, do: chunked_backward(q, k, v, gk, None, do, None, None, None, 0.5, C, leaf))(
         q, k, v, gk, torch.randn(B, T, H, V))
     bound = B * H * (T // C) * max(C * C, C * K)
     for name, gm in (("forward", forward), ("backward", backward)):
@@ -234,8 +260,8 @@ def test_decays_after_a_long_strong_decay_keep_fp32_precision(sub_chunk_size):
     grad_o = torch.randn(expected_o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     expected_grads = torch.autograd.grad(expected_o, fp64, grad_o)
 
-    o, _ = chunked_forward(q, k, v, gk, None, scale, 128, sub_chunk_size)
-    grads = chunked_backward(q, k, v, gk, None, grad_o.float(), None, scale, 128, sub_chunk_size)[:4]
+    o = chunked_forward(q, k, v, gk, None, scale, 128, sub_chunk_size)[0]
+    grads = chunked_backward(q, k, v, gk, None, grad_o.float(), None, None, None, scale, 128, sub_chunk_size)[:4]
     for name, actual, expected in zip(("o", "dq", "dk", "dv", "dgk"), (o, *grads), (expected_o, *expected_grads)):
         assert relative_rmse(actual, expected) < 2e-6, (name, relative_rmse(actual, expected))
 
@@ -249,7 +275,7 @@ def test_one_exp_per_token_and_channel_builds_every_decay():
     B, T, H, K, V, C = 1, 256, 2, 8, 4, 64
     q, k, v, gk, _ = make_inputs(B, T, H, K, V, initial_state=False)
     forward = make_fx(lambda q, k, v, gk: chunked_forward(q, k, v, gk, None, 0.5, C, 4))(q, k, v, gk)
-    backward = make_fx(lambda q, k, v, gk, do: chunked_backward(q, k, v, gk, None, do, None, 0.5, C, 4))(
+    backward = make_fx(lambda q, k, v, gk, do: chunked_backward(q, k, v, gk, None, do, None, None, None, 0.5, C, 4))(
         q, k, v, gk, torch.randn(B, T, H, V))
     for name, gm in (("forward", forward), ("backward", backward)):
         exps = [n for n in gm.graph.nodes if n.target == torch.ops.aten.exp.default]
@@ -321,3 +347,21 @@ def test_a_non_finite_output_gradient_never_reaches_later_inputs():
     for label, got, expected in zip("q k v gk".split(), grads["chunked"], grads["recurrence"]):
         assert torch.isfinite(expected[:, 4:]).all()
         torch.testing.assert_close(got[:, 4:], expected[:, 4:], rtol=1e-4, atol=1e-5, msg=f"d{label}")
+
+
+@pytest.mark.parametrize("T, C, sub, save", [(0, 16, 4, True), (37, 16, 4, False), (100, 48, 16, True)])
+def test_the_chunk_loop_ops_pass_torch_opcheck(T, C, sub, save):
+    """Schema, autograd registration, fake shapes (the residuals' N and padded C' included) and AOT at dynamic T."""
+    B, H, K, V = 1, 2, 8, 6
+    gen = torch.Generator().manual_seed(T)
+    q, k = (torch.randn(B, T, H, K, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, requires_grad=True)
+    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, generator=gen)).requires_grad_()
+    h0 = torch.randn(B, H, K, V, generator=gen, requires_grad=True)
+    forward = torch.ops.laplace.chunked_gla.default
+    torch.library.opcheck(forward, (q, k, v, gk, h0, 0.3, C, sub, save))
+    _, _, states, scores = forward(q, k, v, gk, h0, 0.3, C, sub, save)
+    grads = (torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen))
+    for residuals in ((states, scores), (None, None)):
+        args = (q.detach(), k.detach(), v.detach(), gk.detach(), h0.detach(), *grads, *residuals, 0.3, C, sub)
+        torch.library.opcheck(torch.ops.laplace.chunked_gla_backward.default, args)

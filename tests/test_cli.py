@@ -105,7 +105,8 @@ def test_errors_are_clear(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-TINY_GLA_BENCH = ["gla", "--T", "64", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--no-compiled", "--json"]
+TINY_GLA_BENCH = ["gla", "--T", "64", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--no-compiled",
+                  "--recompute-residuals", "--json"]
 
 
 def test_bench_runs_a_benchmark_script(capfd):
@@ -119,6 +120,10 @@ def test_bench_runs_a_benchmark_script(capfd):
     assert result["chunked_fraction_of_matmul"] == pytest.approx(result["chunked_gflops"] / result["matmul_gflops"])
     if result["fla_naive_s"] is not None:
         assert result["chunked_speedup_vs_fla_naive"] == pytest.approx(result["fla_naive_s"] / result["chunked_s"])
+    # One repeat: the speed-up of keeping the residuals is that round's ratio of the two times.
+    keeping = result["chunked_recomputing_s"] / result["chunked_s"]
+    assert result["chunked_keeping_residuals_speedup"] == pytest.approx(keeping)
+    assert result["chunked_keeping_residuals_speedup_per_round"] == [pytest.approx(keeping)]
 
 
 def test_export_writes_stablehlo_files_and_their_manifest(tmp_path, capsys):

@@ -135,13 +135,18 @@ def _gla_with_state(q, k, v, gk, h0):
 
 
 @pytest.mark.parametrize("T", [100, 200])
-def test_saved_bytes_per_site_are_the_inputs_only(T):
-    """"AOT Autograd saves only q, k, v, gk and the initial state: O(T x (K+V)) bytes, shown per site"."""
+@pytest.mark.parametrize("target", ["trn2", "cpu"])
+def test_saved_bytes_per_site_are_the_inputs_and_on_cpu_the_residuals(T, target):
+    """"saves q, k, v, gk and the initial state, O(T x (K+V)) bytes; [with save_residuals] its two
+    residuals, the state entering each chunk and tril(A) ... The report shows the saved bytes per site"."""
     B, H, K, V = 2, 2, 8, 12
     inputs = [x.requires_grad_() for x in make_inputs(B, T, H, K, V)]
-    report = laplace_passes.inspect(_gla_with_state, *inputs, target="cpu")
+    report = laplace_passes.inspect(_gla_with_state, *inputs, target=target)
     (site,) = report.sites
     expected = 4 * (B * T * H * (3 * K + V) + B * H * K * V)  # fp32 q, k, gk [B,T,H,K], v [B,T,H,V], h0
+    if target == "cpu":  # chunks of 64: fp32 states [B,H,N,K,V] and tril(A) [B,H,N,64,64]
+        N = -(-T // 64)
+        expected += 4 * B * H * N * (K * V + 64 * 64)
     assert site.saved_bytes == expected
     assert f"{expected / 1e3:.3g} kB" in str(report)  # the report shows 3 significant digits
 

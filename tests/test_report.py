@@ -53,7 +53,7 @@ def test_the_readme_example_of_the_rewrite_is_tiny_at_2048(report):
     before, after = report.graph("before").code, report.graph("after").code
     assert re.search(r"torch\.ops\.laplace\.gla\.default\(\w+, \w+, \w+, \w+, None, 0\.25, 'laplace\.gla'\)", before)
     FileCheck().check("torch.ops.laplace.check_gates.default(").check(
-        "torch.ops.laplace.chunked_gla.default(").check(", None, 0.25, 128, 16)").run(after)
+        "torch.ops.laplace.chunked_gla.default(").check(", None, 0.25, 128, 16, False)").run(after)
 
 
 def test_graph_before_and_after_are_distinct_snapshots(report):

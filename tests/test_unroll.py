@@ -71,7 +71,7 @@ def test_chunk_loop_op_pass_level():
     q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
 
     def f(q, k, v, gk, h0):
-        return chunked_gla_op(q, k, v, gk, h0, 0.3, 64, 16)
+        return chunked_gla_op(q, k, v, gk, h0, 0.3, 64, 16, False)
 
     gm = make_fx(f, tracing_mode="fake")(q, k, v, gk, h0)
     FileCheck().check("laplace.chunked_gla.default").run(gm.code)
@@ -90,7 +90,7 @@ def test_dynamic_chunk_loop_is_declined_and_still_runs():
     q, k, v, gk, _ = make_inputs(1, 40, 1, 4, 4)
 
     def f(q, k, v, gk):
-        return chunked_gla_op(q, k, v, gk, None, 0.5, 16, 4)[0]
+        return chunked_gla_op(q, k, v, gk, None, 0.5, 16, 4, False)[0]
 
     gm = make_fx(f, tracing_mode="symbolic")(q, k, v, gk)
     outcome = UnrollLoops("aten")(gm)

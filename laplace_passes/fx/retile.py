@@ -10,14 +10,15 @@ Before (one site, T = 2048, trn2):
 After (16 chunks of 128 tokens, 16-row leaves; see `laplace_passes.chunked`):
 
     check_gates = torch.ops.laplace.check_gates.default(gk)
-    chunked_gla = torch.ops.laplace.chunked_gla.default(q, k, v, check_gates, None, 0.0884, 128, 16)
+    chunked_gla = torch.ops.laplace.chunked_gla.default(q, k, v, check_gates, None, 0.0884, 128, 16, False)
     o = chunked_gla[0]
     state = chunked_gla[1]
 
 `laplace::chunked_gla` is a GLA chunk-loop op: its autograd is the explicit
 reverse recurrence over chunks (`laplace::chunked_gla_backward`), so AOT
 Autograd places one forward op in the forward graph and one backward op in
-the backward graph, and saves only q, k, v, gk (and the initial state). The
+the backward graph, and saves q, k, v, gk (and the initial state), plus the
+op's two residual outputs on a target with `save_residuals` (cpu). The
 ATen-level unroll pass (`laplace_passes.unroll`) then expands both into
 straight-line chunked code, one state update per chunk:
 
@@ -90,10 +91,12 @@ class RetileGLA(GraphPass):
     name = "retile_gla"
 
     def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0,
-                 recurrent_readout: str = "matmul") -> None:
+                 recurrent_readout: str = "matmul", save_residuals: bool = False) -> None:
         check_readout(recurrent_readout, "recurrent_readout")
         self.chunk_size = chunk_size
         self.sub_chunk_size = sub_chunk_size
+        # Whether the chunked op keeps its residuals for the backward (HardwareTarget.save_residuals).
+        self.save_residuals = save_residuals
         # Sites of at most this many tokens (decode) get the recurrent form: NOTE [short sites].
         self.recurrent_max_tokens = recurrent_max_tokens
         self.recurrent_readout = recurrent_readout
@@ -145,10 +148,12 @@ class RetileGLA(GraphPass):
             self._install(gm.graph, site, gla_recurrence, (site.scale, self.recurrent_readout), "gla_recurrence")
         else:
             initial_state = values[4] if site.initial_state is not None else None
-            record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state)
             record.plan = chunk_plan(T, self.chunk_size) if isinstance(T, int) else _runtime_plan(T, self.chunk_size)
-            self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
-                          (site.scale, self.chunk_size, self.sub_chunk_size), "chunked_gla")
+            chunked = self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
+                                    (site.scale, self.chunk_size, self.sub_chunk_size, self.save_residuals),
+                                    "chunked_gla", keeps_outputs=False)
+            residuals = fake_value(chunked)[2:] if self.save_residuals else None
+            record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state, residuals)
         record.status = "retiled"
         return record
 
@@ -165,8 +170,14 @@ class RetileGLA(GraphPass):
         return (f"recurrent: T = {T} <= {self.recurrent_max_tokens}, no gradient: one state update per "
                 f"token instead of a chunk padded to {self.chunk_size}")
 
-    def _install(self, graph: torch.fx.Graph, site: GlaSite, target, settings: tuple, name: str) -> None:
-        """check_gates + `target`(q, k, v, gates, initial_state, *settings) in place of the site; same outputs."""
+    def _install(self, graph: torch.fx.Graph, site: GlaSite, target, settings: tuple, name: str,
+                 keeps_outputs: bool = True) -> torch.fx.Node:
+        """check_gates + `target`(q, k, v, gates, initial_state, *settings) in place of the site.
+
+        The new node's first two outputs are the site's (o, final state); when
+        it has more (`keeps_outputs` False: the chunked op's residuals), its
+        fake value is propagated rather than copied from the site.
+        """
         # The chunk-loop node inherits where the site came from: reports and
         # per-layer accounting still see the user's layer.
         provenance = provenance_of(site.node)
@@ -175,9 +186,10 @@ class RetileGLA(GraphPass):
             gates = new_node(graph, torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates",
                              provenance=provenance, like=site.gk)
             replacement = new_node(graph, target, (site.q, site.k, site.v, gates, site.initial_state, *settings),
-                                   name=name, provenance=provenance, like=site.node)
+                                   name=name, provenance=provenance, like=site.node if keeps_outputs else None)
         site.node.replace_all_uses_with(replacement)
         graph.erase_node(site.node)
+        return replacement
 
 
 def _needs_grad(node: torch.fx.Node) -> bool:

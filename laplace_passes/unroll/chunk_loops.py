@@ -3,7 +3,7 @@
 NOTE [unrolling a chunk-loop op: before and after]
 Before (an AOT forward graph, T = 2048, trn2):
 
-    chunked_gla = torch.ops.laplace.chunked_gla.default(view_1, view_3, getitem_2, check_gates, None, 0.177, 128, 16)
+    chunked_gla = torch.ops.laplace.chunked_gla.default(view_1, view_3, getitem_2, check_gates, None, 0.177, 128, 16, False)
     getitem_3 = chunked_gla[0]
 
 After: the op's body (`chunked_forward`, or `chunked_backward` for
@@ -42,10 +42,12 @@ from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
 # The body each chunk-loop op runs, and the name the report gives its loop.
 _BODIES: dict = {
-    CHUNK_LOOP_OPS[0]: ("laplace.chunked_gla", chunked_forward),
+    CHUNK_LOOP_OPS[0]: ("laplace.chunked_gla", lambda *args: chunked_forward(*args[:-1])),  # all but save_residuals
     CHUNK_LOOP_OPS[1]: ("laplace.chunked_gla_backward", chunked_backward),
 }
-_SETTINGS = 3  # trailing (scale, chunk_size, sub_chunk_size) arguments of both ops
+# Where each op's (scale, chunk_size, sub_chunk_size) arguments begin: after its tensors
+# (q, k, v, gk, initial_state; the backward's grad_o, grad_final_state, states, scores).
+_SETTINGS_AT = {CHUNK_LOOP_OPS[0]: 5, CHUNK_LOOP_OPS[1]: 9}
 
 
 def is_chunk_loop(node: torch.fx.Node) -> bool:
@@ -69,7 +71,8 @@ def chunk_count(node: torch.fx.Node) -> int:
         # The trace is static (one copy of the body per chunk); the op itself takes any size.
         raise Declined(f"kept as a runtime loop: a dynamic size ({dynamic[0]}); the body is traced at static "
                        "shapes only")
-    scale, chunk_size, sub_chunk_size = node.args[-_SETTINGS:]
+    at = _SETTINGS_AT[node.target]
+    scale, chunk_size, sub_chunk_size = node.args[at : at + 3]
     return ChunkLayout.plan(T, chunk_size, sub_chunk_size).n_chunks
 
 
