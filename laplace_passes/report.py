@@ -34,7 +34,7 @@ class SiteRecord:
     reason: str | None = None
     plan: dict | None = None  # T, chunk_size, n_chunks, padding
     shape: dict | None = None  # B, H, K, V, dtype
-    saved_bytes: int | None = None  # kept for the explicit backward: q, k, v, gk, initial_state
+    saved_bytes: int | None = None  # kept for the explicit backward: q, k, v, gk, initial_state (and the residuals)
     form: str | None = None  # "chunked" or "recurrent" (short sites, decode), and why
 
 
