@@ -40,6 +40,7 @@ import time
 import torch
 
 import model_zoo
+from benchmarks.common import self_time_by_part
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
@@ -115,11 +116,8 @@ def profile_step(decoder: Decoder, form: str, steps: int) -> dict:
 
     with profile() as prof:
         decoder.seconds(form, steps)
-    buckets = dict.fromkeys([*PROFILE_BUCKETS, "other"], 0.0)
-    for event in prof.key_averages():
-        name = next((b for b, prefixes in PROFILE_BUCKETS.items() if event.key.startswith(prefixes)), "other")
-        buckets[name] += event.self_cpu_time_total / 1e3 / steps
-    return buckets
+    by_prefix = {name: (lambda key, p=prefixes: key.startswith(p)) for name, prefixes in PROFILE_BUCKETS.items()}
+    return {name: s * 1e3 / steps for name, s in self_time_by_part(prof, by_prefix, rest="other").items()}
 
 
 def profiles(model, steps: int) -> dict:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 import laplace_passes
 import model_zoo
+from benchmarks.common import self_time_by_part
 from laplace_passes.backend import laplace_backend
 from laplace_passes.collectives import rewrite_muon_step
 from model_zoo.muon import MuonHParams, RowSplit, ShardedMuon, adjust_lr, assign_owners, muon_shard_step
@@ -325,13 +326,8 @@ def _profiled_step(opt, copies, grads) -> dict[str, float]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         seconds = _one_step(opt, copies, grads)
-    parts = dict.fromkeys([name for name, _ in STEP_PARTS], 0.0)
-    for event in prof.key_averages():
-        part = next((p for p, keys in STEP_PARTS if any(k in event.key for k in keys)), None)
-        if part is not None:
-            parts[part] += event.self_cpu_time_total / 1e6
-    parts[WALL] = seconds
-    return parts
+    by_substring = {name: (lambda key, ks=keys: any(k in key for k in ks)) for name, keys in STEP_PARTS}
+    return {**self_time_by_part(prof, by_substring), WALL: seconds}
 
 
 def run_ns_bound(shapes, repeats: int, threads: int, profile: bool) -> None:

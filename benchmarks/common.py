@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 
 def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -35,3 +35,17 @@ def once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def self_time_by_part(prof, parts: Mapping[str, Callable[[str], bool]], rest: str | None = None) -> dict[str, float]:
+    """Self CPU seconds of a finished `torch.profiler.profile`, per part of the work.
+
+    Each event goes to the first part (in order) whose test takes its name,
+    or to `rest` when none does (dropped when `rest` is None).
+    """
+    seconds = dict.fromkeys([*parts, *([rest] if rest else [])], 0.0)
+    for event in prof.key_averages():
+        part = next((name for name, takes in parts.items() if takes(event.key)), rest)
+        if part is not None:
+            seconds[part] += event.self_cpu_time_total / 1e6
+    return seconds
