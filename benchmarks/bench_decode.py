@@ -120,9 +120,9 @@ def profile_step(decoder: Decoder, form: str, steps: int) -> dict:
     return {name: s * 1e3 / steps for name, s in self_time_by_part(prof, by_prefix, rest="other").items()}
 
 
-def profiles(model, steps: int) -> dict:
+def profiles(model, steps: int, sequences=CONCURRENCY) -> dict:
     out = {}
-    for batch in CONCURRENCY:
+    for batch in sequences:
         decoder = Decoder(model, batch)
         out[batch] = {form: profile_step(decoder, form, steps) for form in FORMS}
     return out
@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = model_zoo.build("tiny").eval()
     if args.profile:
-        table = profiles(model, args.steps)
+        table = profiles(model, args.steps, args.sequences)
         print(json.dumps(table, indent=2) if args.json else _profile_text(table))
         return table
     load_before = os.getloadavg()

@@ -99,3 +99,13 @@ def test_bench_muon_traffic_ratios_follow_from_the_bytes_printed(capfd):
         assert row["after"] >= row["bound"] * 0.999
     (gather,) = [row for row in rows if row["comm"] == "all_gather"]
     assert gather["before"] == pytest.approx((gather["W"] - 1) * gather["G"] / gather["W"], rel=0.01)
+
+
+def test_bench_decode_profiles_the_sequences_asked_for(capfd):
+    """--profile splits a step of each batch size given (it profiled 1, 64 and 1280 whatever was asked)."""
+    out = bench(capfd, "decode", "--profile", "--sequences", "2", "--steps", "1")
+    rows = re.findall(r"^\s+(\d+) sequences, (\w+)\s+([\d.]+) ms: (.*)$", out, re.MULTILINE)
+    assert [(batch, form) for batch, form, _, _ in rows] == [("2", "eager"), ("2", "compiled")], out
+    for _, _, total, parts in rows:  # the parts add up to the step's total
+        shares = re.findall(r"[\w ()/,]+? ([\d.]+) \(\d+%\)", parts)
+        assert sum(map(float, shares)) == pytest.approx(float(total), abs=0.01 * len(shares)), parts
