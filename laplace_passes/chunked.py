@@ -54,16 +54,12 @@ def chunked_gla_op(
 def _chunked_gla_fake(q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size, save_residuals):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    n_chunks, rows = _residual_sizes(T, chunk_size, sub_chunk_size)
+    layout = ChunkLayout.plan(T, chunk_size, sub_chunk_size)  # T may be a SymInt
+    N, rows = layout.n_chunks, layout.padded_chunk
     return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32),
-            q.new_empty(B, H, n_chunks, K, V, dtype=torch.float32),
-            q.new_empty(B, H, n_chunks, rows, rows, dtype=torch.float32))
+            q.new_empty(B, H, N, K, V, dtype=torch.float32), q.new_empty(B, H, N, rows, rows, dtype=torch.float32))
 
 
-def _residual_sizes(T, chunk_size: int, sub_chunk_size: int) -> tuple:
-    """(N, C'): chunks, and rows per padded chunk, of the residuals; T may be a SymInt (fake tensors)."""
-    rows = ChunkLayout.plan(0, chunk_size, sub_chunk_size).padded_chunk  # C' depends on C and Cs only
-    return torch.sym_max(1, (T + chunk_size - 1) // chunk_size), rows
 
 
 @torch.library.custom_op("laplace::chunked_gla_backward", mutates_args=())

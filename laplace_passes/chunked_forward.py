@@ -155,7 +155,8 @@ def chunk_plan(seq_len: int, chunk_size: int) -> dict:
     check_chunk_size("chunk_size", chunk_size)
     if isinstance(seq_len, bool) or (isinstance(seq_len, int) and seq_len < 0):  # a SymInt passes
         raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}")
-    n_chunks = max(1, math.ceil(seq_len / chunk_size))
+    # Integer ceil, and sym_max (plain max for ints): a SymInt T (fake tensors) stays symbolic, unguarded.
+    n_chunks = torch.sym_max(1, (seq_len + chunk_size - 1) // chunk_size)
     return {
         "T": seq_len,
         "chunk_size": chunk_size,
