@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_decode [--steps 16] [--repeats 3] [--json]
     python -m benchmarks.bench_decode --profile [--steps 8]     # where a step's time goes
+    python -m benchmarks.bench_decode --gate-checks             # and the step that checks its gates, side by side
     python -m benchmarks.bench_decode --sequences 1 4 --steps 1 --repeats 1   # seconds: a smoke run
 
 Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
@@ -11,7 +12,11 @@ each timed over `--steps` greedy steps exactly as `model.generate` runs them:
 - eager:    ``decode="eager"``, the model's forward per step (the reference op per layer);
 - compiled: ``decode="compiled"`` (the default on CPU), one `model_zoo.decode.DecodeStep`
   call per step, every layer in one graph through ``backend="laplace"``, the states
-  in one buffer updated in place.
+  in one buffer updated in place. tiny's gates are logsigmoid(x) / 16, <= 0 by
+  construction, so the step has no run-time gate check (NOTE [gates proven <= 0]);
+- checked (with ``--gate-checks``): the same compiled step with ``gate_checks="always"``,
+  which checks every layer's gates at run time; the speed-up of leaving the check out
+  is printed per repeat.
 
 Beside each, in the same repeat:
 
@@ -45,6 +50,7 @@ from benchmarks.common import self_time_by_part
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
 FORMS = ("eager", "compiled")
+CHECKED = "checked"  # the compiled step with gate_checks="always" (--gate-checks)
 COPY_ELEMENTS = 32 * 1024 * 1024  # 128 MB per side: well past the last-level cache
 MATMUL_SIZE = 1024
 
@@ -69,21 +75,24 @@ def matmul_flops_per_s() -> float:
 class Decoder:
     """One batch size: a prompt prefilled once, then `steps` greedy steps timed in either form."""
 
-    def __init__(self, model, batch: int, prompt_len: int = 16) -> None:
+    def __init__(self, model, batch: int, prompt_len: int = 16, checked_step=None) -> None:
         self.model = model
+        self.steps = {"eager": None, "compiled": model.decode_step}
+        if checked_step is not None:
+            self.steps[CHECKED] = checked_step
         prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
                                generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
             logits, self.states = model(prompt, output_final_states=True)
         self.first_token = logits[:, -1].argmax(-1)
-        for form in FORMS:  # compile and warm up
+        for form in self.steps:  # compile and warm up
             self.seconds(form, 2)
 
     @torch.no_grad()
     def seconds(self, form: str, steps: int) -> float:
         """Wall time of `steps` greedy decode steps, as generate() runs them."""
         token, states = self.first_token, self.states
-        step = self.model.decode_step if form == "compiled" else None
+        step = self.steps[form]
         if step is not None:
             states = step.state_buffer(states)  # generate() makes it once per call, before the loop
         start = time.perf_counter()
@@ -149,16 +158,20 @@ def step_costs(model) -> tuple[int, int, int]:
     return weight_bytes, state_elements * 4, flops
 
 
-def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY) -> dict:
-    decoders = {b: Decoder(model, b) for b in concurrency}
+def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_checks: bool = False) -> dict:
+    from model_zoo.decode import DecodeStep
+
+    checked_step = DecodeStep(model, gate_checks="always") if gate_checks else None
+    decoders = {b: Decoder(model, b, checked_step=checked_step) for b in concurrency}
+    forms = (*FORMS, CHECKED) if gate_checks else FORMS
     weight_bytes, state_bytes, flops = step_costs(model)
-    samples = {b: {k: [] for k in (*FORMS, "memory_roofline", "matmul_roofline")} for b in concurrency}
+    samples = {b: {k: [] for k in (*forms, "memory_roofline", "matmul_roofline")} for b in concurrency}
     bandwidths, rates = [], []
     for _ in range(repeats):
         bandwidths.append(copy_bytes_per_s())
         rates.append(matmul_flops_per_s())
         for batch, decoder in decoders.items():
-            for form in FORMS:
+            for form in forms:
                 samples[batch][form].append(batch * steps / decoder.seconds(form, steps))
             step_bytes = weight_bytes + 2 * batch * state_bytes
             samples[batch]["memory_roofline"].append(batch * bandwidths[-1] / step_bytes)
@@ -178,6 +191,8 @@ def _summary(samples: dict) -> dict:
         for roof in ("memory_roofline", "matmul_roofline"):
             out[f"{form}_share_of_{roof}"] = _stats([a / r for a, r in zip(samples[form], samples[roof])])
     out["compiled_over_eager"] = _stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
+    if CHECKED in samples:  # per repeat: leaving the gate check out, against keeping it
+        out["compiled_over_checked"] = _stats([c / g for c, g in zip(samples["compiled"], samples[CHECKED])])
     return out
 
 
@@ -205,6 +220,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile", action="store_true",
                         help="print where a step's time goes (torch.profiler) instead of the throughput table")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--gate-checks", action="store_true",
+                        help="also time the compiled step with gate_checks='always', in the same repeats")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -215,7 +232,7 @@ def main(argv=None) -> dict:
         print(json.dumps(table, indent=2) if args.json else _profile_text(table))
         return table
     load_before = os.getloadavg()
-    results = measure(model, args.steps, args.repeats, args.sequences)
+    results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks)
     results.update(load_average_before=load_before, load_average_after=os.getloadavg(),
                    threads=torch.get_num_threads(), steps=args.steps, repeats=args.repeats, state=state_table())
     if args.json:
@@ -242,13 +259,18 @@ def _text(results: dict) -> str:
         f"{results['flops_per_token']:,} FLOPs per token",
     ]
     for batch, row in results["decode"].items():
-        lines.append(f"  {batch:5d} sequences: memory roofline {row['memory_roofline']['median']:12,.0f} tokens/s, "
-                     f"matmul roofline {row['matmul_roofline']['median']:12,.0f} tokens/s")
+        memory, matmul = row["memory_roofline"]["median"], row["matmul_roofline"]["median"]
+        binding = "memory" if memory < matmul else "matmul"  # the lower roofline is the one a step can reach
+        lines.append(f"  {batch:5d} sequences: memory roofline {memory:12,.0f} tokens/s, "
+                     f"matmul roofline {matmul:12,.0f} tokens/s ({binding} binds)")
         for form in FORMS:
             lines.append(f"        {form:<8} {_spread(row[form], '11,.0f')} tokens/s = "
                          f"{_spread(row[f'{form}_share_of_memory_roofline'], '.2%')} of memory roofline, "
                          f"{_spread(row[f'{form}_share_of_matmul_roofline'], '.2%')} of matmul roofline")
         lines.append(f"        compiled / eager {_spread(row['compiled_over_eager'], '.2f')}x")
+        if "compiled_over_checked" in row:
+            lines.append(f"        {CHECKED:<8} {_spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "
+                         f"compiled / checked {_spread(row['compiled_over_checked'], '.2f')}x")
     lines.append("state per sequence vs softmax KV cache (bf16) of the same depth and width:")
     for row in results["state"]:
         kv = ", ".join(f"{c // 1024}k: {row[f'kv_bytes_{c}'] / 1e6:,.1f} MB (x{row[f'kv_over_state_{c}']:,.0f})"

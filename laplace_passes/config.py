@@ -18,9 +18,13 @@ OPTION_DOCS = {
     "retile_gla": "run the GLA re-tiling pass (default True)",
     "report": "a laplace_passes.Report to fill (default: a new one, see last_report())",
     "muon_all_to_all": "rewrite a sharded Muon step's gathers into paired all-to-alls (default True)",
+    "gate_checks": "'auto' (default): a GLA site's gates are checked at run time unless the graph shows them "
+    "<= 0 by construction (NOTE [gates proven <= 0]); 'always': every site's gates are checked",
     "max_graph_instructions": "estimated instructions one compiled graph may hold; a graph over it is "
     "cut into partitions that fit (default: the target's, 5,000,000 on trn2; None: no limit)",
 }
+
+GATE_CHECKS = ("auto", "always")
 
 
 @dataclass
@@ -32,6 +36,7 @@ class CompileConfig:
     report: Report
     muon_all_to_all: bool = True
     max_graph_instructions: int | None = None
+    gate_checks: str = "auto"
     _decompositions: dict | None = field(default=None, init=False, repr=False)
 
     def decompositions(self) -> dict | None:
@@ -67,7 +72,11 @@ class CompileConfig:
         if not isinstance(muon_all_to_all, bool):
             raise TypeError(f"muon_all_to_all must be a bool, got {type(muon_all_to_all).__name__}")
         budget = _check_budget(options.get("max_graph_instructions", target.max_graph_instructions))
-        return cls(target, inner, chunk_size, retile, report, muon_all_to_all, max_graph_instructions=budget)
+        gate_checks = options.get("gate_checks", "auto")
+        if gate_checks not in GATE_CHECKS:
+            raise ValueError(f"gate_checks must be one of {GATE_CHECKS}, got {gate_checks!r}")
+        return cls(target, inner, chunk_size, retile, report, muon_all_to_all, max_graph_instructions=budget,
+                   gate_checks=gate_checks)
 
 
 def _check_budget(value: Any) -> int | None:

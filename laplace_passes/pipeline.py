@@ -29,7 +29,8 @@ def dynamo_passes(config: CompileConfig) -> list[GraphPass]:
     if config.retile_gla:
         target = config.target
         passes.append(RetileGLA(config.chunk_size, target.sub_chunk_size, target.recurrent_max_tokens,
-                                target.recurrent_readout, target.save_residuals))
+                                target.recurrent_readout, target.save_residuals,
+                                prove_gates=config.gate_checks == "auto"))
     # User scan / while_loop: unrolled before AOT Autograd, which cannot
     # differentiate a scan in torch 2.13.
     passes.append(UnrollLoops("dynamo"))

@@ -36,6 +36,7 @@ class SiteRecord:
     shape: dict | None = None  # B, H, K, V, dtype
     saved_bytes: int | None = None  # kept for the explicit backward: q, k, v, gk, initial_state (and the residuals)
     form: str | None = None  # "chunked" or "recurrent" (short sites, decode), and why
+    gates: str | None = None  # "<= 0 by construction: ..." (no run-time check) or "checked at run time: ..."
 
 
 @dataclass
@@ -277,11 +278,12 @@ class Report:
         )
         lines += _table(
             "GLA sites",
-            ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "saved for bwd", "form / reason"],
+            ["graph", "node", "origin", "status", "T", "chunk", "chunks", "padding", "saved for bwd", "gates",
+             "form / reason"],
             [
                 [s.graph, s.node, s.origin, s.status,
                  *(_plan_cells(s.plan)), _bytes(s.saved_bytes) if s.saved_bytes is not None else "",
-                 s.reason or s.form or ""]
+                 s.gates or "", s.reason or s.form or ""]
                 for s in self.sites
             ],
         )

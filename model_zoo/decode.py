@@ -38,18 +38,20 @@ class DecodeStep:
     """One compiled decode step of a model with GLALM's signature (see the module docstring).
 
     `model(input_ids, initial_states=[...], output_final_states=True)` must
-    return ``(logits, states)``; `model_zoo.GLALM` does. `target` and
-    `inner` are the laplace backend's options (Inductor by default: the
-    fused kernels are the point; "eager" runs the same graph op by op).
+    return ``(logits, states)``; `model_zoo.GLALM` does. `target`, `inner`
+    and `options` (e.g. ``gate_checks="always"``) are the laplace backend's
+    options (Inductor by default: the fused kernels are the point; "eager"
+    runs the same graph op by op).
     """
 
-    def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", inner: Any = "inductor") -> None:
+    def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", inner: Any = "inductor",
+                 **options: Any) -> None:
         self.model = model
         self.report = laplace_passes.Report()
         # A code object of its own: Dynamo's cache and its limit of 8 compiles per code object
         # would otherwise be shared by the steps of every model (the 9th would run uncompiled).
         self._compiled = laplace_passes.compile(
-            fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report
+            fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report, **options
         )
 
     def _step(self, tokens: Tensor, states: Tensor) -> Tensor:

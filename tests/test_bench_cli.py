@@ -52,8 +52,10 @@ def test_bench_decode_rates_rooflines_and_state_agree(capfd):
     """One repeat, so every printed median is that repeat's figure and each ratio follows from the others.
 
     Batch sizes 2 and 3 share one compiled decode step (its batch is dynamic from 2 on), where 1 and 3 took two.
+    With --gate-checks, the step compiled with gate_checks="always" is timed in the same repeat.
     """
-    result = json.loads(bench(capfd, "decode", "--sequences", "2", "3", "--steps", "1", "--repeats", "1", "--json"))
+    result = json.loads(bench(capfd, "decode", "--sequences", "2", "3", "--steps", "1", "--repeats", "1",
+                              "--gate-checks", "--json"))
     (bandwidth,), (matmul_rate,) = result["copy_GB_per_s"], result["matmul_GFLOP_per_s"]
     weights = result["bytes_per_step"]["weights"]
     state_rw = result["bytes_per_step"]["state_read_and_written_per_sequence"]
@@ -69,6 +71,9 @@ def test_bench_decode_rates_rooflines_and_state_agree(capfd):
             for roof in ("memory_roofline", "matmul_roofline"):
                 assert row[f"{form}_share_of_{roof}"]["median"] == pytest.approx(rate / row[roof]["median"])
         assert row["compiled_over_eager"]["median"] == pytest.approx(row["compiled"]["median"] / row["eager"]["median"])
+        assert 0 < row["checked"]["median"] < math.inf
+        assert row["compiled_over_checked"]["median"] == pytest.approx(
+            row["compiled"]["median"] / row["checked"]["median"])
     for row in result["state"]:
         contexts = sorted(int(key.rsplit("_", 1)[1]) for key in row if key.startswith("kv_bytes_"))
         assert len(contexts) >= 2, row

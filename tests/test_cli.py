@@ -79,7 +79,7 @@ def test_inspect_dump_writes_readable_python_and_graphviz(tmp_path, capsys):
             assert len(nodes) == len(node_statements), path.name
     diff = (tmp_path / "dynamo_0.diff").read_text()
     assert "-    gla_default = torch.ops.laplace.gla.default" in diff
-    assert "+    check_gates = torch.ops.laplace.check_gates.default" in diff
+    assert "+    chunked_gla = torch.ops.laplace.chunked_gla.default" in diff
     assert json.loads((tmp_path / "report.json").read_text())["target"] == "cpu"
 
 

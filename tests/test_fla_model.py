@@ -94,6 +94,8 @@ def test_default_flags_both_modes_match_the_reference(T):
         report = compiled.laplace_report
         assert [s.origin for s in report.sites] == [f"fla.{mode}_gla"] * 2
         assert all(s.status == "retiled" and s.form.startswith("chunked") for s in report.sites)
+        # fla's gates, logsigmoid(x) / gate_logit_normalizer, are <= 0 by construction: no run-time check.
+        assert {s.gates for s in report.sites} == {"<= 0 by construction: logsigmoid / 16"}
         (fla_calls,) = [p for p in report.passes if p.name == "fla_calls"]
         assert fla_calls.declined == [] and fla_calls.summary == "no fla call left to fla"
 

@@ -180,7 +180,14 @@ def test_clean_model_has_no_finding_and_the_report_shows_the_preflight():
     preflight_runs = [p for p in report.report.passes if p.name == "neuron_preflight"]
     assert [p.graph for p in preflight_runs] == ["forward_0", "backward_0"]
     assert all(p.summary.startswith("no finding") for p in preflight_runs)
-    # The graphs checked are the ones TorchNeuron would get: gate checks already clamped.
-    FileCheck().check_not("laplace.check_gates").check("aten.clamp.default(div").run(
+    # The graphs checked are the ones TorchNeuron would get. tiny's gates are <= 0 by construction, so
+    # they have no gate check; with gate_checks="always" the check is there, already a clamp.
+    FileCheck().check_not("laplace.check_gates").check_not("aten.clamp.default(div").run(
         report.report.graph("after", "forward_0").code
+    )
+    checked = laplace_passes.preflight(model_zoo.build("tiny"), torch.randint(0, 128, (1, 256)), target="trn2",
+                                       gate_checks="always")
+    assert checked.ok, str(checked)
+    FileCheck().check_not("laplace.check_gates").check("aten.clamp.default(div").run(
+        checked.report.graph("after", "forward_0").code
     )

@@ -14,6 +14,11 @@ After (16 chunks of 128 tokens, 16-row leaves; see `laplace_passes.chunked`):
     o = chunked_gla[0]
     state = chunked_gla[1]
 
+`check_gates` refuses positive gates at run time. Gates the graph shows to
+be <= 0 by construction (``F.logsigmoid(x) / 16``, ``-F.softplus(x)``: NOTE
+[gates proven <= 0] in `laplace_passes.fx.gate_bounds`) go to the op
+unchecked, and the report's "gates" column says which and why.
+
 `laplace::chunked_gla` is a GLA chunk-loop op: its autograd is the explicit
 reverse recurrence over chunks (`laplace::chunked_gla_backward`), so AOT
 Autograd places one forward op in the forward graph and one backward op in
@@ -78,6 +83,7 @@ import torch.fx
 
 from laplace_passes._checks import check_gla_args
 from laplace_passes.chunked import chunk_plan, chunked_gla_saved_bytes
+from laplace_passes.fx.gate_bounds import Bound, gate_bound
 from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
 from laplace_passes.fx_helpers import fake_value, new_node, provenance_of
 from laplace_passes.gla import check_readout, gla_recurrence
@@ -91,8 +97,10 @@ class RetileGLA(GraphPass):
     name = "retile_gla"
 
     def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0,
-                 recurrent_readout: str = "matmul", save_residuals: bool = False) -> None:
+                 recurrent_readout: str = "matmul", save_residuals: bool = False, prove_gates: bool = True) -> None:
         check_readout(recurrent_readout, "recurrent_readout")
+        # Whether gates proven <= 0 skip the run-time check (compile option gate_checks="auto").
+        self.prove_gates = prove_gates
         self.chunk_size = chunk_size
         self.sub_chunk_size = sub_chunk_size
         # Whether the chunked op keeps its residuals for the backward (HardwareTarget.save_residuals).
@@ -122,6 +130,9 @@ class RetileGLA(GraphPass):
         recurrent = sum(r.status == "retiled" and r.plan["chunk_size"] == 1 for r in records)
         if recurrent:
             summary += f" ({recurrent} in the recurrent form: NOTE [short sites])"
+        proven = sum(r.status == "retiled" and r.gates.startswith("<= 0") for r in records)
+        if proven:
+            summary += f"; gates <= 0 by construction at {proven}, not checked at run time"
         return PassOutcome(gm, modified=retiled > 0, summary=summary, declined=declined, sites=records)
 
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> SiteRecord:
@@ -142,16 +153,19 @@ class RetileGLA(GraphPass):
         record.shape = {"B": _size_cell(B), "H": _size_cell(H), "K": _size_cell(K), "V": _size_cell(v.shape[-1]),
                         "dtype": str(q.dtype).removeprefix("torch.")}
         record.form = self._form(T if isinstance(T, int) else None, _needs_grad(site.node))
+        gates = gate_bound(site.gk) if self.prove_gates else Bound(None, "gate_checks='always'")
+        record.gates = f"<= 0 by construction: {gates.how}" if gates.nonpositive else f"checked at run time: {gates.how}"
         if record.form.startswith("recurrent"):
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
             record.saved_bytes = 0  # no gradient flows through it
-            self._install(gm.graph, site, gla_recurrence, (site.scale, self.recurrent_readout), "gla_recurrence")
+            self._install(gm.graph, site, gla_recurrence, (site.scale, self.recurrent_readout), "gla_recurrence",
+                          check_gates=not gates.nonpositive)
         else:
             initial_state = values[4] if site.initial_state is not None else None
             record.plan = chunk_plan(T, self.chunk_size) if isinstance(T, int) else _runtime_plan(T, self.chunk_size)
             chunked = self._install(gm.graph, site, torch.ops.laplace.chunked_gla.default,
                                     (site.scale, self.chunk_size, self.sub_chunk_size, self.save_residuals),
-                                    "chunked_gla", keeps_outputs=False)
+                                    "chunked_gla", keeps_outputs=False, check_gates=not gates.nonpositive)
             residuals = fake_value(chunked)[2:] if self.save_residuals else None
             record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state, residuals)
         record.status = "retiled"
@@ -171,20 +185,22 @@ class RetileGLA(GraphPass):
                 f"token instead of a chunk padded to {self.chunk_size}")
 
     def _install(self, graph: torch.fx.Graph, site: GlaSite, target, settings: tuple, name: str,
-                 keeps_outputs: bool = True) -> torch.fx.Node:
-        """check_gates + `target`(q, k, v, gates, initial_state, *settings) in place of the site.
+                 keeps_outputs: bool = True, check_gates: bool = True) -> torch.fx.Node:
+        """[check_gates +] `target`(q, k, v, gates, initial_state, *settings) in place of the site.
 
         The new node's first two outputs are the site's (o, final state); when
         it has more (`keeps_outputs` False: the chunked op's residuals), its
-        fake value is propagated rather than copied from the site.
+        fake value is propagated rather than copied from the site. Without
+        `check_gates` (gates proven <= 0) the op reads the site's gk itself.
         """
         # The chunk-loop node inherits where the site came from: reports and
         # per-layer accounting still see the user's layer.
         provenance = provenance_of(site.node)
         with graph.inserting_before(site.node):
             # Same shapes and dtypes as the gates and the reference op's results.
-            gates = new_node(graph, torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates",
-                             provenance=provenance, like=site.gk)
+            gates = site.gk if not check_gates else new_node(
+                graph, torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates",
+                provenance=provenance, like=site.gk)
             replacement = new_node(graph, target, (site.q, site.k, site.v, gates, site.initial_state, *settings),
                                    name=name, provenance=provenance, like=site.node if keeps_outputs else None)
         site.node.replace_all_uses_with(replacement)

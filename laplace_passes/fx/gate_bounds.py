@@ -1,0 +1,197 @@
+"""Gates that are <= 0 by construction, whose run-time check the re-tiling pass leaves out.
+
+NOTE [gates proven <= 0]
+`laplace::check_gates` refuses a positive (or NaN) gate at run time: a
+reduction over gk, a copy of it and a host sync, per site and per call. In a
+decode step of one sequence that is a fifth of the step. Most models build
+their gates so that no value can be positive: fla's GLA layers use
+``F.logsigmoid(x) / normalizer`` (then maybe ``clamp_min(gk, c < 0)``),
+others ``-F.softplus(x)``. `gate_bound` reads that off the graph, following
+gk back through the ops below and the sign each one guarantees; when the
+result can never be positive the re-tiling pass gives gk to the op
+unchecked, and the report's "gates" column shows the derivation.
+
+    sources     logsigmoid is <= 0; softplus (beta > 0), relu, exp, sigmoid, abs are >= 0
+    rules       neg flips the sign; times or over a finite positive number keeps it,
+                a negative one flips it; a product of two bounded factors has their
+                sign product; clamp / clamp_max with a max <= 0 is <= 0, and
+                clamp_min(x <= 0, c <= 0) stays <= 0
+    unchanged   views, reshapes, transposes, indexing, dtype casts, contiguous, clone
+
+Before (a decode step of fla's GLA layer) and after the re-tiling pass:
+
+    log_sigmoid = torch._C._nn.log_sigmoid(unflatten_3)
+    gk = log_sigmoid / 16.0
+    gla = torch.ops.laplace.gla.default(q, k, v, gk, state, 0.25, 'laplace.gla')
+    # after: no check_gates node
+    gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, gk, state, 0.25, 'reduce')
+
+What is given up: every rule holds for every value but NaN, so a NaN gate
+(which only a NaN upstream produces: logsigmoid(NaN)) reaches the op
+unrefused. The chunked and recurrent forms then give NaN from that token on
+in that channel, exactly where the token recurrence has NaN
+(`tests/test_gate_bounds.py`). Gates the rules cannot bound (a graph input,
+a sum, anything not listed) keep their check.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+F = torch.nn.functional
+
+NONPOSITIVE, NONNEGATIVE = -1, 1
+
+# How far back through sign-preserving ops the search goes: a gate is a few ops from its source.
+MAX_DEPTH = 24
+
+
+@dataclass(frozen=True)
+class Bound:
+    """`sign` (NONPOSITIVE, NONNEGATIVE, or None: not bounded) and how it was found, or why not."""
+
+    sign: int | None
+    how: str
+
+    @property
+    def nonpositive(self) -> bool:
+        return self.sign == NONPOSITIVE
+
+
+def _targets(*functions) -> frozenset:
+    return frozenset(functions)
+
+
+# Dynamo graphs call torch functions (and Tensor methods by name); AOT and make_fx graphs call ATen.
+_NONPOSITIVE_SOURCES = _targets(F.logsigmoid, torch._C._nn.log_sigmoid, aten.log_sigmoid.default)
+_NONNEGATIVE_SOURCES = _targets(
+    torch.relu, F.relu, aten.relu.default, torch.exp, aten.exp.default, torch.sigmoid, F.sigmoid,
+    aten.sigmoid.default, torch.abs, aten.abs.default,
+)
+_NONNEGATIVE_METHODS = frozenset({"relu", "exp", "sigmoid", "abs"})
+_SOFTPLUS = _targets(F.softplus, torch._C._nn.softplus, aten.softplus.default)
+_NEG = _targets(operator.neg, torch.neg, aten.neg.default)
+_MUL = _targets(operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar)
+_DIV = _targets(operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar)
+_CLAMP = _targets(torch.clamp, torch.clip, aten.clamp.default)
+_CLAMP_MAX = _targets(torch.clamp_max, aten.clamp_max.default)
+_CLAMP_MIN = _targets(torch.clamp_min, aten.clamp_min.default)
+_SAME_SIGN = _targets(
+    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unflatten, torch.squeeze,
+    torch.unsqueeze, torch.clone, torch.movedim, operator.getitem,
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.expand.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
+    aten.slice.Tensor, aten.select.int,
+)
+_SAME_SIGN_METHODS = frozenset({
+    "view", "reshape", "unflatten", "flatten", "transpose", "permute", "contiguous", "clone", "unsqueeze",
+    "squeeze", "expand", "expand_as", "movedim", "float", "double", "half", "bfloat16", "to", "type",
+    "type_as", "__getitem__", "detach",
+})
+
+
+def gate_bound(node: torch.fx.Node | object) -> Bound:
+    """Whether `node` (the gates of a site) is <= 0, or >= 0, for every non-NaN value; and how."""
+    return _bound(node, MAX_DEPTH)
+
+
+def _bound(node, depth: int) -> Bound:
+    if not isinstance(node, torch.fx.Node):
+        return _number_bound(node)
+    if node.op == "placeholder":
+        return Bound(None, f"{node.name} is an input of the graph")
+    if node.op not in ("call_function", "call_method"):
+        return Bound(None, f"{node.name} comes from {node.op} {node.target}")
+    if depth == 0:
+        return Bound(None, f"{node.name}: more than {MAX_DEPTH} ops from a source the pass can bound")
+    target, args = node.target, node.args
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    if target in _NONPOSITIVE_SOURCES or (target == aten.log_sigmoid_forward.default):
+        return Bound(NONPOSITIVE, "logsigmoid")
+    if target in _NONNEGATIVE_SOURCES or (node.op == "call_method" and target in _NONNEGATIVE_METHODS):
+        return Bound(NONNEGATIVE, name)
+    if target in _SOFTPLUS:
+        beta = _argument(node, 1, "beta", 1.0)
+        if _finite_number(beta) and beta > 0:
+            return Bound(NONNEGATIVE, "softplus")
+        return Bound(None, f"{node.name}: softplus with beta {beta!r}")
+    if target in _SAME_SIGN or (node.op == "call_method" and target in _SAME_SIGN_METHODS):
+        if target is operator.getitem and _is_tuple_of_log_sigmoid(args[0]):
+            # aten.log_sigmoid_forward returns (output, buffer): only the output is a logsigmoid.
+            return Bound(NONPOSITIVE, "logsigmoid") if args[1] == 0 else Bound(None, "log_sigmoid_forward's buffer")
+        return _bound(args[0], depth - 1)
+    if target in _NEG or (node.op == "call_method" and target == "neg"):
+        inner = _bound(args[0], depth - 1)
+        return Bound(-inner.sign, f"-({inner.how})") if inner.sign else inner
+    if target in _MUL or (node.op == "call_method" and target == "mul"):
+        return _product(node, depth)
+    if target in _DIV or (node.op == "call_method" and target == "div"):
+        return _quotient(node, depth)
+    if target in _CLAMP or target in _CLAMP_MAX or target in _CLAMP_MIN or (
+            node.op == "call_method" and target in ("clamp", "clip", "clamp_max", "clamp_min")):
+        return _clamp(node, depth)
+    return Bound(None, f"{node.name} comes from {name}, whose sign the pass does not bound")
+
+
+def _product(node: torch.fx.Node, depth: int) -> Bound:
+    left, right = (_bound(a, depth - 1) for a in node.args[:2])
+    if left.sign and right.sign:
+        return Bound(left.sign * right.sign, f"({left.how}) * ({right.how})")
+    return left if not left.sign else right
+
+
+def _quotient(node: torch.fx.Node, depth: int) -> Bound:
+    if node.kwargs.get("rounding_mode") is not None:  # floor / trunc division of a gate: not a scaling
+        return Bound(None, f"{node.name}: division with rounding_mode {node.kwargs['rounding_mode']!r}")
+    divisor = node.args[1]
+    if isinstance(divisor, torch.fx.Node) or not (_finite_number(divisor) and divisor != 0):
+        return Bound(None, f"{node.name}: division by {getattr(divisor, 'name', divisor)!r}, not a finite "
+                           "non-zero number")
+    dividend = _bound(node.args[0], depth - 1)
+    if not dividend.sign:
+        return dividend
+    return Bound(dividend.sign * (1 if divisor > 0 else -1), f"{dividend.how} / {divisor!r}")
+
+
+def _clamp(node: torch.fx.Node, depth: int) -> Bound:
+    method = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if "clamp_max" in method:
+        low, high = None, _argument(node, 1, "max", None)
+    elif "clamp_min" in method:
+        low, high = _argument(node, 1, "min", None), None
+    else:
+        low, high = _argument(node, 1, "min", None), _argument(node, 2, "max", None)
+    if _finite_number(high) and high <= 0:
+        return Bound(NONPOSITIVE, f"clamp(max={high!r})")
+    inner = _bound(node.args[0], depth - 1)
+    if high is None and inner.nonpositive and (low is None or (_finite_number(low) and low <= 0)):
+        return Bound(NONPOSITIVE, f"clamp({inner.how}, min={low!r})")
+    return Bound(None, f"{node.name}: clamp(min={getattr(low, 'name', low)!r}, max={getattr(high, 'name', high)!r}) "
+                       f"of {inner.how}")
+
+
+def _argument(node: torch.fx.Node, index: int, name: str, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_tuple_of_log_sigmoid(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target == aten.log_sigmoid_forward.default
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number_bound(value) -> Bound:
+    if _finite_number(value) and value != 0:
+        return Bound(NONPOSITIVE if value < 0 else NONNEGATIVE, repr(value))
+    return Bound(None, f"the constant {value!r}")
