@@ -73,7 +73,7 @@ def matmul_flops_per_s() -> float:
 
 
 class Decoder:
-    """One batch size: a prompt prefilled once, then `steps` greedy steps timed in either form."""
+    """One batch size: a prompt prefilled once, then `steps` greedy steps timed in each form."""
 
     def __init__(self, model, batch: int, prompt_len: int = 16, checked_step=None) -> None:
         self.model = model
