@@ -46,6 +46,15 @@ CHECKED = {
     "clamp(max=0.5)": (lambda x: x.clamp(max=0.5), "clamp(min=None, max=0.5)"),
     "clamp_min(logsigmoid, 0.1)": (lambda x: torch.clamp_min(F.logsigmoid(x), 0.1), "clamp(min=0.1, max=None)"),
     "logsigmoid / a tensor": (lambda x: F.logsigmoid(x) / (x - 10), "not a finite non-zero number"),
+    # Casts that do not keep the sign: a negative gate becomes True (1.0), or wraps around in uint8.
+    "logsigmoid cast to bool": (lambda x: F.logsigmoid(x).to(torch.bool).float() * 0.5,
+                                "is torch.bool, not floating point"),
+    "-softplus cast to uint8": (lambda x: (-F.softplus(x)).to(torch.uint8).float() * 0.01, "is torch.uint8"),
+    # The low half of a negative float32, read as float16, can be positive.
+    "-softplus viewed as float16": (lambda x: (-F.softplus(x)).view(torch.float16)[..., ::2].float(),
+                                    "reads torch.float32 as torch.float16"),
+    # softplus returns x itself above its threshold: with a negative one, x in (threshold, 0) comes back negative.
+    "-softplus(threshold=-5)": (lambda x: -F.softplus(x, threshold=-5.0), "threshold -5.0"),
 }
 
 
@@ -97,7 +106,7 @@ def test_gates_the_pass_cannot_bound_keep_the_run_time_check(name):
     compiled = _compile(gates)
     q, k, v, x = _inputs(100)
     x = x.abs() + 1 if name != "logsigmoid / -16" else x  # every construction here then has a positive gate
-    x = -x if name == "-softplus(beta=-1)" else x
+    x = -x if name in ("-softplus(beta=-1)", "-softplus(threshold=-5)") else x
     with torch.no_grad():
         with pytest.raises(ValueError, match="gk must be <= 0 everywhere"):
             compiled(q, k, v, x)
@@ -160,3 +169,6 @@ def test_bounds_are_read_off_aten_graphs_too():
     assert bound_of_output(lambda x: torch.sigmoid(x) * x.exp()).sign == NONNEGATIVE
     unbounded = bound_of_output(lambda x: F.logsigmoid(x) - x)
     assert unbounded.sign is None and "comes from sub" in unbounded.how
+    # float -> int8 wraps out-of-range values (-1000 may come back positive): no cast to an integer keeps the sign.
+    wrapped = bound_of_output(lambda x: (F.logsigmoid(x) * 1000).to(torch.int8).float())
+    assert wrapped.sign is None and "is torch.int8, not floating point" in wrapped.how

@@ -11,12 +11,18 @@ gk back through the ops below and the sign each one guarantees; when the
 result can never be positive the re-tiling pass gives gk to the op
 unchecked, and the report's "gates" column shows the derivation.
 
-    sources     logsigmoid is <= 0; softplus (beta > 0), relu, exp, sigmoid, abs are >= 0
+    sources     logsigmoid is <= 0; relu, exp, sigmoid, abs and softplus (beta > 0,
+                threshold >= 0: its linear branch returns x above the threshold) are >= 0
     rules       neg flips the sign; times or over a finite positive number keeps it,
                 a negative one flips it; a product of two bounded factors has their
                 sign product; clamp / clamp_max with a max <= 0 is <= 0, and
                 clamp_min(x <= 0, c <= 0) stays <= 0
-    unchanged   views, reshapes, transposes, indexing, dtype casts, contiguous, clone
+    unchanged   views, reshapes, transposes, indexing, contiguous, clone, and casts
+                from one floating-point dtype to another
+    stops       any value that is not floating point (a cast to bool turns -0.5 into
+                True, to uint8 wraps it, to int8 wraps -1000), and a view that
+                reinterprets the bits as another dtype (the low half of a negative
+                float32 read as float16 can be positive)
 
 Before (a decode step of fla's GLA layer) and after the re-tiling pass:
 
@@ -42,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+
+from laplace_passes.fx_helpers import fake_value
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -90,6 +98,8 @@ _SAME_SIGN = _targets(
     aten.expand.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
     aten.slice.Tensor, aten.select.int,
 )
+_CASTS = _targets(aten._to_copy.default)
+_CAST_METHODS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
 _SAME_SIGN_METHODS = frozenset({
     "view", "reshape", "unflatten", "flatten", "transpose", "permute", "contiguous", "clone", "unsqueeze",
     "squeeze", "expand", "expand_as", "movedim", "float", "double", "half", "bfloat16", "to", "type",
@@ -113,19 +123,25 @@ def _bound(node, depth: int) -> Bound:
         return Bound(None, f"{node.name}: more than {MAX_DEPTH} ops from a source the pass can bound")
     target, args = node.target, node.args
     name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    dtype = getattr(fake_value(node), "dtype", None)
+    if dtype is None or not dtype.is_floating_point:  # every rule below is about real numbers
+        return Bound(None, f"{node.name} is {dtype or 'not a tensor with a known dtype'}, not floating point")
     if target in _NONPOSITIVE_SOURCES or (target == aten.log_sigmoid_forward.default):
         return Bound(NONPOSITIVE, "logsigmoid")
     if target in _NONNEGATIVE_SOURCES or (node.op == "call_method" and target in _NONNEGATIVE_METHODS):
         return Bound(NONNEGATIVE, name)
     if target in _SOFTPLUS:
-        beta = _argument(node, 1, "beta", 1.0)
-        if _finite_number(beta) and beta > 0:
+        beta, threshold = _argument(node, 1, "beta", 1.0), _argument(node, 2, "threshold", 20.0)
+        if _finite_number(beta) and beta > 0 and _finite_number(threshold) and threshold >= 0:
             return Bound(NONNEGATIVE, "softplus")
-        return Bound(None, f"{node.name}: softplus with beta {beta!r}")
+        return Bound(None, f"{node.name}: softplus with beta {beta!r} and threshold {threshold!r}")
     if target in _SAME_SIGN or (node.op == "call_method" and target in _SAME_SIGN_METHODS):
         if target is operator.getitem and _is_tuple_of_log_sigmoid(args[0]):
             # aten.log_sigmoid_forward returns (output, buffer): only the output is a logsigmoid.
             return Bound(NONPOSITIVE, "logsigmoid") if args[1] == 0 else Bound(None, "log_sigmoid_forward's buffer")
+        source_dtype = getattr(fake_value(args[0]), "dtype", None) if isinstance(args[0], torch.fx.Node) else None
+        if source_dtype != dtype and not (target in _CASTS or (node.op == "call_method" and target in _CAST_METHODS)):
+            return Bound(None, f"{node.name} reads {source_dtype} as {dtype}")
         return _bound(args[0], depth - 1)
     if target in _NEG or (node.op == "call_method" and target == "neg"):
         inner = _bound(args[0], depth - 1)
