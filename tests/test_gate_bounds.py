@@ -7,17 +7,28 @@ what that decision means at run time: a proven gate gives the eager op's
 results without a check, an unproven one still refuses a positive gate.
 """
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import laplace_passes
+import model_zoo
 from laplace_passes.compile_fx import fresh_code
+from laplace_passes.fx.in_place_writes import written_operands
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, NONPOSITIVE, gate_bound
 from tests.gla_cases import relative_rmse
 
 B, H, K, V = 1, 2, 4, 8
+
+def _write_before_the_source(x):
+    doubled = x.clone()
+    doubled.mul_(2.0)
+    return F.logsigmoid(doubled) / 16
+
 
 # name -> gates from x; each is <= 0 for every x (the pass must prove it).
 PROVEN = {
@@ -32,9 +43,69 @@ PROVEN = {
     "clamp(max=0)": (lambda x: x.clamp(max=0.0), "clamp(max=0.0)"),
     "clamp_min(logsigmoid / 16, -5), as fla's clamp_min": (
         lambda x: torch.clamp_min(F.logsigmoid(x) / 16, -5.0), "clamp(logsigmoid / 16, min=-5.0)"),
+    "torch.mul(other=0.5)": (lambda x: torch.mul(F.logsigmoid(x), other=0.5), "logsigmoid"),
+    "torch.div(other=16.0)": (lambda x: torch.div(F.logsigmoid(x), other=16.0), "logsigmoid / 16.0"),
+    "torch.neg(input=softplus)": (lambda x: torch.neg(input=F.softplus(x)), "-(softplus)"),
+    # An in-place write the gates do not read from leaves the proof standing.
+    "logsigmoid of a tensor written in place": (_write_before_the_source, "logsigmoid / 16"),
     "views and casts": (lambda x: F.logsigmoid(x.double()).transpose(1, 2).contiguous().transpose(1, 2).float(),
                         "logsigmoid"),
 }
+
+def _add_in_place(x):
+    gates = F.logsigmoid(x)
+    gates.add_(1.0)
+    return gates
+
+
+def _set_an_item(x):
+    gates = F.logsigmoid(x)
+    gates[..., 0] = 1.0
+    return gates
+
+
+def _add_through_a_view(x):
+    gates = F.logsigmoid(x) / 16
+    gates.view(-1).add_(5.0)
+    return gates
+
+
+def _add_through_data(x):
+    gates = F.logsigmoid(x) / 16
+    gates.data.add_(5.0)
+    return gates
+
+
+def _add_through_unbind(x):
+    gates = -F.softplus(x)
+    gates.unbind(1)[3].add_(50.0)
+    return gates
+
+
+def _copy_in(x):
+    gates = F.logsigmoid(x) / 16
+    gates.copy_(x)
+    return gates
+
+
+def _add_in_place_operator(x):
+    gates = F.logsigmoid(x) / 16
+    flat = gates.view(-1)
+    flat += 3.0  # `gates += 3.0` would rebind gates to the sum, which the pass does not bound anyway
+    return gates
+
+
+def _hardtanh_in_place(x):
+    gates = F.logsigmoid(x) / 16
+    F.hardtanh(gates, 1.0, 2.0, True)  # inplace given by position
+    return gates
+
+
+def _write_out(x):
+    gates = F.logsigmoid(x) / 16
+    torch.add(x, 1.0, out=gates)
+    return gates
+
 
 # name -> (gates from x, x making some gate positive, why the pass keeps the check)
 CHECKED = {
@@ -48,13 +119,27 @@ CHECKED = {
     "logsigmoid / a tensor": (lambda x: F.logsigmoid(x) / (x - 10), "not a finite non-zero number"),
     # Casts that do not keep the sign: a negative gate becomes True (1.0), or wraps around in uint8.
     "logsigmoid cast to bool": (lambda x: F.logsigmoid(x).to(torch.bool).float() * 0.5,
-                                "is torch.bool, not floating point"),
+                                "is torch.bool, not a signed floating-point dtype"),
     "-softplus cast to uint8": (lambda x: (-F.softplus(x)).to(torch.uint8).float() * 0.01, "is torch.uint8"),
     # The low half of a negative float32, read as float16, can be positive.
     "-softplus viewed as float16": (lambda x: (-F.softplus(x)).view(torch.float16)[..., ::2].float(),
                                     "reads torch.float32 as torch.float16"),
     # softplus returns x itself above its threshold: with a negative one, x in (threshold, 0) comes back negative.
     "-softplus(threshold=-5)": (lambda x: -F.softplus(x, threshold=-5.0), "threshold -5.0"),
+    # float8_e8m0fnu is floating point without a sign bit: -0.5 comes back as 0.5.
+    "logsigmoid through float8_e8m0fnu": (lambda x: F.logsigmoid(x).to(torch.float8_e8m0fnu).float(),
+                                          "is torch.float8_e8m0fnu, not a signed floating-point dtype"),
+    # The op reads what an in-place write leaves in the gates' memory, not the value the derivation bounds.
+    "logsigmoid, then add_": (_add_in_place, "add_ writes in place to gates, which shares memory with gates"),
+    "logsigmoid, then an item set": (_set_an_item, "setitem writes in place to gates"),
+    "logsigmoid / 16, then add_ through a view": (_add_through_a_view, "add_ writes in place to view"),
+    "logsigmoid / 16, then add_ through .data": (_add_through_data, "add_ writes in place to _get_data_attr"),
+    "-softplus, then add_ to one of its unbind": (_add_through_unbind, "add_ writes in place to getitem"),
+    "logsigmoid / 16, then copy_": (_copy_in, "copy_ writes in place to gates"),
+    "logsigmoid / 16, then +=": (_add_in_place_operator,
+                                 "iadd (flat_1) writes in place to flat, which shares memory with gates"),
+    "logsigmoid / 16, then out=": (_write_out, "add writes in place to gates"),
+    "logsigmoid / 16, then hardtanh(inplace)": (_hardtanh_in_place, "writes in place to gates"),
 }
 
 
@@ -171,4 +256,59 @@ def test_bounds_are_read_off_aten_graphs_too():
     assert unbounded.sign is None and "comes from sub" in unbounded.how
     # float -> int8 wraps out-of-range values (-1000 may come back positive): no cast to an integer keeps the sign.
     wrapped = bound_of_output(lambda x: (F.logsigmoid(x) * 1000).to(torch.int8).float())
-    assert wrapped.sign is None and "is torch.int8, not floating point" in wrapped.how
+    assert wrapped.sign is None and "is torch.int8, not a signed floating-point dtype" in wrapped.how
+
+
+def _traced(fn):
+    """`fn` as symbolic_trace records it (keywords as written), with fake values on every node."""
+    gm = torch.fx.symbolic_trace(fn)
+    FakeTensorProp(gm).propagate(torch.randn(3, 4))
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return output.args[0]
+
+
+def test_operands_given_by_keyword_are_read_and_missing_ones_decline():
+    assert gate_bound(_traced(lambda x: torch.mul(input=F.logsigmoid(x), other=0.5))).sign == NONPOSITIVE
+    assert gate_bound(_traced(lambda x: torch.div(F.logsigmoid(x), other=-4.0))).sign == NONNEGATIVE
+    assert gate_bound(_traced(lambda x: torch.neg(input=torch.exp(x)))).sign == NONPOSITIVE
+    assert gate_bound(_traced(lambda x: torch.clamp(input=F.logsigmoid(x), min=-3.0))).sign == NONPOSITIVE
+    half = _traced(lambda x: torch.mul(F.logsigmoid(x), 0.5))
+    half.args = (half.args[0],)  # the factor gone: nothing to bound it by
+    assert gate_bound(half).sign is None and gate_bound(half).how == "the constant None"
+    scaled = _traced(lambda x: F.logsigmoid(x) / 16.0)
+    scaled.args = (scaled.args[0],)
+    assert gate_bound(scaled).sign is None and "division by None" in gate_bound(scaled).how
+
+
+def test_a_scale_past_the_float_range_declines_instead_of_raising():
+    scaled = _traced(lambda x: F.logsigmoid(x) / 16.0)
+    scaled.args = (scaled.args[0], 10**400)  # math.isfinite raises OverflowError on this int
+    assert gate_bound(scaled).sign is None and "not a finite non-zero number" in gate_bound(scaled).how
+    product = _traced(lambda x: F.logsigmoid(x) * 2)
+    product.args = (product.args[0], -(10**400))
+    assert gate_bound(product).sign is None and gate_bound(product).how.startswith("the constant -1000")
+
+
+def test_operator_functions_named_like_in_place_ops_write_nothing():
+    """operator.not_ / and_ / or_ end in "_" for being keywords; only augmented assignments and setitem write."""
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    for target in (operator.not_, operator.and_, operator.or_, operator.is_):
+        assert written_operands(graph.call_function(target, (x, y) if target is not operator.not_ else (x,))) == []
+    assert written_operands(graph.call_function(operator.iadd, (x, y))) == [x]
+    assert written_operands(graph.call_function(operator.setitem, (x, 0, y))) == [x]
+    assert written_operands(graph.call_method("add_", (x, y))) == [x]
+
+
+def test_a_model_recompiled_with_a_dynamic_length_keeps_its_proof():
+    """Dynamo's second length makes T symbolic; the graph then holds `not_(s0 == 2048)`-style guards on sizes."""
+    model = model_zoo.build("tiny")
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", options={"target": "cpu", "report": report})
+    with torch.no_grad():
+        for T in (20, 30):
+            compiled(torch.randint(0, 128, (1, T)))
+    dynamic_graph = report.graph("before", "dynamo_1").graph
+    assert any(n.target is operator.not_ for n in dynamic_graph.nodes)  # the case this test is about
+    assert len(report.sites) == 4
+    assert all(site.gates == "<= 0 by construction: logsigmoid / 16.0" for site in report.sites), report.sites

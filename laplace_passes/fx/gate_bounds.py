@@ -19,10 +19,14 @@ unchecked, and the report's "gates" column shows the derivation.
                 clamp_min(x <= 0, c <= 0) stays <= 0
     unchanged   views, reshapes, transposes, indexing, contiguous, clone, and casts
                 from one floating-point dtype to another
-    stops       any value that is not floating point (a cast to bool turns -0.5 into
-                True, to uint8 wraps it, to int8 wraps -1000), and a view that
-                reinterprets the bits as another dtype (the low half of a negative
-                float32 read as float16 can be positive)
+    stops       any value that is not a signed floating-point dtype (a cast to bool
+                turns -0.5 into True, to uint8 wraps it, to int8 wraps -1000;
+                float8_e8m0fnu has no sign), a view that reinterprets the bits as
+                another dtype (the low half of a negative float32 read as float16
+                can be positive), and an in-place write anywhere in the graph to
+                memory a step of the derivation lives in (``g.view(-1).add_(5)``,
+                ``g[..., 0] = 1``, ``copy_``, ``out=``, ``.data``: the op would read
+                the written values; `laplace_passes.fx.in_place_writes`)
 
 Before (a decode step of fla's GLA layer) and after the re-tiling pass:
 
@@ -32,11 +36,13 @@ Before (a decode step of fla's GLA layer) and after the re-tiling pass:
     # after: no check_gates node
     gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, gk, state, 0.25, 'reduce')
 
-What is given up: every rule holds for every value but NaN, so a NaN gate
-(which only a NaN upstream produces: logsigmoid(NaN)) reaches the op
-unrefused. The chunked and recurrent forms then give NaN from that token on
-in that channel, exactly where the token recurrence has NaN
-(`tests/test_gate_bounds.py`). Gates the rules cannot bound (a graph input,
+What is given up: every rule holds for every value but NaN, and a proven
+gate is not checked for NaN. A NaN gate, from a NaN input (logsigmoid(NaN))
+or from the gate's own arithmetic (0 * inf, as logsigmoid(x) * exp(x) gives
+for a large x; 0 / 0, as a divisor of 1e-300 that rounds to 0 in float32
+gives), reaches the op unrefused, and the chunked and recurrent forms give
+NaN from that token on in that channel, exactly where the token recurrence
+has NaN (`tests/test_gate_bounds.py`). Gates the rules cannot bound (a graph input,
 a sum, anything not listed) keep their check.
 """
 
@@ -49,12 +55,19 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from laplace_passes.fx.in_place_writes import is_tensor_free, storage_of, written_operands
 from laplace_passes.fx_helpers import fake_value
 
 aten = torch.ops.aten
 F = torch.nn.functional
 
 NONPOSITIVE, NONNEGATIVE = -1, 1
+
+# The dtypes whose values the sign rules are about: float8_e8m0fnu is floating point but has no sign bit.
+SIGNED_FLOATS = frozenset({
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+    torch.float8_e5m2, torch.float8_e5m2fnuz,
+})
 
 # How far back through sign-preserving ops the search goes: a gate is a few ops from its source.
 MAX_DEPTH = 24
@@ -109,10 +122,36 @@ _SAME_SIGN_METHODS = frozenset({
 
 def gate_bound(node: torch.fx.Node | object) -> Bound:
     """Whether `node` (the gates of a site) is <= 0, or >= 0, for every non-NaN value; and how."""
-    return _bound(node, MAX_DEPTH)
+    derivation: list[torch.fx.Node] = []
+    bound = _bound(node, MAX_DEPTH, derivation)
+    if bound.sign is None or not isinstance(node, torch.fx.Node):
+        return bound
+    overwritten = _overwritten(derivation, node.graph)
+    return bound if overwritten is None else Bound(None, overwritten)
 
 
-def _bound(node, depth: int) -> Bound:
+def _overwritten(derivation: list[torch.fx.Node], graph: torch.fx.Graph) -> str | None:
+    """Why the bound no longer holds when the graph writes in place to memory a step of it lives in."""
+    steps = {storage_of(step): step for step in derivation}
+    for node in graph.nodes:
+        for written in written_operands(node):
+            if not isinstance(written, torch.fx.Node) or is_tensor_free(written):
+                continue
+            storage = storage_of(written)
+            op = _op_name(node)
+            writer = f"{op}{'' if node.name == op else f' ({node.name})'} writes in place to {written.name}"
+            if storage is None:
+                return f"{writer}, whose memory the pass cannot tell"
+            if storage in steps:
+                return f"{writer}, which shares memory with {steps[storage].name}"
+    return None
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _bound(node, depth: int, derivation: list) -> Bound:
     if not isinstance(node, torch.fx.Node):
         return _number_bound(node)
     if node.op == "placeholder":
@@ -121,63 +160,72 @@ def _bound(node, depth: int) -> Bound:
         return Bound(None, f"{node.name} comes from {node.op} {node.target}")
     if depth == 0:
         return Bound(None, f"{node.name}: more than {MAX_DEPTH} ops from a source the pass can bound")
-    target, args = node.target, node.args
-    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    derivation.append(node)
+    target, method, name = node.target, node.op == "call_method", _op_name(node)
     dtype = getattr(fake_value(node), "dtype", None)
-    if dtype is None or not dtype.is_floating_point:  # every rule below is about real numbers
-        return Bound(None, f"{node.name} is {dtype or 'not a tensor with a known dtype'}, not floating point")
+    if dtype not in SIGNED_FLOATS:  # every rule below is about signed real numbers
+        return Bound(None, f"{node.name} is {dtype or 'not a tensor with a known dtype'}, not a signed floating-point "
+                           "dtype")
     if target in _NONPOSITIVE_SOURCES or (target == aten.log_sigmoid_forward.default):
         return Bound(NONPOSITIVE, "logsigmoid")
-    if target in _NONNEGATIVE_SOURCES or (node.op == "call_method" and target in _NONNEGATIVE_METHODS):
+    if target in _NONNEGATIVE_SOURCES or (method and target in _NONNEGATIVE_METHODS):
         return Bound(NONNEGATIVE, name)
     if target in _SOFTPLUS:
         beta, threshold = _argument(node, 1, "beta", 1.0), _argument(node, 2, "threshold", 20.0)
         if _finite_number(beta) and beta > 0 and _finite_number(threshold) and threshold >= 0:
             return Bound(NONNEGATIVE, "softplus")
         return Bound(None, f"{node.name}: softplus with beta {beta!r} and threshold {threshold!r}")
-    if target in _SAME_SIGN or (node.op == "call_method" and target in _SAME_SIGN_METHODS):
-        if target is operator.getitem and _is_tuple_of_log_sigmoid(args[0]):
-            # aten.log_sigmoid_forward returns (output, buffer): only the output is a logsigmoid.
-            return Bound(NONPOSITIVE, "logsigmoid") if args[1] == 0 else Bound(None, "log_sigmoid_forward's buffer")
-        source_dtype = getattr(fake_value(args[0]), "dtype", None) if isinstance(args[0], torch.fx.Node) else None
-        if source_dtype != dtype and not (target in _CASTS or (node.op == "call_method" and target in _CAST_METHODS)):
-            return Bound(None, f"{node.name} reads {source_dtype} as {dtype}")
-        return _bound(args[0], depth - 1)
-    if target in _NEG or (node.op == "call_method" and target == "neg"):
-        inner = _bound(args[0], depth - 1)
+    if target in _SAME_SIGN or (method and target in _SAME_SIGN_METHODS):
+        return _same_sign(node, dtype, depth, derivation)
+    if target in _NEG or (method and target == "neg"):
+        inner = _bound(_argument(node, 0, "input", None), depth - 1, derivation)
         return Bound(-inner.sign, f"-({inner.how})") if inner.sign else inner
-    if target in _MUL or (node.op == "call_method" and target == "mul"):
-        return _product(node, depth)
-    if target in _DIV or (node.op == "call_method" and target == "div"):
-        return _quotient(node, depth)
+    if target in _MUL or (method and target == "mul"):
+        return _product(node, depth, derivation)
+    if target in _DIV or (method and target == "div"):
+        return _quotient(node, depth, derivation)
     if target in _CLAMP or target in _CLAMP_MAX or target in _CLAMP_MIN or (
-            node.op == "call_method" and target in ("clamp", "clip", "clamp_max", "clamp_min")):
-        return _clamp(node, depth)
+            method and target in ("clamp", "clip", "clamp_max", "clamp_min")):
+        return _clamp(node, depth, derivation)
     return Bound(None, f"{node.name} comes from {name}, whose sign the pass does not bound")
 
 
-def _product(node: torch.fx.Node, depth: int) -> Bound:
-    left, right = (_bound(a, depth - 1) for a in node.args[:2])
+def _same_sign(node: torch.fx.Node, dtype: torch.dtype, depth: int, derivation: list) -> Bound:
+    """A view, copy or cast: the sign of its input, unless it reads the input's bits as another dtype."""
+    source = _argument(node, 0, "input", None)
+    if node.target is operator.getitem and _is_tuple_of_log_sigmoid(source):
+        # aten.log_sigmoid_forward returns (output, buffer): only the output is a logsigmoid.
+        return Bound(NONPOSITIVE, "logsigmoid") if node.args[1] == 0 else Bound(None, "log_sigmoid_forward's buffer")
+    source_dtype = getattr(fake_value(source), "dtype", None) if isinstance(source, torch.fx.Node) else None
+    cast = node.target in _CASTS or (node.op == "call_method" and node.target in _CAST_METHODS)
+    if source_dtype != dtype and not cast:
+        return Bound(None, f"{node.name} reads {source_dtype} as {dtype}")
+    return _bound(source, depth - 1, derivation)
+
+
+def _product(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
+    factors = (_argument(node, 0, "input", None), _argument(node, 1, "other", None))
+    left, right = (_bound(factor, depth - 1, derivation) for factor in factors)
     if left.sign and right.sign:
         return Bound(left.sign * right.sign, f"({left.how}) * ({right.how})")
     return left if not left.sign else right
 
 
-def _quotient(node: torch.fx.Node, depth: int) -> Bound:
+def _quotient(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
     if node.kwargs.get("rounding_mode") is not None:  # floor / trunc division of a gate: not a scaling
         return Bound(None, f"{node.name}: division with rounding_mode {node.kwargs['rounding_mode']!r}")
-    divisor = node.args[1]
+    divisor = _argument(node, 1, "other", None)
     if isinstance(divisor, torch.fx.Node) or not (_finite_number(divisor) and divisor != 0):
         return Bound(None, f"{node.name}: division by {getattr(divisor, 'name', divisor)!r}, not a finite "
                            "non-zero number")
-    dividend = _bound(node.args[0], depth - 1)
+    dividend = _bound(_argument(node, 0, "input", None), depth - 1, derivation)
     if not dividend.sign:
         return dividend
     return Bound(dividend.sign * (1 if divisor > 0 else -1), f"{dividend.how} / {divisor!r}")
 
 
-def _clamp(node: torch.fx.Node, depth: int) -> Bound:
-    method = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+def _clamp(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
+    method = _op_name(node)
     if "clamp_max" in method:
         low, high = None, _argument(node, 1, "max", None)
     elif "clamp_min" in method:
@@ -186,7 +234,7 @@ def _clamp(node: torch.fx.Node, depth: int) -> Bound:
         low, high = _argument(node, 1, "min", None), _argument(node, 2, "max", None)
     if _finite_number(high) and high <= 0:
         return Bound(NONPOSITIVE, f"clamp(max={high!r})")
-    inner = _bound(node.args[0], depth - 1)
+    inner = _bound(_argument(node, 0, "input", None), depth - 1, derivation)
     if high is None and inner.nonpositive and (low is None or (_finite_number(low) and low <= 0)):
         return Bound(NONPOSITIVE, f"clamp({inner.how}, min={low!r})")
     return Bound(None, f"{node.name}: clamp(min={getattr(low, 'name', low)!r}, max={getattr(high, 'name', high)!r}) "
@@ -194,6 +242,7 @@ def _clamp(node: torch.fx.Node, depth: int) -> Bound:
 
 
 def _argument(node: torch.fx.Node, index: int, name: str, default):
+    """Argument `index` of `node`, or its keyword `name` (`torch.mul(a, other=0.5)`), or `default`."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
@@ -204,7 +253,12 @@ def _is_tuple_of_log_sigmoid(node) -> bool:
 
 
 def _finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range: a scale the pass will not reason about
+        return False
 
 
 def _number_bound(value) -> Bound:

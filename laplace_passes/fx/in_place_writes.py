@@ -1,0 +1,120 @@
+"""Which tensors a node of an FX graph writes in place, and which memory they share.
+
+A proof about a value read off the graph (NOTE [gates proven <= 0]) holds
+for the value the graph computed, not for what a later in-place write leaves
+in its memory: after ``g = F.logsigmoid(x); g.view(-1).add_(5.0)`` Dynamo
+still hands the GLA op the node ``g``. The writes come in many spellings,
+and Dynamo graphs, AOT graphs and make_fx graphs use different ones:
+
+    call_method   add_, copy_, ... (a name ending in one "_"), __setitem__, __iadd__, ...
+    call_function operator.setitem, operator.iadd, ...; torch.relu_ and other names
+                  ending in one "_"; out=...; inplace=True; an OpOverload whose
+                  schema marks an argument written (aten.copy_, aten.index_put_, ...)
+    call_module   a module may write to any of its inputs
+
+Which tensors alias which is read off the nodes' fake tensors, whose views
+(and ``.data``) share their base's fake storage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from laplace_passes.fx_helpers import fake_tensor, fake_value, tensor_values
+
+_IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.imatmul,
+})
+_OPERATOR_MODULES = frozenset({operator.__name__, operator.not_.__module__})  # "operator", "_operator"
+_IN_PLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _IN_PLACE_OPERATORS)
+
+
+def written_operands(node: torch.fx.Node) -> list:
+    """The arguments of `node` it writes in place (nodes, or other values when it writes to those)."""
+    written = list(tree_leaves(node.kwargs["out"])) if node.kwargs.get("out") is not None else []
+    if node.op == "call_module":
+        return written + list(node.all_input_nodes)
+    if node.op == "call_method":
+        if _in_place_name(node.target) or node.target in _IN_PLACE_DUNDERS:
+            written.append(node.args[0])
+        return written
+    if node.op != "call_function":
+        return written
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return written + _schema_writes(node, target._schema)
+    # operator.not_, and_, or_, is_ end in "_" for being keywords, not for writing: of the operator
+    # module only the augmented assignments and setitem write.
+    name = "" if getattr(target, "__module__", None) in _OPERATOR_MODULES else getattr(target, "__name__", "")
+    if target in _IN_PLACE_OPERATORS or _in_place_name(name) or _asks_in_place(node):
+        written.append(node.args[0] if node.args else node.kwargs.get("input"))
+    return written
+
+
+def is_tensor_free(value) -> bool:
+    """Whether `value` (a node) is known to hold no tensor (a SymBool, SymInt, number): nothing to alias."""
+    fake = fake_value(value) if isinstance(value, torch.fx.Node) else value
+    return fake is not None and not tensor_values(fake)
+
+
+def storage_of(value) -> StorageWeakRef | None:
+    """The memory `value` (a node) lives in, by its fake tensor; None when unknown."""
+    fake = fake_tensor(value)
+    if fake is None:
+        return None
+    try:
+        return StorageWeakRef(fake.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # a tensor subclass without a storage
+        return None
+
+
+def _in_place_name(name) -> bool:
+    """`add_`, `relu_`, `_foreach_mul_`: PyTorch's spelling of an in-place op (a dunder is not one)."""
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _asks_in_place(node: torch.fx.Node) -> bool:
+    """`F.relu(x, inplace=True)`, `F.dropout(x, 0.1, True, True)`: an `inplace` argument set."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    signature = _signature_with_inplace(node.target)
+    if signature is None:
+        return False
+    try:
+        return signature.bind(*node.args, **node.kwargs).arguments.get("inplace") is True
+    except TypeError:  # arguments the function would not take: Dynamo does not record such a call
+        return False
+
+
+_SIGNATURES: dict = {}
+
+
+def _signature_with_inplace(target) -> inspect.Signature | None:
+    """`target`'s signature when it has an `inplace` parameter; looked up once per target (graphs are large)."""
+    key = id(target)
+    if key not in _SIGNATURES:
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):  # a builtin without a signature
+            signature = None
+        keep = signature is not None and "inplace" in signature.parameters
+        _SIGNATURES[key] = (target, signature if keep else None)  # the target kept alive: its id stays unique
+    return _SIGNATURES[key][1]
+
+
+def _schema_writes(node: torch.fx.Node, schema) -> list:
+    written = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+        written.extend(tree_leaves(value))
+    return written
