@@ -12,7 +12,7 @@ each timed over `--steps` greedy steps exactly as `model.generate` runs them:
 - eager:    ``decode="eager"``, the model's forward per step (the reference op per layer);
 - compiled: ``decode="compiled"`` (the default on CPU), one `model_zoo.decode.DecodeStep`
   call per step, every layer in one graph through ``backend="laplace"``, the states
-  in one buffer updated in place. tiny's gates are logsigmoid(x) / 16, <= 0 by
+  in a buffer per layer updated in place. tiny's gates are logsigmoid(x) / 16, <= 0 by
   construction, so the step has no run-time gate check (NOTE [gates proven <= 0]);
 - checked (with ``--gate-checks``): the same compiled step with ``gate_checks="always"``,
   which checks every layer's gates at run time; the speed-up of leaving the check out

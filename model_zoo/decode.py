@@ -1,17 +1,28 @@
-"""Batched decode through one compiled step: every layer in one graph, the state updated in place.
+"""Batched decode through one compiled step: every layer in one graph, each layer's state updated in place.
 
     step = DecodeStep(model)                      # compiled on first call: backend="laplace", target "cpu"
-    states = step.state_buffer(prefill_states)    # [layers, B, H, K, V] fp32, allocated once
-    logits = step(next_tokens, states)            # [B, vocab]; `states` now holds the next state
+    states = step.state_buffer(prefill_states)    # one [B, H, K, V] fp32 buffer per layer, allocated once
+    logits = step(next_tokens, states)            # [B, vocab]; each buffer now holds its layer's next state
 
 The step is the model's own forward on one token per sequence, traced by
 Dynamo into one graph. Its GLA sites are T = 1 without gradient, so the
 re-tiling pass gives them the recurrent form (NOTE [short sites] in
 `laplace_passes.fx.retile`): one state update per layer, no chunk padding.
-The new states are written back into the buffer the caller passed (a
-trailing ``copy_`` that Inductor turns into kernels writing the buffer), so
-a decode loop allocates no state after its first step and calls Python once
-per step, not once per layer.
+Each layer's new state is written back into that layer's buffer (a
+trailing ``copy_`` per layer), so a decode loop allocates no state after
+its first step and calls Python once per step, not once per layer.
+
+NOTE [one buffer per layer]: the buffers are separate tensors, not slices
+of one ``[layers, B, H, K, V]`` tensor. With one tensor, Inductor writes
+the stacked next states as one kernel over the whole tensor that also reads
+the other layers' slices of it, so it cannot write in place: it computed
+the states into a fresh temporary and copied that into the buffer (at 1280
+sequences of `tiny`, 21 MB allocated, written, read and written again per
+step: 2.5 of 4.9 ms). With a buffer per layer, each layer's kernel reads
+its state once, writes the next state into the same buffer and computes
+the readout from it in the same loop (`tests/test_decode_step.py` checks
+that no state-sized temporary is allocated; `benchmarks/bench_decode.py`
+measures the step).
 
 Batch sizes: the batch dimension is marked dynamic for B >= 2, so every
 batch of two or more sequences shares one graph; B = 1 gets a graph of its
@@ -30,8 +41,9 @@ from torch import Tensor
 import laplace_passes
 from laplace_passes.compile_fx import fresh_code
 
-# The state of one layer is [B, H, K, V]; the buffer stacks the layers in front.
-BATCH_DIM_OF_BUFFER = 1
+# A layer's state is [B, H, K, V].
+BATCH_DIM = 0
+STATE_DIMS = 4
 
 
 class DecodeStep:
@@ -54,30 +66,43 @@ class DecodeStep:
             fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report, **options
         )
 
-    def _step(self, tokens: Tensor, states: Tensor) -> Tensor:
-        """What the graph computes: logits of the next token, and `states` replaced by the next states."""
-        logits, new_states = self.model(tokens[:, None], initial_states=list(states.unbind(0)),
-                                        output_final_states=True)
-        states.copy_(torch.stack(new_states))
+    def _step(self, tokens: Tensor, states: list[Tensor]) -> Tensor:
+        """What the graph computes: logits of the next token, and each buffer replaced by its next state."""
+        logits, new_states = self.model(tokens[:, None], initial_states=list(states), output_final_states=True)
+        for buffer, new_state in zip(states, new_states, strict=True):
+            buffer.copy_(new_state)
         return logits[:, -1]
 
     @staticmethod
-    def state_buffer(states: Sequence[Tensor]) -> Tensor:
-        """The per-layer states (a prefill's) copied into one fresh ``[layers, B, H, K, V]`` fp32 buffer."""
-        return torch.stack([s.float() for s in states])
+    def state_buffer(states: Sequence[Tensor]) -> list[Tensor]:
+        """The per-layer states (a prefill's) copied into fresh fp32 buffers, one per layer."""
+        return [s.float().clone(memory_format=torch.contiguous_format) for s in states]
 
     @torch.no_grad()
-    def __call__(self, tokens: Tensor, states: Tensor) -> Tensor:
-        """Logits ``[B, vocab]`` for `tokens` ``[B]``; `states` (from `state_buffer`) is advanced in place."""
-        if tokens.dim() != 1 or states.dim() != 5 or states.shape[BATCH_DIM_OF_BUFFER] != tokens.shape[0]:
-            raise ValueError(f"expected tokens [B] and states [layers, B, H, K, V] with the same B, got "
-                             f"{tuple(tokens.shape)} and {tuple(states.shape)}")
+    def __call__(self, tokens: Tensor, states: Sequence[Tensor]) -> Tensor:
+        """Logits ``[B, vocab]`` for `tokens` ``[B]``; each buffer of `states` (`state_buffer`) is advanced in place."""
+        _check_step_inputs(tokens, states)
         tokens = tokens.contiguous()  # a column of a [B, T] batch would recompile for its strides
+        states = list(states)
         if tokens.shape[0] > 1:  # one graph for every B >= 2 (B = 1 is specialised by torch)
             torch._dynamo.mark_dynamic(tokens, 0)
-            torch._dynamo.mark_dynamic(states, BATCH_DIM_OF_BUFFER)
+            for buffer in states:
+                torch._dynamo.mark_dynamic(buffer, BATCH_DIM)
         return self._compiled(tokens, states)
 
     def graphs_compiled(self) -> int:
         """Dynamo graphs compiled so far (each batch-size class and each recompile adds one)."""
         return sum(1 for g in self.report.graphs if g.kind == "dynamo")
+
+
+def _check_step_inputs(tokens: Tensor, states: Sequence[Tensor]) -> None:
+    if not isinstance(states, (list, tuple)) or not all(isinstance(s, Tensor) for s in states):
+        raise ValueError(f"states must be a list of per-layer [B, H, K, V] buffers (from state_buffer), got "
+                         f"{type(states).__name__}{f' of shape {tuple(states.shape)}' if isinstance(states, Tensor) else ''}")
+    shapes = [tuple(s.shape) for s in states]
+    if tokens.dim() != 1 or not states or any(len(shape) != STATE_DIMS or shape[BATCH_DIM] != tokens.shape[0]
+                                              for shape in shapes):
+        raise ValueError(f"expected tokens [B] and one [B, H, K, V] state buffer per layer with the same B, got "
+                         f"tokens {tuple(tokens.shape)} and states {shapes}")
+    if any(s.dtype != torch.float32 for s in states):
+        raise ValueError(f"state buffers must be float32 (state_buffer makes them), got {[s.dtype for s in states]}")

@@ -11,7 +11,7 @@ continues from the states it returns.
 Decode (``decode=``):
 - "compiled": each step is one call of a `model_zoo.decode.DecodeStep`,
   the whole model compiled through ``backend="laplace"`` (target "cpu",
-  Inductor), with the states in one buffer updated in place. The step is
+  Inductor), each layer's state in a buffer of its own updated in place. The step is
   kept on the model (``model.decode_step``), so later calls reuse its
   graphs: one for a single sequence, one for every larger batch.
 - "eager": the model's forward per step, the reference op per layer.

@@ -1,8 +1,11 @@
 """The compiled decode step: same tokens and logits as the eager reference, the state of the token
 recurrence after N steps, updated in place, and no recompile per step or per batch size."""
 
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import model_zoo
 from model_zoo.decode import DecodeStep
@@ -37,16 +40,40 @@ def test_state_after_n_steps_is_the_token_recurrence_updated_in_place(model):
     step = model.decode_step
     with torch.no_grad():
         logits, states = model(ids[:, :2], output_final_states=True)
-        buffer = step.state_buffer(states)
-        storage = buffer.data_ptr()
+        buffers = step.state_buffer(states)
+        storages = [b.data_ptr() for b in buffers]
         for t in range(2, ids.shape[1]):
-            step_logits = step(ids[:, t], buffer)
+            step_logits = step(ids[:, t], buffers)
         assert step.graphs_compiled() == 1  # the graph the test above compiled, for B = 3
         # The reference: the whole sequence through the model eagerly, one `laplace::gla` per layer.
         full_logits, full_states = model(ids, output_final_states=True)
-    assert buffer.data_ptr() == storage
-    torch.testing.assert_close(buffer, torch.stack(full_states), **TIGHT)
+    assert [b.data_ptr() for b in buffers] == storages
+    assert len(buffers) == len(full_states) == 2
+    for buffer, state in zip(buffers, full_states):
+        torch.testing.assert_close(buffer, state, **TIGHT)
     torch.testing.assert_close(step_logits, full_logits[:, -1], **TIGHT)
+
+
+def test_the_kernels_write_each_state_buffer_without_a_temporary():
+    """NOTE [one buffer per layer]: no state-sized tensor is allocated; the state kernels write the buffers."""
+    torch.manual_seed(2)
+    tiny = model_zoo.build("tiny").eval()
+    step = DecodeStep(tiny)
+    with torch.no_grad():
+        buffers = step.state_buffer(tiny(prompt(3, 4), output_final_states=True)[1])
+    _, codes = run_and_get_code(step, torch.ones(3, dtype=torch.long), buffers)
+    (code,) = codes
+    H, K, V = buffers[0].shape[1:]
+    allocations = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
+    assert allocations, "the generated code's allocations were not found: the check below would pass vacuously"
+    state_sized = [a for a in allocations if a.replace(" ", "").endswith(f"{H},{K},{V}")]
+    assert state_sized == [], f"state-sized temporaries: {state_sized}"
+    # Each buffer is both read and written by one kernel call (in place), not filled by a copy of another.
+    calls = re.findall(r"cpp_fused_\w+\(([^)]*)\)", code)
+    graph_inputs = re.findall(r"assert_size_stride\((arg\d+_1), \(s\d+, %d, %d, %d\)" % (H, K, V), code)
+    assert len(graph_inputs) == 2
+    for name in graph_inputs:
+        assert any(call.split(", ").count(name) == 2 for call in calls), name
 
 
 def test_no_recompile_per_step_or_per_batch_size():
@@ -54,9 +81,9 @@ def test_no_recompile_per_step_or_per_batch_size():
     step = DecodeStep(model_zoo.build("tiny", num_layers=1).eval(), inner="eager")
     counts = []
     for batch in (2, 3, 5, 1, 4, 1):
-        buffer = torch.zeros(1, batch, 2, 16, 32)
+        buffers = [torch.zeros(batch, 2, 16, 32)]
         for _ in range(3):
-            step(torch.ones(batch, dtype=torch.long), buffer)
+            step(torch.ones(batch, dtype=torch.long), buffers)
         counts.append(step.graphs_compiled())
     # One graph for every batch of two or more, one for a single sequence; none per step.
     assert counts == [1, 1, 1, 2, 2, 2]
@@ -70,7 +97,7 @@ def test_decode_steps_of_two_models_are_each_compiled():
         for seed in range(2):
             torch.manual_seed(seed)
             step = DecodeStep(model_zoo.build("tiny", num_layers=1, hidden_size=32).eval(), inner="eager")
-            step(torch.ones(2, dtype=torch.long), torch.zeros(1, 2, 2, 8, 16))
+            step(torch.ones(2, dtype=torch.long), [torch.zeros(2, 2, 8, 16)])
             assert step.graphs_compiled() == 1
 
 
@@ -93,5 +120,13 @@ def test_compiled_decode_needs_a_decode_step():
 def test_bad_arguments(model):
     with pytest.raises(ValueError, match="decode must be one of"):
         model.generate(prompt(1, 2), 1, decode="fast")
+    step, tokens = model.decode_step, torch.ones(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"one \[B, H, K, V\] state buffer per layer with the same B, got tokens "
+                                         r"\(2,\) and states \[\(2, 2, 16, 32\), \(3, 2, 16, 32\)\]"):
+        step(tokens, [torch.zeros(2, 2, 16, 32), torch.zeros(3, 2, 16, 32)])
+    with pytest.raises(ValueError, match=r"a list of per-layer .* got Tensor of shape \(2, 2, 2, 16, 32\)"):
+        step(tokens, torch.zeros(2, 2, 2, 16, 32))  # one stacked tensor is not the buffers
     with pytest.raises(ValueError, match="same B"):
-        model.decode_step(torch.ones(2, dtype=torch.long), torch.zeros(2, 3, 2, 16, 32))
+        step(tokens, [])
+    with pytest.raises(ValueError, match="must be float32"):
+        step(tokens, [torch.zeros(2, 2, 16, 32, dtype=torch.float64)] * 2)
