@@ -97,8 +97,8 @@ class DecodeStep:
 
 def _check_step_inputs(tokens: Tensor, states: Sequence[Tensor]) -> None:
     if not isinstance(states, (list, tuple)) or not all(isinstance(s, Tensor) for s in states):
-        raise ValueError(f"states must be a list of per-layer [B, H, K, V] buffers (from state_buffer), got "
-                         f"{type(states).__name__}{f' of shape {tuple(states.shape)}' if isinstance(states, Tensor) else ''}")
+        given = f"a tensor of shape {tuple(states.shape)}" if isinstance(states, Tensor) else type(states).__name__
+        raise ValueError(f"states must be a list of per-layer [B, H, K, V] buffers (from state_buffer), got {given}")
     shapes = [tuple(s.shape) for s in states]
     if tokens.dim() != 1 or not states or any(len(shape) != STATE_DIMS or shape[BATCH_DIM] != tokens.shape[0]
                                               for shape in shapes):
@@ -106,3 +106,9 @@ def _check_step_inputs(tokens: Tensor, states: Sequence[Tensor]) -> None:
                          f"tokens {tuple(tokens.shape)} and states {shapes}")
     if any(s.dtype != torch.float32 for s in states):
         raise ValueError(f"state buffers must be float32 (state_buffer makes them), got {[s.dtype for s in states]}")
+    first_with = {}
+    for layer, buffer in enumerate(states):  # one buffer given twice: a layer's state would overwrite another's
+        earlier = first_with.setdefault(buffer.data_ptr(), layer)
+        if earlier != layer:
+            raise ValueError(f"states[{earlier}] and states[{layer}] are the same memory: each layer needs a "
+                             "buffer of its own (state_buffer makes them)")

@@ -124,9 +124,12 @@ def test_bad_arguments(model):
     with pytest.raises(ValueError, match=r"one \[B, H, K, V\] state buffer per layer with the same B, got tokens "
                                          r"\(2,\) and states \[\(2, 2, 16, 32\), \(3, 2, 16, 32\)\]"):
         step(tokens, [torch.zeros(2, 2, 16, 32), torch.zeros(3, 2, 16, 32)])
-    with pytest.raises(ValueError, match=r"a list of per-layer .* got Tensor of shape \(2, 2, 2, 16, 32\)"):
+    with pytest.raises(ValueError, match=r"a list of per-layer .* got a tensor of shape \(2, 2, 2, 16, 32\)"):
         step(tokens, torch.zeros(2, 2, 2, 16, 32))  # one stacked tensor is not the buffers
     with pytest.raises(ValueError, match="same B"):
         step(tokens, [])
     with pytest.raises(ValueError, match="must be float32"):
         step(tokens, [torch.zeros(2, 2, 16, 32, dtype=torch.float64)] * 2)
+    shared = torch.zeros(2, 2, 16, 32)
+    with pytest.raises(ValueError, match=r"states\[0\] and states\[1\] are the same memory"):
+        step(tokens, [shared, shared])
