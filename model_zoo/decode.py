@@ -76,7 +76,7 @@ class DecodeStep:
     @staticmethod
     def state_buffer(states: Sequence[Tensor]) -> list[Tensor]:
         """The per-layer states (a prefill's) copied into fresh fp32 buffers, one per layer."""
-        return [s.float().clone(memory_format=torch.contiguous_format) for s in states]
+        return [s.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for s in states]
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor, states: Sequence[Tensor]) -> Tensor:

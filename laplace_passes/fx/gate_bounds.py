@@ -138,12 +138,13 @@ def _overwritten(derivation: list[torch.fx.Node], graph: torch.fx.Graph) -> str 
             if not isinstance(written, torch.fx.Node) or is_tensor_free(written):
                 continue
             storage = storage_of(written)
+            if storage is not None and storage not in steps:
+                continue
             op = _op_name(node)
             writer = f"{op}{'' if node.name == op else f' ({node.name})'} writes in place to {written.name}"
-            if storage is None:
-                return f"{writer}, whose memory the pass cannot tell"
-            if storage in steps:
-                return f"{writer}, which shares memory with {steps[storage].name}"
+            why = ("whose memory the pass cannot tell" if storage is None
+                   else f"which shares memory with {steps[storage].name}")
+            return f"{writer}, {why}"
     return None
 
 
