@@ -3,6 +3,6 @@
 torch reads TORCH_LOGS when it is imported, before any plugin, and accepts
 only names it registered itself or importable modules. This empty module
 makes `laplace` importable, so torch accepts the name and configures the
-"laplace" logger, under which `laplace_passes.logs` logs. Nothing else
+"laplace" logger, under which `laplace_passes.infra.logs` logs. Nothing else
 imports it; there is nothing in it to use.
 """

@@ -19,7 +19,7 @@ eager reference is tests/fla_reference.py). Measured side by side in one run:
   compiled: milliseconds per forward on this CPU (target cpu; B = 64, the
   tiny model's heads), and trn2's estimated instructions (`laplace_passes.unroll.size`,
   also for the 1.3B shape); where the chunked form starts to win sets
-  `recurrent_max_tokens` in `laplace_passes.targets`.
+  `recurrent_max_tokens` in `laplace_passes.infra.targets`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 import laplace_passes
 from benchmarks.common import interleaved_medians, once
-from laplace_passes.targets import CPU, TRN2
+from laplace_passes.infra.targets import CPU, TRN2
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=128)
 CONCURRENCY = (1, 64, 1280)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from benchmarks.common import interleaved_samples, once
 import laplace_passes
 from laplace_passes import chunked_gla, gla
-from laplace_passes.targets import CPU
+from laplace_passes.infra.targets import CPU
 
 # The dense fp32 matmul every rate is compared with, timed in the same rounds.
 MATMUL_SIZE = 2048

@@ -46,7 +46,7 @@ import laplace_passes
 import model_zoo
 from benchmarks.common import once
 from laplace_passes.lowering.calibrate import stablehlo_instructions
-from laplace_passes.targets import TRN2
+from laplace_passes.infra.targets import TRN2
 from laplace_passes.unroll import SizeModel
 from laplace_passes.unroll.tiles import tile_use
 

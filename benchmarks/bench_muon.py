@@ -49,7 +49,7 @@ import torch.distributed as dist
 import laplace_passes
 import model_zoo
 from benchmarks.common import self_time_by_part
-from laplace_passes.backend import laplace_backend
+from laplace_passes.driver.backend import laplace_backend
 from laplace_passes.collectives import rewrite_muon_step
 from model_zoo.muon import MuonHParams, RowSplit, ShardedMuon, adjust_lr, assign_owners, muon_shard_step
 

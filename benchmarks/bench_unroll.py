@@ -34,9 +34,9 @@ from unittest import mock
 import torch
 
 import laplace_passes
-import laplace_passes.compile_fx as compile_fx
+import laplace_passes.driver.compile_fx as compile_fx
 import model_zoo
-from laplace_passes.passes import GraphPass
+from laplace_passes.infra.pass_base import GraphPass
 from laplace_passes.unroll import SizeModel
 
 LAYER = re.compile(r"layers[.\[](\d+)")

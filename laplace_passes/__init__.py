@@ -10,13 +10,14 @@ Public API:
     fla                        flash-linear-attention models without Triton (laplace_passes.fla.install)
 """
 
-from laplace_passes import targets
-from laplace_passes.api import compile, inspect
-from laplace_passes.chunked import chunk_plan, chunked_gla
-from laplace_passes.gla import gla
-from laplace_passes.lowering import export_stablehlo, preflight
-from laplace_passes.report import Report, last_report
-from laplace_passes.targets import HardwareTarget, get_target
+from laplace_passes.infra import targets
+from laplace_passes.driver.api import compile, inspect
+from laplace_passes.ops.chunked import chunk_plan, chunked_gla
+from laplace_passes.ops.gla import gla
+from laplace_passes.driver.export import export_stablehlo
+from laplace_passes.driver.preflight import preflight
+from laplace_passes.infra.report import Report, last_report
+from laplace_passes.infra.targets import HardwareTarget, get_target
 
 __version__ = "0.1.0"
 

@@ -39,7 +39,7 @@ import torch._dynamo
 from torch import Tensor
 
 import laplace_passes
-from laplace_passes.compile_fx import fresh_code
+from laplace_passes.driver.compile_fx import fresh_code
 
 # A layer's state is [B, H, K, V].
 BATCH_DIM = 0

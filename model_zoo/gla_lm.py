@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from laplace_passes.gla import gla
+from laplace_passes.ops.gla import gla
 
 FP32_BYTES = 4
 

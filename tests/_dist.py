@@ -10,7 +10,7 @@
 
 Every rank runs ``fn(rank, world_size, *args)`` in its own process, started
 by torch.distributed's elastic launcher through
-``laplace_passes.distributed.launch_local`` (what ``laplace-passes demo
+``laplace_passes.demo.distributed.launch_local`` (what ``laplace-passes demo
 --world-size`` uses), after joining its gloo group (``env://``).  The return
 values come back in rank order.  If any rank raises, exits without reporting,
 or the whole run exceeds ``timeout`` seconds, :class:`RankFailures` is raised
@@ -24,7 +24,7 @@ and return a description of it, so that the run itself succeeds.
 collective whose peer has hung raises after about that long (a peer that
 exited is noticed at once: its connections close).
 
-Ranks start as `laplace_passes.distributed.launch_local` starts them (its
+Ranks start as `laplace_passes.demo.distributed.launch_local` starts them (its
 defaults): forked from a fork server, a fresh process (never a fork of the
 test runner) that imported torch, torch._dynamo and the project's packages
 once (several seconds of CPU), so a rank starts in milliseconds instead of
@@ -79,7 +79,7 @@ def _rank_entry(fn, args, pg_timeout, threads):
     # Runs in each launched process: join the group, run fn, report what happened.
     import torch
 
-    from laplace_passes.distributed import join_process_group
+    from laplace_passes.demo.distributed import join_process_group
 
     torch.set_num_threads(threads)
     rank = int(os.environ["RANK"])
@@ -127,7 +127,7 @@ def run_ranks_detailed(
     threads: int = 1,
 ) -> list[RankResult]:
     """Like run_ranks, but return a RankResult per rank instead of raising."""
-    from laplace_passes.distributed import LaunchError, launch_local
+    from laplace_passes.demo.distributed import LaunchError, launch_local
 
     try:
         return launch_local(world_size, _rank_entry, fn, args, pg_timeout, threads, timeout_s=timeout)

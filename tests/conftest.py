@@ -21,7 +21,7 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The Neuron runtime's logical core config changes the neuronx-cc commands and the HBM budget
-# the tests check (laplace_passes.targets.runtime_target); tests that need it set it themselves.
+# the tests check (laplace_passes.infra.targets.runtime_target); tests that need it set it themselves.
 os.environ.pop("NEURON_LOGICAL_NC_CONFIG", None)
 
 

@@ -12,7 +12,7 @@ import sys
 
 from model_zoo.muon import ShardedMuon
 
-from laplace_passes.cli import main
+from laplace_passes.tools.cli import main
 
 
 def kill_rank_1_at(step: int) -> None:

@@ -7,7 +7,7 @@ from torch.testing import FileCheck
 
 import laplace_passes
 import model_zoo
-from laplace_passes.targets import TRN2
+from laplace_passes.infra.targets import TRN2
 from tests.lm_cases import capture_inner, loss_and_grads, tokens
 
 # Outputs of an fp32 model whose GLA goes from a token loop to chunked

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from laplace_passes.cli import main
+from laplace_passes.tools.cli import main
 
 
 def bench(capfd, *args) -> str:

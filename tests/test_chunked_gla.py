@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from laplace_passes import chunked_gla, gla
-from laplace_passes.chunked import chunked_gla_saved_bytes
-from laplace_passes.chunked_forward import chunked_forward
+from laplace_passes.ops.chunked import chunked_gla_saved_bytes
+from laplace_passes.ops.chunked_forward import chunked_forward
 from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
 
 TOLERANCE = 0.005
@@ -225,7 +225,7 @@ def test_intra_chunk_scores_are_halved_without_a_copy_of_the_keys_per_block():
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from laplace_passes.chunked_backward import chunked_backward
+    from laplace_passes.ops.chunked_backward import chunked_backward
 
     B, T, H, K, V, C, leaf = 1, 256, 1, 256, 8, 128, 4
     q, k, v, gk, _ = make_inputs(B, T, H, K, V, initial_state=False)
@@ -249,7 +249,7 @@ def test_decays_after_a_long_strong_decay_keep_fp32_precision(sub_chunk_size):
     (6e-5 per ulp): about 2.4e-5 relative error here. Products of token
     decays do not carry G at all (NOTE [decays as products]).
     """
-    from laplace_passes.chunked_backward import chunked_backward
+    from laplace_passes.ops.chunked_backward import chunked_backward
 
     B, T, H, K, V, scale = 1, 128, 2, 16, 16, 0.25
     q, k, v, _, _ = make_inputs(B, T, H, K, V, initial_state=False)
@@ -270,7 +270,7 @@ def test_one_exp_per_token_and_channel_builds_every_decay():
     """The traced forward and backward each take exp once, of gk itself: every decay is a product of those."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from laplace_passes.chunked_backward import chunked_backward
+    from laplace_passes.ops.chunked_backward import chunked_backward
 
     B, T, H, K, V, C = 1, 256, 2, 8, 4, 64
     q, k, v, gk, _ = make_inputs(B, T, H, K, V, initial_state=False)

@@ -8,14 +8,14 @@ import sys
 import pytest
 
 import model_zoo
-from laplace_passes.cli import available_benchmarks, main
-from laplace_passes.demo import DemoConfig
+from laplace_passes.tools.cli import available_benchmarks, main
+from laplace_passes.demo.train import DemoConfig
 from tests import processes
 
 
 def run_cli(*args, timeout=600):
     """The CLI in a subprocess; on a timeout its ranks (`--world-size`) are killed with it."""
-    return processes.run([sys.executable, "-m", "laplace_passes.cli", *args], timeout=timeout)
+    return processes.run([sys.executable, "-m", "laplace_passes.tools.cli", *args], timeout=timeout)
 
 
 def test_demo_lowers_the_loss(capsys):

@@ -5,8 +5,9 @@ import os
 import sys
 
 import laplace_passes
-from laplace_passes import demo, dump
-from laplace_passes.cli import main
+from laplace_passes.demo import train as demo
+from laplace_passes.tools import dump
+from laplace_passes.tools.cli import main
 from tests.cli_models import two_layer_gla
 
 # -- the demo's progress line ------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 import laplace_passes
 from laplace_passes.fx.retile import RetileGLA
-from laplace_passes.gla import gla_op, gla_recurrence
+from laplace_passes.ops.gla import gla_op, gla_recurrence
 from tests.gla_cases import make_inputs, relative_rmse
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from laplace_passes.cli import main
-from laplace_passes.demo import DemoConfig, run_demo
-from laplace_passes.distributed import LaunchError, launch_local
+from laplace_passes.tools.cli import main
+from laplace_passes.demo.train import DemoConfig, run_demo
+from laplace_passes.demo.distributed import LaunchError, launch_local
 from tests import processes
 from tests._dist import free_port
 
@@ -157,7 +157,7 @@ def test_a_restartable_run_sharing_the_agents_store_is_warned_about(monkeypatch,
     """torchrun --max-restarts with the agent's store shared: gloo's rendezvous would fail on restart (rank 0 warns)."""
     import torch.distributed as dist
 
-    from laplace_passes.distributed import join_process_group
+    from laplace_passes.demo.distributed import join_process_group
 
     joined = []
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: joined.append(kwargs))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import laplace_passes
-from laplace_passes.backend import compile_config
-from laplace_passes.lowering import export
+from laplace_passes.driver.backend import compile_config
+from laplace_passes.driver import export
 
-preflight = importlib.import_module("laplace_passes.lowering.preflight")  # the package exports a function of that name
+preflight = importlib.import_module("laplace_passes.driver.preflight")  # the package exports a function of that name
 
 
 def fail_if_called(*args, **kwargs):
@@ -67,8 +67,8 @@ def test_compile_flags_are_checked():
     (["--seq-len", "8"], "seq_len must be >= 4 * num_pairs = 32, got 8"),
 ])
 def test_demo_settings_are_checked_before_any_rank_starts(args, message, monkeypatch, capsys):
-    from laplace_passes import demo
-    from laplace_passes.cli import main
+    from laplace_passes.demo import train as demo
+    from laplace_passes.tools.cli import main
 
     monkeypatch.setattr(demo, "launch_local", fail_if_called)
     monkeypatch.setattr(demo, "_train", fail_if_called)

@@ -7,7 +7,7 @@ import torch
 
 import laplace_passes
 import model_zoo
-from laplace_passes.cli import main
+from laplace_passes.tools.cli import main
 from tests.gla_cases import relative_rmse
 
 pytest.importorskip("fla.models")

@@ -17,7 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import laplace_passes
 import model_zoo
-from laplace_passes.compile_fx import fresh_code
+from laplace_passes.driver.compile_fx import fresh_code
 from laplace_passes.fx.in_place_writes import written_operands
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, NONPOSITIVE, gate_bound
 from tests.gla_cases import relative_rmse

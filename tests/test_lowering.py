@@ -27,7 +27,7 @@ from laplace_passes.lowering.diagnose import LoweringError
 from laplace_passes.lowering.legalize import BoundSliceScatter, ClampGateChecks, DiagonalAsStridedSlice
 from laplace_passes.lowering.neuron import NO_FALLBACK_ENV, NeuronUnavailableError, neuron_compiler, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo, torch_mlir_decompositions
-from laplace_passes.targets import TRN2
+from laplace_passes.infra.targets import TRN2
 from laplace_passes.unroll import SizeModel
 from tests.gla_cases import relative_rmse
 from tests.lm_cases import lm_loss, loss_and_grads, tokens
@@ -324,7 +324,7 @@ def test_diagonal_becomes_a_strided_slice_torch_mlir_lowers(offset, dim1, dim2):
 
 
 def test_clamp_gate_checks_replaces_the_python_check():
-    from laplace_passes.gla import check_gates
+    from laplace_passes.ops.gla import check_gates
 
     gm = make_fx(lambda gk: check_gates(gk) * 2, tracing_mode="fake")(torch.randn(3, 4))
     FileCheck().check("laplace.check_gates.default(gk_1)").run(gm.code)

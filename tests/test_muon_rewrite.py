@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 import laplace_passes
-from laplace_passes.backend import laplace_backend
+from laplace_passes.driver.backend import laplace_backend
 from laplace_passes.collectives import plan_ownership, rewrite_muon_step
 from laplace_passes.collectives.plan import uniform_plan
 from model_zoo.muon import (

@@ -25,7 +25,7 @@ import torch.distributed._functional_collectives as fc
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import laplace_passes
-from laplace_passes.backend import laplace_backend
+from laplace_passes.driver.backend import laplace_backend
 from tests import muon_user_steps as steps
 from tests._dist import run_ranks
 

@@ -15,7 +15,7 @@ import model_zoo
 from laplace_passes.lowering.hlo_checks import check_stablehlo, peak_memory, scan_stablehlo
 from laplace_passes.lowering.neuron import neuronx_cc_command
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
-from laplace_passes.targets import CPU, TRN1, TRN2, runtime_target
+from laplace_passes.infra.targets import CPU, TRN1, TRN2, runtime_target
 from tests.lm_cases import tokens
 from tests.neuron_clean import assert_neuron_clean
 

@@ -8,11 +8,11 @@ import torch
 import torch.fx
 
 import laplace_passes
-from laplace_passes import dump
-from laplace_passes.cli import main
-from laplace_passes.dump import dump_report
-from laplace_passes.files import OutputDirError, check_output_dir
-from laplace_passes.lowering import export
+from laplace_passes.tools import dump
+from laplace_passes.tools.cli import main
+from laplace_passes.tools.dump import dump_report
+from laplace_passes.infra.files import OutputDirError, check_output_dir
+from laplace_passes.driver import export
 
 
 def small_report():
@@ -94,7 +94,7 @@ def test_export_refuses_a_meta_model_before_any_work(tmp_path, monkeypatch):
 ])
 def test_cli_checks_the_destination_first(command, place, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "a_file").write_text("mine")
-    monkeypatch.setattr("laplace_passes.cli.load_model", fail_if_called)
+    monkeypatch.setattr("laplace_passes.tools.cli.load_model", fail_if_called)
     assert main([*command, str(tmp_path / place)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message.format(tmp_path, tmp_path) in err
@@ -103,13 +103,13 @@ def test_cli_checks_the_destination_first(command, place, message, tmp_path, mon
 
 def test_cli_refuses_a_used_directory_without_force(tmp_path, monkeypatch, capsys):
     out = used_dir(tmp_path)
-    monkeypatch.setattr("laplace_passes.cli.load_model", fail_if_called)
+    monkeypatch.setattr("laplace_passes.tools.cli.load_model", fail_if_called)
     assert main(["inspect", "tiny", "--dump", str(out)]) == 2
     assert "is not empty: choose a new directory, or pass overwrite=True (--force)" in capsys.readouterr().err
 
 
 def test_an_unwritable_parent_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr("laplace_passes.files.os.access", lambda path, mode: False)  # tests may run as root
+    monkeypatch.setattr("laplace_passes.infra.files.os.access", lambda path, mode: False)  # tests may run as root
     with pytest.raises(OutputDirError, match=rf"{tmp_path} is not writable"):
         check_output_dir(tmp_path / "new")
 

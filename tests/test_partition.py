@@ -16,9 +16,9 @@ from torch.testing import FileCheck
 
 import laplace_passes
 import model_zoo
-from laplace_passes.compile_fx import fresh_code
-from laplace_passes.fx_helpers import value_bytes
-from laplace_passes.targets import TRN2
+from laplace_passes.driver.compile_fx import fresh_code
+from laplace_passes.infra.fx_helpers import value_bytes
+from laplace_passes.infra.targets import TRN2
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, partition, partition_calls, plan_partitions, split_graph
 from tests.lm_cases import capture_inner, loss_and_grads
 

@@ -8,7 +8,7 @@ from torch.testing import FileCheck
 import laplace_passes
 import model_zoo
 from laplace_passes.lowering.checks import check_graph
-from laplace_passes.targets import TRN2, HardwareTarget
+from laplace_passes.infra.targets import TRN2, HardwareTarget
 
 pytest.importorskip("torch_mlir", reason="the preflight tries torch-mlir's lowering: pip install -e '.[lowering]'")
 

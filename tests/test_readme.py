@@ -16,7 +16,7 @@ import re
 import pytest
 
 import model_zoo
-from laplace_passes.cli import _parser, available_benchmarks, main
+from laplace_passes.tools.cli import _parser, available_benchmarks, main
 from tests.readme_blocks import README, dangling_markers, readme_blocks
 
 BLOCKS = readme_blocks()

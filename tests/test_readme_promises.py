@@ -18,8 +18,8 @@ from torch.testing import FileCheck
 import laplace_passes
 from laplace_passes.collectives.traffic import collective_bytes, per_rank_totals
 from laplace_passes.fx import RetileGLA
-from laplace_passes.passes import run_pass
-from laplace_passes.targets import TRN2
+from laplace_passes.infra.pass_base import run_pass
+from laplace_passes.infra.targets import TRN2
 from laplace_passes.unroll import FitGraphToBudget, SizeModel
 from tests.gla_cases import make_inputs, relative_rmse
 
@@ -72,7 +72,7 @@ def test_traffic_per_rank_follows_the_documented_formulas(W, src):
 def test_report_shows_bytes_sent_and_received_per_collective():
     W, numel = 4, 1000
     collectives = collective_bytes(_collectives_graph(W, numel, src=0), W)
-    record = laplace_passes.report.TrafficRecord(
+    record = laplace_passes.infra.report.TrafficRecord(
         graph="step", world_size=W, ownership="uniform", matrices=1, padding_matrices=0, matrix_bytes=2 * numel,
         lower_bound_bytes=0, before=[c.as_dict() for c in collectives], after=[], sent_before=0,
         received_before=0, sent_after=0, received_after=0, received_ratio=1.0, ns_flops_before=0, ns_flops_after=0,

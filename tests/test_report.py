@@ -84,8 +84,8 @@ def test_a_pass_that_changed_nothing_shares_the_previous_snapshot(report):
 
 def test_a_pass_that_says_unchanged_but_changed_the_graph_still_gets_a_copy():
     """`modified=False` is checked against the graph (node count, gm.meta), not taken on trust."""
-    from laplace_passes.passes import GraphPass, PassOutcome, run_passes
-    from laplace_passes.report import Report
+    from laplace_passes.infra.pass_base import GraphPass, PassOutcome, run_passes
+    from laplace_passes.infra.report import Report
 
     class Says(GraphPass):
         def __init__(self, name, change):

@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 import laplace_passes
-from laplace_passes.chunked import chunked_gla_op
+from laplace_passes.ops.chunked import chunked_gla_op
 from laplace_passes.unroll import UnrollLoops
 from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
 from tests.lm_cases import capture_inner

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from laplace_passes.fx_helpers import fake_tensor
+from laplace_passes.infra.fx_helpers import fake_tensor
 
 aten = torch.ops.aten
 prims = torch.ops.prims

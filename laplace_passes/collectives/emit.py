@@ -18,7 +18,7 @@ import torch.fx
 from laplace_passes.collectives.match import GatherBucket, MatrixSite
 from laplace_passes.collectives.plan import OwnershipPlan
 from laplace_passes.collectives.regions import copy_region
-from laplace_passes.fx_helpers import COND, fake_tensor
+from laplace_passes.infra.fx_helpers import COND, fake_tensor
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -13,8 +13,8 @@ import torch
 import torch.fx
 
 from laplace_passes.collectives.regions import live_users
-from laplace_passes.fx_helpers import ancestors, fake_tensor
-from laplace_passes.passes import Declined
+from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
+from laplace_passes.infra.pass_base import Declined
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -63,7 +63,7 @@ from laplace_passes.collectives.regions import (
     live_users,
     signature,
 )
-from laplace_passes.fx_helpers import (
+from laplace_passes.infra.fx_helpers import (
     COND,
     ancestors,
     fake_tensor,
@@ -72,7 +72,7 @@ from laplace_passes.fx_helpers import (
     resolve_process_group,
     subgraph,
 )
-from laplace_passes.passes import Declined
+from laplace_passes.infra.pass_base import Declined
 
 aten = torch.ops.aten
 Node = torch.fx.Node

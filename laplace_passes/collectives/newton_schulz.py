@@ -43,7 +43,7 @@ import torch.fx
 
 from laplace_passes.collectives.aliases import Aliases, is_cast, is_value_copy
 from laplace_passes.collectives.regions import Region, RegionError, closed_region, live_nodes
-from laplace_passes.fx_helpers import fake_tensor, is_view
+from laplace_passes.infra.fx_helpers import fake_tensor, is_view
 
 aten = torch.ops.aten
 Node = torch.fx.Node

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import ancestors, is_collective
-from laplace_passes.passes import Declined
+from laplace_passes.infra.fx_helpers import ancestors, is_collective
+from laplace_passes.infra.pass_base import Declined
 
 Node = torch.fx.Node
 

@@ -88,7 +88,7 @@ from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket
 from laplace_passes.collectives.newton_schulz import find_newton_schulz, may_hold_newton_schulz
 from laplace_passes.collectives.plan import OwnershipPlan, plan_ownership
 from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, count_node, per_rank_totals
-from laplace_passes.fx_helpers import (
+from laplace_passes.infra.fx_helpers import (
     COND,
     fake_tensor,
     fake_value,
@@ -98,9 +98,9 @@ from laplace_passes.fx_helpers import (
     subgraph,
     value_bytes,
 )
-from laplace_passes.passes import Declined, GraphPass, PassOutcome, run_pass
-from laplace_passes.report import TrafficRecord
-from laplace_passes.targets import HardwareTarget
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome, run_pass
+from laplace_passes.infra.report import TrafficRecord
+from laplace_passes.infra.targets import HardwareTarget
 
 # The ownership plans of a rewritten graph, kept on the graph for `rewrite_muon_step`'s callers.
 PLANS_META_KEY = "laplace_muon_plans"
@@ -149,7 +149,7 @@ class RewriteMuonStep(GraphPass):
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if isinstance(target, str):
-            from laplace_passes.targets import get_target
+            from laplace_passes.infra.targets import get_target
 
             target = get_target(target)
         self.world_size = world_size

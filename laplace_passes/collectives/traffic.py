@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import fake_tensor, is_collective
+from laplace_passes.infra.fx_helpers import fake_tensor, is_collective
 
 c10d = torch.ops._c10d_functional
 

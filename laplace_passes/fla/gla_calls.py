@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from laplace_passes._checks import resolve_scale
+from laplace_passes.infra.checks import resolve_scale
 from laplace_passes.fla.not_replaced import leave_to_fla
 from laplace_passes.fla.varlen import packed_gla
-from laplace_passes.gla import gla_op
+from laplace_passes.ops.gla import gla_op
 
 
 def gla_site(q, k, v, g, *, scale, initial_state, output_final_state, state_v_first, cu_seqlens, origin):

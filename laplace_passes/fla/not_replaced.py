@@ -24,7 +24,7 @@ import sys
 import torch
 from torch import Tensor
 
-from laplace_passes.report import last_report
+from laplace_passes.infra.report import last_report
 
 # Devices on which fla's Triton kernels can run.
 TRITON_DEVICE_TYPES = ("cuda", "xpu", "npu")

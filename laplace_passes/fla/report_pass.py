@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch.fx
 
 from laplace_passes.fla.not_replaced import MARKER
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import GraphPass, PassOutcome
 
 
 class ReportFlaCalls(GraphPass):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from laplace_passes.fla.packing import PackedSequences
-from laplace_passes.gla import gla_op
+from laplace_passes.ops.gla import gla_op
 
 SEGMENT_CHUNK = 64  # tokens per chunk of the two-level segmented sums
 

@@ -34,7 +34,7 @@ Before (a decode step of fla's GLA layer) and after the re-tiling pass:
     gk = log_sigmoid / 16.0
     gla = torch.ops.laplace.gla.default(q, k, v, gk, state, 0.25, 'laplace.gla')
     # after: no check_gates node
-    gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, gk, state, 0.25, 'reduce')
+    gla_recurrence = laplace_passes.ops.gla.gla_recurrence(q, k, v, gk, state, 0.25, 'reduce')
 
 What is given up: every rule holds for every value but NaN, and a proven
 gate is not checked for NaN. A NaN gate, from a NaN input (logsigmoid(NaN))
@@ -56,7 +56,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.in_place_writes import is_tensor_free, storage_of, written_operands
-from laplace_passes.fx_helpers import fake_value
+from laplace_passes.infra.fx_helpers import fake_value
 
 aten = torch.ops.aten
 F = torch.nn.functional

@@ -26,7 +26,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from laplace_passes.fx_helpers import fake_tensor, fake_value, tensor_values
+from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, tensor_values
 
 _IN_PLACE_OPERATORS = frozenset({
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,

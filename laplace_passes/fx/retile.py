@@ -7,7 +7,7 @@ Before (one site, T = 2048, trn2):
     o = gla[0]
     state = gla[1]
 
-After (16 chunks of 128 tokens, 16-row leaves; see `laplace_passes.chunked`):
+After (16 chunks of 128 tokens, 16-row leaves; see `laplace_passes.ops.chunked`):
 
     check_gates = torch.ops.laplace.check_gates.default(gk)
     chunked_gla = torch.ops.laplace.chunked_gla.default(q, k, v, check_gates, None, 0.0884, 128, 16, False)
@@ -35,11 +35,11 @@ NOTE [short sites]
 A site of T <= the target's `recurrent_max_tokens` tokens through which no
 gradient flows (decode: T = 1, short prefills) gets the recurrent form
 instead, the token recurrence as T straight-line state updates
-(`laplace_passes.gla.gla_recurrence`), traced into ATen by AOT Autograd like
+(`laplace_passes.ops.gla.gla_recurrence`), traced into ATen by AOT Autograd like
 any Python function in the graph:
 
     check_gates = torch.ops.laplace.check_gates.default(gk)
-    gla_recurrence = laplace_passes.gla.gla_recurrence(q, k, v, check_gates, state, 0.0884, 'matmul')
+    gla_recurrence = laplace_passes.ops.gla.gla_recurrence(q, k, v, check_gates, state, 0.0884, 'matmul')
 
     S = diag(exp(g_t)) S + k_t^T v_t;  o_t = scale * q_t S     (for each of the T tokens)
 
@@ -68,7 +68,7 @@ T the op stays in the graph as a runtime loop over chunks (the report's form
 column says "kept as a runtime loop: T is dynamic"); the token recurrence is
 never what runs. Targets that need static shapes (trn2, the lowering inner
 compilers) never see such a graph: each concrete shape is compiled on its
-own (`laplace_passes.shapes`), and unrolled.
+own (`laplace_passes.driver.shapes`), and unrolled.
 
 Declined sites keep their `laplace::gla` node (the token recurrence: correct,
 slow) and the report says why: inputs the op rejects, inputs without shape
@@ -81,14 +81,14 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from laplace_passes._checks import check_gla_args
-from laplace_passes.chunked import chunk_plan, chunked_gla_saved_bytes
+from laplace_passes.infra.checks import check_gla_args
+from laplace_passes.ops.chunked import chunk_plan, chunked_gla_saved_bytes
 from laplace_passes.fx.gate_bounds import Bound, gate_bound
 from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
-from laplace_passes.fx_helpers import fake_value, new_node, provenance_of
-from laplace_passes.gla import check_readout, gla_recurrence
-from laplace_passes.passes import Declined, GraphPass, PassOutcome
-from laplace_passes.report import SiteRecord
+from laplace_passes.infra.fx_helpers import fake_value, new_node, provenance_of
+from laplace_passes.ops.gla import check_readout, gla_recurrence
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.report import SiteRecord
 
 
 class RetileGLA(GraphPass):

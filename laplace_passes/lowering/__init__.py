@@ -9,9 +9,9 @@ Inner compilers (``inner=`` of `laplace_passes.compile` / the backend options):
     "neuron"      each graph handed to TorchNeuron's compiler, after the preflight;
                   a clear error when torch-neuronx is absent      -> neuron.NeuronCompiler
 
-Each is one `laplace_passes.inner.InnerCompiler` object; `laplace_passes.backend`
+Each is one `laplace_passes.infra.inner.InnerCompiler` object; `laplace_passes.driver.backend`
 maps the names to them. This package depends on the compile machinery below
-it (`laplace_passes.compile_fx.capture_graphs` for `preflight` and
+it (`laplace_passes.driver.compile_fx.capture_graphs` for `preflight` and
 `export_stablehlo`), never on the front door above it.
 
 Functions:
@@ -33,7 +33,6 @@ instead of checking them: a positive gate is not refused there.
 """
 
 from laplace_passes.lowering.diagnose import LoweringError
-from laplace_passes.lowering.export import StableHLOExport, export_stablehlo
 from laplace_passes.lowering.iree import IreeCompiler, IreeModule
 from laplace_passes.lowering.neuron import (
     NeuronCompiler,
@@ -41,7 +40,7 @@ from laplace_passes.lowering.neuron import (
     neuron_compiler,
     neuronx_cc_command,
 )
-from laplace_passes.lowering.preflight import Finding, PreflightError, PreflightReport, preflight
+from laplace_passes.lowering.preflight import Finding, PreflightCompiler, PreflightError
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lower_to_stablehlo
 
 __all__ = [
@@ -52,13 +51,10 @@ __all__ = [
     "LoweringError",
     "NeuronCompiler",
     "NeuronUnavailableError",
+    "PreflightCompiler",
     "PreflightError",
-    "PreflightReport",
     "StableHLOCompiler",
-    "StableHLOExport",
-    "export_stablehlo",
     "lower_to_stablehlo",
     "neuron_compiler",
     "neuronx_cc_command",
-    "preflight",
 ]

@@ -14,7 +14,7 @@ from dataclasses import asdict
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import (
+from laplace_passes.infra.fx_helpers import (
     fake_tensor,
     fake_value,
     hop_name,
@@ -27,8 +27,8 @@ from laplace_passes.lowering.diagnose import LoweringError, lower_each_op
 from laplace_passes.lowering.finding import Finding
 from laplace_passes.lowering.hlo_checks import check_stablehlo
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
-from laplace_passes.passes import Declined
-from laplace_passes.targets import HardwareTarget, runtime_target
+from laplace_passes.infra.pass_base import Declined
+from laplace_passes.infra.targets import HardwareTarget, runtime_target
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
 

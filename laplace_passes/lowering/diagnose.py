@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import fake_tensor, fake_value, op_name
+from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, op_name
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 
 # `name = "torch.aten.silu_backward"` (an op torch-mlir imported as an opaque

@@ -17,7 +17,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map
 
-from laplace_passes.passes import GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import GraphPass, PassOutcome
 
 aten = torch.ops.aten
 PLAIN_CONSTRUCTORS = (aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default)

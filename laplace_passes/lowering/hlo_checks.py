@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from laplace_passes.lowering.finding import Finding
-from laplace_passes.targets import HardwareTarget
+from laplace_passes.infra.targets import HardwareTarget
 
 # NCC_EHCA005 / NCC_EVRF015 (compiler/error-codes/EHCA005.rst): the custom_call targets neuronx-cc recognises.
 NEURON_CUSTOM_CALLS = frozenset({

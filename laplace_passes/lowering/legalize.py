@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import fake_tensor, new_node, provenance_of
-from laplace_passes.passes import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.fx_helpers import fake_tensor, new_node, provenance_of
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
 
 aten = torch.ops.aten
 CHECK_GATES = torch.ops.laplace.check_gates.default

@@ -60,11 +60,11 @@ from typing import Any, Callable, Mapping
 
 import torch.fx
 
-from laplace_passes.inner import InnerCompiler
+from laplace_passes.infra.inner import InnerCompiler
 from laplace_passes.lowering.legalize import lowering_passes
 from laplace_passes.lowering.preflight import NeuronPreflight, RequireCleanPreflight
-from laplace_passes.passes import GraphContext
-from laplace_passes.targets import HardwareTarget, get_target, runtime_target
+from laplace_passes.infra.pass_base import GraphContext
+from laplace_passes.infra.targets import HardwareTarget, get_target, runtime_target
 
 # (module, attribute) of each TorchNeuron entry point we call.
 NEURON_ENTRY_POINTS = {
@@ -91,11 +91,21 @@ NEURON_UNAVAILABLE = (
 # public copy github.com/parmoham-aws/test-repo-parmoham at 98154b8):
 #   neuronx-cc compile module.mlir --framework XLA --target trn2 --lnc 2 -O2 --model-type transformer
 #       --auto-cast=none $NEURON_CC_FLAGS --output module.neff
-# --lnc and --auto-cast come from the target (laplace_passes.targets, sources there).
+# --lnc and --auto-cast come from the target (laplace_passes.infra.targets, sources there).
 NEURON_TARGETS = ("trn1", "trn2")
 # Extra flags, appended last: neuronx-cc takes the right-most of competing options, so they win
 # (the CLI reference; the Neuron docs: "pass the same options through NEURON_CC_FLAGS").
 NEURON_CC_FLAGS_ENV = "NEURON_CC_FLAGS"
+
+
+# What the report says when a Neuron compile meets dynamic dimensions.
+NEURON_ADVICE = (
+    "Neuron compiles static shapes only: the dynamic dimensions above are compiled once per concrete "
+    "shape (one neuronx-cc compile each, as TorchNeuron does). To compile once, keep the dimension static "
+    "(laplace_passes.compile's default dynamic=False, no torch._dynamo.mark_dynamic, "
+    "torch._dynamo.mark_static), or pad token inputs to a few lengths: "
+    "laplace_passes.compile(model, seq_buckets=[...]) (causal models)"
+)
 
 
 class NeuronUnavailableError(ImportError):
@@ -142,6 +152,7 @@ class NeuronCompiler(InnerCompiler):
     strict_preflight: bool = True
     name = "neuron"
     static_shapes = True
+    for_neuron = True
     # As TorchNeuron's backend (module docstring): buffer updates stay in the graph as copy_.
     keep_inference_input_mutations = True
 

@@ -29,23 +29,18 @@ starts.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.compile_fx import capture_graphs
-from laplace_passes.config import CompileConfig, entry_point_options
-from laplace_passes.inner import InnerCompiler
+from laplace_passes.infra.inner import InnerCompiler
 from laplace_passes.lowering.checks import Finding, check_graph
 from laplace_passes.lowering.legalize import lowering_passes
 from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
-from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
-from laplace_passes.report import Report
-from laplace_passes.shapes import NEURON_ADVICE
-from laplace_passes.targets import HardwareTarget
+from laplace_passes.infra.pass_base import GraphContext, GraphPass, PassOutcome
+from laplace_passes.infra.targets import HardwareTarget
 
 # The findings of `NeuronPreflight`, kept on the graph it checked.
 FINDINGS_META_KEY = "laplace_preflight_findings"
@@ -122,40 +117,6 @@ class RequireCleanPreflight(GraphPass):
         return PassOutcome(gm, modified=False, summary="preflight clean: the graph goes to TorchNeuron")
 
 
-@dataclass
-class PreflightReport:
-    target: str
-    findings: list[Finding]
-    graphs: list[str]
-    report: Report
-
-    @property
-    def ok(self) -> bool:
-        return not self.findings
-
-    def by_check(self, check: str) -> list[Finding]:
-        return [f for f in self.findings if f.check == check]
-
-    @property
-    def dynamic_dims(self) -> list[str]:
-        """Input dimensions the examples marked dynamic: each concrete shape is checked (and compiled) on its own."""
-        return self.report.dynamic_dims
-
-    def to_dict(self) -> dict:
-        return {"target": self.target, "graphs": self.graphs, "findings": [asdict(f) for f in self.findings],
-                "dynamic_dims": list(self.dynamic_dims)}
-
-    def __str__(self) -> str:
-        head = f"Neuron preflight ({self.target}): {len(self.graphs)} graph(s) checked"
-        lines = [f"{head}, no finding"] if self.ok else [f"{head}, {len(self.findings)} finding(s):",
-                                                          *(f"  {f}" for f in self.findings)]
-        if self.dynamic_dims:
-            lines += [f"dynamic dimensions: {'; '.join(self.dynamic_dims)}", f"  {NEURON_ADVICE}"]
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
 class PreflightCompiler(InnerCompiler):
     """The preflight's inner compiler: the graphs run eagerly, only the passes' findings matter.
 
@@ -166,6 +127,7 @@ class PreflightCompiler(InnerCompiler):
 
     name = "neuron-preflight"
     static_shapes = True  # the graphs inner="neuron" would receive
+    for_neuron = True
     keep_inference_input_mutations = True  # the graphs inner="neuron" gets (see lowering/neuron.py)
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
@@ -178,22 +140,4 @@ class PreflightCompiler(InnerCompiler):
         return [*lowering_passes(), NeuronPreflight.for_graph(context)]
 
 
-def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", **options: Any) -> PreflightReport:
-    """Check the graphs `model_or_fn(*example_inputs)` would hand to TorchNeuron; nothing is compiled by it.
-
-    Runs once on the examples (the ATen graphs execute eagerly), forward and
-    backward when an output requires grad; `options` are the backend's
-    (chunk_size, retile_gla, ...).
-    """
-    options = entry_point_options("preflight", options, target=target, inner=PreflightCompiler())
-    report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
-    checked = [(record.name, gm) for record in report.graphs for label, gm in record.snapshots
-               if label == NeuronPreflight.name]
-    findings = [f for _, gm in checked for f in gm.meta[FINDINGS_META_KEY]]
-    return PreflightReport(report.target, findings, [name for name, _ in checked], report)
-
-
-__all__ = [
-    "Finding", "NeuronPreflight", "PreflightError", "PreflightReport", "RequireCleanPreflight", "check_graph",
-    "preflight",
-]
+__all__ = ["Finding", "NeuronPreflight", "PreflightCompiler", "PreflightError", "RequireCleanPreflight", "check_graph"]

@@ -34,13 +34,13 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.fx_helpers import fake_tensor, fake_value, output_values, propagate_from_inputs
-from laplace_passes.inner import InnerCompiler
+from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, output_values, propagate_from_inputs
+from laplace_passes.infra.inner import InnerCompiler
 from laplace_passes.lowering import _deps
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 from laplace_passes.lowering.diagnose import LoweringError, lowering_error
 from laplace_passes.lowering.legalize import lowering_passes
-from laplace_passes.passes import GraphContext, GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import GraphContext, GraphPass, PassOutcome
 from laplace_passes.unroll import partition_calls
 
 # Where the lowering pass leaves its result for the inner compiler.

@@ -6,7 +6,7 @@
     FitGraphToBudget   measure each ATen graph; cut one over the budget into partitions
     compile_graph      hand a graph, or each of its partitions, to the inner compiler
 
-Where they run: `laplace_passes.pipeline`. What they record: each graph's
+Where they run: `laplace_passes.driver.pipeline`. What they record: each graph's
 `loops` and `size` in the report.
 """
 

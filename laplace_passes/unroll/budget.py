@@ -9,7 +9,7 @@ separately. A graph that no cut can fit (one node alone over the budget) is
 declined with that reason and compiled whole, and so is a graph with
 symbolic sizes (its estimate holds for the traced example only; targets
 with a budget compile each concrete shape on its own, see
-`laplace_passes.shapes`).
+`laplace_passes.driver.shapes`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import dynamic_dims, is_view, value_bytes
-from laplace_passes.passes import Declined, GraphPass, PassOutcome
-from laplace_passes.report import PartitionRecord, SizeRecord
+from laplace_passes.infra.fx_helpers import dynamic_dims, is_view, value_bytes
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.report import PartitionRecord, SizeRecord
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
 from laplace_passes.unroll.split import partition_calls, split_graph

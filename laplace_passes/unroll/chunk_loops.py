@@ -33,11 +33,11 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from laplace_passes.chunked import CHUNK_LOOP_OPS
-from laplace_passes.chunked_backward import chunked_backward
-from laplace_passes.chunked_forward import ChunkLayout, chunked_forward
-from laplace_passes.fx_helpers import fake_tensor, fake_value, has_fake_value, provenance_of
-from laplace_passes.passes import Declined
+from laplace_passes.ops.chunked import CHUNK_LOOP_OPS
+from laplace_passes.ops.chunked_backward import chunked_backward
+from laplace_passes.ops.chunked_forward import ChunkLayout, chunked_forward
+from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, has_fake_value, provenance_of
+from laplace_passes.infra.pass_base import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
 # The body each chunk-loop op runs, and the name the report gives its loop.

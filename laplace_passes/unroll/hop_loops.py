@@ -44,7 +44,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from laplace_passes.fx_helpers import (
+from laplace_passes.infra.fx_helpers import (
     SCAN,
     UNROLLABLE_LOOP_OPS,
     ancestors,
@@ -55,7 +55,7 @@ from laplace_passes.fx_helpers import (
     provenance_of,
     subgraph,
 )
-from laplace_passes.passes import Declined
+from laplace_passes.infra.pass_base import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
 # Beyond this many trips a loop is declined: the pass itself would slow down

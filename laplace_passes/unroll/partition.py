@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch.fx
 
-from laplace_passes.fx_helpers import is_view, value_bytes
-from laplace_passes.passes import Declined
+from laplace_passes.infra.fx_helpers import is_view, value_bytes
+from laplace_passes.infra.pass_base import Declined
 
 # The refinement's flow problem grows with the region; beyond this many
 # nodes per boundary the order-based cut is kept as it is.

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import (
+from laplace_passes.infra.fx_helpers import (
     COND, SCAN, WHILE_LOOP, fake_tensor, fake_value, is_view, size_hint, subgraph, tensor_values,
 )
 

@@ -36,7 +36,7 @@ import torch._guards
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.fx_helpers import FAKE_KEYS, fake_value
+from laplace_passes.infra.fx_helpers import FAKE_KEYS, fake_value
 from laplace_passes.unroll.partition import PartitionPlan
 
 PARTITION_PREFIX = "laplace_partition_"

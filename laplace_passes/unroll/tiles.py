@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from laplace_passes.fx_helpers import fake_tensor
+from laplace_passes.infra.fx_helpers import fake_tensor
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm: (0, 1), aten.bmm: (0, 1), aten.addmm: (1, 2), aten.baddbmm: (1, 2)}

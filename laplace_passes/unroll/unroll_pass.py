@@ -1,6 +1,6 @@
 """The unroll pass: every sequential loop with a static trip count becomes straight-line code.
 
-Runs twice in the pipeline (`laplace_passes.pipeline`):
+Runs twice in the pipeline (`laplace_passes.driver.pipeline`):
   * on the Dynamo graph, for user `scan` / `while_loop` (before AOT Autograd,
     which cannot differentiate a scan in torch 2.13: "scan might be aliasing
     the input or the output!");
@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 import torch.fx
 
-from laplace_passes.passes import Declined, GraphPass, PassOutcome
-from laplace_passes.report import LoopRecord
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.report import LoopRecord
 from laplace_passes.unroll import chunk_loops, hop_loops
 from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
 from laplace_passes.unroll.inline import erase_unused, getitem_users

@@ -71,7 +71,7 @@ class ShardedMuon(Optimizer):
             takes groups of 4, 8, 16 or multiples of 32 ranks; other world
             sizes keep their gathers, with the reason in the report); a
             configured laplace backend, e.g. ``functools.partial(
-            laplace_passes.backend.laplace_backend, options={"target": "cpu"})``;
+            laplace_passes.driver.backend.laplace_backend, options={"target": "cpu"})``;
             any other ``torch.compile`` backend; ``None`` runs it eagerly.
         adamw_kwargs: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad`` for the AdamW parameters (``torch.optim.AdamW``'s

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from laplace_passes._checks import check_chunk_size
-from laplace_passes.inner import TORCH_COMPILERS, InnerCompiler, resolve_inner
-from laplace_passes.report import Report
-from laplace_passes.targets import HardwareTarget, get_target
+from laplace_passes.infra.checks import check_chunk_size
+from laplace_passes.infra.inner import TORCH_COMPILERS, InnerCompiler, resolve_inner
+from laplace_passes.infra.report import Report
+from laplace_passes.infra.targets import HardwareTarget, get_target
 
 OPTION_DOCS = {
     "target": "hardware target name or HardwareTarget (default 'trn2')",

@@ -71,7 +71,7 @@ class HardwareTarget:
     partitions: rows of the on-chip memory tile; the GLA chunk size.
     sub_chunk_size: rows of the leaves of chunked GLA's intra-chunk halving, whose scores
         are computed elementwise (NOTE [stable intra-chunk scores] in
-        `laplace_passes.chunked_forward`): the fewest estimated instructions on trn2 at 16,
+        `laplace_passes.ops.chunked_forward`): the fewest estimated instructions on trn2 at 16,
         the fastest on a CPU at 4 (timed at `benchmarks/bench_gla.py`'s shape).
     max_graph_instructions: the compiler's limit on one graph (None: no limit).
     matmul_tile: (partition rows, free columns) of one matmul instruction.
@@ -86,13 +86,13 @@ class HardwareTarget:
         state update per token, instead of a chunk padded to `partitions` rows; measured by
         `benchmarks/bench_fla.py` (the crossover of the two forms).
     recurrent_readout: how the recurrent form reads each output out of the state
-        (`laplace_passes.gla.gla_recurrence`): "matmul" (the trn2 estimate's choice for fla's
+        (`laplace_passes.ops.gla.gla_recurrence`): "matmul" (the trn2 estimate's choice for fla's
         1.3B heads) or "reduce" (fuses with the state update on a CPU: the compiled decode step
         of the tiny model ran 1.20x faster at 1280 sequences; README, "Short sites and decode").
     static_shapes: the target's compiler takes static shapes only (neuronx-cc): a graph with
-        symbolic sizes is compiled once per concrete shape (`laplace_passes.shapes`).
+        symbolic sizes is compiled once per concrete shape (`laplace_passes.driver.shapes`).
     save_residuals: chunked GLA's forward keeps the states entering each chunk and tril(A) for
-        its backward (`laplace_passes.chunked`), which otherwise recomputes them from the inputs:
+        its backward (`laplace_passes.ops.chunked`), which otherwise recomputes them from the inputs:
         more memory for less work. On a CPU a forward+backward step runs faster with them kept
         (`benchmarks/bench_gla.py --recompute-residuals`). The Neuron targets recompute, the
         form their graphs were sized and HBM-checked with: for laplace-3b at T = 2048 on trn2,

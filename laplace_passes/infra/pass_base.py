@@ -12,7 +12,7 @@ never writes into a report itself, so any pass runs on a bare GraphModule:
 
 What a pass needs besides the graph (the target, the graph's name for its
 messages, the forward graphs of a backward graph) it is given when it is
-made: the pipeline (`laplace_passes.pipeline`) builds the passes for each
+made: the pipeline (`laplace_passes.driver.pipeline`) builds the passes for each
 graph from a `GraphContext`.
 
 A rewrite that cannot be made raises `Declined(reason)` where that is
@@ -21,7 +21,7 @@ decided; the pass catches it and lists the reason in `outcome.declined`.
 `run_passes` is what the backend runs: every pass in order, each followed by
 a lint, and its outcome filed in the report (a `PassRecord`, the graph's
 records, a snapshot of the graph). It also logs each pass through torch's
-logging (`laplace_passes.logs`: TORCH_LOGS="laplace", TORCH_TRACE).
+logging (`laplace_passes.infra.logs`: TORCH_LOGS="laplace", TORCH_TRACE).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from laplace_passes import logs
-from laplace_passes.report import (
+from laplace_passes.infra import logs
+from laplace_passes.infra.report import (
     GraphRecord,
     LoopRecord,
     PassRecord,
@@ -40,7 +40,7 @@ from laplace_passes.report import (
     SizeRecord,
     TrafficRecord,
 )
-from laplace_passes.targets import HardwareTarget
+from laplace_passes.infra.targets import HardwareTarget
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ batch against chance, and the pass report.
 Data-parallel: under torchrun (one node or several) every process joins the
 launcher's gloo group; `--world-size` W > 1 without torchrun starts W local
 processes through torch.distributed's elastic launcher
-(`laplace_passes.distributed`). `batch` is the *global* batch: each step's
+(`laplace_passes.demo.distributed`). `batch` is the *global* batch: each step's
 batch is generated from the seed and the step number alone and split over
 the ranks, so the same command trains the same way at any world size (the
 losses agree up to the order of the gradient sums). ShardedMuon's step is
@@ -25,7 +25,7 @@ machine, and trn2's rule for all-to-all group sizes (4, 8, 16, multiples of
 32) would refuse W = 2 or 3. With one process there is no communication to
 rewrite and the step runs eagerly.
 
-Checkpoints (`checkpoint_dir`): see `laplace_passes.demo_checkpoint`. A run
+Checkpoints (`checkpoint_dir`): see `laplace_passes.demo.checkpoint`. A run
 whose directory holds a checkpoint resumes from the newest one, at any world
 size, and its result lists the losses of every step since step 1.
 """
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from laplace_passes import demo_checkpoint
-from laplace_passes.distributed import join_process_group, launch_local, launcher_rank_and_world, under_torchrun
+from laplace_passes.demo import checkpoint as demo_checkpoint
+from laplace_passes.demo.distributed import join_process_group, launch_local, launcher_rank_and_world, under_torchrun
 
 
 @dataclass
@@ -131,7 +131,7 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
 def _check_settings(config: DemoConfig) -> None:
     """What every rank would refuse after its start (a minute each), refused once before any starts."""
     import model_zoo
-    from laplace_passes.backend import compile_config
+    from laplace_passes.driver.backend import compile_config
     from model_zoo.mqar import MQARTask
 
     vocab_size = model_zoo.build(config.model, device="meta").config.vocab_size  # no weights made
@@ -316,7 +316,7 @@ def progress_postfix(loss: float, tokens_per_s: float) -> str:
 
 def _muon_step_backend(report):
     """backend="laplace" for ShardedMuon's step, filling `report` (see the module docstring for the target)."""
-    from laplace_passes.backend import laplace_backend
+    from laplace_passes.driver.backend import laplace_backend
 
     return functools.partial(laplace_backend, options={"target": "cpu", "report": report})
 

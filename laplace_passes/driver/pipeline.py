@@ -12,10 +12,10 @@ from typing import Sequence
 import torch.fx
 
 from laplace_passes.collectives import RewriteMuonStep, is_candidate
-from laplace_passes.config import CompileConfig
+from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fla.report_pass import ReportFlaCalls
 from laplace_passes.fx.retile import RetileGLA
-from laplace_passes.passes import GraphContext, GraphPass
+from laplace_passes.infra.pass_base import GraphContext, GraphPass
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, UnrollLoops
 
 

@@ -9,12 +9,12 @@ chunk, G_last its last row and S_n the state entering the chunk:
     S_{n+1} = diag(exp(G_last)) S_n + (K * exp(G_last - G))^T V
 
 This module holds the forward (`chunked_forward`) and the pieces the explicit
-backward (`laplace_passes.chunked_backward`) shares with it. Both are plain
+backward (`laplace_passes.ops.chunked_backward`) shares with it. Both are plain
 functions of tensors whose only Python loop is the one over chunks, so a
 trace at a static shape (`make_fx`) is straight-line code with one state
 update per chunk. The public entry point, `chunked_gla`, and the
 `laplace::chunked_gla` op that carries the explicit backward live in
-`laplace_passes.chunked`.
+`laplace_passes.ops.chunked`.
 
 NOTE [stable intra-chunk scores]
 Factorising A as (Q * exp(G - a)) (K * exp(a - G))^T with one anchor `a` per
@@ -118,7 +118,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from laplace_passes._checks import check_chunk_size
+from laplace_passes.infra.checks import check_chunk_size
 
 # Leaf rows of the intra-chunk halving for a direct call (eager, on the host CPU, where
 # 4-row leaves run fastest: benchmarks/bench_gla.py); targets set their own.
@@ -435,7 +435,7 @@ def chunked_forward(
     The residuals are what the explicit backward would otherwise recompute
     (NOTE [explicit chunked backward]): the states entering each chunk
     [B, H, N, K, V] and tril(A) [B, H, N, C', C'] (scaled, padded rows and all).
-    Arguments are not checked here (see `laplace_passes.chunked.chunked_gla`); this is
+    Arguments are not checked here (see `laplace_passes.ops.chunked.chunked_gla`); this is
     the body of the `laplace::chunked_gla` op, differentiable by autograd too.
     """
     x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)

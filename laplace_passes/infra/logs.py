@@ -20,7 +20,7 @@ import logging
 import torch.fx
 from torch._logging import trace_structured
 
-from laplace_passes.report import PassRecord
+from laplace_passes.infra.report import PassRecord
 
 # The "laplace" logger is the one TORCH_LOGS="laplace" configures (see above).
 log = logging.getLogger("laplace.passes")

@@ -30,11 +30,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace_passes._checks import check_chunk_size, check_flag, check_gla_args, resolve_scale
-from laplace_passes.chunked_forward import DEFAULT_SUB_CHUNK, ChunkLayout, chunk_plan, chunked_forward
-from laplace_passes.chunked_backward import chunked_backward
-from laplace_passes.fx_helpers import tensor_bytes
-from laplace_passes.gla import check_gates, refuse_double_backward
+from laplace_passes.infra.checks import check_chunk_size, check_flag, check_gla_args, resolve_scale
+from laplace_passes.ops.chunked_forward import DEFAULT_SUB_CHUNK, ChunkLayout, chunk_plan, chunked_forward
+from laplace_passes.ops.chunked_backward import chunked_backward
+from laplace_passes.infra.fx_helpers import tensor_bytes
+from laplace_passes.ops.gla import check_gates, refuse_double_backward
 
 
 @torch.library.custom_op("laplace::chunked_gla", mutates_args=())
@@ -137,10 +137,10 @@ def chunked_gla(
     `chunk_size` is the tokens per chunk (the target's partition count when the
     re-tiling pass installs this); `sub_chunk_size` the rows of the leaves of
     the intra-chunk halving, computed elementwise (NOTE [stable intra-chunk
-    scores] in `laplace_passes.chunked_forward`; 4 runs fastest on a CPU). Any T, K,
+    scores] in `laplace_passes.ops.chunked_forward`; 4 runs fastest on a CPU). Any T, K,
     V; inputs in fp32, bf16 or fp16, computed in fp32, output in the input
     dtype, final state in fp32. The backward is the explicit reverse
-    recurrence over chunks (`laplace_passes.chunked_backward`); with
+    recurrence over chunks (`laplace_passes.ops.chunked_backward`); with
     `save_residuals` (the default, as the `cpu` target) the forward keeps the
     states entering each chunk and tril(A) for it, B*H*N*(K*V + C'*C') fp32
     values, where without them the backward recomputes both (less memory,

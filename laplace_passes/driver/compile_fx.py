@@ -5,9 +5,9 @@
 
 Dynamo graph -> Dynamo-level passes (GLA re-tiling, loop unrolling) -> AOT
 Autograd -> ATen-level passes on the forward and backward graphs (see
-`laplace_passes.pipeline`) -> the inner compiler. Everything here takes a
+`laplace_passes.driver.pipeline`) -> the inner compiler. Everything here takes a
 `CompileConfig` with the inner compiler already resolved: the names users
-write are mapped to compilers in `laplace_passes.backend`, above the
+write are mapped to compilers in `laplace_passes.driver.backend`, above the
 lowering compilers, so `laplace_passes.lowering` can call `capture_graphs`
 without depending on what depends on it.
 """
@@ -22,12 +22,12 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
-from laplace_passes.config import CompileConfig
+from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fx import fla_sites
-from laplace_passes.passes import run_passes
-from laplace_passes.pipeline import aten_passes, dynamo_passes, graph_context
-from laplace_passes.report import Report, remember
-from laplace_passes.shapes import PerShapeCompiler, report_dynamic_dims, static_shapes_reason
+from laplace_passes.infra.pass_base import run_passes
+from laplace_passes.driver.pipeline import aten_passes, dynamo_passes, graph_context
+from laplace_passes.infra.report import Report, remember
+from laplace_passes.driver.shapes import PerShapeCompiler, report_dynamic_dims, static_shapes_reason
 from laplace_passes.unroll import compile_graph
 
 KINDS = ("forward", "backward", "inference")
@@ -37,7 +37,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileCo
     """Run the passes on a Dynamo graph and compile it: the body of the `laplace` backend.
 
     A graph with symbolic sizes on a compile that needs static shapes is
-    compiled once per concrete shape, at its first call (`laplace_passes.shapes`).
+    compiled once per concrete shape, at its first call (`laplace_passes.driver.shapes`).
     """
     remember(config.report)
     if report_dynamic_dims(gm, config) and static_shapes_reason(config):

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from laplace_passes.fx_helpers import op_name
+from laplace_passes.infra.fx_helpers import op_name
 
 STAGES = ("before", "after")
 
@@ -201,7 +201,7 @@ class Report:
         self.passes: list[PassRecord] = []
         self.sites: list[SiteRecord] = []
         self.notes: list[str] = []
-        # Graphs with symbolic sizes (laplace_passes.shapes): "graph input dim i = symbol" per dynamic
+        # Graphs with symbolic sizes (laplace_passes.driver.shapes): "graph input dim i = symbol" per dynamic
         # dimension, and one entry per concrete shape compiled on its own for a static-shape target.
         self.dynamic_dims: list[str] = []
         self.specialised: list[str] = []

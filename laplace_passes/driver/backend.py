@@ -8,7 +8,7 @@ passes, AOT Autograd, the ATen-level passes, the inner compiler.
 
 This module sits above everything it names: `INNER_COMPILERS` maps the
 names of `inner=` to compiler objects, those torch provides
-(`laplace_passes.inner`) and the lowering ones (`laplace_passes.lowering`).
+(`laplace_passes.infra.inner`) and the lowering ones (`laplace_passes.lowering`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Callable, Mapping
 
 import torch.fx
 
-from laplace_passes.compile_fx import compile_fx
-from laplace_passes.config import CompileConfig
+from laplace_passes.driver.compile_fx import compile_fx
+from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fx import fla_sites
-from laplace_passes.inner import TORCH_COMPILERS, InnerCompiler
+from laplace_passes.infra.inner import TORCH_COMPILERS, InnerCompiler
 from laplace_passes.lowering.iree import IreeCompiler
 from laplace_passes.lowering.neuron import NeuronCompiler
 from laplace_passes.lowering.stablehlo import StableHLOCompiler

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_demo(commands) -> None:
-    from laplace_passes.demo import DemoConfig
+    from laplace_passes.demo.train import DemoConfig
 
     defaults = DemoConfig()
     demo = commands.add_parser("demo", help="train the tiny GLA model on MQAR through backend='laplace'")
@@ -79,7 +79,7 @@ def _add_demo(commands) -> None:
 
 
 def _run_demo(args) -> int:
-    from laplace_passes.demo import DemoConfig, run_demo
+    from laplace_passes.demo.train import DemoConfig, run_demo
 
     config = DemoConfig(model=args.model, steps=args.steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
                         target=args.target, inner=args.inner, world_size=args.world_size, seed=args.seed,
@@ -110,8 +110,8 @@ def _add_inspect(commands) -> None:
 
 def _run_inspect(args) -> int:
     import laplace_passes
-    from laplace_passes.dump import dump_report
-    from laplace_passes.files import check_output_dir
+    from laplace_passes.tools.dump import dump_report
+    from laplace_passes.infra.files import check_output_dir
 
     if args.dump:  # before the work, which may take minutes
         check_output_dir(args.dump, args.force)
@@ -149,7 +149,7 @@ def _run_export(args) -> int:
     import torch
 
     import laplace_passes
-    from laplace_passes.files import check_output_dir
+    from laplace_passes.infra.files import check_output_dir
 
     check_output_dir(args.stablehlo, args.force)
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)

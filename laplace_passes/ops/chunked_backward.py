@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace_passes.chunked_forward import (
+from laplace_passes.ops.chunked_forward import (
     FLUSH_BELOW,
     ChunkedInputs,
     IntraChunk,

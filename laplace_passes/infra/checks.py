@@ -2,7 +2,7 @@
 
 Shapes and dtypes are checked in Python, before anything is traced, so the
 error names the argument. Gate *values* are data: they are checked by the
-`laplace::check_gates` op (see `laplace_passes.gla`), which also runs inside
+`laplace::check_gates` op (see `laplace_passes.ops.gla`), which also runs inside
 compiled graphs.
 """
 

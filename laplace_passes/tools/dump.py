@@ -7,7 +7,7 @@ For every graph and every snapshot (its input, then after each pass):
 and per graph {graph}.diff, a unified diff of the input against the final code.
 Plus report.txt and report.json. The directory is written whole or not at
 all; a non-empty one is replaced only with `overwrite=True` (NOTE [output
-directories] in `laplace_passes.files`).
+directories] in `laplace_passes.infra.files`).
 
 Drawing is best effort and never fails the dump: dot's layout time grows
 much faster than the graph (the tiny model's unrolled forward at T = 2048,
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch.fx
 
-from laplace_passes.files import staged_directory
-from laplace_passes.report import Report
+from laplace_passes.infra.files import staged_directory
+from laplace_passes.infra.report import Report
 
 
 MAX_SVG_NODES = 300

@@ -6,13 +6,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from laplace_passes.backend import compile_config, laplace_backend
-from laplace_passes.buckets import check_buckets, with_seq_buckets
-from laplace_passes.compile_fx import capture_graphs
+from laplace_passes.driver.backend import compile_config, laplace_backend
+from laplace_passes.driver.buckets import check_buckets, with_seq_buckets
+from laplace_passes.driver.compile_fx import capture_graphs
 from laplace_passes.fla import FlaCallNotReplaced
 from laplace_passes.fla.not_replaced import triton_error_call
 from laplace_passes.fx import fla_sites
-from laplace_passes.report import Report
+from laplace_passes.infra.report import Report
 
 
 def compile(
@@ -43,7 +43,7 @@ def compile(
     position must not depend on later positions). Token inputs are padded
     along dimension 1 up to the next bucket and outputs sliced back, so any
     length up to the largest bucket compiles at most once per bucket
-    (`laplace_passes.buckets`: what is padded, with what, and what is not
+    (`laplace_passes.driver.buckets`: what is padded, with what, and what is not
     sliced). A module comes back wrapped in a module holding the compiled one.
     """
     if not isinstance(fullgraph, bool):

@@ -27,14 +27,14 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.compile_fx import capture_graphs, check_callable
-from laplace_passes.config import CompileConfig, entry_point_options
-from laplace_passes.files import check_output_dir, staged_directory
+from laplace_passes.driver.compile_fx import capture_graphs, check_callable
+from laplace_passes.driver.config import CompileConfig, entry_point_options
+from laplace_passes.infra.files import check_output_dir, staged_directory
 from laplace_passes.lowering._deps import torch_mlir_fx
 from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
-from laplace_passes.report import Report
-from laplace_passes.targets import HardwareTarget
+from laplace_passes.infra.report import Report
+from laplace_passes.infra.targets import HardwareTarget
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "laplace_passes.stablehlo_export/1"
@@ -61,7 +61,7 @@ def export_stablehlo(
 
     `out_dir` is written whole or not at all; a non-empty one is refused
     unless `overwrite=True`, which replaces it (NOTE [output directories] in
-    `laplace_passes.files`). Everything is checked before the graphs are captured.
+    `laplace_passes.infra.files`). Everything is checked before the graphs are captured.
     """
     # Checked here, not first inside the compile, where Dynamo would wrap the install hint in its own error.
     torch_mlir_fx("export_stablehlo")

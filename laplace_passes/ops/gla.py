@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace_passes._checks import check_flag, check_gla_args, resolve_scale
+from laplace_passes.infra.checks import check_flag, check_gla_args, resolve_scale
 
 # `origin` names where a site came from ("laplace.gla", "fla.chunk_gla", ...),
 # so the report can answer "which of my calls was re-tiled?".

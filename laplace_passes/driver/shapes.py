@@ -34,20 +34,12 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from laplace_passes.config import CompileConfig
-from laplace_passes.fx_helpers import dynamic_dims, fake_value, is_static, tensor_values
+from laplace_passes.driver.config import CompileConfig
+from laplace_passes.infra.fx_helpers import dynamic_dims, fake_value, is_static, tensor_values
+from laplace_passes.lowering.neuron import NEURON_ADVICE
 
 # Dynamo keeps a node's fake value under this key (AOT graphs: "val").
 _DYNAMO_KEY = "example_value"
-
-
-NEURON_ADVICE = (
-    "Neuron compiles static shapes only: the dynamic dimensions above are compiled once per concrete "
-    "shape (one neuronx-cc compile each, as TorchNeuron does). To compile once, keep the dimension static "
-    "(laplace_passes.compile's default dynamic=False, no torch._dynamo.mark_dynamic, "
-    "torch._dynamo.mark_static), or pad token inputs to a few lengths: "
-    "laplace_passes.compile(model, seq_buckets=[...]) (causal models)"
-)
 
 
 def static_shapes_reason(config: CompileConfig) -> str:
@@ -72,7 +64,7 @@ def report_dynamic_dims(gm: torch.fx.GraphModule, config: CompileConfig) -> list
 
 
 def _neuron(config: CompileConfig) -> bool:
-    return config.target.static_shapes or config.inner.name == "neuron"
+    return config.target.static_shapes or config.inner.for_neuron
 
 
 class PerShapeCompiler:

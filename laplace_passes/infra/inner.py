@@ -6,7 +6,7 @@ decomposition table for AOT Autograd, a joint-graph partitioner, passes of
 its own to run last on each ATen graph, packages that must be installed).
 This module holds the base class and the compilers torch itself provides;
 the lowering compilers (StableHLO, IREE, TorchNeuron) are in
-`laplace_passes.lowering`, and `laplace_passes.backend` maps the names
+`laplace_passes.lowering`, and `laplace_passes.driver.backend` maps the names
 users write (`inner="iree"`) to them. A callable
 `(graph_module, example_inputs) -> callable` is accepted too, for users who
 bring their own ATen-graph compiler or want to capture the graphs.
@@ -27,8 +27,11 @@ class InnerCompiler:
     # AOT Autograd's joint-graph partitioner (None: its default).
     partition_fn: Callable | None = None
     # True: takes graphs with static shapes only; a graph with symbolic sizes is compiled once
-    # per concrete shape instead (`laplace_passes.shapes`).
+    # per concrete shape instead (`laplace_passes.driver.shapes`).
     static_shapes = False
+    # True: the graphs go to neuronx-cc (TorchNeuron, or the preflight that stands in for it), so the
+    # report's advice for dynamic dimensions is Neuron's.
+    for_neuron = False
     # AOT Autograd's keep_inference_input_mutations: an in-place update of an input (a buffer) stays
     # in the graph as a trailing copy_ into it, instead of a new output AOT Autograd copies back.
     keep_inference_input_mutations: bool = False
