@@ -164,3 +164,19 @@ def test_bench_in_process_returns_the_script_exit_code(capfd):
     # A successful run's exit code and output: test_bench_runs_a_benchmark_script.
     assert main(["bench", "gla", "--no-such-flag"]) == 2  # argparse's exit code, passed through
     assert "unrecognized arguments: --no-such-flag" in capfd.readouterr().err
+
+
+def test_inspect_passes_prints_the_declared_pipeline_for_the_inner_compiler(capsys):
+    from laplace_passes.driver.pipeline import ATEN, DYNAMO
+
+    assert main(["inspect", "--passes", "--target", "cpu", "--inner", "stablehlo"]) == 0
+    lowered = capsys.readouterr().out
+    assert main(["inspect", "--passes"]) == 0
+    eager = capsys.readouterr().out
+    dynamo, aten = lowered.split("aten graphs:")
+    for text, steps in ((dynamo, DYNAMO), (aten, ATEN)):
+        positions = [text.index(f" {step.name} ") for step in steps]
+        assert positions == sorted(positions), text
+    assert "+ 10. lower_to_stablehlo" in lowered and "- 10. lower_to_stablehlo" in eager
+    assert "+  3. clamp_gate_checks" in lowered and "-  7. neuron_preflight" in lowered
+    assert "target trn2, inner eager" in eager

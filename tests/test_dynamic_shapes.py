@@ -17,7 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import laplace_passes
 import model_zoo
 from laplace_passes.driver.buckets import IGNORE_INDEX, SeqBuckets, check_buckets
-from laplace_passes.infra.fx_helpers import is_static, op_name
+from laplace_passes.infra.fx_helpers import is_static
+from laplace_passes.infra.op_facts import op_name
 from laplace_passes.unroll import FitGraphToBudget, SizeModel
 from laplace_passes.infra.pass_base import run_pass
 from tests.lm_cases import capture_inner, loss_and_grads, tokens

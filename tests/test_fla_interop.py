@@ -110,3 +110,22 @@ def test_another_backend_runs_the_reference_op_in_place_of_fla(backend, origin):
     targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
     assert torch.ops.laplace.gla.default in targets or torch.ops.laplace.gla in targets, targets
     assert not any("fla" in getattr(t, "__module__", "") for t in targets), targets
+
+
+def test_importing_laplace_passes_installs_nothing_and_the_backend_lookup_does():
+    """The one moment fla's replacements go in is when a compile starts (compile_fx.prepare_to_trace)."""
+    import sys
+
+    from tests import processes
+
+    script = (
+        "import fla, torch, laplace_passes\n"
+        "from laplace_passes.fla import replaced\n"
+        "print(len(replaced()))\n"
+        "torch.compile(lambda x: x + 1, backend='laplace')\n"
+        "print(len(replaced()), 'fla.chunk_gla' in replaced())\n"
+    )
+    done = processes.run([sys.executable, "-c", script], timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split("\n")[:2]
+    assert before == "0" and after.endswith(" True") and int(after.split()[0]) > 10, done.stdout

@@ -28,7 +28,7 @@ from torch.testing import FileCheck
 
 import laplace_passes
 from laplace_passes.driver.backend import laplace_backend
-from laplace_passes.collectives import plan_ownership, rewrite_muon_step
+from laplace_passes.collectives import find_newton_schulz, plan_ownership, rewrite_muon_step
 from laplace_passes.collectives.plan import uniform_plan
 from model_zoo.muon import (
     COMM_MODES,
@@ -513,3 +513,39 @@ def test_gather_whose_value_leaves_the_graph_is_declined_as_split_from_newton_sc
     assert not result.modified
     (reason,) = result.declined
     assert "leaves the graph (a graph output) before any Newton-Schulz reads it" in reason, reason
+
+
+def _scaled_iteration(scale):
+    """Two Newton-Schulz steps after `scale(full)` in place of the Frobenius normalisation."""
+
+    def orthogonalise(full):
+        x = full / scale(full)
+        for a, b, c in [(3.4445, -4.775, 2.0315)] * 2:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x
+
+    return orthogonalise
+
+
+@pytest.mark.parametrize("name,scale", [
+    ("twice the sum", lambda x: 2 * x.sum()),
+    ("the sum's root", lambda x: x.sum().abs().sqrt()),
+    ("a 1-norm", lambda x: x.norm(p=1)),
+])
+def test_a_scale_that_is_not_a_frobenius_norm_starts_no_newton_schulz(name, scale):
+    gm = _gather_then(_scaled_iteration(scale), flat_send=False)
+    result = rewrite_muon_step(gm, world_size=2)
+    assert not result.modified
+    assert any("no Frobenius normalisation" in reason for reason in result.declined), (name, result.declined)
+
+
+@pytest.mark.parametrize("name,scale", [
+    ("norm", lambda x: x.norm()),
+    ("root of x * x summed", lambda x: (x * x).sum().sqrt() + 1e-7),
+    ("root of x ** 2 summed", lambda x: x.pow(2).sum().sqrt().clamp(min=1e-7)),
+])
+def test_frobenius_norms_in_their_spellings_start_newton_schulz(name, scale):
+    gm = _gather_then(_scaled_iteration(scale), flat_send=False)
+    (found,) = find_newton_schulz(gm.graph)[0]
+    assert len(found.coefficients) == 2, name

@@ -53,6 +53,8 @@ def test_every_cli_line_parses(argv):
         pytest.fail(f"the CLI rejects the README's `laplace-passes {' '.join(argv)}`")
     if args.command == "bench":
         assert args.name in available_benchmarks()
+    elif getattr(args, "passes", False):
+        assert args.model is None
     elif ":" not in args.model:
         assert args.model in model_zoo.CONFIG_NAMES
 

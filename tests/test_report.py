@@ -84,7 +84,7 @@ def test_a_pass_that_changed_nothing_shares_the_previous_snapshot(report):
 
 def test_a_pass_that_says_unchanged_but_changed_the_graph_still_gets_a_copy():
     """`modified=False` is checked against the graph (node count, gm.meta), not taken on trust."""
-    from laplace_passes.infra.pass_base import GraphPass, PassOutcome, run_passes
+    from laplace_passes.infra.pass_base import GraphPass, PassResult, run_passes
     from laplace_passes.infra.report import Report
 
     class Says(GraphPass):
@@ -93,7 +93,7 @@ def test_a_pass_that_says_unchanged_but_changed_the_graph_still_gets_a_copy():
 
         def call(self, gm):
             self.change(gm)
-            return PassOutcome(gm, modified=False, summary="says nothing changed")
+            return PassResult(gm, modified=False, summary="says nothing changed")
 
     def add_node(gm):
         x = next(iter(gm.graph.nodes))
@@ -109,7 +109,7 @@ def test_a_pass_that_says_unchanged_but_changed_the_graph_still_gets_a_copy():
         def call(self, gm):
             (add,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.add]
             add.target = operator.sub
-            return PassOutcome(gm, modified=True, summary="add -> sub")
+            return PassResult(gm, modified=True, summary="add -> sub")
 
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     report = Report()

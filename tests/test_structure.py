@@ -137,3 +137,9 @@ def test_the_slowest_modules_handed_out_first_exist():
 
     missing = [name for name in SLOWEST_MODULES_FIRST if not (ROOT / "tests" / name).is_file()]
     assert not missing and len(set(SLOWEST_MODULES_FIRST)) == len(SLOWEST_MODULES_FIRST), missing
+
+
+def test_tests_readme_lists_every_test_module():
+    listed = (ROOT / "tests" / "README.md").read_text()
+    missing = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if f"`{p.name}`" not in listed)
+    assert not missing, f"tests/README.md does not list {missing}"

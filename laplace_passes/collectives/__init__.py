@@ -13,11 +13,10 @@ and after, `match.py` and `newton_schulz.py` for what is matched,
 
 from laplace_passes.collectives.newton_schulz import find_newton_schulz, newton_schulz_flops
 from laplace_passes.collectives.plan import OwnershipPlan, plan_ownership
-from laplace_passes.collectives.rewrite import MuonRewrite, RewriteMuonStep, is_candidate, rewrite_muon_step
+from laplace_passes.collectives.rewrite import RewriteMuonStep, is_candidate, rewrite_muon_step
 from laplace_passes.collectives.traffic import collective_bytes
 
 __all__ = [
-    "MuonRewrite",
     "OwnershipPlan",
     "RewriteMuonStep",
     "collective_bytes",

@@ -35,37 +35,11 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.op_facts import RESHAPES, SPLITS, is_value_copy
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 Node = torch.fx.Node
-
-# Ops whose output equals their input up to dtype, layout or memory format.
-VALUE_COPIES = frozenset({
-    aten.clone.default, aten.alias.default, aten.contiguous.default, aten.lift_fresh_copy.default,
-    aten.detach.default,
-})
-CASTS = frozenset({aten._to_copy.default, prims.convert_element_type.default})
-SPLITS = frozenset({
-    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
-    aten.tensor_split.indices, aten.tensor_split.sections, aten.split.sizes,
-})
-RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
-
-
-def is_cast(node: Node) -> bool:
-    """A dtype / layout / device change of the whole input, nothing else (no other kwargs)."""
-    if node.op != "call_function":
-        return False
-    if node.target is aten._to_copy.default:
-        return set(node.kwargs) <= {"dtype", "memory_format", "layout", "device", "non_blocking"}
-    return node.target is prims.convert_element_type.default
-
-
-def is_value_copy(node: Node) -> bool:
-    """An op whose value is its first input's (a copy, a cast, a clone)."""
-    return node.op == "call_function" and (node.target in VALUE_COPIES or is_cast(node))
-
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
@@ -93,11 +67,6 @@ class Alias:
         """Equal keys: the same value (strides of size-1 dimensions do not matter)."""
         stride = tuple(0 if n == 1 else st for n, st in zip(self.shape, self.stride))
         return self.root, self.shape, stride, self.offset
-
-    def is_whole(self) -> bool:
-        """The root itself, in its own shape and order."""
-        root = fake_tensor(self.root)
-        return root is not None and self.shape == tuple(root.shape) and self.in_root_order()
 
     def in_root_order(self) -> bool:
         """Every element of the root once, in the root's row-major order (any shape)."""
@@ -138,9 +107,6 @@ class Aliases:
             self._memo[node] = found
         return found
 
-    def same(self, a: Node, b: Node) -> bool:
-        return self.of(a).key() == self.of(b).key()
-
     def is_transpose_of(self, a: Node, b: Node) -> bool:
         # An alias has its node's shape: when the shapes already differ, no view need be replayed
         # (most matmuls of a model, asked about by the Newton-Schulz search, end here).
@@ -149,10 +115,6 @@ class Aliases:
                 and shape_a != shape_b[:-2] + (shape_b[-1], shape_b[-2]):
             return False
         return self.of(a).key() == self.of(b).transposed().key()
-
-    def reshaped_from(self, node: Node) -> Alias | None:
-        """The alias a reshape-made root was reshaped from (None: `node` is no such root)."""
-        return self._reshaped.get(node)
 
     def within_source(self, node: Node) -> Alias | None:
         """`node`'s alias relative to its direct input taken as a contiguous value (None: not a view).

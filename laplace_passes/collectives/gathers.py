@@ -37,12 +37,14 @@ def check_gathers_before_newton_schulz(send: Node, ns_by_input, owner_only) -> N
         )
 
 
-def fold_copies_into_new_buffers(graph: torch.fx.Graph) -> None:
+def fold_copies_into_new_buffers(graph: torch.fx.Graph) -> int:
     """`dist.all_gather_into_tensor(out, x)` is functionalised as copy(new_empty(...), wait): out is wait.
 
     The copy writes every element of a buffer nothing else reads, so its
     users can read the gathered value directly (same values, same dtype).
+    Returns how many copies were folded (the graph changed when any).
     """
+    folded = 0
     for node in list(graph.nodes):
         if node.target is not WAIT or not isinstance(node.args[0], Node) or node.args[0].target is not ALL_GATHER:
             continue
@@ -54,6 +56,8 @@ def fold_copies_into_new_buffers(graph: torch.fx.Graph) -> None:
                 user.replace_all_uses_with(node)
                 graph.erase_node(user)
                 graph.erase_node(buffer)
+                folded += 1
+    return folded
 
 
 def _fresh_buffer(node) -> bool:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from laplace_passes.collectives.aliases import SPLITS, Aliases, contiguous_strides
+from laplace_passes.collectives.aliases import Aliases, contiguous_strides
 from laplace_passes.collectives.gathers import (
     ALL_GATHER,
     BROADCAST,
@@ -67,11 +67,11 @@ from laplace_passes.infra.fx_helpers import (
     COND,
     ancestors,
     fake_tensor,
-    is_view,
     output_values,
     resolve_process_group,
     subgraph,
 )
+from laplace_passes.infra.op_facts import SPLITS, is_view
 from laplace_passes.infra.pass_base import Declined
 
 aten = torch.ops.aten
@@ -136,10 +136,13 @@ class _OwnerOnly:
     body: Region
 
 
-def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[GatherBucket], list[str]]:
-    """The Muon buckets of `gm`, and why anything close was not one."""
+def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[GatherBucket], list[str], bool]:
+    """The Muon buckets of `gm`, why anything close was not one, and whether finding them changed the graph.
+
+    It may: a gather into a new buffer (`copy_` into `new_empty`) is first read directly.
+    """
     declined: list[str] = []
-    fold_copies_into_new_buffers(gm.graph)
+    folded = fold_copies_into_new_buffers(gm.graph) > 0
     live = live_nodes(gm.graph)
     outer, misses = find_newton_schulz(gm.graph, live)
     declined += misses
@@ -152,7 +155,7 @@ def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[Gather
                 buckets.append(_match_bucket(node, world_size, ns_by_input, owner_only, live))
             except Declined as reason:
                 declined.append(f"{node.name}: {reason}")
-    return buckets, declined
+    return buckets, declined, folded
 
 
 # ---------------------------------------------------------------- conds
@@ -230,6 +233,29 @@ def _is_zeros(node: Node) -> bool:
 # ---------------------------------------------------------------- buckets
 
 
+@dataclass(frozen=True)
+class _MatchContext:
+    """What matching the blocks of one gather needs besides the block."""
+
+    send: Node
+    group: str
+    world_size: int
+    ns_by_input: dict  # Newton-Schulz regions every rank runs, by input
+    owner_only: dict  # owner-only conds, by operand
+    live: set[Node]
+
+
+@dataclass(frozen=True)
+class _Work:
+    """Where a block's Newton-Schulz runs and where its result comes from."""
+
+    ns: object  # the NewtonSchulz found
+    template: object  # the region the owner copies
+    owner: int | None  # None: every rank runs it
+    result: Node
+    transport: tuple  # the broadcast nodes of an owner-only result
+
+
 def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, live: set[Node]) -> GatherBucket:
     send, group_size, group = all_gather.args
     if group_size != world_size:
@@ -251,8 +277,9 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     else:
         raise element_ranges(wait, width, world_size, live)
     sites = []
+    context = _MatchContext(send, group, world_size, ns_by_input, owner_only, live)
     for block, offset, numel in blocks:
-        sites.append(_site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live))
+        sites.append(_site_of_block(context, block, offset, numel))
         infrastructure |= {n for n in sites[-1].transport if n.target in (BROADCAST, WAIT)}
     if len({s.owner is None for s in sites}) > 1:
         raise Declined("mixes matrices every rank orthogonalises with owner-only ones")
@@ -261,8 +288,8 @@ def _match_bucket(all_gather: Node, world_size: int, ns_by_input, owner_only, li
     return bucket
 
 
-def _site_of_block(block, offset, numel, send, group, world_size, ns_by_input, owner_only, live) -> MatrixSite:
-    full = _full_matrix(block, ns_by_input, owner_only)
+def _site_of_block(context: _MatchContext, block: Node, offset: int, numel: int) -> MatrixSite:
+    full = _full_matrix(block, context.ns_by_input, context.owner_only)
     try:
         unpad = closed_region(block, full)
     except RegionError as mixed:
@@ -271,16 +298,15 @@ def _site_of_block(block, offset, numel, send, group, world_size, ns_by_input, o
             f"({mixed}): state every rank keeps whole (a momentum of full matrices, as torch.optim.Muon's step "
             "on a gathered gradient) needs the whole gathered value on every rank"
         ) from None
-    if full in ns_by_input:
-        ns = ns_by_input[full]
-        site = _finish_site(block, offset, numel, unpad, ns, ns.region, None, ns.region.output, (),
-                            world_size, group, live)
+    if full in context.ns_by_input:
+        ns = context.ns_by_input[full]
+        work = _Work(ns, ns.region, None, ns.region.output, ())
     else:
-        info = owner_only[full]
-        result, transport = _through_broadcast(info, group, live)
-        site = _finish_site(block, offset, numel, unpad, info.newton_schulz, info.body, info.owner,
-                            result, transport, world_size, group, live)
-    site.send = send
+        info = context.owner_only[full]
+        result, transport = _through_broadcast(info, context.group, context.live)
+        work = _Work(info.newton_schulz, info.body, info.owner, result, transport)
+    site = _finish_site(context, block, offset, numel, unpad, work)
+    site.send = context.send
     return site
 
 
@@ -369,15 +395,17 @@ def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[N
     return result, transport
 
 
-def _finish_site(block, offset, numel, unpad, ns, template, owner, result, transport, world_size, group, live):
-    selection = _own_row_selection(result, world_size, numel, group, live)
-    layout = closed_region(result, selection_source(selection))
+def _finish_site(context: _MatchContext, block: Node, offset: int, numel: int, unpad, work: _Work) -> MatrixSite:
+    world_size = context.world_size
+    selection = _own_row_selection(work.result, world_size, numel, context.group, context.live)
+    layout = closed_region(work.result, selection_source(selection))
     if fake_tensor(layout.output).numel() != world_size * numel:
         raise Declined(
             f"{selection.name} selects from a layout of {fake_tensor(layout.output).numel()} elements, "
             f"not one {numel}-element shard per rank like the gathered block {block.name}"
         )
-    return MatrixSite(block, offset, numel, unpad, ns, template, owner, result, layout, selection, transport)
+    return MatrixSite(block, offset, numel, unpad, work.ns, work.template, work.owner, work.result, layout, selection,
+                      work.transport)
 
 
 def selection_source(selection: Node) -> Node:

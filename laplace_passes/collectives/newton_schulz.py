@@ -41,24 +41,20 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from laplace_passes.collectives.aliases import Aliases, is_cast, is_value_copy
+from laplace_passes.collectives.aliases import Aliases
 from laplace_passes.collectives.regions import Region, RegionError, closed_region, live_nodes
-from laplace_passes.infra.fx_helpers import fake_tensor, is_view
+from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.op_facts import ADD_MATMULS, MATMULS, is_cast, is_value_copy, is_view
 
 aten = torch.ops.aten
 Node = torch.fx.Node
 
-MATMULS = frozenset({aten.mm.default, aten.bmm.default})
-ADD_MATMULS = frozenset({aten.addmm.default, aten.baddbmm.default})
 
 
 @dataclass(frozen=True)
 class NewtonSchulz:
     region: Region  # matrix -> last iterate, closed
-    transposed: bool  # the iteration runs on matrix^T (tall matrices); the last iterate is in that frame
     coefficients: tuple[tuple[float, ...], ...]  # per step: (a, b, c, ...) of a X + b G X + c G^2 X ...
-    eps: float
-    eps_mode: str  # "add" (X / (||X|| + eps)), "clamp" (X / clamp(||X||, eps)) or "none"
     rows: int
     cols: int
     batch: int  # matrices orthogonalised together ([k, rows, cols] inputs)
@@ -70,10 +66,6 @@ class NewtonSchulz:
     @property
     def output(self) -> Node:
         return self.region.output
-
-    @property
-    def steps(self) -> int:
-        return len(self.coefficients)
 
     @property
     def flops(self) -> int:
@@ -102,7 +94,7 @@ def find_newton_schulz(graph: torch.fx.Graph, live: set[Node] | None = None) -> 
         if norm is None:
             continue
         try:
-            region = finder.region_from(node, *norm)
+            region = finder.region_from(node, norm)
         except RegionError as miss:
             misses.append(f"{node.name}: a Newton-Schulz iteration follows this normalisation, but {miss}")
             continue
@@ -227,13 +219,21 @@ _NORM_OPS = frozenset({
 _SQUARE_SUMS = frozenset({aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim, aten.norm.Scalar})
 
 
+def _is_two_norm(node: Node) -> bool:
+    """linalg_vector_norm / norm of order 2 (their default)."""
+    if node.target not in _SQUARE_SUMS:
+        return False
+    order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", node.kwargs.get("p", 2))
+    return order in (2, 2.0, None)
+
+
 class _Finder:
     def __init__(self, graph: torch.fx.Graph, aliases: Aliases) -> None:
         self.aliases = aliases
         self.order = {n: i for i, n in enumerate(graph.nodes)}
 
-    def normalisation(self, node: Node) -> tuple[Node, float, str] | None:
-        """(Y, eps, mode) when `node` is Y / s (or Y * 1/s) with s = ||Y||_F (+ eps, or clamped at eps)."""
+    def normalisation(self, node: Node) -> Node | None:
+        """Y when `node` is Y / s (or Y * 1/s) with s = ||Y||_F (+ eps, or clamped at eps)."""
         if node.op != "call_function" or node.target not in (aten.div.Tensor, aten.mul.Tensor):
             return None
         y, s = node.args[:2]
@@ -249,7 +249,7 @@ class _Finder:
         if node.target is aten.mul.Tensor and not any(
                 n.target in (aten.reciprocal.default, aten.rsqrt.default) for n in scale_nodes):
             return None
-        return (y, *_eps_of(scale_nodes))
+        return y
 
     def _scale_region(self, scale: Node, root: Node) -> list[Node] | None:
         """The nodes computing `scale` from the matrix (alias root `root`) when they are norm ops only."""
@@ -266,12 +266,29 @@ class _Finder:
                 return None
             nodes.append(n)
             stack.extend(n.all_input_nodes)
-        targets = {n.target for n in nodes}
-        squares = bool(targets & _SQUARE_SUMS) or bool(
-            targets & {aten.sum.dim_IntList, aten.sum.default} and targets & {aten.pow.Tensor_Scalar, aten.mul.Tensor})
-        return nodes if squares else None
+        return nodes if self._frobenius(nodes) else None
 
-    def region_from(self, normalised: Node, y: Node, eps: float, mode: str) -> NewtonSchulz | None:
+    def _frobenius(self, nodes: list[Node]) -> bool:
+        """The scale is a 2-norm: a norm op of order 2, or the square root of a sum of a value times itself."""
+        if any(_is_two_norm(n) for n in nodes):
+            return True
+        roots = {n for n in nodes if n.target in (aten.sqrt.default, aten.rsqrt.default)
+                 or (n.target is aten.pow.Tensor_Scalar and n.args[1] in (0.5, -0.5))}  # Inductor's sqrt
+        sums = [n for n in nodes if n.target in (aten.sum.dim_IntList, aten.sum.default)]
+        return bool(roots) and any(self._is_square(n.args[0]) for n in sums)
+
+    def _is_square(self, node) -> bool:
+        """x ** 2, or x * x with both factors the same value (through views and casts)."""
+        if not isinstance(node, Node):
+            return False
+        if node.target is aten.pow.Tensor_Scalar:
+            return node.args[1] == 2
+        if node.target is aten.mul.Tensor and all(isinstance(a, Node) for a in node.args[:2]):
+            a, b = (self.aliases.of(x).key() for x in node.args[:2])
+            return a == b
+        return False
+
+    def region_from(self, normalised: Node, y: Node) -> NewtonSchulz | None:
         """The Newton-Schulz region starting at `normalised` (None: no step follows it)."""
         x, coefficients = normalised, []
         while (step := self.one_step(x)) is not None:
@@ -287,7 +304,7 @@ class _Finder:
         value = fake_tensor(matrix)
         rows, cols = int(value.shape[-2]), int(value.shape[-1])
         batch = math.prod(int(d) for d in value.shape[:-2])
-        return NewtonSchulz(region, transposed, tuple(coefficients), eps, mode, rows, cols, batch)
+        return NewtonSchulz(region, tuple(coefficients), rows, cols, batch)
 
     def _matrix_node(self, y: Node, transposed: bool) -> Node | None:
         """The node holding the matrix in the caller's orientation (before the tall-matrix transpose)."""
@@ -385,14 +402,3 @@ def _moves_or_copies(node: Node) -> bool:
     return node.op == "call_function" and (
         is_view(node) or is_value_copy(node) or is_cast(node)
         or node.target in (aten.slice_scatter.default, aten.copy.default, aten._unsafe_view.default))
-
-
-def _eps_of(scale_nodes: list[Node]) -> tuple[float, str]:
-    for n in scale_nodes:
-        if n.target in (aten.clamp.default, aten.clamp_min.default) and len(n.args) > 1 and _is_number(n.args[1]):
-            return float(n.args[1]), "clamp"
-        if n.target is aten.clamp.default and _is_number(n.kwargs.get("min")):
-            return float(n.kwargs["min"]), "clamp"
-        if n.target is aten.add.Tensor and _is_number(n.args[1]):
-            return float(n.args[1]), "add"
-    return 0.0, "none"

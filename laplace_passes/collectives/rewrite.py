@@ -78,7 +78,7 @@ compiler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -98,28 +98,13 @@ from laplace_passes.infra.fx_helpers import (
     subgraph,
     value_bytes,
 )
-from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome, run_pass
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult, run_pass
 from laplace_passes.infra.report import TrafficRecord
 from laplace_passes.infra.targets import HardwareTarget
 
-# The ownership plans of a rewritten graph, kept on the graph for `rewrite_muon_step`'s callers.
-PLANS_META_KEY = "laplace_muon_plans"
-
-
-@dataclass
-class MuonRewrite:
-    """What `rewrite_muon_step` did."""
-
-    graph_module: torch.fx.GraphModule
-    modified: bool
-    declined: list[str] = field(default_factory=list)
-    plans: list[OwnershipPlan] = field(default_factory=list)
-    traffic: TrafficRecord | None = None
-
-
 def rewrite_muon_step(
     graph_module: torch.fx.GraphModule, world_size: int, target: HardwareTarget | str | None = None
-) -> MuonRewrite:
+) -> PassResult:
     """Rewrite the gathers of a sharded Muon step in an ATen graph into paired all-to-alls (in place).
 
     `graph_module` must be an ATen-level graph with shapes in meta["val"]
@@ -135,9 +120,7 @@ def rewrite_muon_step(
     """
     if not isinstance(graph_module, torch.fx.GraphModule):
         raise TypeError(f"rewrite_muon_step takes a torch.fx.GraphModule, got {type(graph_module).__name__}")
-    outcome = run_pass(RewriteMuonStep(world_size=world_size, target=target), graph_module)
-    plans = outcome.graph_module.meta.get(PLANS_META_KEY, []) if outcome.modified else []
-    return MuonRewrite(outcome.graph_module, outcome.modified, outcome.declined, list(plans), outcome.traffic)
+    return run_pass(RewriteMuonStep(world_size=world_size, target=target), graph_module)
 
 
 class RewriteMuonStep(GraphPass):
@@ -155,13 +138,13 @@ class RewriteMuonStep(GraphPass):
         self.world_size = world_size
         self.target = target
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         try:
             self._check_present(gm)
         except Declined as absent:
-            return PassOutcome(gm, modified=False, summary="no Muon gather pattern", declined=[absent.reason])
+            return PassResult(gm, modified=False, summary="no Muon gather pattern", declined=[absent.reason])
         world_size = self.world_size or _gather_group_size(gm)
-        buckets, declined = find_buckets(gm, world_size)
+        buckets, declined, folded = find_buckets(gm, world_size)
         if buckets:
             try:
                 self._check_group_size(world_size)
@@ -181,11 +164,11 @@ class RewriteMuonStep(GraphPass):
             _rewrite_exchange(gm, exchange, plan)
             done.append((exchange, plan, saving))
         if not done:
-            return PassOutcome(gm, modified=False, summary="no Muon gather pattern rewritten", declined=declined)
+            return PassResult(gm, modified=folded, summary="no Muon gather pattern rewritten", declined=declined)
         fill_fake_values(set(gm.graph.nodes) - original)  # later passes and inner compilers read shapes
-        gm.meta[PLANS_META_KEY] = [plan for _, plan, _ in done]
         traffic = _traffic(done, before, collective_bytes(gm, world_size), world_size)
-        return PassOutcome(gm, modified=True, summary=_summary(done, traffic), declined=declined, traffic=traffic)
+        return PassResult(gm, modified=True, summary=_summary(done, traffic), declined=declined, traffic=traffic,
+                          plans=[plan for _, plan, _ in done])
 
     def _check_present(self, gm: torch.fx.GraphModule) -> None:
         """Declined unless the graph is an ATen graph with static shapes and a gather to rewrite."""

@@ -8,10 +8,9 @@ import torch
 
 from laplace_passes.driver.backend import compile_config, laplace_backend
 from laplace_passes.driver.buckets import check_buckets, with_seq_buckets
-from laplace_passes.driver.compile_fx import capture_graphs
+from laplace_passes.driver.compile_fx import capture_graphs, prepare_to_trace
 from laplace_passes.fla import FlaCallNotReplaced
 from laplace_passes.fla.not_replaced import triton_error_call
-from laplace_passes.fx import fla_sites
 from laplace_passes.infra.report import Report
 
 
@@ -60,7 +59,7 @@ def compile(
     def wrap(obj: Callable):
         if not callable(obj):
             raise TypeError(f"laplace_passes.compile expects a module or a function, got {type(obj).__name__}")
-        fla_sites.install()
+        prepare_to_trace()
         compiled = torch.compile(obj, backend=laplace_backend, options=full_options,
                                  fullgraph=fullgraph, dynamic=dynamic)
         if seq_buckets is not None:

@@ -17,9 +17,8 @@ from typing import Any, Callable, Mapping
 
 import torch.fx
 
-from laplace_passes.driver.compile_fx import compile_fx
+from laplace_passes.driver.compile_fx import compile_fx, prepare_to_trace
 from laplace_passes.driver.config import CompileConfig
-from laplace_passes.fx import fla_sites
 from laplace_passes.infra.inner import TORCH_COMPILERS, InnerCompiler
 from laplace_passes.lowering.iree import IreeCompiler
 from laplace_passes.lowering.neuron import NeuronCompiler
@@ -34,10 +33,6 @@ INNER_COMPILERS: Mapping[str, InnerCompiler] = {
     "neuron": NeuronCompiler(),
 }
 
-# Looking the backend up (torch.compile(backend="laplace")) imports this
-# module before Dynamo traces anything: the moment fla calls must become
-# recognisable nodes. Only an fla the user already imported is covered.
-fla_sites.install()
 
 
 def compile_config(options: dict[str, Any] | None) -> CompileConfig:
@@ -47,3 +42,16 @@ def compile_config(options: dict[str, Any] | None) -> CompileConfig:
 
 def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None) -> Callable:
     return compile_fx(gm, example_inputs, compile_config(options))
+
+
+def __getattr__(name: str):
+    """`registered_backend`: what the `torch_dynamo_backends` entry point names (setup.cfg).
+
+    Dynamo loads it when a user first writes torch.compile(..., backend="laplace"),
+    before it traces anything: the moment to `prepare_to_trace` (fla's replacements).
+    Importing this module does nothing of the kind.
+    """
+    if name == "registered_backend":
+        prepare_to_trace()
+        return laplace_backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,8 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
 from laplace_passes.driver.config import CompileConfig
-from laplace_passes.fx import fla_sites
+from laplace_passes.fla.install import covered_before_install
+from laplace_passes.fla.install import install as install_fla_replacements
 from laplace_passes.infra.pass_base import run_passes
 from laplace_passes.driver.pipeline import aten_passes, dynamo_passes, graph_context
 from laplace_passes.infra.report import Report, remember
@@ -45,17 +46,34 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileCo
     return _compile_graph(gm, example_inputs, config)
 
 
+def prepare_to_trace() -> bool:
+    """What must be in place before Dynamo traces for the laplace backend; True when it added anything.
+
+    The one place fla's replacements are installed (NOTE [how fla calls are
+    replaced] in `laplace_passes.fla.install`): Dynamo substitutes fla's calls
+    while it traces, so they must be installed before. It runs when a compile
+    starts: when Dynamo looks the backend up by name (torch.compile(...,
+    backend="laplace"), `laplace_passes.driver.backend`), in
+    `laplace_passes.compile` and in `capture_graphs` (inspect, preflight,
+    export); and again as each Dynamo graph is compiled, which covers an fla
+    imported after the lookup for the compiles that follow. Only an fla the
+    process already imported is covered; importing laplace_passes installs
+    nothing.
+    """
+    return install_fla_replacements() != covered_before_install()
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> Callable:
     """The passes, AOT Autograd, the ATen passes and the inner compiler, for one Dynamo graph."""
     report = config.report
-    if fla_sites.install() != fla_sites.covered_before_install():
+    if prepare_to_trace():
         report.notes.append(
             "fla was imported after the laplace backend was loaded, so fla calls traced in this "
             "graph are not GLA sites; later compiles recognise them (or call "
-            "laplace_passes.fx.enable_fla_sites() before compiling)"
+            "laplace_passes.fla.install() before compiling)"
         )
     record = report.new_graph("dynamo", gm)
-    gm = run_passes(gm, dynamo_passes(config), record, report)
+    gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report)
     compilers = {kind: _aten_compiler(config, kind) for kind in KINDS}
     kwargs: dict[str, Any] = {
         "fw_compiler": compilers["forward"],
@@ -92,7 +110,7 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     grad (the backward is compiled at once, not at the first backward call).
     """
     check_callable(model_or_fn)
-    fla_sites.install()
+    prepare_to_trace()
     backend = functools.partial(compile_fx, config=config)
     compiled = torch.compile(fresh_code(model_or_fn), backend=backend, dynamic=False)
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):

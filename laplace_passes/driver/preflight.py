@@ -19,7 +19,7 @@ from laplace_passes.driver.config import CompileConfig, entry_point_options
 from laplace_passes.infra.report import Report
 from laplace_passes.lowering.checks import Finding
 from laplace_passes.lowering.neuron import NEURON_ADVICE
-from laplace_passes.lowering.preflight import FINDINGS_META_KEY, NeuronPreflight, PreflightCompiler
+from laplace_passes.lowering.preflight import NeuronPreflight, PreflightCompiler
 
 
 @dataclass
@@ -66,7 +66,6 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
     """
     options = entry_point_options("preflight", options, target=target, inner=PreflightCompiler())
     report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
-    checked = [(record.name, gm) for record in report.graphs for label, gm in record.snapshots
-               if label == NeuronPreflight.name]
-    findings = [f for _, gm in checked for f in gm.meta[FINDINGS_META_KEY]]
-    return PreflightReport(report.target, findings, [name for name, _ in checked], report)
+    checked = [record for record in report.passes if record.name == NeuronPreflight.name]
+    findings = [f for record in checked for f in record.findings]
+    return PreflightReport(report.target, findings, [record.graph for record in checked], report)

@@ -23,8 +23,9 @@ Three mechanisms, each where it is the one that works:
   `rms_norm` and the others users call are not dispatched at all.
 
 Substitutions and class attributes are process-wide; they are installed on
-demand (`install()`, called by `laplace_passes.compile`, `inspect` and the
-backend), never as a side effect of importing fla or laplace_passes.
+demand, when a compile starts (`install()`, called from one place:
+`laplace_passes.driver.compile_fx.prepare_to_trace`), never as a side effect
+of importing fla or laplace_passes.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch.fx
 
 from laplace_passes.fla.not_replaced import MARKER
-from laplace_passes.infra.pass_base import GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import GraphPass, PassResult
 
 
 class ReportFlaCalls(GraphPass):
@@ -30,7 +30,7 @@ class ReportFlaCalls(GraphPass):
 
     name = "fla_calls"
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         lines = []
         for node in gm.graph.nodes:
             if node.op != "call_function":
@@ -43,4 +43,4 @@ class ReportFlaCalls(GraphPass):
                 lines.append(f"Triton kernel #{kernel} (node {node.name}): not replaced: Dynamo captured a Triton "
                              f"kernel that no laplace replacement covers")
         summary = f"{len(lines)} fla call(s) left to fla" if lines else "no fla call left to fla"
-        return PassOutcome(gm, modified=False, summary=summary, declined=lines)
+        return PassResult(gm, modified=False, summary=summary, declined=lines)

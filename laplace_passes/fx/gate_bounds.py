@@ -57,6 +57,7 @@ import torch.fx
 
 from laplace_passes.fx.in_place_writes import is_tensor_free, storage_of, written_operands
 from laplace_passes.infra.fx_helpers import fake_value
+from laplace_passes.infra.op_facts import short_op_name
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -140,16 +141,12 @@ def _overwritten(derivation: list[torch.fx.Node], graph: torch.fx.Graph) -> str 
             storage = storage_of(written)
             if storage is not None and storage not in steps:
                 continue
-            op = _op_name(node)
+            op = short_op_name(node)
             writer = f"{op}{'' if node.name == op else f' ({node.name})'} writes in place to {written.name}"
             why = ("whose memory the pass cannot tell" if storage is None
                    else f"which shares memory with {steps[storage].name}")
             return f"{writer}, {why}"
     return None
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _bound(node, depth: int, derivation: list) -> Bound:
@@ -162,7 +159,7 @@ def _bound(node, depth: int, derivation: list) -> Bound:
     if depth == 0:
         return Bound(None, f"{node.name}: more than {MAX_DEPTH} ops from a source the pass can bound")
     derivation.append(node)
-    target, method, name = node.target, node.op == "call_method", _op_name(node)
+    target, method, name = node.target, node.op == "call_method", short_op_name(node)
     dtype = getattr(fake_value(node), "dtype", None)
     if dtype not in SIGNED_FLOATS:  # every rule below is about signed real numbers
         return Bound(None, f"{node.name} is {dtype or 'not a tensor with a known dtype'}, not a signed floating-point "
@@ -226,7 +223,7 @@ def _quotient(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
 
 
 def _clamp(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
-    method = _op_name(node)
+    method = short_op_name(node)
     if "clamp_max" in method:
         low, high = None, _argument(node, 1, "max", None)
     elif "clamp_min" in method:

@@ -87,7 +87,7 @@ from laplace_passes.fx.gate_bounds import Bound, gate_bound
 from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
 from laplace_passes.infra.fx_helpers import fake_value, new_node, provenance_of
 from laplace_passes.ops.gla import check_readout, gla_recurrence
-from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import SiteRecord
 
 
@@ -109,8 +109,8 @@ class RetileGLA(GraphPass):
         self.recurrent_max_tokens = recurrent_max_tokens
         self.recurrent_readout = recurrent_readout
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        records, declined = [], []
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        records, declined, proven = [], [], 0
         # The graph and the bodies of its loops (scan, while_loop): a site in
         # a body becomes one site per trip when the loop is unrolled.
         bodies = _bodies_with_sites(gm)
@@ -118,7 +118,8 @@ class RetileGLA(GraphPass):
             for node in [n for n in graph_module.graph.nodes if is_gla_node(n)]:
                 # Bind just before rewriting: rewriting an earlier site replaces
                 # nodes a later site may read (GLA layers feed each other).
-                record = self._rewrite(graph_module, bind_site(node))
+                record, gates = self._rewrite(graph_module, bind_site(node))
+                proven += gates.nonpositive
                 record.node = where + record.node  # a site in a loop body: "scan_combine_graph_0.gla_default"
                 records.append(record)
                 if record.status == "declined":
@@ -130,12 +131,12 @@ class RetileGLA(GraphPass):
         recurrent = sum(r.status == "retiled" and r.plan["chunk_size"] == 1 for r in records)
         if recurrent:
             summary += f" ({recurrent} in the recurrent form: NOTE [short sites])"
-        proven = sum(r.status == "retiled" and r.gates.startswith("<= 0") for r in records)
         if proven:
             summary += f"; gates <= 0 by construction at {proven}, not checked at run time"
-        return PassOutcome(gm, modified=retiled > 0, summary=summary, declined=declined, sites=records)
+        return PassResult(gm, modified=retiled > 0, summary=summary, declined=declined, sites=records)
 
-    def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> SiteRecord:
+    def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> tuple[SiteRecord, Bound]:
+        """The site rewritten (or declined: the record says why), and what is known of its gates."""
         record = SiteRecord(graph="", node=site.node.name, origin=site.origin, status="declined")
         values = [fake_value(n) for n in site.tensor_inputs()]
         try:
@@ -147,15 +148,15 @@ class RetileGLA(GraphPass):
             _require_valid_inputs(site, values)
         except Declined as declined:
             record.reason = declined.reason
-            return record
+            return record, Bound(None, "declined")
         q, v = values[0], values[2]
         B, T, H, K = q.shape
         record.shape = {"B": _size_cell(B), "H": _size_cell(H), "K": _size_cell(K), "V": _size_cell(v.shape[-1]),
                         "dtype": str(q.dtype).removeprefix("torch.")}
-        record.form = self._form(T if isinstance(T, int) else None, _needs_grad(site.node))
+        recurrent, record.form = self._form(T if isinstance(T, int) else None, _needs_grad(site.node))
         gates = gate_bound(site.gk) if self.prove_gates else Bound(None, "gate_checks='always'")
         record.gates = f"<= 0 by construction: {gates.how}" if gates.nonpositive else f"checked at run time: {gates.how}"
-        if record.form.startswith("recurrent"):
+        if recurrent:
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
             record.saved_bytes = 0  # no gradient flows through it
             self._install(gm.graph, site, gla_recurrence, (site.scale, self.recurrent_readout), "gla_recurrence",
@@ -169,20 +170,21 @@ class RetileGLA(GraphPass):
             residuals = fake_value(chunked)[2:] if self.save_residuals else None
             record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state, residuals)
         record.status = "retiled"
-        return record
+        return record, gates
 
-    def _form(self, T: int | None, needs_grad: bool) -> str:
-        """Which form a site of T tokens (None: not static) gets, and why (NOTE [short sites])."""
+    def _form(self, T: int | None, needs_grad: bool) -> tuple[bool, str]:
+        """Whether a site of T tokens (None: not static) gets the recurrent form, and the report's words for
+        the form it gets and why (NOTE [short sites])."""
         if T is None:
-            return (f"chunked, kept as a runtime loop: T is dynamic (chunks of {self.chunk_size} counted, and "
-                    "the last one padded, at run time)")
+            return False, (f"chunked, kept as a runtime loop: T is dynamic (chunks of {self.chunk_size} counted, "
+                           "and the last one padded, at run time)")
         if T > self.recurrent_max_tokens:
-            return f"chunked: T = {T} > {self.recurrent_max_tokens}"
+            return False, f"chunked: T = {T} > {self.recurrent_max_tokens}"
         if needs_grad:
-            return (f"chunked: T = {T} <= {self.recurrent_max_tokens} but gradients flow through it (the "
-                    "recurrent form's backward would keep every step's state)")
-        return (f"recurrent: T = {T} <= {self.recurrent_max_tokens}, no gradient: one state update per "
-                f"token instead of a chunk padded to {self.chunk_size}")
+            return False, (f"chunked: T = {T} <= {self.recurrent_max_tokens} but gradients flow through it (the "
+                           "recurrent form's backward would keep every step's state)")
+        return True, (f"recurrent: T = {T} <= {self.recurrent_max_tokens}, no gradient: one state update per "
+                      f"token instead of a chunk padded to {self.chunk_size}")
 
     def _install(self, graph: torch.fx.Graph, site: GlaSite, target, settings: tuple, name: str,
                  keeps_outputs: bool = True, check_gates: bool = True) -> torch.fx.Node:

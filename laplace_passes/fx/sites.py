@@ -2,7 +2,7 @@
 
 A site is a `laplace::gla` node. Calls to `laplace_passes.gla` produce one
 directly; calls to flash-linear-attention's GLA functions become one through
-the Dynamo substitutions in `laplace_passes.fx.fla_sites`, with `origin`
+the Dynamo substitutions of `laplace_passes.fla.install`, with `origin`
 naming the fla function.
 """
 
@@ -35,11 +35,6 @@ class GlaSite:
 
 def is_gla_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in GLA_TARGETS
-
-
-def find_gla_sites(graph: torch.fx.Graph) -> list[GlaSite]:
-    """Sites bound now: rewriting one site can replace the nodes another site reads."""
-    return [bind_site(node) for node in graph.nodes if is_gla_node(node)]
 
 
 def bind_site(node: torch.fx.Node) -> GlaSite:

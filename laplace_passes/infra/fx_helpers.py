@@ -1,4 +1,4 @@
-"""FX helpers every pass shares: fake values, provenance, value bytes, views, loop ops, op names.
+"""FX helpers every pass shares: fake values, provenance, value bytes, loop ops, collectives.
 
 Passes read and write node metadata, and touch torch internals that move
 between releases (fake tensor modes, higher-order ops, process groups by
@@ -203,20 +203,6 @@ def new_node(
 
 # -- sizes and views ----------------------------------------------------------------------
 
-# Ops that only change how memory is read: no instructions, no memory of their own.
-VIEW_OPS = frozenset({
-    aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
-    aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.alias, aten.detach, aten.as_strided,
-    aten.split, aten.split_with_sizes, aten.unbind, aten.diagonal, aten._reshape_alias, aten.movedim,
-    aten.view_as, aten.expand_as, aten.unflatten, aten.flatten, aten.lift_fresh,
-})
-
-
-def is_view(node: Node) -> bool:
-    """An op that only changes how memory is read (no instructions, no memory of its own)."""
-    return getattr(node.target, "overloadpacket", None) in VIEW_OPS
-
-
 def value_bytes(node: Node) -> int:
     """Bytes of the tensors a node produces (0 when unknown or not a tensor); symbolic sizes at their hint."""
     return sum(tensor_bytes(t) for t in tensor_values(fake_value(node)))
@@ -272,14 +258,6 @@ def ancestors(nodes: Iterable[Any]) -> set[Node]:
 
 
 # -- names ---------------------------------------------------------------------------------
-
-
-def op_name(node: Node) -> str:
-    """"aten.mm.default" for an op overload, the function's (or higher-order op's) name otherwise."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target._schema.name.replace('::', '.')}.{target._overloadname}"
-    return getattr(target, "__name__", str(target))
 
 
 def is_collective(node: Node) -> bool:

@@ -3,7 +3,8 @@
 An inner compiler is one object, an `InnerCompiler`: its `compile` turns a
 graph into a callable, and its hooks say what else it needs (a
 decomposition table for AOT Autograd, a joint-graph partitioner, passes of
-its own to run last on each ATen graph, packages that must be installed).
+which optional passes of the declared pipeline its graphs get, packages
+that must be installed).
 This module holds the base class and the compilers torch itself provides;
 the lowering compilers (StableHLO, IREE, TorchNeuron) are in
 `laplace_passes.lowering`, and `laplace_passes.driver.backend` maps the names
@@ -32,6 +33,11 @@ class InnerCompiler:
     # True: the graphs go to neuronx-cc (TorchNeuron, or the preflight that stands in for it), so the
     # report's advice for dynamic dimensions is Neuron's.
     for_neuron = False
+    # Which of the declared pipeline's optional passes this compiler's graphs get
+    # (laplace_passes.driver.pipeline; `laplace-passes inspect --passes` prints them):
+    legalizes = False  # the passes that make graphs lowerable by torch-mlir (lowering/legalize.py)
+    preflight = "off"  # the Neuron preflight: "off", "report" (findings in the report), "require" (stop on one)
+    lowers_to_stablehlo = False  # each graph (or partition) lowered to StableHLO once, after the budget pass
     # AOT Autograd's keep_inference_input_mutations: an in-place update of an input (a buffer) stays
     # in the graph as a trailing copy_ into it, instead of a new output AOT Autograd copies back.
     keep_inference_input_mutations: bool = False
@@ -43,16 +49,6 @@ class InnerCompiler:
     def decompositions(self) -> dict | None:
         """What AOT Autograd should decompose before handing graphs over (None: its defaults)."""
         return None
-
-    def aten_passes(self, context) -> list:
-        """Passes this compiler needs on each ATen graph (a `GraphContext` says which), before the budget
-        pass: what they change is measured."""
-        return []
-
-    def final_passes(self, context) -> list:
-        """Passes over what this compiler receives, after the budget pass: the graph, or the driver
-        calling its partitions (`laplace_passes.unroll.partition_calls`)."""
-        return []
 
     def check_available(self) -> None:
         """Raise, naming what to install, when a package this compiler needs is missing."""

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from laplace_passes.infra.fx_helpers import op_name
+from laplace_passes.infra.op_facts import op_name
 
 STAGES = ("before", "after")
 
@@ -50,6 +50,7 @@ class PassRecord:
     nodes_after: int
     summary: str = ""
     declined: list[str] = field(default_factory=list)
+    findings: list = field(default_factory=list)  # the preflight's `Finding`s (lowering/checks.py)
 
 
 @dataclass

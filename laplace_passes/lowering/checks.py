@@ -20,9 +20,9 @@ from laplace_passes.infra.fx_helpers import (
     hop_name,
     is_loop,
     is_static,
-    op_name,
     resolve_process_group,
 )
+from laplace_passes.infra.op_facts import op_name
 from laplace_passes.lowering.diagnose import LoweringError, lower_each_op
 from laplace_passes.lowering.finding import Finding
 from laplace_passes.lowering.hlo_checks import check_stablehlo

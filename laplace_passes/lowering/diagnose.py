@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 import torch.fx
 
-from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, op_name
+from laplace_passes.infra.fx_helpers import fake_tensor, fake_value
+from laplace_passes.infra.op_facts import op_name, overload_packet_name
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 
 # `name = "torch.aten.silu_backward"` (an op torch-mlir imported as an opaque
@@ -45,7 +46,7 @@ def find_unlowerable(gm: torch.fx.GraphModule, diagnostics: str) -> list[Unlower
     if blamed:
         found = [
             Unlowerable(n.name, op_name(n), _first_line(diagnostics))
-            for n in _calls(gm) if _overload_packet_name(n) in blamed
+            for n in _calls(gm) if overload_packet_name(n) in blamed
         ]
         if found:
             return found
@@ -70,13 +71,6 @@ def _ops_named_in(diagnostics: str) -> set[str]:
         if name != "operator":
             names.add(name)
     return names
-
-
-def _overload_packet_name(node: torch.fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.replace("::", ".")
-    return ""
 
 
 def _calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

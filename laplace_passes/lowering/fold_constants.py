@@ -17,7 +17,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map
 
-from laplace_passes.infra.pass_base import GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import GraphPass, PassResult
 
 aten = torch.ops.aten
 PLAIN_CONSTRUCTORS = (aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default)
@@ -50,11 +50,11 @@ class FoldIndexConstants(GraphPass):
 
     name = "fold_index_constants"
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         values = _evaluate_constant_nodes(gm.graph)
         meta = [n.name for n, v in values.items() if v.device.type == "meta"]
         if meta:
-            return PassOutcome(gm, modified=False, summary="nothing folded",
+            return PassResult(gm, modified=False, summary="nothing folded",
                                declined=[f"{meta[0]}: constants on the meta device have no values to fold"])
         frontier = [n for n, v in values.items() if not _plain_constant(n) and v.numel() <= MAX_FOLDED_ELEMENTS
                     and any(user not in values for user in n.users)]
@@ -65,7 +65,7 @@ class FoldIndexConstants(GraphPass):
             gm.recompile()
         summary = (f"{len(frontier)} input-independent subgraph(s) ({removed} nodes) folded into constants"
                    if frontier else "nothing input-independent to fold")
-        return PassOutcome(gm, modified=bool(frontier), summary=summary)
+        return PassResult(gm, modified=bool(frontier), summary=summary)
 
 
 def _plain_constant(node: torch.fx.Node) -> bool:

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node, provenance_of
-from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 
 aten = torch.ops.aten
 CHECK_GATES = torch.ops.laplace.check_gates.default
@@ -57,7 +57,7 @@ class ClampGateChecks(GraphPass):
 
     name = "clamp_gate_checks"
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         checks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is CHECK_GATES]
         for check in checks:
             _replace_by_clamp(gm.graph, check)
@@ -66,7 +66,7 @@ class ClampGateChecks(GraphPass):
             "check, so lowered graphs clamp positive gates instead of refusing them"
             if checks else "no gate check in this graph"
         )
-        return PassOutcome(gm, modified=bool(checks), summary=summary)
+        return PassResult(gm, modified=bool(checks), summary=summary)
 
 
 def _replace_by_clamp(graph: torch.fx.Graph, check: torch.fx.Node) -> None:
@@ -98,7 +98,7 @@ class BoundSliceScatter(GraphPass):
 
     name = "bound_slice_scatter"
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         rewritten, declined = 0, []
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.target is not SLICE_SCATTER:
@@ -112,7 +112,7 @@ class BoundSliceScatter(GraphPass):
                 node.args, node.kwargs = args, {}
                 rewritten += 1
         summary = f"{rewritten} slice_scatter bound(s) made static" if rewritten else "no unbounded slice_scatter"
-        return PassOutcome(gm, modified=rewritten > 0, summary=summary, declined=declined)
+        return PassResult(gm, modified=rewritten > 0, summary=summary, declined=declined)
 
 
 def _static_args(node: torch.fx.Node) -> tuple:
@@ -167,7 +167,7 @@ class DiagonalAsStridedSlice(GraphPass):
 
     name = "diagonal_as_strided_slice"
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         rewritten, declined = 0, []
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not DIAGONAL:
@@ -180,7 +180,7 @@ class DiagonalAsStridedSlice(GraphPass):
             _replace_diagonal(gm.graph, node)
             rewritten += 1
         summary = f"{rewritten} diagonal(s) rewritten as strided slices" if rewritten else "no diagonal"
-        return PassOutcome(gm, modified=rewritten > 0, summary=summary, declined=declined)
+        return PassResult(gm, modified=rewritten > 0, summary=summary, declined=declined)
 
 
 def _diagonal_args(node: torch.fx.Node) -> tuple:
@@ -223,14 +223,3 @@ def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
             current = new_node(graph, op, (current, *args), kwargs, name=name)
     node.replace_all_uses_with(current)
     graph.erase_node(node)
-
-
-def lowering_passes() -> list[GraphPass]:
-    """The passes every torch-mlir based inner compiler needs, in order (see module docstring).
-
-    Last, `FoldIndexConstants` (fold_constants.py): index masks that depend
-    on no input become constants, so no i64 index arithmetic is lowered.
-    """
-    from laplace_passes.lowering.fold_constants import FoldIndexConstants
-
-    return [ClampGateChecks(), BoundSliceScatter(), DiagonalAsStridedSlice(), FoldIndexConstants()]

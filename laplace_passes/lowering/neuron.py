@@ -61,9 +61,6 @@ from typing import Any, Callable, Mapping
 import torch.fx
 
 from laplace_passes.infra.inner import InnerCompiler
-from laplace_passes.lowering.legalize import lowering_passes
-from laplace_passes.lowering.preflight import NeuronPreflight, RequireCleanPreflight
-from laplace_passes.infra.pass_base import GraphContext
 from laplace_passes.infra.targets import HardwareTarget, get_target, runtime_target
 
 # (module, attribute) of each TorchNeuron entry point we call.
@@ -153,6 +150,7 @@ class NeuronCompiler(InnerCompiler):
     name = "neuron"
     static_shapes = True
     for_neuron = True
+    legalizes = True
     # As TorchNeuron's backend (module docstring): buffer updates stay in the graph as copy_.
     keep_inference_input_mutations = True
 
@@ -165,9 +163,9 @@ class NeuronCompiler(InnerCompiler):
     def decompositions(self) -> dict:
         return resolve_torch_neuronx().decompositions()
 
-    def aten_passes(self, context: GraphContext) -> list:
-        gate = [RequireCleanPreflight()] if self.strict_preflight else []
-        return [*lowering_passes(), NeuronPreflight.for_graph(context), *gate]
+    @property
+    def preflight(self) -> str:
+        return "require" if self.strict_preflight else "report"
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         entry_points = resolve_torch_neuronx()

@@ -37,14 +37,9 @@ from functorch.compile import make_boxed_func
 
 from laplace_passes.infra.inner import InnerCompiler
 from laplace_passes.lowering.checks import Finding, check_graph
-from laplace_passes.lowering.legalize import lowering_passes
 from laplace_passes.lowering.stablehlo import torch_mlir_decompositions
-from laplace_passes.infra.pass_base import GraphContext, GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import GraphContext, GraphPass, PassResult
 from laplace_passes.infra.targets import HardwareTarget
-
-# The findings of `NeuronPreflight`, kept on the graph it checked.
-FINDINGS_META_KEY = "laplace_preflight_findings"
-
 
 class PreflightError(RuntimeError):
     """The Neuron preflight found problems; raised before the graph reaches TorchNeuron."""
@@ -77,6 +72,7 @@ class NeuronPreflight(GraphPass):
     name = "neuron_preflight"
 
     def __init__(self, target: HardwareTarget, graph_name: str = "", partition_budget: int | None = None) -> None:
+        self.findings: list[Finding] = []  # of the graph this pass checked last (`RequireCleanPreflight` reads them)
         self.target = target
         self.graph_name = graph_name  # names the graph in each finding
         self.partition_budget = partition_budget
@@ -85,15 +81,14 @@ class NeuronPreflight(GraphPass):
     def for_graph(cls, context: GraphContext) -> NeuronPreflight:
         return cls(context.target, graph_name=context.name, partition_budget=context.max_graph_instructions)
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        findings = check_graph(gm, self.target, self.graph_name, self.partition_budget)
-        gm.meta[FINDINGS_META_KEY] = findings
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        findings = self.findings = check_graph(gm, self.target, self.graph_name, self.partition_budget)
         if findings:
             counts = ", ".join(f"{check} x{n}" for check, n in Counter(f.check for f in findings).items())
             summary = f"{len(findings)} finding(s) for {self.target.name}: {counts}"
         else:
             summary = "no finding: nothing here that neuronx-cc or TorchNeuron is known to reject"
-        return PassOutcome(gm, modified=False, summary=summary, declined=[str(f) for f in findings])
+        return PassResult(gm, modified=False, summary=summary, declined=[str(f) for f in findings], findings=findings)
 
 
 class RequireCleanPreflight(GraphPass):
@@ -102,19 +97,19 @@ class RequireCleanPreflight(GraphPass):
     NOTE [require_clean_preflight: before and after]
     The graph is unchanged; it reaches TorchNeuron only when the preflight
     found nothing. A separate pass, so that the preflight's findings are in
-    the report before the compile stops. It reads them on the graph.
+    the report before the compile stops: it is made with the preflight pass
+    it follows and reads that pass's findings.
     """
 
     name = "require_clean_preflight"
 
-    def requires(self, gm: torch.fx.GraphModule) -> None:
-        if FINDINGS_META_KEY not in gm.meta:
-            raise RuntimeError("require_clean_preflight runs after neuron_preflight, which has not checked this graph")
+    def __init__(self, preflight: NeuronPreflight) -> None:
+        self.preflight = preflight
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
-        if gm.meta[FINDINGS_META_KEY]:
-            raise PreflightError(gm.meta[FINDINGS_META_KEY])
-        return PassOutcome(gm, modified=False, summary="preflight clean: the graph goes to TorchNeuron")
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        if self.preflight.findings:
+            raise PreflightError(self.preflight.findings)
+        return PassResult(gm, modified=False, summary="preflight clean: the graph goes to TorchNeuron")
 
 
 class PreflightCompiler(InnerCompiler):
@@ -128,6 +123,8 @@ class PreflightCompiler(InnerCompiler):
     name = "neuron-preflight"
     static_shapes = True  # the graphs inner="neuron" would receive
     for_neuron = True
+    legalizes = True
+    preflight = "report"
     keep_inference_input_mutations = True  # the graphs inner="neuron" gets (see lowering/neuron.py)
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
@@ -135,9 +132,6 @@ class PreflightCompiler(InnerCompiler):
 
     def decompositions(self) -> dict:
         return torch_mlir_decompositions()
-
-    def aten_passes(self, context: GraphContext) -> list[GraphPass]:
-        return [*lowering_passes(), NeuronPreflight.for_graph(context)]
 
 
 __all__ = ["Finding", "NeuronPreflight", "PreflightCompiler", "PreflightError", "RequireCleanPreflight", "check_graph"]

@@ -24,6 +24,8 @@ left out of the module and put back by `LoweredGraph.assemble_outputs`.
 
 from __future__ import annotations
 
+import weakref
+
 import copy
 import io
 from collections import Counter
@@ -39,12 +41,12 @@ from laplace_passes.infra.inner import InnerCompiler
 from laplace_passes.lowering import _deps
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 from laplace_passes.lowering.diagnose import LoweringError, lowering_error
-from laplace_passes.lowering.legalize import lowering_passes
-from laplace_passes.infra.pass_base import GraphContext, GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import GraphPass, PassResult
 from laplace_passes.unroll import partition_calls
 
-# Where the lowering pass leaves its result for the inner compiler.
-LOWERED_META_KEY = "laplace_stablehlo"
+# Each graph module's lowering, made once by `LowerToStableHLO` and read by the inner compiler that
+# receives the module (`lowered_graph`); weak keys: a dropped graph takes its lowering with it.
+_LOWERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -244,22 +246,22 @@ class LowerToStableHLO(GraphPass):
 
     name = "lower_to_stablehlo"
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         parts = [gm.get_submodule(call.target) for call in partition_calls(gm)] or [gm]
         lowered = []
         for part in parts:
-            part.meta[LOWERED_META_KEY] = lower_to_stablehlo(part)
-            lowered.append(part.meta[LOWERED_META_KEY])
+            _LOWERED[part] = lower_to_stablehlo(part)
+            lowered.append(_LOWERED[part])
         if len(lowered) == 1:
-            return PassOutcome(gm, modified=False, summary=lowered[0].summary())
+            return PassResult(gm, modified=False, summary=lowered[0].summary())
         total = sum(g.total_ops for g in lowered)
         summary = f"{total} StableHLO ops in {len(lowered)} partitions ({', '.join(str(g.total_ops) for g in lowered)})"
-        return PassOutcome(gm, modified=False, summary=summary)
+        return PassResult(gm, modified=False, summary=summary)
 
 
 def lowered_graph(gm: torch.fx.GraphModule, example_inputs: list) -> LoweredGraph:
-    """The lowering `LowerToStableHLO` attached to `gm`, or a new one."""
-    lowered = gm.meta.get(LOWERED_META_KEY)
+    """The lowering `LowerToStableHLO` made of `gm`, or a new one."""
+    lowered = _LOWERED.get(gm)
     return lowered if lowered is not None else lower_to_stablehlo(gm, example_inputs)
 
 
@@ -268,6 +270,8 @@ class StableHLOCompiler(InnerCompiler):
 
     name = "stablehlo"
     static_shapes = True  # neuronx-cc's input: every size static
+    legalizes = True
+    lowers_to_stablehlo = True
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         lowered_graph(gm, example_inputs)
@@ -275,13 +279,6 @@ class StableHLOCompiler(InnerCompiler):
 
     def decompositions(self) -> dict:
         return torch_mlir_decompositions()
-
-    def aten_passes(self, context: GraphContext) -> list[GraphPass]:
-        """What makes our graphs lowerable (see `legalize`)."""
-        return lowering_passes()
-
-    def final_passes(self, context: GraphContext) -> list[GraphPass]:
-        return [LowerToStableHLO()]
 
     def check_available(self) -> None:
         _deps.check_stablehlo()

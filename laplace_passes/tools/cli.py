@@ -2,6 +2,7 @@
 
     laplace-passes demo [--steps N] [--world-size W] ...   the main job (MQAR training)
     laplace-passes inspect MODEL [--json] [--dump DIR]      what the passes do to MODEL
+    laplace-passes inspect --passes [--target T --inner I]  the passes a compile runs, in order
     laplace-passes export MODEL --stablehlo DIR             every graph as StableHLO + manifest.json
     laplace-passes bench NAME [args...]                     run a benchmark script
 
@@ -98,10 +99,13 @@ def _run_demo(args) -> int:
 
 def _add_inspect(commands) -> None:
     inspect = commands.add_parser("inspect", help="run the passes on MODEL and print the report")
-    inspect.add_argument("model", help="model_zoo config name or package.module:attr")
+    inspect.add_argument("model", nargs="?", help="model_zoo config name or package.module:attr")
     inspect.add_argument("--seq-len", type=int, default=2048)
     inspect.add_argument("--batch", type=int, default=1)
     inspect.add_argument("--target", default="trn2")
+    inspect.add_argument("--passes", action="store_true",
+                         help="print the passes this target and --inner run, in order, and stop (no MODEL needed)")
+    inspect.add_argument("--inner", default="eager", help="the inner compiler --passes describes (default eager)")
     inspect.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
     inspect.add_argument("--dump", metavar="DIR", help="write every graph before/after each pass to DIR")
     inspect.add_argument("--force", action="store_true", help="replace DIR (and everything in it) if it is not empty")
@@ -113,6 +117,14 @@ def _run_inspect(args) -> int:
     from laplace_passes.tools.dump import dump_report
     from laplace_passes.infra.files import check_output_dir
 
+    if args.passes:
+        from laplace_passes.driver.backend import compile_config
+        from laplace_passes.driver.pipeline import describe
+
+        print(describe(compile_config({"target": args.target, "inner": args.inner})))
+        return 0
+    if args.model is None:
+        raise ValueError("MODEL is required (or --passes)")
     if args.dump:  # before the work, which may take minutes
         check_output_dir(args.dump, args.force)
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)

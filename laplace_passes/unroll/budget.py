@@ -19,8 +19,9 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from laplace_passes.infra.fx_helpers import dynamic_dims, is_view, value_bytes
-from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.fx_helpers import dynamic_dims, value_bytes
+from laplace_passes.infra.op_facts import is_view
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import PartitionRecord, SizeRecord
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
@@ -53,7 +54,7 @@ class FitGraphToBudget(GraphPass):
         self.kind = kind
         self.forward_graphs = list(forward_graphs)
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         size = self.model.measure(gm)
         tiles = tile_use(gm, self.model.partition_rows)
         info = SizeRecord(nodes=size.nodes, instructions=size.instructions, budget=self.budget,
@@ -63,13 +64,13 @@ class FitGraphToBudget(GraphPass):
         against = "no budget" if self.budget is None else f"budget {self.budget:,}"
         summary = f"{size.nodes} nodes, ~{size.instructions:,} instructions ({against})"
         if self.budget is None or size.instructions <= self.budget:
-            return PassOutcome(gm, modified=False, summary=summary + ": fits", size=info)
+            return PassResult(gm, modified=False, summary=summary + ": fits", size=info)
         try:
             _require_static_sizes(gm)
             plan = plan_partitions(gm, size.per_node, self.budget)
         except Declined as declined:
             info.note = f"over budget, not cut: {declined.reason}"
-            return PassOutcome(gm, modified=False, summary=summary + ": over budget", declined=[declined.reason],
+            return PassResult(gm, modified=False, summary=summary + ": over budget", declined=[declined.reason],
                                size=info)
         info.partitions = [
             PartitionRecord(index=i, nodes=plan.nodes[i], instructions=plan.instructions[i],
@@ -78,7 +79,7 @@ class FitGraphToBudget(GraphPass):
         ]
         info.cut_bytes = list(plan.cut_bytes)
         summary += f": cut into {plan.count} partitions"
-        return PassOutcome(split_graph(gm, plan), modified=True, summary=summary, size=info)
+        return PassResult(split_graph(gm, plan), modified=True, summary=summary, size=info)
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         """Every partition the graph calls fits the budget (measured again on the partition itself)."""

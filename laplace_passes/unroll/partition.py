@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch.fx
 
-from laplace_passes.infra.fx_helpers import is_view, value_bytes
+from laplace_passes.infra.fx_helpers import value_bytes
+from laplace_passes.infra.op_facts import is_view
 from laplace_passes.infra.pass_base import Declined
 
 # The refinement's flow problem grows with the region; beyond this many

@@ -56,18 +56,11 @@ import torch
 import torch.fx
 
 from laplace_passes.infra.fx_helpers import (
-    COND, SCAN, WHILE_LOOP, fake_tensor, fake_value, is_view, size_hint, subgraph, tensor_values,
+    COND, SCAN, WHILE_LOOP, fake_tensor, fake_value, size_hint, subgraph, tensor_values,
 )
+from laplace_passes.infra.op_facts import CONSTANT_FILLS, is_view, matmul_factors
 
-aten = torch.ops.aten
 
-_MATMUL_OPS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul}
-# Tensors filled with one value: a splat constant (and a broadcast) once lowered, free like layout ops.
-CONSTANT_FILLS = frozenset({
-    aten.scalar_tensor.default, aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
-    aten.empty_strided.default, aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
-    aten.empty_like.default,
-})
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,7 @@ class SizeModel:
             return self._cond_instructions(node)
         if is_view(node) or node.target in CONSTANT_FILLS:
             return 0
-        if getattr(node.target, "overloadpacket", None) in _MATMUL_OPS:
+        if matmul_factors(node) is not None:
             estimate = self._matmul_instructions(node)
             if estimate is not None:
                 return estimate
@@ -126,9 +119,7 @@ class SizeModel:
         return GraphSize(nodes=len(per_node), instructions=sum(per_node.values()), per_node=per_node)
 
     def _matmul_instructions(self, node: torch.fx.Node) -> int | None:
-        args = [fake_tensor(a) for a in node.args]
-        # addmm / baddbmm carry the bias first.
-        a, b = (args[1], args[2]) if node.target.overloadpacket in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+        a, b = (fake_tensor(f) for f in matmul_factors(node))
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
             return None
         *batch, M, K = (size_hint(d) for d in a.shape)  # a dynamic size: at the example's value

@@ -28,9 +28,8 @@ import torch
 import torch.fx
 
 from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.op_facts import matmul_factors
 
-aten = torch.ops.aten
-_MATMULS = {aten.mm: (0, 1), aten.bmm: (0, 1), aten.addmm: (1, 2), aten.baddbmm: (1, 2)}
 
 
 @dataclass(frozen=True)
@@ -53,10 +52,10 @@ def matmul_shape(node: torch.fx.Node) -> tuple[int, int, int, int] | None:
     """(batch, M, K, N) of a static mm / bmm / addmm / baddbmm node, else None."""
     if node.op != "call_function":
         return None
-    operands = _MATMULS.get(getattr(node.target, "overloadpacket", None))
-    if operands is None:
+    factors = matmul_factors(node)
+    if factors is None:
         return None
-    a, b = (fake_tensor(node.args[i]) for i in operands)
+    a, b = (fake_tensor(f) for f in factors)
     if a is None or b is None or a.dim() < 2 or b.dim() < 2:
         return None
     *batch, M, K = a.shape

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from laplace_passes.infra.pass_base import Declined, GraphPass, PassOutcome
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import LoopRecord
 from laplace_passes.unroll import chunk_loops, hop_loops
 from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
@@ -43,7 +43,7 @@ class UnrollLoops(GraphPass):
         self.level = level
         self.chunk_loops = ChunkLoopExpander(decompositions)
 
-    def call(self, gm: torch.fx.GraphModule) -> PassOutcome:
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records: list[LoopRecord] = []
         declined_nodes: set[torch.fx.Node] = set()
         while True:  # inlining a body can bring nested loops into the graph
@@ -64,7 +64,7 @@ class UnrollLoops(GraphPass):
         if unrolled:
             gm.delete_all_unused_submodules()
         declined = [f"{r.node} ({r.kind}): {r.reason}" for r in records if r.status == "declined"]
-        return PassOutcome(gm, modified=bool(unrolled), summary=_summary(records), declined=declined, loops=records)
+        return PassResult(gm, modified=bool(unrolled), summary=_summary(records), declined=declined, loops=records)
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         # Only declined loops may remain; anything else means a rewrite was skipped.
