@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from laplace_passes.driver.config import CompileConfig
-from laplace_passes.infra.fx_helpers import dynamic_dims, fake_value, is_static, tensor_values
+from laplace_passes.infra.fx_helpers import dynamic_dims, fake_value, is_static, replace_uses, tensor_values
 from laplace_passes.lowering.neuron import NEURON_ADVICE
 
 # Dynamo keeps a node's fake value under this key (AOT graphs: "val").
@@ -163,8 +163,7 @@ def _replace_by_constant(node: torch.fx.Node, value: int | float) -> None:
     for user in [u for u in node.users if _is_item(u)]:
         user.replace_all_uses_with(node)
         node.graph.erase_node(user)
-    for user in list(node.users):
-        user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), lambda n: value if n is node else n)
+    replace_uses(node, value)
     node.graph.erase_node(node)
 
 

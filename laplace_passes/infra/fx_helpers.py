@@ -201,6 +201,16 @@ def new_node(
     return node
 
 
+def replace_uses(node: torch.fx.Node, value: Any) -> None:
+    """Make every user of `node` read `value` (a node or a Python constant) instead."""
+    if isinstance(value, torch.fx.Node):
+        node.replace_all_uses_with(value)
+        return
+    for user in list(node.users):
+        user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+
+
 # -- sizes and views ----------------------------------------------------------------------
 
 def value_bytes(node: Node) -> int:

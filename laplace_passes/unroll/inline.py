@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
+from laplace_passes.infra.fx_helpers import replace_uses
+
 
 def inline_graph(
     host: torch.fx.GraphModule, body: torch.fx.GraphModule, inputs: Sequence[Any], provenance: dict
@@ -53,16 +55,6 @@ def copy_attribute(host: torch.fx.GraphModule, body: torch.fx.GraphModule, targe
     else:
         setattr(host, name, value)
     return name
-
-
-def replace_uses(node: torch.fx.Node, value: Any) -> None:
-    """Make every user of `node` read `value` (a node or a Python constant) instead."""
-    if isinstance(value, torch.fx.Node):
-        node.replace_all_uses_with(value)
-        return
-    for user in list(node.users):
-        user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
-        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
 
 
 def getitem_users(node: torch.fx.Node) -> dict[int, list[torch.fx.Node]] | None:
