@@ -47,7 +47,8 @@ def test_inspect_json_has_the_documented_fields():
     assert done.returncode == 0, done.stderr
     assert "inspect tiny: capturing and transforming its graphs" in done.stderr and "done in" in done.stderr
     data = json.loads(done.stdout)
-    assert set(data) == {"target", "inner", "graphs", "passes", "sites", "notes", "dynamic_dims", "specialised"}
+    assert set(data) == {"target", "inner", "graphs", "passes", "sites", "recurrences", "notes", "dynamic_dims",
+                         "specialised"}
     assert data["dynamic_dims"] == [] and data["specialised"] == []  # static example inputs
     assert {"name", "kind", "nodes_before", "nodes_after", "passes"} <= set(data["graphs"][0])
     assert {"name", "graph", "modified", "nodes_before", "nodes_after", "summary", "declined"} <= set(data["passes"][0])
@@ -62,7 +63,7 @@ def test_inspect_dump_writes_readable_python_and_graphviz(tmp_path, capsys):
     py_files = sorted(tmp_path.glob("*.py"))
     dot_files = sorted(tmp_path.glob("*.dot"))
     names = {p.name for p in py_files}
-    assert {"dynamo_0.0.input.py", "dynamo_0.1.retile_gla.py", "forward_0.0.input.py", "backward_0.0.input.py"} <= names
+    assert {"dynamo_0.0.input.py", "dynamo_0.3.retile_gla.py", "forward_0.0.input.py", "backward_0.0.input.py"} <= names
     for path in py_files:
         ast.parse(path.read_text())
     # pydot's parser takes ~3 s per 1,000 lines: it parses the Dynamo graph at every stage and the

@@ -42,11 +42,11 @@ def test_torch_logs_laplace_prints_each_pass_summary(tmp_path):
     # One line per pass and graph, in the order they ran, with the report's summary.
     runs = re.findall(r"\] (\w+) on (\w+): (applied|no change), \d+ -> \d+ nodes: (.*)", err)
     assert [(name, graph) for name, graph, _, _ in runs] == [
-        ("retile_gla", "dynamo_0"), ("unroll_loops", "dynamo_0"), ("fla_calls", "dynamo_0"),
-        ("unroll_loops", "inference_0"), ("fit_to_budget", "inference_0"),
+        ("unroll_loops", "dynamo_0"), ("recognise_gla", "dynamo_0"), ("retile_gla", "dynamo_0"),
+        ("fla_calls", "dynamo_0"), ("unroll_loops", "inference_0"), ("fit_to_budget", "inference_0"),
     ]
-    assert runs[0][2:] == ("applied", "1 of 1 GLA sites re-tiled at chunk 64")
-    assert runs[3][3] == "unrolled 1 loop (1 x laplace.chunked_gla, 2 trips)"
+    assert runs[2][2:] == ("applied", "1 of 1 GLA sites re-tiled at chunk 64")
+    assert runs[4][3] == "unrolled 1 loop (1 x laplace.chunked_gla, 2 trips)"
     assert "class GraphModule" not in err  # graphs only at +laplace
 
 
@@ -56,14 +56,15 @@ def test_plus_laplace_prints_graphs_and_torch_trace_keeps_them(tmp_path):
     before = err.index("retile_gla: graph dynamo_0 before")
     after = err.index("retile_gla: graph dynamo_0 after")
     assert "torch.ops.laplace.gla.default(" in err[before:after]
-    assert "torch.ops.laplace.chunked_gla.default(" in err[after:err.index("unroll_loops: graph dynamo_0 before")]
+    assert "torch.ops.laplace.chunked_gla.default(" in err[after:err.index("fla_calls: graph dynamo_0 before")]
     assert "retile_gla on dynamo_0: applied" in err  # the summaries too
     logged = "".join(path.read_text() for path in trace.iterdir())
     names = re.findall(r'"graph_dump": \{"name": "(laplace_[\w]+)"\}', logged)
     assert names == [f"laplace_{graph}_{name}_{stage}"
-                     for graph, name in (("dynamo_0", "retile_gla"), ("dynamo_0", "unroll_loops"), ("dynamo_0", "fla_calls"),
+                     for graph, name in (("dynamo_0", "unroll_loops"), ("dynamo_0", "recognise_gla"),
+                                         ("dynamo_0", "retile_gla"), ("dynamo_0", "fla_calls"),
                                          ("inference_0", "unroll_loops"), ("inference_0", "fit_to_budget"))
                      for stage in ("before", "after")]
     # The payload follows its header: the graph after re-tiling holds the chunk-loop op.
     header = logged.index('"laplace_dynamo_0_retile_gla_after"')
-    assert "torch.ops.laplace.chunked_gla.default(" in logged[header:logged.index('"laplace_dynamo_0_unroll_loops_before"')]
+    assert "torch.ops.laplace.chunked_gla.default(" in logged[header:logged.index('"laplace_dynamo_0_fla_calls_before"')]

@@ -52,7 +52,7 @@ def gla_in_a_scan(q, k, v, gk, w):
 
 def test_every_pass_of_the_pipeline_is_a_torch_pass():
     config = compile_config({"target": "trn2", "inner": "eager"})
-    assert [s.name for s in DYNAMO][:2] == ["retile_gla", "unroll_loops"]
+    assert [s.name for s in DYNAMO][:3] == ["unroll_loops", "recognise_gla", "retile_gla"]
     for step in (*DYNAMO, *ATEN):
         assert step.name in describe(config)
     for cls in (RetileGLA, UnrollLoops, FitGraphToBudget):
@@ -65,7 +65,7 @@ def test_two_passes_run_in_torch_pass_manager():
     gm = dynamo_graph(gla_in_a_scan, q, k, v, gk, w)
     expected = gm(q, k, v, gk, w)
 
-    manager = PassManager([RetileGLA(chunk_size=16, sub_chunk_size=4), UnrollLoops("dynamo")])
+    manager = PassManager([UnrollLoops("dynamo"), RetileGLA(chunk_size=16, sub_chunk_size=4)])
     result = manager(gm)
 
     assert isinstance(result, torch.fx.passes.infra.pass_base.PassResult) and result.modified

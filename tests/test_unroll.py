@@ -214,8 +214,8 @@ def test_data_dependent_while_loop_is_declined_and_still_runs():
     FileCheck().check("while_loop").run(report.graph("after", "inference_0").code)
 
 
-def test_gla_inside_a_scan_body_is_retiled_then_unrolled():
-    """A site in a loop body is re-tiled there; unrolling makes it one chunk loop per trip."""
+def test_gla_inside_a_scan_body_is_unrolled_then_retiled():
+    """A site in a loop body becomes one site per trip when the scan is unrolled, each re-tiled."""
     q, k, v, gk, _ = make_inputs(1, 96, 2, 8, 6, gate_divisor=0.5, initial_state=False)
 
     def f(q, k, v, gk):
@@ -231,7 +231,7 @@ def test_gla_inside_a_scan_body_is_retiled_then_unrolled():
     assert relative_rmse(outputs, expected_outputs) < 1e-5 and relative_rmse(total, expected_total) < 1e-5
 
     report = compiled.laplace_report
-    assert [(s.node, s.status) for s in report.sites] == [("scan_combine_fn_0.gla_default", "retiled")]
+    assert [(s.node, s.status) for s in report.sites] == [(f"gla_default{i}", "retiled") for i in ("", "_1", "_2")]
     assert loops_of(report, "dynamo_0") == [("scan", 3, "unrolled")]
     assert loops_of(report, "inference_0") == [("laplace.chunked_gla", 2, "unrolled")] * 3
     (graph,) = seen

@@ -16,6 +16,7 @@ OPTION_DOCS = {
     "(laplace_passes.lowering) or a callable (default 'eager')",
     "chunk_size": "GLA chunk size; default: the target's partition count",
     "retile_gla": "run the GLA re-tiling pass (default True)",
+    "recognise_gla": "find GLA written in plain PyTorch (token loops) and make each a GLA site (default True)",
     "report": "a laplace_passes.Report to fill (default: a new one, see last_report())",
     "muon_all_to_all": "rewrite a sharded Muon step's gathers into paired all-to-alls (default True)",
     "gate_checks": "'auto' (default): a GLA site's gates are checked at run time unless the graph shows them "
@@ -37,6 +38,7 @@ class CompileConfig:
     muon_all_to_all: bool = True
     max_graph_instructions: int | None = None
     gate_checks: str = "auto"
+    recognise_gla: bool = True
     _decompositions: dict | None = field(default=None, init=False, repr=False)
 
     def decompositions(self) -> dict | None:
@@ -75,8 +77,11 @@ class CompileConfig:
         gate_checks = options.get("gate_checks", "auto")
         if gate_checks not in GATE_CHECKS:
             raise ValueError(f"gate_checks must be one of {GATE_CHECKS}, got {gate_checks!r}")
+        recognise = options.get("recognise_gla", True)
+        if not isinstance(recognise, bool):
+            raise TypeError(f"recognise_gla must be a bool, got {type(recognise).__name__}")
         return cls(target, inner, chunk_size, retile, report, muon_all_to_all, max_graph_instructions=budget,
-                   gate_checks=gate_checks)
+                   gate_checks=gate_checks, recognise_gla=recognise)
 
 
 def _check_budget(value: Any) -> int | None:

@@ -24,6 +24,7 @@ import torch.fx
 from laplace_passes.collectives import RewriteMuonStep, is_candidate
 from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fla.report_pass import ReportFlaCalls
+from laplace_passes.fx.recognise import RecogniseGLA
 from laplace_passes.fx.retile import RetileGLA
 from laplace_passes.infra.pass_base import GraphContext, GraphPass
 from laplace_passes.lowering.fold_constants import FoldIndexConstants
@@ -71,10 +72,13 @@ def _retile(build: Build) -> GraphPass:
 
 
 DYNAMO = (
-    Step("retile_gla", "option retile_gla (default on)", lambda c: c.retile_gla, _retile),
-    # User scan / while_loop: unrolled before AOT Autograd, which cannot differentiate a scan in torch 2.13.
+    # User scan / while_loop: unrolled before AOT Autograd, which cannot differentiate a scan in torch 2.13,
+    # and before recognition, which then reads every token loop as straight-line steps.
     Step("unroll_loops", "always: user scan / while_loop with a static trip count", _always,
          lambda b: UnrollLoops("dynamo")),
+    Step("recognise_gla", "option recognise_gla (default on): GLA written in plain PyTorch -> laplace::gla",
+         lambda c: c.recognise_gla, lambda b: RecogniseGLA()),
+    Step("retile_gla", "option retile_gla (default on)", lambda c: c.retile_gla, _retile),
     Step("fla_calls", "always: fla calls left to fla get a report line each", _always, lambda b: ReportFlaCalls()),
 )
 

@@ -44,6 +44,7 @@ from laplace_passes.infra.report import (
     GraphRecord,
     LoopRecord,
     PassRecord,
+    RecurrenceRecord,
     Report,
     SiteRecord,
     SizeRecord,
@@ -68,7 +69,7 @@ class PassResult(torch_pass_base.PassResult):
     A namedtuple to torch's pass manager; the records are attributes:
     `summary` (one line), `declined` (a reason per rewrite not made), and the
     graph's records the runner files (`GraphRecord` says what each is):
-    `sites`, `loops`, `size`, `traffic`; `plans` (Muon ownership plans) and
+    `sites`, `recurrences`, `loops`, `size`, `traffic`; `plans` (Muon ownership plans) and
     `findings` (preflight findings) for the callers that read them.
     """
 
@@ -76,7 +77,7 @@ class PassResult(torch_pass_base.PassResult):
                 declined: list[str] | None = None, sites: list[SiteRecord] | None = None,
                 loops: list[LoopRecord] | None = None, size: SizeRecord | None = None,
                 traffic: TrafficRecord | None = None, plans: list | None = None,
-                findings: list | None = None) -> PassResult:
+                findings: list | None = None, recurrences: list[RecurrenceRecord] | None = None) -> PassResult:
         self = super().__new__(cls, graph_module, modified)
         self.summary = summary
         self.declined = list(declined or [])
@@ -86,6 +87,7 @@ class PassResult(torch_pass_base.PassResult):
         self.traffic = traffic
         self.plans = list(plans or [])
         self.findings = list(findings or [])
+        self.recurrences = list(recurrences or [])
         return self
 
 
@@ -173,6 +175,9 @@ def _file(result: PassResult, pass_name: str, graph: GraphRecord, report: Report
     for site in result.sites:
         site.graph = graph.name
         report.sites.append(site)
+    for recurrence in result.recurrences:
+        recurrence.graph = graph.name
+        report.recurrences.append(recurrence)
     graph.loops.extend(result.loops)
     if result.size is not None:
         graph.size = result.size

@@ -40,6 +40,19 @@ class SiteRecord:
 
 
 @dataclass
+class RecurrenceRecord:
+    """A loop in a graph that carries a state from step to step: rewritten as a GLA site, or why not."""
+
+    graph: str
+    node: str  # its first state update
+    steps: int
+    state: list[int]  # the state's shape
+    status: str  # "GLA site" or "declined"
+    form: str = ""  # how it was written: "token loop, 256 steps, per-key gates, ..."
+    reason: str | None = None
+
+
+@dataclass
 class PassRecord:
     """One pass run over one graph."""
 
@@ -201,6 +214,7 @@ class Report:
         self.graphs: list[GraphRecord] = []
         self.passes: list[PassRecord] = []
         self.sites: list[SiteRecord] = []
+        self.recurrences: list[RecurrenceRecord] = []
         self.notes: list[str] = []
         # Graphs with symbolic sizes (laplace_passes.driver.shapes): "graph input dim i = symbol" per dynamic
         # dimension, and one entry per concrete shape compiled on its own for a static-shape target.
@@ -248,6 +262,7 @@ class Report:
             "graphs": [g.to_dict() for g in self.graphs],
             "passes": [asdict(p) for p in self.passes],
             "sites": [asdict(s) for s in self.sites],
+            "recurrences": [asdict(r) for r in self.recurrences],
             "notes": list(self.notes),
             "dynamic_dims": list(self.dynamic_dims),
             "specialised": list(self.specialised),
@@ -287,6 +302,11 @@ class Report:
                  s.gates or "", s.reason or s.form or ""]
                 for s in self.sites
             ],
+        )
+        lines += _table(
+            "recurrences (loops carrying a state)",
+            ["graph", "node", "steps", "state", "status", "form / reason"],
+            [[r.graph, r.node, r.steps, r.state, r.status, r.reason or r.form] for r in self.recurrences],
         )
         lines += _loop_and_size_tables(self.graphs)
         if self.traffic:

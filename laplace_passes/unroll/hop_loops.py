@@ -95,7 +95,8 @@ def scan_trip_count(node: torch.fx.Node) -> int:
 def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int) -> None:
     combine, init, xs, additional = node.args
     body = subgraph(gm, combine)
-    graph, provenance = gm.graph, provenance_of(node)
+    # The recognition pass names loops by how they were written (laplace_passes.fx.recognise).
+    graph, provenance = gm.graph, {**provenance_of(node), "laplace_unrolled_from": "scan"}
     carries, steps = list(init), []
     with graph.inserting_before(node):
         for t in range(trips):
@@ -154,7 +155,7 @@ class _NotSimulated(Exception):
 def unroll_while(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int, history: dict) -> None:
     _, body_arg, carried, additional = node.args
     body = subgraph(gm, body_arg)
-    graph, provenance = gm.graph, provenance_of(node)
+    graph, provenance = gm.graph, {**provenance_of(node), "laplace_unrolled_from": "while_loop"}
     current = list(carried)
     # Python-number counters take their simulated value at every trip, so
     # the unrolled code holds constants, not chains of integer arithmetic.

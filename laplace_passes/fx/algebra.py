@@ -1,0 +1,554 @@
+"""A canonical algebraic form of what a graph computes: sums of products of tensors, with named indices.
+
+NOTE [canonical tensor algebra]
+Users write the same product in many spellings: `(q[..., None] * S).sum(-2)`,
+`torch.einsum("bhk,bhkv->bhv", q, S)`, `(q.unsqueeze(-2) @ S).squeeze(-2)`,
+`torch.bmm(...)`. To recognise a computation by what it computes rather
+than by its ops, each value is read as an `Expr`: one index per dimension
+(`axes`; None for a dimension of size 1, which broadcasts) and a sum of
+`Term`s, each a coefficient times a product of `Factor`s, a factor being a
+graph node (a leaf) with one index per dimension of its value. An index that
+appears in factors but not in `axes` is summed over. So all four spellings
+above read
+
+    Expr(axes=(b, h, v), terms=[1.0 * q[b, h, k] * S[b, h, k, v]])      (k summed)
+
+and a state update `S * exp(g)[..., None] + k[..., :, None] * v[..., None, :]`
+
+    Expr(axes=(b, h, k, v), terms=[1.0 * S[b, h, k, v] * exp(g)[b, h, k],
+                                   1.0 * k[b, h, k] * v[b, h, v]])
+
+Products, sums, differences, numbers, sums over dimensions, einsum, matmul
+/ bmm / mm / outer, broadcasting, unsqueeze and `[..., None]`, squeeze,
+transpose / permute, expand, reshapes that only add or drop size-1
+dimensions, contiguous / clone / casts (the same value) are read
+algebraically, in torch-level spellings (Dynamo graphs) and ATen ones
+(unrolled loops). Anything else is a leaf: `exp(g)`, `k[:, t]`, a division
+by a tensor. Which nodes to read as leaves although they are algebraic (a
+previous state) is the caller's `stop`.
+
+The form is a reading aid for matching, not a proof: a recognised rewrite is
+also checked by running both on random inputs (`laplace_passes.fx.recognise`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx
+
+from laplace_passes.infra.fx_helpers import fake_value
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+MAX_TERMS = 8  # a value read as more terms than this is a leaf: the patterns matched have two at most
+MAX_FACTORS = 12
+
+
+class Index:
+    """One dimension's name: equal only to itself."""
+
+    _counter = itertools.count()
+
+    __slots__ = ("size", "number")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.number = next(Index._counter)
+
+    def __repr__(self) -> str:
+        return f"i{self.number}:{self.size}"
+
+
+Axes = tuple  # tuple[Index | None, ...]
+
+
+@dataclass(frozen=True)
+class Factor:
+    node: Node
+    axes: Axes  # one per dimension of the node's value
+
+    def indices(self) -> set[Index]:
+        return {a for a in self.axes if a is not None}
+
+
+@dataclass(frozen=True)
+class Term:
+    coef: float
+    factors: tuple[Factor, ...]
+
+    def indices(self) -> set[Index]:
+        return set().union(*(f.indices() for f in self.factors)) if self.factors else set()
+
+
+@dataclass(frozen=True)
+class Expr:
+    axes: Axes
+    terms: tuple[Term, ...]
+
+    def summed(self, term: Term) -> set[Index]:
+        """The indices `term` sums over."""
+        return term.indices() - {a for a in self.axes if a is not None}
+
+
+class NotAlgebraic(Exception):
+    """This node is read as a leaf."""
+
+
+# -- building blocks ------------------------------------------------------------------------------------
+
+
+def leaf(node: Node) -> Expr:
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise NotAlgebraic(f"{node.name} is not a tensor")
+    axes = tuple(None if _size(d) == 1 else Index(_size(d)) for d in value.shape)
+    return Expr(axes, (Term(1.0, (Factor(node, axes),)),))
+
+
+def _size(d) -> int:
+    if not isinstance(d, int):
+        raise NotAlgebraic("a symbolic size")
+    return d
+
+
+def rename(expr: Expr, mapping: dict[Index, Index | None]) -> Expr:
+    if not mapping:
+        return expr
+
+    def axes(a: Axes) -> Axes:
+        return tuple(mapping.get(x, x) if x is not None else None for x in a)
+
+    terms = tuple(Term(t.coef, tuple(Factor(f.node, axes(f.axes)) for f in t.factors)) for t in expr.terms)
+    return Expr(axes(expr.axes), terms)
+
+
+def fresh_sums(expr: Expr) -> Expr:
+    """`expr` with new names for the indices it sums over, so that two operands never share one by accident."""
+    free = {a for a in expr.axes if a is not None}
+    summed = set().union(*(t.indices() for t in expr.terms)) - free if expr.terms else set()
+    return rename(expr, {i: Index(i.size) for i in summed})
+
+
+def _broadcast(pa: Axes, pb: Axes) -> tuple[Axes, dict[Index, Index]]:
+    """The broadcast of two axes tuples (right-aligned), and the renaming that makes `pb`'s indices `pa`'s."""
+    n = max(len(pa), len(pb))
+    pa = (None,) * (n - len(pa)) + tuple(pa)
+    pb = (None,) * (n - len(pb)) + tuple(pb)
+    mapping, axes = {}, []
+    for x, y in zip(pa, pb):
+        if x is None or y is None:
+            axes.append(x if y is None else y)
+            continue
+        if x.size != y.size:
+            raise NotAlgebraic("shapes that do not broadcast")
+        if x is not y:
+            mapping[y] = x
+        axes.append(x)
+    return tuple(axes), mapping
+
+
+def _align(a: Expr, b: Expr) -> tuple[Axes, Expr, Expr]:
+    """Broadcast `a` and `b`: the result's axes, and both with equal dimensions named alike."""
+    b = fresh_sums(b)
+    axes, mapping = _broadcast(a.axes, b.axes)
+    return axes, a, rename(b, mapping)
+
+
+def multiply(a: Expr, b: Expr) -> Expr:
+    axes, a, b = _align(a, b)
+    terms = tuple(Term(x.coef * y.coef, x.factors + y.factors) for x in a.terms for y in b.terms)
+    return _checked(Expr(axes, terms))
+
+
+def add(a: Expr, b: Expr, alpha: float = 1.0) -> Expr:
+    axes, a, b = _align(a, b)
+    return _checked(Expr(axes, a.terms + tuple(Term(alpha * t.coef, t.factors) for t in b.terms)))
+
+
+def scale(a: Expr, c: float) -> Expr:
+    return Expr(a.axes, tuple(Term(c * t.coef, t.factors) for t in a.terms))
+
+
+def sum_over(a: Expr, dims: list[int], keepdim: bool) -> Expr:
+    dims = sorted({d % len(a.axes) for d in dims}) if a.axes else []
+    terms = list(a.terms)
+    for d in dims:
+        index = a.axes[d]
+        if index is None:
+            continue
+        # A term that does not depend on the index is counted `size` times.
+        terms = [t if index in t.indices() else Term(t.coef * index.size, t.factors) for t in terms]
+    axes = tuple(None if i in dims else x for i, x in enumerate(a.axes)) if keepdim else \
+        tuple(x for i, x in enumerate(a.axes) if i not in dims)
+    return Expr(axes, tuple(terms))
+
+
+def permute(a: Expr, order: list[int]) -> Expr:
+    order = [d % len(a.axes) for d in order]
+    if sorted(order) != list(range(len(a.axes))):
+        raise NotAlgebraic("not a permutation")
+    return Expr(tuple(a.axes[d] for d in order), a.terms)
+
+
+def unsqueeze(a: Expr, dim: int) -> Expr:
+    dim = dim % (len(a.axes) + 1)
+    return Expr(a.axes[:dim] + (None,) + a.axes[dim:], a.terms)
+
+
+def squeeze(a: Expr, dims: list[int] | None) -> Expr:
+    dims = [d % len(a.axes) for d in dims] if dims is not None else [i for i, x in enumerate(a.axes) if x is None]
+    return Expr(tuple(x for i, x in enumerate(a.axes) if not (i in dims and x is None)), a.terms)
+
+
+def reshape(a: Expr, shape: list[int]) -> Expr:
+    """A reshape that only adds or drops size-1 dimensions (anything else is not read)."""
+    sizes = [d for d in shape]
+    known = [x.size for x in a.axes if x is not None]
+    if -1 in sizes:
+        rest = 1
+        for d in sizes:
+            rest *= d if d != -1 else 1
+        total = 1
+        for d in known:
+            total *= d
+        if rest == 0 or total % rest:
+            raise NotAlgebraic("reshape")
+        sizes = [total // rest if d == -1 else d for d in sizes]
+    if [d for d in sizes if d != 1] != known:
+        raise NotAlgebraic("a reshape that merges or splits dimensions")
+    it = iter(x for x in a.axes if x is not None)
+    return Expr(tuple(None if d == 1 else next(it) for d in sizes), a.terms)
+
+
+def expand(a: Expr, sizes: list[int]) -> Expr:
+    sizes = list(sizes)
+    if len(sizes) < len(a.axes):
+        raise NotAlgebraic("expand")
+    axes = (None,) * (len(sizes) - len(a.axes)) + a.axes
+    out = []
+    for x, n in zip(axes, sizes):
+        if x is None and n not in (-1, 1):
+            out.append(Index(n))  # broadcast: a new index nothing depends on
+        else:
+            out.append(x)
+    return Expr(tuple(out), a.terms)
+
+
+def einsum(equation: str, operands: list[Expr]) -> Expr:
+    equation = equation.replace(" ", "")
+    if "->" not in equation:
+        raise NotAlgebraic("einsum without an explicit output")
+    inputs, output = equation.split("->")
+    specs = inputs.split(",")
+    if len(specs) != len(operands) or "." in equation:
+        raise NotAlgebraic("einsum with ellipsis")
+    letters: dict[str, Index | None] = {}
+    renamed = []
+    for spec, expr in zip(specs, operands):
+        if len(spec) != len(expr.axes) or len(set(spec)) != len(spec):
+            raise NotAlgebraic("einsum with a repeated index (a diagonal)")
+        expr = fresh_sums(expr)
+        mapping = {}
+        for letter, axis in zip(spec, expr.axes):
+            seen = letters.get(letter)
+            if axis is None:
+                letters.setdefault(letter, None)
+            elif seen is None:
+                letters[letter] = axis
+            elif seen is not axis:
+                mapping[axis] = seen
+        renamed.append(rename(expr, mapping))
+    # a letter first seen as size 1 and later as an index: earlier operands broadcast over it
+    terms = [Term(1.0, ())]
+    for expr in renamed:
+        terms = [Term(x.coef * y.coef, x.factors + y.factors) for x in terms for y in expr.terms]
+    out_axes = tuple(letters[c] for c in output)
+    result = Expr(out_axes, tuple(terms))
+    summed_letters = [c for c in letters if c not in output and letters[c] is not None]
+    for c in summed_letters:  # a summed index no factor of a term reads counts `size` times
+        index = letters[c]
+        result = Expr(result.axes, tuple(t if index in t.indices() else Term(t.coef * index.size, t.factors)
+                                         for t in result.terms))
+    return _checked(result)
+
+
+def matmul(a: Expr, b: Expr) -> Expr:
+    """torch.matmul's rules: [..., n, m] @ [..., m, p], batch dimensions broadcast, 1-D operands included."""
+    if not a.axes or not b.axes:
+        raise NotAlgebraic("matmul of a scalar")
+    a1, b1 = len(a.axes) == 1, len(b.axes) == 1
+    if a1:
+        a = unsqueeze(a, 0)
+    if b1:
+        b = unsqueeze(b, -1)
+    b = fresh_sums(b)
+    m, n = a.axes[-1], b.axes[-2]
+    if (m is None) != (n is None):
+        raise NotAlgebraic("matmul of mismatched sizes")
+    if m is not None and m is not n:
+        if m.size != n.size:
+            raise NotAlgebraic("matmul of mismatched sizes")
+        b = rename(b, {n: m})
+    batch, mapping = _broadcast(a.axes[:-2], b.axes[:-2])
+    b = rename(b, mapping)
+    terms = tuple(Term(x.coef * y.coef, x.factors + y.factors) for x in a.terms for y in b.terms)
+    result = _checked(Expr(batch + (a.axes[-2], b.axes[-1]), terms))
+    if b1:
+        result = squeeze(result, [-1])
+    if a1:
+        result = squeeze(result, [-1] if b1 else [-2])
+    return result
+
+
+def _checked(expr: Expr) -> Expr:
+    if len(expr.terms) > MAX_TERMS or any(len(t.factors) > MAX_FACTORS for t in expr.terms):
+        raise NotAlgebraic("too large to read")
+    return expr
+
+
+# -- reading a graph ------------------------------------------------------------------------------------
+
+
+def read(node: Node, stop: Callable[[Node], bool], memo: dict | None = None) -> Expr:
+    """`node`'s canonical form, reading through algebraic ops and stopping at nodes `stop` accepts."""
+    memo = {} if memo is None else memo
+    if node in memo:
+        return memo[node]
+    expr = leaf(node)
+    if not stop(node):
+        try:
+            expr = _interpret(node, lambda n: read(n, stop, memo))
+        except NotAlgebraic:
+            pass
+    memo[node] = expr
+    return expr
+
+
+def _number(x) -> float | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+def _operand(x, sub) -> Expr | float:
+    if isinstance(x, Node):
+        return sub(x)
+    number = _number(x)
+    if number is None:
+        raise NotAlgebraic("an operand that is neither a tensor nor a number")
+    return number
+
+
+def _times(a, b) -> Expr:
+    if isinstance(a, float) and isinstance(b, float):
+        raise NotAlgebraic("numbers only")
+    if isinstance(a, float):
+        return scale(b, a)
+    if isinstance(b, float):
+        return scale(a, b)
+    return multiply(a, b)
+
+
+def _plus(a, b, alpha: float = 1.0) -> Expr:
+    if isinstance(a, float) or isinstance(b, float):
+        raise NotAlgebraic("adding a number: an affine term")  # x + 1 has no product form worth reading
+    return add(a, b, alpha)
+
+
+def _args(node: Node) -> tuple[list, dict]:
+    return list(node.args), dict(node.kwargs)
+
+
+def _interpret(node: Node, sub) -> Expr:
+    if node.op == "call_method":
+        handler = _METHODS.get(node.target)
+        if handler is None:
+            raise NotAlgebraic(f"method {node.target}")
+        args, kwargs = _args(node)
+        return handler(sub, args, kwargs)
+    if node.op != "call_function":
+        raise NotAlgebraic(node.op)
+    handler = _FUNCTIONS.get(node.target) or _FUNCTIONS.get(getattr(node.target, "overloadpacket", None))
+    if handler is None:
+        raise NotAlgebraic(f"function {node.target}")
+    args, kwargs = _args(node)
+    return handler(sub, args, kwargs)
+
+
+def _h_mul(sub, args, kwargs):
+    return _times(_operand(args[0], sub), _operand(args[1] if len(args) > 1 else kwargs["other"], sub))
+
+
+def _h_add(sub, args, kwargs, sign: float = 1.0):
+    alpha = _number(kwargs.get("alpha", args[2] if len(args) > 2 else 1.0))
+    if alpha is None:
+        raise NotAlgebraic("alpha")
+    return _plus(_operand(args[0], sub), _operand(args[1] if len(args) > 1 else kwargs["other"], sub), sign * alpha)
+
+
+def _h_sub(sub, args, kwargs):
+    return _h_add(sub, args, kwargs, -1.0)
+
+
+def _h_div(sub, args, kwargs):
+    if kwargs.get("rounding_mode") is not None:
+        raise NotAlgebraic("rounding division")
+    divisor = _number(args[1] if len(args) > 1 else kwargs.get("other"))
+    if divisor is None or divisor == 0:
+        raise NotAlgebraic("division by a tensor")
+    return scale(_operand(args[0], sub), 1.0 / divisor)
+
+
+def _h_neg(sub, args, kwargs):
+    return scale(sub(args[0]), -1.0)
+
+
+def _h_same(sub, args, kwargs):
+    return sub(args[0])
+
+
+def _dims(value) -> list[int] | None:
+    if value is None:
+        return None
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _h_sum(sub, args, kwargs):
+    x = sub(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if "dtype" in kwargs and kwargs["dtype"] is not None:
+        pass  # a cast: the same value
+    dims = _dims(dim)
+    return sum_over(x, list(range(len(x.axes))) if dims is None else dims, bool(keepdim))
+
+
+def _h_unsqueeze(sub, args, kwargs):
+    return unsqueeze(sub(args[0]), args[1] if len(args) > 1 else kwargs["dim"])
+
+
+def _h_squeeze(sub, args, kwargs):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return squeeze(sub(args[0]), _dims(dim))
+
+
+def _h_permute(sub, args, kwargs):
+    order = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else args[1]
+    return permute(sub(args[0]), list(order))
+
+
+def _h_transpose(sub, args, kwargs):
+    x = sub(args[0])
+    n = len(x.axes)
+    d0, d1 = args[1] % n, args[2] % n
+    order = list(range(n))
+    order[d0], order[d1] = order[d1], order[d0]
+    return permute(x, order)
+
+
+def _h_t(sub, args, kwargs):
+    x = sub(args[0])
+    return x if len(x.axes) < 2 else permute(x, [1, 0])
+
+
+def _h_view(sub, args, kwargs):
+    shape = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else args[1]
+    if any(not isinstance(d, int) for d in shape):
+        raise NotAlgebraic("a view to sizes computed at run time")
+    return reshape(sub(args[0]), list(shape))
+
+
+def _h_expand(sub, args, kwargs):
+    sizes = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else args[1]
+    if any(not isinstance(d, int) for d in sizes):
+        raise NotAlgebraic("expand to sizes computed at run time")
+    return expand(sub(args[0]), list(sizes))
+
+
+def _h_einsum(sub, args, kwargs):
+    equation, *operands = args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or not all(isinstance(o, Node) for o in operands):
+        raise NotAlgebraic("einsum")
+    return einsum(equation, [sub(o) for o in operands])
+
+
+def _h_matmul(sub, args, kwargs):
+    return matmul(sub(args[0]), sub(args[1]))
+
+
+def _h_outer(sub, args, kwargs):
+    a, b = sub(args[0]), sub(args[1])
+    if len(a.axes) != 1 or len(b.axes) != 1:
+        raise NotAlgebraic("outer")
+    return multiply(unsqueeze(a, 1), unsqueeze(b, 0))
+
+
+def _h_getitem(sub, args, kwargs):
+    """x[..., None], x[:, None], x[...]: views that only insert dimensions (anything else is a leaf)."""
+    x, index = args
+    if not isinstance(x, Node):
+        raise NotAlgebraic("getitem")
+    items = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or i == slice(None)) for i in items):
+        raise NotAlgebraic("indexing")
+    expr = sub(x)
+    if sum(i is Ellipsis for i in items) > 1:
+        raise NotAlgebraic("indexing")
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (len(expr.axes) - consumed) + items[at + 1:]
+    else:
+        items = items + (slice(None),) * (len(expr.axes) - consumed)
+    axes, it = [], iter(expr.axes)
+    for i in items:
+        axes.append(None if i is None else next(it))
+    return Expr(tuple(axes), expr.terms)
+
+
+def _h_to(sub, args, kwargs):
+    """.to(dtype) / .float() / casts: the same value (precision aside)."""
+    return sub(args[0])
+
+
+_FUNCTIONS = {
+    operator.mul: _h_mul, torch.mul: _h_mul, aten.mul: _h_mul,
+    operator.add: _h_add, torch.add: _h_add, aten.add: _h_add,
+    operator.sub: _h_sub, torch.sub: _h_sub, aten.sub: _h_sub,
+    operator.truediv: _h_div, torch.div: _h_div, aten.div: _h_div,
+    operator.neg: _h_neg, torch.neg: _h_neg, aten.neg: _h_neg,
+    torch.sum: _h_sum, aten.sum: _h_sum,
+    torch.unsqueeze: _h_unsqueeze, aten.unsqueeze: _h_unsqueeze,
+    torch.squeeze: _h_squeeze, aten.squeeze: _h_squeeze,
+    torch.permute: _h_permute, aten.permute: _h_permute,
+    torch.transpose: _h_transpose, aten.transpose: _h_transpose, torch.t: _h_t, aten.t: _h_t,
+    torch.reshape: _h_view, aten.view: _h_view, aten._unsafe_view: _h_view, aten.reshape: _h_view,
+    aten.expand: _h_expand,
+    torch.einsum: _h_einsum, torch.functional.einsum: _h_einsum,
+    torch.matmul: _h_matmul, operator.matmul: _h_matmul, torch.bmm: _h_matmul, torch.mm: _h_matmul,
+    aten.bmm: _h_matmul, aten.mm: _h_matmul, aten.matmul: _h_matmul,
+    torch.outer: _h_outer, torch.ger: _h_outer,
+    operator.getitem: _h_getitem,
+    torch.clone: _h_same, aten.clone: _h_same, aten.alias: _h_same, aten._to_copy: _h_to,
+    torch.ops.prims.convert_element_type: _h_to,
+}
+
+_METHODS = {
+    "mul": _h_mul, "__mul__": _h_mul, "add": _h_add, "sub": _h_sub, "div": _h_div, "neg": _h_neg,
+    "sum": _h_sum, "unsqueeze": _h_unsqueeze, "squeeze": _h_squeeze, "permute": _h_permute,
+    "transpose": _h_transpose, "t": _h_t, "view": _h_view, "reshape": _h_view, "expand": _h_expand,
+    "matmul": _h_matmul, "bmm": _h_matmul, "mm": _h_matmul, "outer": _h_outer, "ger": _h_outer,
+    "contiguous": _h_same, "clone": _h_same, "float": _h_to, "double": _h_to, "half": _h_to,
+    "bfloat16": _h_to, "to": _h_to, "type_as": _h_to,
+}
+

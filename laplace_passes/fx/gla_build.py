@@ -1,0 +1,205 @@
+"""Building the `laplace::gla` call of a recognised token loop, and its results in the loop's own layouts.
+
+NOTE [recognised loop: before and after]
+Before (a Python loop Dynamo unrolled, T = 4 steps shown of 256; q, k, v, g [B, T, H, K]):
+
+    S = l_q_.new_zeros(2, 2, 8, 8)
+    exp = l_g_[(slice(None), 0)].exp();  mul = S * exp[(Ellipsis, None)]
+    mul_1 = l_k_[(slice(None), 0, ..., None)] * l_v_[(slice(None), 0, ..., None, slice(None))]
+    S_1 = mul + mul_1;  sum_1 = (l_q_[(slice(None), 0, ..., None)] * S_1).sum(-2)
+    ... three more steps ...
+    stack = torch.stack([sum_1, sum_2, sum_3, sum_4], 1)
+    return (stack, S_4)
+
+After (the loop's inputs over all steps, one GLA call, its results where the loop's were):
+
+    movedim = torch.movedim(l_q_, 1, 0); ...                  # each input [T, B, H, K], then GLA's [B, T, H, K]
+    gla = torch.ops.laplace.gla.default(q, k, v, gk, None, 1.0, 'token loop ...')
+    o = gla[0]; state = gla[1]
+    stack = permute(reshape(o, ...), ...)                      # the stack of the four readouts
+    return (stack, state)
+
+The re-tiling pass then makes the GLA call chunked GLA like any other site.
+Each value is built in the graph given (`graph`, with `env` mapping the
+loop's nodes to that graph's): the module's own graph for the rewrite, or a
+small one that checks the rewrite on random inputs first
+(`laplace_passes.fx.recognise`).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx
+
+from laplace_passes.fx.per_step import Lifter
+from laplace_passes.fx.token_loop import RoleFactors, TokenLoop, decay_exponent
+from laplace_passes.infra.fx_helpers import fake_tensor, new_node
+
+Node = torch.fx.Node
+
+
+def _same_order(value, order) -> bool:
+    return list(order) == list(range(len(order)))
+
+
+def _same_shape(value, shape) -> bool:
+    return value is not None and list(value.shape) == list(shape)
+
+
+def _same_dtype(value, dtype) -> bool:
+    return value is not None and value.dtype == dtype
+
+
+def _same_place(value, source, destination) -> bool:
+    return value is not None and source % value.dim() == destination % value.dim()
+
+
+# Ops the builder leaves out when they would not change their input (`value`: its fake tensor, if known).
+_IDENTITY_WHEN = {torch.permute: _same_order, torch.reshape: _same_shape, torch.Tensor.expand: _same_shape,
+                  torch.Tensor.to: _same_dtype, torch.movedim: _same_place}
+
+
+class GlaBuilder:
+    """Builds a loop's GLA inputs, call and outputs for its first `steps` steps."""
+
+    def __init__(self, graph: torch.fx.Graph, loop: TokenLoop, steps: int, memo: dict, env=None) -> None:
+        self.graph, self.loop, self.steps = graph, loop, steps
+        self.env = env or (lambda n: n)
+        self.lifter = Lifter(graph, memo, steps, loop.offset, self.env)
+        self.dtype = fake_tensor(loop.chain.last.node).dtype
+        self.device = fake_tensor(loop.chain.last.node).device
+        self.batch = loop.batch_axes
+        self.sizes = loop.state_shape
+
+    def call(self, target, *args, **kwargs) -> Node:
+        if target in _IDENTITY_WHEN and _IDENTITY_WHEN[target](fake_tensor(args[0]), *args[1:]):
+            return args[0]  # a permute, reshape, expand or cast that changes nothing
+        return new_node(self.graph, target, args, kwargs)
+
+    # -- inputs ----------------------------------------------------------------------------------------
+
+    def role(self, name: str, feature: int, nodes_per_factor: list[RoleFactors] | None = None) -> Node | None:
+        """The product of a role's factors, [T, *batch, feature] (size 1 where a factor broadcasts)."""
+        factors = self.loop.roles.get(name, []) if nodes_per_factor is None else nodes_per_factor
+        product = None
+        for factor in factors:
+            arranged = self.arrange(factor, [*self.batch, feature])
+            product = arranged if product is None else self.call(operator.mul, product, arranged)
+        return product
+
+    def arrange(self, factor: RoleFactors, targets: list[int]) -> Node:
+        """A factor over the steps, its dimensions moved to `targets` order, [T, *targets] with 1 for absent ones."""
+        whole, varies = self.lifter.lift(factor.nodes[: self.steps])
+        value = fake_tensor(factor.nodes[0])
+        lead = 1 if varies else 0
+        kept = [d for d, p in enumerate(factor.positions) if p is not None]
+        order = sorted(kept, key=lambda d: targets.index(factor.positions[d]))
+        node = self.call(torch.permute, whole, [*range(lead), *(lead + d for d in order
+                                                                   + [d for d in range(value.dim()) if d not in kept])])
+        shape = [self.steps if varies else 1] + [self.sizes[p] if p in (factor.positions[d] for d in kept) else 1
+                                                 for p in targets]
+        return self.call(torch.reshape, node, shape)
+
+    def full(self, node: Node | None, feature: int, fill: float = 1.0) -> Node:
+        """[T, *batch, feature] expanded to full size (a constant `fill` when there is no factor)."""
+        shape = [self.steps] + [self.sizes[p] for p in [*self.batch, feature]]
+        if node is None:
+            return self.call(torch.full, shape, fill, dtype=self.dtype, device=self.device)
+        if fill != 1.0:
+            node = self.call(operator.mul, node, fill)
+        return self.call(torch.Tensor.expand, node, shape)
+
+    def to_gla_layout(self, node: Node, feature_axis: int) -> Node:
+        """[T, *batch, F] -> [B, T, H, F] (B the first batch dimension, H the product of the others)."""
+        batch = [self.sizes[p] for p in self.batch]
+        moved = self.call(torch.movedim, node, 0, 1) if batch else node
+        B, H = (batch[0], math.prod(batch[1:])) if batch else (1, 1)
+        feature = self.sizes[feature_axis]
+        return self.call(torch.reshape, self.call(torch.Tensor.to, moved, self.dtype), [B, self.steps, H, feature])
+
+    def gla_inputs(self) -> tuple[Node, Node, Node, Node, Node | None]:
+        loop, K, V = self.loop, self.loop.key_axis, self.loop.value_axis
+        q = self.full(self.role("q", K), K)
+        k = self.full(self.role("k", K), K)
+        v = self.full(self.role("v", V), V, loop.coefs["input"])
+        gk = self.gates()
+        h0 = None
+        if loop.initial_state is not None:
+            h0 = self.state_to_gla(self.env(loop.initial_state))
+            if loop.coefs["initial"] != 1.0:
+                h0 = self.call(operator.mul, h0, loop.coefs["initial"])
+        inputs = [self.to_gla_layout(x, axis) for x, axis in ((q, K), (k, K), (v, V), (gk, K))]
+        return (*inputs, h0)
+
+    def gates(self) -> Node:
+        """log of the decay: exp's exponent itself when the decay is exp(x), else a log."""
+        loop, K = self.loop, self.loop.key_axis
+        log_coef = math.log(loop.coefs["decay"])
+        exponent = decay_exponent(loop)
+        if exponent is not None:
+            (factor,) = loop.roles["decay"]
+            x = self.role("decay", K, [RoleFactors(exponent, factor.positions)])
+            if log_coef:
+                x = self.call(operator.add, x, log_coef)
+            return self.full(x, K)
+        decay = self.role("decay", K)
+        if decay is None:
+            return self.full(None, K, log_coef)
+        gk = self.call(torch.log, decay)
+        return self.full(self.call(operator.add, gk, log_coef) if log_coef else gk, K)
+
+    def state_to_gla(self, state: Node) -> Node:
+        """A state in the loop's layout -> [B, H, K, V] in the compute dtype."""
+        order = [*self.batch, self.loop.key_axis, self.loop.value_axis]
+        batch = [self.sizes[p] for p in self.batch]
+        B, H = (batch[0], math.prod(batch[1:])) if batch else (1, 1)
+        moved = self.call(torch.permute, state, order)
+        K, V = self.sizes[self.loop.key_axis], self.sizes[self.loop.value_axis]
+        return self.call(torch.reshape, self.call(torch.Tensor.to, moved, self.dtype), [B, H, K, V])
+
+    # -- the call and its outputs ----------------------------------------------------------------------
+
+    def gla(self, origin: str, target=torch.ops.laplace.gla.default) -> tuple[Node, Node]:
+        q, k, v, gk, h0 = self.gla_inputs()
+        call = self.call(target, q, k, v, gk, h0, float(self.loop.coefs["scale"]), origin)
+        return self.call(operator.getitem, call, 0), self.call(operator.getitem, call, 1)
+
+    def outputs_over_steps(self, o: Node) -> Node:
+        """GLA's o [B, T, H, V] -> [T, *batch, V]."""
+        batch = [self.sizes[p] for p in self.batch]
+        V = self.sizes[self.loop.value_axis]
+        split = self.call(torch.reshape, o, [batch[0] if batch else 1, self.steps, *batch[1:], V])
+        moved = self.call(torch.movedim, split, 1, 0)
+        return moved if batch else self.call(torch.reshape, moved, [self.steps, V])
+
+    def readout(self, over_steps: Node, step: int, like: Node) -> Node:
+        """Step `step`'s readout in the layout and dtype of the loop's own readout `like`."""
+        return self._laid_out(self.call(torch.select, over_steps, 0, step), like, leading=False)
+
+    def stacked(self, over_steps: Node, dim: int, like: Node) -> Node:
+        """All readouts stacked along `dim` (like `torch.stack(readouts, dim)`)."""
+        laid = self._laid_out(over_steps, like, leading=True)
+        return self.call(torch.movedim, laid, 0, dim) if dim else laid
+
+    def _laid_out(self, value: Node, like: Node, leading: bool) -> Node:
+        positions = self.loop.readout_positions
+        source = [*self.batch, self.loop.value_axis]
+        kept = [p for p in positions if p is not None]
+        lead = [0] if leading else []
+        rest = [p for p in source if p not in kept]  # size-1 batch dimensions the readout does not keep
+        order = lead + [len(lead) + source.index(p) for p in kept + rest]
+        moved = self.call(torch.permute, value, order)
+        shape = ([self.steps] if leading else []) + [self.sizes[p] if p is not None else 1 for p in positions]
+        return self.call(torch.Tensor.to, self.call(torch.reshape, moved, shape), fake_tensor(like).dtype)
+
+    def final_state(self, state: Node, like: Node) -> Node:
+        """GLA's final state [B, H, K, V] -> the loop's state layout and dtype."""
+        order = [*self.batch, self.loop.key_axis, self.loop.value_axis]
+        split = self.call(torch.reshape, state, [self.sizes[p] for p in order])
+        inverse = [order.index(p) for p in range(len(order))]
+        moved = self.call(torch.permute, split, inverse)
+        return self.call(torch.Tensor.to, moved, fake_tensor(like).dtype)
+

@@ -1,0 +1,320 @@
+"""What an unrolled loop reads at each step, as one tensor over the steps.
+
+An unrolled token loop (a Python loop Dynamo traced, a scan or while_loop
+the unroll pass inlined) reads its inputs step by step: `k[:, t]`,
+`exp(g[:, :, t])`, `xs.unbind(0)[t]`, `aten.select(xs, 0, t)`. `pattern`
+reads a node as the same computation at every step with the step's position
+abstracted (`Pattern.key`) and the positions it indexes (`Pattern.steps`),
+so that the nodes of the T steps can be checked to be one computation at
+positions 0 .. T-1. `Lifter.lift` then builds that computation once over
+all steps, with the step dimension first: `movedim(k, 1, 0)` for `k[:, t]`,
+`exp(movedim(g, 2, 0))` for `exp(g[:, :, t])`. What it cannot lift (an op
+it does not know to be elementwise) is stacked from the steps' own nodes,
+which is always right and costs a node per step.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from laplace_passes.infra.fx_helpers import ancestors, fake_tensor, new_node
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+STEP = "<t>"  # the step's position, abstracted, in a pattern's key
+
+_SELECTS = frozenset({torch.select, aten.select.int})
+_UNBINDS = frozenset({torch.unbind, aten.unbind.int})
+_INDEX_SELECTS = frozenset({torch.index_select, aten.index_select.default})
+# Ops that act element by element (with broadcasting), so that op(x[t]) == op(x)[t].
+ELEMENTWISE = frozenset({
+    torch.exp, torch.sigmoid, F.logsigmoid, torch._C._nn.log_sigmoid, torch.tanh, F.silu, F.softplus,
+    torch._C._nn.softplus, torch.log, torch.abs, torch.neg, torch.relu, F.relu, torch.sqrt, torch.rsqrt,
+    torch.reciprocal, torch.clamp, torch.clamp_min, torch.clamp_max, torch.log1p, torch.expm1,
+    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, torch.mul, torch.add, torch.sub,
+    torch.div, aten.exp.default, aten.sigmoid.default, aten.log_sigmoid.default, aten.neg.default,
+    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.log.default, aten.tanh.default,
+    aten.rsub.Scalar, operator.pow, torch.pow, aten.pow.Tensor_Scalar,
+})
+ELEMENTWISE_METHODS = frozenset({
+    "exp", "sigmoid", "tanh", "log", "neg", "abs", "relu", "sqrt", "rsqrt", "reciprocal", "clamp", "clamp_min",
+    "clamp_max", "mul", "add", "sub", "div", "float", "double", "half", "bfloat16", "to", "type_as", "pow",
+    "log1p", "expm1", "__rsub__", "contiguous", "clone",
+})
+
+
+@dataclass(frozen=True)
+class Pattern:
+    key: Any  # hashable: the computation with the step's position as STEP
+    steps: tuple[int, ...]  # the positions indexed, in the order found
+
+    @property
+    def varies(self) -> bool:
+        return bool(self.steps)
+
+
+def pattern(node: Node, memo: dict) -> Pattern:
+    if node in memo:
+        return memo[node]
+    found = step_index(node, memo) or _op_pattern(node, memo)
+    memo[node] = found
+    return found
+
+
+def step_index(node: Node, memo: dict) -> Pattern | None:
+    """x[..., t, ...], select(x, d, t), x.unbind(d)[t] of a step-invariant x: the step's own input."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    target, args = node.target, node.args
+    if target is operator.getitem and isinstance(args[0], Node):
+        source = args[0]
+        if _is_unbind(source) and isinstance(args[1], int):
+            base, dim = source.args[0], _arg(source, 1, "dim", 0)
+            return _indexed(("unbind", base, _norm_dim(base, dim)), base, dim, args[1], memo)
+        return _getitem_index(node, memo)
+    if target in _INDEX_SELECTS and isinstance(args[0], Node) and isinstance(_arg(node, 2, "index", None), Node):
+        return _index_select(node, memo)
+    if target in _SELECTS or (node.op == "call_method" and target == "select"):
+        base, dim, index = args[0], _arg(node, 1, "dim", None), _arg(node, 2, "index", None)
+        if isinstance(base, Node) and isinstance(dim, int) and isinstance(index, int):
+            return _indexed(("select", base, _norm_dim(base, dim)), base, dim, index, memo)
+    return None
+
+
+def _index_select(node: Node, memo: dict) -> Pattern | None:
+    """index_select(x, d, i) with i one position known at compile time (a while_loop's counter, unrolled)."""
+    base, dim, index = node.args[0], _arg(node, 1, "dim", None), _arg(node, 2, "index", None)
+    value = constant_value(index)
+    if not isinstance(dim, int) or value is None or value.numel() != 1 or value.dtype.is_floating_point:
+        return None
+    found = _indexed(("index_select", base, _norm_dim(base, dim)), base, dim, int(value.reshape(())), memo)
+    return found
+
+
+def _is_unbind(node: Node) -> bool:
+    return node.op == "call_function" and node.target in _UNBINDS or (
+        node.op == "call_method" and node.target == "unbind")
+
+
+def _arg(node: Node, position: int, name: str, default):
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def _norm_dim(node: Node, dim: int) -> int:
+    value = fake_tensor(node)
+    return dim % value.dim() if value is not None and value.dim() else dim
+
+
+def _indexed(key: tuple, base: Node, dim: int, index: int, memo: dict) -> Pattern | None:
+    if pattern(base, memo).varies:
+        return None
+    value = fake_tensor(base)
+    if value is None or not isinstance(value.shape[dim], int):
+        return None
+    return Pattern(key, (index % value.shape[dim],))
+
+
+def _getitem_index(node: Node, memo: dict) -> Pattern | None:
+    base, index = node.args
+    items = index if isinstance(index, tuple) else (index,)
+    ints = [i for i, item in enumerate(items) if isinstance(item, int) and not isinstance(item, bool)]
+    if len(ints) != 1 or any(not (item is None or item is Ellipsis or item == slice(None))
+                             for i, item in enumerate(items) if i != ints[0]):
+        return None
+    dim = source_dim(items, ints[0], fake_tensor(base).dim() if fake_tensor(base) is not None else 0)
+    if dim is None:
+        return None
+    rest = tuple(STEP if i == ints[0] else _const_key(item) for i, item in enumerate(items))
+    return _indexed(("index", base, rest), base, dim, items[ints[0]], memo)
+
+
+def source_dim(items: tuple, position: int, ndim: int) -> int | None:
+    """The dimension of the indexed tensor that the item at `position` of a getitem index selects."""
+    consumes = [not (item is None or item is Ellipsis) for item in items]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        if position > at:
+            return ndim - sum(consumes[position:])
+    return sum(consumes[:position])
+
+
+def _const_key(value) -> Any:
+    if isinstance(value, slice):
+        return ("slice", value.start, value.stop, value.step)
+    if value is Ellipsis:
+        return "..."
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _op_pattern(node: Node, memo: dict) -> Pattern:
+    if node.op not in ("call_function", "call_method"):
+        return Pattern(("node", node), ())
+    steps: list[int] = []
+
+    def key_of(arg):
+        if isinstance(arg, Node):
+            found = pattern(arg, memo)
+            steps.extend(found.steps)
+            return found.key
+        if isinstance(arg, (list, tuple)):
+            return tuple(key_of(a) for a in arg)
+        if isinstance(arg, dict):
+            return tuple(sorted((k, key_of(v)) for k, v in arg.items()))
+        return _const_key(arg)
+
+    key = (node.op, node.target, key_of(node.args), key_of(dict(node.kwargs)))
+    found = Pattern(key, tuple(steps))
+    if not found.varies:
+        return Pattern(("node", node), ())  # step-invariant: the node itself, whatever computed it
+    return found
+
+
+class Lifter:
+    """Builds in `graph` each per-step value over T steps (step dimension first).
+
+    `env` maps the loop's nodes to `graph`'s (the identity when `graph` is the loop's own).
+    """
+
+    def __init__(self, graph: torch.fx.Graph, memo: dict, T: int, offset: int, env=None) -> None:
+        self.graph, self.memo, self.T, self.offset = graph, memo, T, offset
+        self.env = env or (lambda n: n)
+        self.cache: dict = {}
+        self.stacked = 0  # values that had to be stacked from the steps' own nodes
+
+    def lift(self, nodes: list[Node]) -> tuple[Node, bool]:
+        """(a node whose [t] is nodes[t], True) or (the one node, False) when it is the same at every step."""
+        first = nodes[0]
+        if not pattern(first, self.memo).varies:
+            return self.env(first), False
+        key = pattern(first, self.memo).key
+        if key in self.cache:
+            return self.cache[key], True
+        lifted = self._lift(first) if self._liftable(first) else None
+        if lifted is None:
+            lifted = self._call(torch.stack, ([self.env(n) for n in nodes], 0))
+            self.stacked += 1
+        self.cache[key] = lifted
+        return lifted, True
+
+    def _call(self, target, args: tuple, kwargs: dict | None = None) -> Node:
+        return new_node(self.graph, target, args, kwargs)
+
+    def _liftable(self, node: Node) -> bool:
+        if step_index(node, self.memo) is not None:
+            return True
+        target = node.target
+        known = target in ELEMENTWISE if node.op == "call_function" else (
+            node.op == "call_method" and target in ELEMENTWISE_METHODS)
+        if not known:
+            return _is_insertion(node) and self._liftable(node.args[0])
+        return all(self._liftable(a) for a in node.all_input_nodes if pattern(a, self.memo).varies) and \
+            self._invariants_broadcast(node)
+
+    def _invariants_broadcast(self, node: Node) -> bool:
+        """Step-invariant tensor operands must not reach the step dimension when broadcast."""
+        out = fake_tensor(node)
+        for arg in node.all_input_nodes:
+            value = fake_tensor(arg)
+            if value is not None and not pattern(arg, self.memo).varies and out is not None \
+                    and value.dim() > out.dim():
+                return False
+        return True
+
+    def _lift(self, node: Node) -> Node:
+        index = step_index(node, self.memo)
+        if index is not None:
+            return self._lift_index(node, index)
+        if _is_insertion(node):
+            return self._lift_insertion(node)
+        args = tuple(self._lifted_arg(a) for a in node.args)
+        kwargs = {k: self._lifted_arg(v) for k, v in node.kwargs.items()}
+        target = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
+        return self._call(target, args, kwargs)
+
+    def _lifted_arg(self, arg):
+        if isinstance(arg, Node):
+            return self._lift(arg) if pattern(arg, self.memo).varies else self.env(arg)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self._lifted_arg(a) for a in arg)
+        return arg
+
+    def _lift_index(self, node: Node, index: Pattern) -> Node:
+        kind, base = index.key[0], index.key[1]
+        if kind == "index":
+            items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            position = next(i for i, item in enumerate(items) if isinstance(item, int) and not isinstance(item, bool))
+            dim = source_dim(items, position, fake_tensor(base).dim())
+            rest = items[:position] + items[position + 1:]
+        else:
+            dim, rest = index.key[2], ()
+        whole = self._call(torch.movedim, (self.env(base), dim, 0))
+        keep = kind == "index_select"  # the step's own dimension stays, of size 1
+        if fake_tensor(base).shape[dim] != self.T or self.offset:
+            whole = self._call(torch.narrow, (whole, 0, self.offset, self.T))
+        if any(item is not None and item != slice(None) for item in rest) or None in rest:
+            whole = self._call(operator.getitem, (whole, (slice(None), *rest)))
+        if keep:
+            whole = self._call(torch.unsqueeze, (whole, dim + 1))
+        return whole
+
+    def _lift_insertion(self, node: Node) -> Node:
+        source = self._lift(node.args[0])
+        if node.target is operator.getitem:
+            items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            return self._call(operator.getitem, (source, (slice(None), *items)))
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+        op = torch.squeeze if _name(node) == "squeeze" else torch.unsqueeze
+        return self._call(op, (source, dim + 1 if dim >= 0 else dim))
+
+
+def _is_insertion(node: Node) -> bool:
+    """x[..., None], x.unsqueeze(d), x.squeeze(d): a size-1 dimension inserted or dropped, nothing else."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node):
+        items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return all(item is None or item is Ellipsis or item == slice(None) for item in items)
+    if _name(node) in ("unsqueeze", "squeeze") and node.op in ("call_method", "call_function"):
+        return isinstance(node.args[0], Node) and isinstance(node.args[1] if len(node.args) > 1 else None, int)
+    return False
+
+
+def _name(node: Node) -> str:
+    """"squeeze" for x.squeeze, torch.squeeze and aten.squeeze.dim alike."""
+    if node.op == "call_method":
+        return node.target
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet or node.target, "__name__", "")
+
+
+def constant_value(node: Node):
+    """The value of a node computed from no graph input (a zero state, a range), or None."""
+    if any(a.op in ("placeholder", "get_attr") for a in ancestors([node])):
+        return None
+    try:
+        return _evaluate(node, {})
+    except Exception:  # noqa: BLE001 (anything that does not evaluate is not a constant here)
+        return None
+
+
+def _evaluate(node: Node, memo: dict):
+    if node in memo:
+        return memo[node]
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _evaluate(n, memo))
+    if node.op == "call_function":
+        value = node.target(*args, **kwargs)
+    elif node.op == "call_method":
+        value = getattr(args[0], node.target)(*args[1:], **kwargs)
+    else:
+        raise ValueError(node.op)
+    memo[node] = value
+    return value

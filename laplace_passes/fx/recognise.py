@@ -1,0 +1,157 @@
+"""The recognition pass: GLA written in plain PyTorch, found by what it computes, becomes a `laplace::gla` site.
+
+A model that never heard of this project writes GLA from the equations: a
+loop over tokens (a Python loop Dynamo unrolls, `scan`, `while_loop`; the
+unroll pass runs first and makes the last two straight-line code too), in
+whatever spelling (elementwise products and `.sum`, `einsum`, `matmul`,
+`outer`, `[..., None]`), with its own layout, scale, gates (per key, one per
+head, a fixed decay, none) and initial state. This pass finds every chain of
+state updates S_t = a_t (.) S_{t-1} + k_t (x) v_t with readouts q_t . S_t
+(`laplace_passes.fx.recurrence`, on the canonical form of NOTE [canonical
+tensor algebra]), checks that its steps are one computation over positions
+(`laplace_passes.fx.token_loop`), checks the rewrite on random inputs
+(`laplace_passes.fx.validate`) and replaces the loop by one GLA call
+(NOTE [recognised loop: before and after] in `laplace_passes.fx.gla_build`),
+which the re-tiling pass then re-tiles like any other site.
+
+Every loop that carries a state is a row of the report's "recurrences"
+table: a GLA site, with how it was written, or declined with what does not
+match ("a 256-step loop carrying a [2, 4, 16, 16] state, but its update adds
+2 terms besides the decayed state ...") and the graph left unchanged.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from laplace_passes.fx.aggregates import Aggregate, find_aggregate
+from laplace_passes.fx.gla_build import GlaBuilder
+from laplace_passes.fx.recurrence import Chain, find_chains
+from laplace_passes.fx.token_loop import TokenLoop, describe, plan_token_loop
+from laplace_passes.fx.validate import check_on_random_inputs
+from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
+from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
+from laplace_passes.infra.report import RecurrenceRecord
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+VALIDATION_STEPS = 8  # steps of a loop run beside its GLA call before it is rewritten
+
+
+class RecogniseGLA(GraphPass):
+    """Replace each token loop that computes GLA by one `laplace::gla` node; report every state-carrying loop."""
+
+    name = "recognise_gla"
+
+    def __init__(self, min_steps: int = 2, validation_steps: int = VALIDATION_STEPS) -> None:
+        self.min_steps = min_steps
+        self.validation_steps = validation_steps
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        records = []
+        for chain in find_chains(gm.graph, self.min_steps):
+            records.append(self._rewrite(gm, chain))
+        found = sum(r.status == "GLA site" for r in records)
+        declined = [f"{r.node}: {r.reason}" for r in records if r.status == "declined"]
+        summary = f"{found} of {len(records)} loops carrying a state rewritten as GLA sites"
+        return PassResult(gm, modified=found > 0, summary=summary, declined=declined, recurrences=records)
+
+    def _rewrite(self, gm: torch.fx.GraphModule, chain: Chain) -> RecurrenceRecord:
+        shape = list(chain.first.shape)
+        record = RecurrenceRecord("", chain.first.node.name, len(chain.steps), shape, "declined")
+        memo: dict = {}
+        try:
+            if chain.mismatch:
+                raise Declined(chain.mismatch)
+            loop = plan_token_loop(chain, memo)
+            record.form = describe(loop, _written_as(chain))
+            check_on_random_inputs(gm, loop, memo, min(loop.T, self.validation_steps))
+            _replace(gm, loop, memo, record.form)
+        except Declined as declined:
+            record.reason = f"a {len(chain.steps)}-step loop carrying a {shape} state, but {declined.reason}"
+            return record
+        except Exception as error:  # noqa: BLE001 (a pass never breaks a user's compile: it declines)
+            record.reason = (f"a {len(chain.steps)}-step loop carrying a {shape} state, left alone after an "
+                             f"internal error while rewriting it: {type(error).__name__}: {error}")
+            return record
+        record.status = "GLA site"
+        return record
+
+
+def _written_as(chain: Chain) -> str:
+    """How the loop reached the graph: the unroll pass marks the nodes it inlined from a scan or while_loop."""
+    kinds = {s.node.meta.get("laplace_unrolled_from") for s in chain.steps}
+    kinds.discard(None)
+    return f"token loop (unrolled {kinds.pop()})" if len(kinds) == 1 else "token loop"
+
+
+def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str) -> None:
+    chain = loop.chain
+    readouts = [r.node for r in chain.readouts]
+    last = chain.last.node
+    old = readouts + [last]
+    region = ancestors(old) - ancestors(list(loop.source_nodes()))
+    aggregate = find_aggregate(readouts)
+    anchor = _anchor(gm.graph, old, region, aggregate)
+    _check_sources_before(gm.graph, loop, anchor)
+    with gm.graph.inserting_before(anchor):
+        builder = GlaBuilder(gm.graph, loop, loop.T, memo)
+        o, state = builder.gla(origin)
+        if readouts:
+            over = builder.outputs_over_steps(o)
+            if aggregate is not None:
+                _replace_aggregate(aggregate, builder.stacked(over, aggregate.dim, readouts[0]), builder)
+            else:
+                for t, readout in enumerate(readouts):
+                    readout.replace_all_uses_with(builder.readout(over, t, readout))
+        last.replace_all_uses_with(builder.final_state(state, last))
+    built = set()
+    if aggregate is not None:
+        built = {*aggregate.replaced, aggregate.node}
+        for write in [n for n in aggregate.replaced if _writes(n)]:  # the buffer's setitems: read by nothing
+            gm.graph.erase_node(write)
+    _erase_unused(gm.graph, region | built)
+
+
+def _replace_aggregate(aggregate: Aggregate, stacked: Node, builder: GlaBuilder) -> None:
+    """The readers of the aggregate read GLA's readouts stacked instead (a cat of readouts that keep a size-1
+    dimension there: the stack reshaped to the cat's shape)."""
+    like = fake_tensor(aggregate.node)
+    value = builder.call(torch.Tensor.to, builder.call(torch.reshape, stacked, list(like.shape)), like.dtype)
+    readers = list(aggregate.node.users) if aggregate.readers is None else aggregate.readers
+    for reader in readers:
+        reader.replace_input_with(aggregate.node, value)
+
+
+def _anchor(graph: torch.fx.Graph, old: list[Node], region: set[Node], aggregate: Aggregate | None) -> Node:
+    """The first node outside the loop that reads one of its results: the GLA call goes just before it."""
+    readers = {u for n in old for u in n.users if u not in region}
+    if aggregate is not None:
+        built = set(aggregate.replaced) | {aggregate.node}
+        later = aggregate.readers if aggregate.readers is not None else list(aggregate.node.users)
+        readers = (readers - built) | set(later)
+    return next(n for n in graph.nodes if n in readers)
+
+
+def _check_sources_before(graph: torch.fx.Graph, loop: TokenLoop, anchor: Node) -> None:
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    late = [n for n in loop.source_nodes() if position[n] >= position[anchor]]
+    if late:
+        raise Declined(f"{late[0].name}, an input of the loop, is computed after the loop's results are first read")
+
+
+def _erase_unused(graph: torch.fx.Graph, region: set[Node]) -> None:
+    """The loop's own nodes, now unread, from the last to the first (no op with a side effect)."""
+    for node in reversed(list(graph.nodes)):
+        if node in region and not node.users and node.op in ("call_function", "call_method") \
+                and not _writes(node):
+            graph.erase_node(node)
+
+
+def _writes(node: Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.target is operator.setitem or (name.endswith("_") and not name.endswith("__"))

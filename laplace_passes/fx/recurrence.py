@@ -1,0 +1,392 @@
+"""Token recurrences in a graph, by what they compute: chains of states and the readouts of each state.
+
+A step is a node whose canonical form (NOTE [canonical tensor algebra] in
+`laplace_passes.fx.algebra`) is
+
+    S_t = c1 * S_{t-1} (.) d_t  +  c2 * k_t (x) v_t          (d_t: the decay's factors, none or several)
+
+with S_{t-1} a node of S_t's shape read whole, the decay reading only the
+state's batch dimensions and its key dimension, and the input one product of
+factors that read the key dimension (k) or the value dimension (v) but not
+both. A readout of S_t is a node of the form `c * q_t . S_t` summed over the
+key dimension. `find_chains` links steps through their previous states into
+chains (one per loop, however the loop was written) and finds their readouts;
+a step that carries a state but is not of this form is kept with the reason
+(`Chain.mismatch`), so the report can say why such a loop was left alone.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
+from laplace_passes.fx.per_step import pattern
+from laplace_passes.infra.fx_helpers import fake_tensor
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+# What a state update is written with at its top: a sum (S * a + k v, torch.add, addcmul, baddbmm).
+_ADDS = frozenset({operator.add, operator.sub, torch.add, torch.sub, aten.add.Tensor, aten.sub.Tensor,
+                   operator.iadd, operator.isub})
+_ADD_METHODS = frozenset({"add", "sub"})
+MAX_READOUT_DEPTH = 4  # ops between a state and its readout's contraction: [..., None], *, .sum, a scale
+
+
+@dataclass
+class Step:
+    """One update S_t of a recurrence; `mismatch` says why it is not GLA's, when it is not."""
+
+    node: Node
+    prev: Node | None  # S_{t-1}; None: the step starts from a zero state
+    expr: Expr
+    decay: tuple[Factor, ...] = ()
+    decay_coef: float = 1.0
+    keys: tuple[Factor, ...] = ()
+    values: tuple[Factor, ...] = ()
+    input_coef: float = 1.0
+    key_axis: int = -2  # the state's dimension k writes and q reads
+    value_axis: int = -1
+    mismatch: str = ""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(fake_tensor(self.node).shape)
+
+
+@dataclass
+class Readout:
+    node: Node  # o_t
+    state: Node  # S_t
+    expr: Expr
+    queries: tuple[Factor, ...]
+    coef: float
+    state_axes: tuple  # S_t's indices in `expr`, one per state dimension
+
+
+@dataclass
+class Chain:
+    steps: list[Step]
+    readouts: list[Readout] = field(default_factory=list)  # one per step, or none at all
+    mismatch: str = ""
+
+    @property
+    def first(self) -> Step:
+        return self.steps[0]
+
+    @property
+    def last(self) -> Step:
+        return self.steps[-1]
+
+
+def is_sum_node(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _ADD_METHODS
+    return node.op == "call_function" and node.target in _ADDS
+
+
+def _state_like(node: Node, shape: tuple) -> bool:
+    """A node of the state's shape that a step reads as its previous state rather than through: a value used
+    twice (read out and updated), or a sum (an earlier update) unless its one user is a sum of the same
+    shape (`S * a + k v + b` is one update written as two sums)."""
+    value = fake_tensor(node)
+    if value is None or tuple(value.shape) != shape:
+        return False
+    if len(node.users) > 1:
+        return True
+    if not is_sum_node(node):
+        return False
+    (user,) = node.users if node.users else (None,)
+    return not (user is not None and is_sum_node(user) and _shape(user) == shape)
+
+
+def read_step(node: Node, memo: dict) -> Step | None:
+    """`node` as a state update; None when it carries no state (no term reads a node of its shape whole)."""
+    value = fake_tensor(node)
+    if value is None or value.dim() < 2 or not is_sum_node(node) or not value.dtype.is_floating_point:
+        return None
+    shape = tuple(value.shape)
+    if not _state_like(node, shape):
+        return None  # a partial sum of a longer update
+    try:
+        expr = read(node, lambda n: n is not node and _state_like(n, shape), memo.setdefault(("step", node), {}))
+    except NotAlgebraic:
+        return None
+    carried = [(t, f) for t in expr.terms for f in t.factors if f.axes == expr.axes and _shape(f.node) == shape]
+    states = [(t, f) for t, f in carried if _state_like(f.node, shape)]
+    carried = states or (carried if len({f.node for _, f in carried}) == 1 else [])
+    if not carried:
+        return None
+    prev_nodes = {f.node for _, f in carried}
+    step = Step(node, carried[0][1].node, expr)
+    if len(prev_nodes) > 1:
+        step.mismatch = f"its update reads {len(prev_nodes)} earlier states ({', '.join(n.name for n in prev_nodes)})"
+        return step
+    _classify(step)
+    return step
+
+
+def _shape(node: Node) -> tuple | None:
+    value = fake_tensor(node)
+    return tuple(value.shape) if value is not None else None
+
+
+def _classify(step: Step) -> None:
+    """Fill in decay, keys and values, or `mismatch` with the reason."""
+    expr, prev = step.expr, step.prev
+    decays = [t for t in expr.terms if any(f.node is prev and f.axes == expr.axes for f in t.factors)]
+    inputs = [t for t in expr.terms if t not in decays]
+    if len(decays) > 1:
+        step.mismatch = "its decay is a sum of terms (S * a + S * b)"
+        return
+    decay = decays[0]
+    rest = [f for f in decay.factors if not (f.node is prev and f.axes == expr.axes)]
+    if len(rest) != len(decay.factors) - 1:
+        step.mismatch = "its update multiplies the state by itself"
+        return
+    if any(f.node is prev for t in inputs for f in t.factors):
+        step.mismatch = ("its update reads the previous state other than through the decay (a step that "
+                         "depends on the previous output)")
+        return
+    if len(inputs) != 1:
+        step.mismatch = (f"its update adds {len(inputs)} terms besides the decayed state; GLA adds one outer "
+                         "product k_t (x) v_t (an extra additive term)" if inputs else
+                         "its update adds nothing to the decayed state")
+        return
+    _assign_axes(step, decay.coef, tuple(rest), inputs[0])
+
+
+def _assign_axes(step: Step, decay_coef: float, decay: tuple[Factor, ...], term) -> None:
+    expr = step.expr
+    if expr.summed(term):
+        step.mismatch = ("its update adds a sum over the step's tokens (a chunk of outer products), not one "
+                         "outer product k_t (x) v_t")
+        return
+    position = {axis: p for p, axis in enumerate(expr.axes) if axis is not None}
+
+    def reads(factors) -> set[int]:
+        return {position[i] for f in factors for i in f.indices()}
+
+    per_factor = [reads([f]) for f in term.factors]
+    for key_axis, value_axis in _axis_pairs(len(expr.axes), position):
+        batch = set(range(len(expr.axes))) - {key_axis, value_axis}
+        keys = [f for f, r in zip(term.factors, per_factor) if r <= batch | {key_axis} and key_axis in r]
+        values = [f for f, r in zip(term.factors, per_factor) if r <= batch | {value_axis} and value_axis in r]
+        shared = [f for f, r in zip(term.factors, per_factor) if r <= batch]
+        if not keys or not values or len(keys) + len(values) + len(shared) != len(term.factors):
+            continue
+        if not reads(decay) <= batch | {key_axis}:
+            continue
+        step.decay, step.decay_coef = decay, decay_coef
+        step.keys, step.values, step.input_coef = tuple(keys + shared), tuple(values), term.coef
+        step.key_axis, step.value_axis = key_axis, value_axis
+        return
+    step.mismatch = _why_not_outer(expr, term, decay, per_factor, reads)
+
+
+def _axis_pairs(n: int, position: dict[Index, int]) -> list[tuple[int, int]]:
+    """(key, value) dimension pairs to try, the last two first (the usual [..., K, V] layout)."""
+    named = sorted(position.values())
+    pairs = [(i, j) for i in named for j in named if i != j]
+    return sorted(pairs, key=lambda p: (p != (n - 2, n - 1), p != (n - 1, n - 2), p))
+
+
+def _why_not_outer(expr: Expr, term, decay, per_factor, reads) -> str:
+    shape = [a.size if a is not None else 1 for a in expr.axes]
+    if len([a for a in expr.axes if a is not None]) < 2:
+        return f"its state {shape} has fewer than two dimensions to hold k (x) v"
+    if any(len(r) == len(expr.axes) for r in per_factor) or len(per_factor) == 1:
+        return "its update adds a term that is not an outer product of the step's inputs"
+    if decay and any(reads([f]) - reads(term.factors) for f in decay):
+        return "its decay reads a dimension that neither k nor v writes"
+    return ("its decay reads the value dimension (GLA's decay is per key: S_t = diag(a_t) S_{t-1} + k_t (x) v_t)"
+            if decay else "its update adds a term that is not an outer product of the step's inputs")
+
+
+def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
+    """Every chain of at least `min_steps` steps, in graph order, with its readouts (or its mismatch)."""
+    memo: dict = {}
+    steps = {}
+    for node in graph.nodes:
+        step = read_step(node, memo)
+        if step is not None:
+            steps[node] = step
+    chains = _link(steps, memo)
+    chains = [c for c in chains if len(c.steps) >= min_steps and (not c.mismatch or _over_positions(c, memo))]
+    for chain in chains:
+        if not chain.mismatch:
+            _attach_readouts(chain, memo)
+    return chains
+
+
+def first_step(node: Node, memo: dict) -> Step | None:
+    """`node` as the first update of a recurrence from a zero state, S_1 = c2 * k_1 (x) v_1; else None."""
+    value = fake_tensor(node)
+    if value is None or value.dim() < 2 or not value.dtype.is_floating_point:
+        return None
+    shape = tuple(value.shape)
+    try:
+        expr = read(node, lambda n: n is not node and _state_like(n, shape), memo.setdefault(("step", node), {}))
+    except NotAlgebraic:
+        return None
+    if len(expr.terms) != 1 or any(_shape(f.node) == shape for f in expr.terms[0].factors):
+        return None
+    step = Step(node, None, expr)
+    _assign_axes(step, 1.0, (), expr.terms[0])
+    return None if step.mismatch else step
+
+
+def _over_positions(chain: Chain, memo: dict) -> bool:
+    """Whether the chain's steps read their inputs at a position that changes with the step: a loop over
+    tokens. A residual stream (x + f(x) layer after layer) carries a state too, but reads no position: it is
+    not reported as a declined recurrence."""
+    patterns = memo.setdefault("patterns", {})
+    return any(pattern(f.node, patterns).varies for s in chain.steps for t in s.expr.terms for f in t.factors)
+
+
+def _link(steps: dict[Node, Step], memo: dict) -> list[Chain]:
+    next_of: dict[Node, list[Step]] = {}
+    for step in steps.values():
+        if step.prev is not None:
+            next_of.setdefault(step.prev, []).append(step)
+    chains = []
+    for step in steps.values():
+        if step.prev is not None and step.prev in steps and not _branches(steps[step.prev], next_of):
+            continue  # not a chain's first step
+        if step.prev is None and step.node not in next_of:
+            continue  # a lone product, no recurrence
+        chain = Chain([step])
+        head = first_step(step.prev, memo) if step.prev is not None and step.prev not in steps else None
+        if head is not None and len(step.prev.users) <= 2:
+            chain.steps.insert(0, head)
+        while len(next_of.get(chain.last.node, [])) == 1:
+            chain.steps.append(next_of[chain.last.node][0])
+        if len(next_of.get(chain.last.node, [])) > 1:
+            chain.mismatch = f"the state {chain.last.node.name} is updated by two different steps"
+        reasons = [s.mismatch for s in chain.steps if s.mismatch]
+        if reasons and not chain.mismatch:  # the reason most steps give (the first may start from zeros)
+            chain.mismatch = max(reasons, key=reasons.count)
+        chains.append(chain)
+    return chains
+
+
+def _branches(step: Step, next_of: dict) -> bool:
+    return len(next_of.get(step.node, [])) > 1
+
+
+# -- readouts -------------------------------------------------------------------------------------------
+
+
+def _attach_readouts(chain: Chain, memo: dict) -> None:
+    chain_nodes = {s.node for s in chain.steps}
+    readouts = []
+    for index, step in enumerate(chain.steps):
+        following = chain.steps[index + 1].node if index + 1 < len(chain.steps) else None
+        found = _readouts_of(step, following, chain_nodes, memo)
+        if len(found) > 1:
+            chain.mismatch = f"the state {step.node.name} is read out {len(found)} times"
+            return
+        readouts.append(found[0] if found else None)
+    if any(r is None for r in readouts) and any(r is not None for r in readouts):
+        missing = next(s.node.name for s, r in zip(chain.steps, readouts) if r is None)
+        chain.mismatch = f"some states are read out and others ({missing}) are not"
+        return
+    chain.readouts = [r for r in readouts if r is not None]
+    for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], readouts):
+        extra = _other_uses(step, following, readout)
+        if extra:
+            chain.mismatch = f"the state {step.node.name} is also used by {extra.name}, outside the recurrence"
+            return
+
+
+def _readouts_of(step: Step, following: Node | None, chain_nodes: set, memo: dict) -> list[Readout]:
+    """The readouts of `step`'s state: the nodes nearest to it of the form c * q . S summed over the key."""
+    state = step.node
+    found, frontier, seen = [], [(u, 1) for u in state.users if u is not following], set()
+    while frontier:
+        node, depth = frontier.pop(0)
+        if node in seen or node.op == "output" or node in chain_nodes:
+            continue
+        seen.add(node)
+        readout = _as_readout(node, step, memo)
+        if readout == "continue" and depth < MAX_READOUT_DEPTH:
+            frontier += [(u, depth + 1) for u in node.users]
+        elif isinstance(readout, Readout):
+            found.append(_extended(readout, step, memo))
+    return found
+
+
+def _as_readout(node: Node, step: Step, memo: dict):
+    """A Readout, "continue" (S_t read whole so far: a product not yet summed), or None."""
+    state = step.node
+    try:
+        expr = read(node, lambda n: n is state, memo.setdefault(("readout", state, node), {}))
+    except NotAlgebraic:
+        return None
+    if len(expr.terms) != 1:
+        return None
+    (term,) = expr.terms
+    reads = [f for f in term.factors if f.node is state]
+    if len(reads) != 1:
+        return None
+    state_axes = reads[0].axes
+    key, value = state_axes[step.key_axis], state_axes[step.value_axis]
+    summed = expr.summed(term)
+    free = {a for a in expr.axes if a is not None}
+    batch = {a for i, a in enumerate(state_axes) if i not in (step.key_axis % len(state_axes),
+                                                               step.value_axis % len(state_axes)) and a is not None}
+    if key in free:
+        return "continue"
+    if key not in summed or value not in free or not batch <= free:
+        return None
+    queries = tuple(f for f in term.factors if f.node is not state)
+    if any(f.indices() - (batch | {key}) for f in queries):
+        return None
+    return Readout(node, state, expr, queries, term.coef, state_axes)
+
+
+def _extended(readout: Readout, step: Step, memo: dict) -> Readout:
+    """Through the readout's one user while that is still a readout of the state (a scale, a transpose)."""
+    while len(readout.node.users) == 1:
+        (user,) = readout.node.users
+        if user.op != "call_function" and user.op != "call_method":
+            break
+        longer = _as_readout(user, step, memo)
+        if not isinstance(longer, Readout):
+            break
+        readout = longer
+    return readout
+
+
+def _other_uses(step: Step, following: Step, readout: Readout | None) -> Node | None:
+    """A user of an intermediate state outside the next update's ops and the readout's own ops."""
+    allowed = _between(step.node, following.node)
+    if readout is not None:
+        allowed |= _between(step.node, readout.node)
+    return next((u for u in step.node.users if u not in allowed), None)
+
+
+def _between(start: Node, end: Node) -> set[Node]:
+    """Nodes on a path from `start` to `end` (inclusive of `end`)."""
+    found, stack = set(), [end]
+    while stack:
+        node = stack.pop()
+        if node in found or node is start:
+            continue
+        found.add(node)
+        stack.extend(n for n in node.all_input_nodes if _reaches(start, n))
+    return found
+
+
+def _reaches(start: Node, node: Node, limit: int = 12) -> bool:
+    frontier, depth = [node], 0
+    while frontier and depth <= limit:
+        if start in frontier:
+            return True
+        frontier = [i for n in frontier for i in n.all_input_nodes]
+        depth += 1
+    return False

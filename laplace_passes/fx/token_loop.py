@@ -1,0 +1,240 @@
+"""A chain of GLA steps checked to be one loop: the same computation at positions offset .. offset + T - 1.
+
+`plan_token_loop` turns a `Chain` (laplace_passes.fx.recurrence) into a
+`TokenLoop`: for each of GLA's four inputs (q from the readouts, k, v and
+the decay from the updates) the factors of every step, matched across steps
+(`laplace_passes.fx.per_step.pattern`: the same computation, indexing the
+step's position), and where each factor's dimensions sit in the state. A
+chain whose steps are not one computation (another op at step 3, an input
+read at a position out of order, a coefficient that changes) is declined
+with the step and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from laplace_passes.fx.algebra import Factor
+from laplace_passes.fx.gate_bounds import NONNEGATIVE, gate_bound
+from laplace_passes.fx.per_step import pattern, step_index
+from laplace_passes.fx.recurrence import Chain
+from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.pass_base import Declined
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+ROLES = ("q", "k", "v", "decay")
+_EXPS = frozenset({torch.exp, aten.exp.default})
+_ZERO_FILLS = frozenset({torch.zeros, torch.zeros_like, aten.zeros.default, aten.zeros_like.default})
+_ZERO_FILL_METHODS = frozenset({"new_zeros", "zero_"})
+
+
+@dataclass
+class RoleFactors:
+    """One factor of a role, over all steps: its node at each step and where its dimensions sit in the state."""
+
+    nodes: list[Node]
+    positions: tuple  # per dimension of the factor: the state dimension it indexes, or None (size 1)
+
+
+@dataclass
+class TokenLoop:
+    chain: Chain
+    T: int
+    offset: int  # the position step 0 reads
+    state_shape: tuple[int, ...]
+    key_axis: int
+    value_axis: int
+    roles: dict[str, list[RoleFactors]] = field(default_factory=dict)
+    coefs: dict[str, float] = field(default_factory=dict)  # "scale", "input", "decay"
+    readout_positions: tuple | None = None  # per dimension of a readout: a state dimension or None
+    initial_state: Node | None = None
+
+    @property
+    def batch_axes(self) -> list[int]:
+        return [p for p in range(len(self.state_shape)) if p not in (self.key_axis, self.value_axis)]
+
+    def source_nodes(self) -> set[Node]:
+        """The nodes the loop reads its inputs from (its readouts and updates aside)."""
+        found = set()
+        memo: dict = {}
+        for factors in self.roles.values():
+            for factor in factors:
+                found |= _sources(factor.nodes[0], memo)
+        if self.initial_state is not None:
+            found.add(self.initial_state)
+        return found
+
+
+def _sources(node: Node, memo: dict) -> set[Node]:
+    found = pattern(node, memo)
+    if not found.varies:
+        return {node}
+    if step_index(node, memo) is not None:
+        return {found.key[1]}  # the tensor indexed at the step's position
+    return {n for arg in node.all_input_nodes for n in _sources(arg, memo)} or {node}
+
+
+def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
+    first = chain.first
+    key_axis, value_axis = first.key_axis % len(first.shape), first.value_axis % len(first.shape)
+    for index, step in enumerate(chain.steps):
+        if (step.key_axis % len(step.shape), step.value_axis % len(step.shape)) != (key_axis, value_axis):
+            raise Declined(f"step {index} writes k and v into other dimensions of the state than step 0")
+    loop = TokenLoop(chain, len(chain.steps), 0, first.shape, key_axis, value_axis)
+    positions = {
+        "k": [_positions(s.expr.axes, s.keys) for s in chain.steps],
+        "v": [_positions(s.expr.axes, s.values) for s in chain.steps],
+        "decay": [_positions(s.expr.axes, s.decay) for s in chain.steps],
+        "q": [_positions(r.state_axes, r.queries) for r in chain.readouts],
+    }
+    offsets = set()
+    for role in ROLES:
+        per_step = positions[role]
+        if per_step:
+            loop.roles[role], found = _match_steps(role, per_step, memo)
+            offsets |= found
+    _set_offset(loop, offsets)
+    _set_coefficients(loop)
+    _refuse_growing_decays(loop)
+    loop.initial_state = _initial_state(chain)
+    if chain.readouts:
+        loop.readout_positions = _readout_layout(chain)
+    return loop
+
+
+def _positions(state_axes: tuple, factors: tuple[Factor, ...]) -> list[tuple[Node, tuple]]:
+    where = {axis: p for p, axis in enumerate(state_axes) if axis is not None}
+    out = []
+    for factor in factors:
+        if any(a is not None and a not in where for a in factor.axes):
+            raise Declined(f"{factor.node.name} has a dimension the state does not have")
+        out.append((factor.node, tuple(where.get(a) if a is not None else None for a in factor.axes)))
+    return out
+
+
+def _match_steps(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
+    """The role's factors lined up across steps, and the step offsets they index (position - step)."""
+    def signature(factors):
+        return sorted(((repr(pattern(n, memo).key), pos), n) for n, pos in factors)
+
+    reference = signature(per_step[0])
+    lined_up = [[n] for _, n in reference]
+    offsets = set()
+    for index, factors in enumerate(per_step):
+        found = signature(factors)
+        if [key for key, _ in found] != [key for key, _ in reference]:
+            raise Declined(f"step {index}'s {role} is not computed like step 0's (another op, or other "
+                           "dimensions)")
+        for column, (_, node) in enumerate(found):
+            steps = set(pattern(node, memo).steps)
+            if len(steps) > 1:
+                raise Declined(f"{node.name} reads two positions at step {index}")
+            offsets |= {p - index for p in steps}
+            if index:
+                lined_up[column].append(node)
+    factors = [RoleFactors(nodes, pos) for nodes, ((_, pos), _) in zip(lined_up, reference)]
+    return factors, offsets
+
+
+def _set_offset(loop: TokenLoop, offsets: set[int]) -> None:
+    if len(offsets) > 1:
+        reverse = any(o != min(offsets) for o in offsets)
+        raise Declined("its steps read their inputs at positions that do not advance with the step"
+                       + (" (a loop that runs backwards, or inputs shifted against each other)" if reverse else ""))
+    loop.offset = offsets.pop() if offsets else 0
+    for factors in loop.roles.values():
+        for factor in factors:
+            value = fake_tensor(factor.nodes[0])
+            if value is None:
+                raise Declined(f"{factor.nodes[0].name} has no shape")
+
+
+def _set_coefficients(loop: TokenLoop) -> None:
+    chain = loop.chain
+    for name, values in (("input", [s.input_coef for s in chain.steps]),
+                         ("decay", [s.decay_coef for s in chain.steps[1:] or chain.steps]),  # step 0: below
+                         ("scale", [r.coef for r in chain.readouts] or [1.0])):
+        if len(set(values)) > 1:
+            raise Declined(f"its {name} coefficient changes from step to step ({values[0]}, {values[1]}, ...)")
+        loop.coefs[name] = values[0]
+    if loop.coefs["decay"] <= 0:
+        raise Declined(f"its decay coefficient {loop.coefs['decay']} is not positive (GLA decays lie in (0, 1])")
+    # The first step may read its initial state times a number (S = 0.1 * ones; S = S * a + k v): the
+    # initial state is that product.
+    loop.coefs["initial"] = chain.first.decay_coef / loop.coefs["decay"]
+
+
+def _refuse_growing_decays(loop: TokenLoop) -> None:
+    """A decay exp(x) with x >= 0 by construction is >= 1: the loop is not GLA (whose gates are <= 0), and a
+    run-time gate check would refuse every call."""
+    exponent = decay_exponent(loop)
+    if exponent is None:
+        return
+    bound = gate_bound(exponent[0])
+    if bound.sign == NONNEGATIVE:
+        raise Declined(f"its decay is exp of a value >= 0 by construction ({bound.how}): decays >= 1 grow the "
+                       "state, where GLA's decays lie in (0, 1]")
+
+
+def _initial_state(chain: Chain) -> Node | None:
+    prev = chain.first.prev
+    if prev is None or _is_zero_fill(prev):
+        return None
+    return prev
+
+
+def _is_zero_fill(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _ZERO_FILL_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target in _ZERO_FILLS:
+        return True
+    return node.target in (torch.full, aten.full.default) and len(node.args) > 1 and node.args[1] == 0
+
+
+def _readout_layout(chain: Chain) -> tuple:
+    layouts = set()
+    for readout in chain.readouts:
+        where = {axis: p for p, axis in enumerate(readout.state_axes) if axis is not None}
+        if any(a is not None and a not in where for a in readout.expr.axes):
+            raise Declined(f"the readout {readout.node.name} has a dimension the state does not have")
+        layouts.add(tuple(where.get(a) if a is not None else None for a in readout.expr.axes))
+    if len(layouts) != 1:
+        raise Declined("its readouts lay out their results differently from step to step")
+    return layouts.pop()
+
+
+def decay_exponent(loop: TokenLoop) -> list[Node] | None:
+    """The per-step x of a decay written exp(x) (its one factor), so that gk = x without a log."""
+    factors = loop.roles.get("decay", [])
+    if len(factors) != 1:
+        return None
+    nodes = factors[0].nodes
+    if all(_is_exp(n) for n in nodes):
+        return [n.args[0] for n in nodes]
+    return None
+
+
+def _is_exp(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "exp" and len(node.args) == 1
+    return node.op == "call_function" and node.target in _EXPS and len(node.args) == 1 and not node.kwargs
+
+
+def describe(loop: TokenLoop, origin: str) -> str:
+    """What the report says of a recognised loop: how it was written, its gates, its layout."""
+    decay = loop.roles.get("decay", [])
+    if not decay:
+        gates = "no gate" if loop.coefs["decay"] == 1 else f"a fixed decay {loop.coefs['decay']:.4g}"
+    elif any(loop.key_axis in f.positions for f in decay):
+        gates = "per-key gates"
+    else:
+        gates = "per-head scalar gates"
+    state = list(loop.state_shape)
+    return f"{origin}, {loop.T} steps, {gates}, state {state} (key dim {loop.key_axis}, value dim {loop.value_axis})"

@@ -1,0 +1,120 @@
+"""A recognised loop and its GLA call, run side by side on random inputs before the graph is rewritten.
+
+The canonical form (NOTE [canonical tensor algebra]) says what a loop
+computes; this checks it. The loop's first few steps are copied into a
+graph of their own, whose inputs are the loop's sources (the tensors it
+reads its q, k, v and gates from, its initial state, anything else it reads
+that is not a constant), beside the GLA call `GlaBuilder` makes of those
+same sources for those steps. Both run on random sources (constants, such as
+a zero initial state, keep their values) and must agree within the rounding
+of the dtype, readouts and final state alike; a loop that does not is left
+unchanged, and the report gives the error measured.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from laplace_passes.fx.gla_build import GlaBuilder
+from laplace_passes.fx.per_step import constant_value
+from laplace_passes.fx.token_loop import TokenLoop
+from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
+from laplace_passes.infra.pass_base import Declined
+from laplace_passes.ops.gla import gla_recurrence
+
+Node = torch.fx.Node
+
+# Relative error (Frobenius) allowed between the loop and its GLA call, by the loop's dtype.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+
+
+def reference_gla(q, k, v, gk, initial_state, scale, origin):
+    """The token recurrence without the gate check (random gates may be positive)."""
+    return gla_recurrence(q, k, v, gk, initial_state, scale)
+
+
+def check_on_random_inputs(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, steps: int) -> None:
+    """Raise Declined (with the error measured) when the loop's first `steps` steps and GLA disagree."""
+    chain = loop.chain
+    old = [r.node for r in chain.readouts[:steps]] + [chain.steps[steps - 1].node]
+    sources = loop.source_nodes()
+    region = _region(old, sources)
+    externals = sorted({i for n in region for i in n.all_input_nodes if i not in region} | sources,
+                       key=_order(gm.graph))
+    graph = torch.fx.Graph()
+    env = {n: graph.placeholder(f"input_{i}") for i, n in enumerate(externals)}
+    for node in gm.graph.nodes:
+        if node in region:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    builder = GlaBuilder(graph, loop, steps, memo, env=lambda n: env[n])
+    o, state = builder.gla("validation", target=reference_gla)
+    over = builder.outputs_over_steps(o)
+    new = [builder.readout(over, t, like) for t, like in enumerate(old[:-1])]
+    new.append(builder.final_state(state, old[-1]))
+    graph.output(tuple([env[n] for n in old] + new))
+    module = torch.fx.GraphModule(gm, graph)
+    with unset_fake_temporarily(), torch.no_grad():
+        inputs = [_input_value(n, sources, loop) for n in externals]
+        results = module(*inputs)
+    _compare(results[: len(old)], results[len(old):], old)
+
+
+def _order(graph: torch.fx.Graph):
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: position[n]
+
+
+def _region(outputs: list[Node], sources: set[Node]) -> set[Node]:
+    """The nodes that compute `outputs` from the sources (ancestors of the outputs that read a source)."""
+    candidates = ancestors(outputs) - sources
+    position = _order(outputs[0].graph)
+    reads_source: dict[Node, bool] = {}
+    for node in sorted(candidates, key=position):
+        reads_source[node] = any(i in sources or reads_source.get(i, False) for i in node.all_input_nodes)
+    return {n for n, reads in reads_source.items() if reads}
+
+
+def _input_value(node: Node, sources: set[Node], loop: TokenLoop):
+    constant = constant_value(node)
+    if constant is not None:
+        return constant
+    value = fake_tensor(node)
+    if value is None:
+        raise Declined(f"the loop reads {node.name}, which is not a tensor of known shape")
+    if not value.dtype.is_floating_point:
+        raise Declined(f"the loop reads {node.name}, a {value.dtype} tensor, which random inputs cannot stand for")
+    shape = [int(d) for d in value.shape]
+    low, high = (0.1, 0.9) if _decay_only(node, loop) else (-1.0, 1.0)
+    return torch.empty(shape, dtype=value.dtype).uniform_(low, high)
+
+
+def _decay_only(node: Node, loop: TokenLoop) -> bool:
+    decay_nodes = {n for f in loop.roles.get("decay", []) for n in f.nodes}
+    if node in decay_nodes:
+        return True
+    return bool(node.users) and all(u in decay_nodes or _feeds_only(u, decay_nodes) for u in node.users)
+
+
+def _feeds_only(node: Node, targets: set[Node], depth: int = 4) -> bool:
+    if node in targets:
+        return True
+    if depth == 0 or not node.users:
+        return False
+    return all(_feeds_only(u, targets, depth - 1) for u in node.users)
+
+
+def _compare(expected: tuple, found: tuple, nodes: list[Node]) -> None:
+    for e, f, node in zip(expected, found, nodes):
+        tolerance = TOLERANCE.get(e.dtype, 1e-4)
+        if e.shape != f.shape:
+            raise Declined(f"its GLA form gives {node.name} the shape {list(f.shape)}, not {list(e.shape)}")
+        e64, f64 = e.double(), f.double()
+        if not torch.equal(e64.isnan(), f64.isnan()):
+            raise Declined(f"on random inputs its GLA form gives NaN where the loop does not ({node.name})")
+        finite = ~e64.isnan()
+        error = (e64[finite] - f64[finite]).norm() / e64[finite].norm().clamp_min(1e-30)
+        if not error <= tolerance:
+            raise Declined(f"on random inputs its GLA form differs from the loop at {node.name} by a relative "
+                           f"{float(error):.2g} (more than {tolerance:g} for {e.dtype}): not the GLA recurrence")

@@ -1,0 +1,233 @@
+"""GLA written from the equations in plain PyTorch, in the spellings users write, and near misses.
+
+Each case is `(fn, inputs)`: `fn` computes a token recurrence S_t = a_t (.) S_{t-1} + k_t (x) v_t,
+o_t = q_t . S_t (or something that is not quite one) with plain torch ops only; the tests compile it
+with the laplace backend and compare with `fn` run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch._higher_order_ops.scan import scan
+from torch._higher_order_ops.while_loop import while_loop
+
+B, T, H, K, V = 2, 20, 2, 8, 6
+
+
+def inputs(layout: str = "bthk", gates: str = "key", seed: int = 0, dtype=torch.float32):
+    """q, k, v, g in the layout asked ("bthk" [B, T, H, K] or "bhtk"), gates per key [.., K] or per head."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, H, K if gates == "key" else 1, generator=gen) + 2)
+    if gates == "head":
+        g = g[..., 0]
+    tensors = [q, k, v, g]
+    if layout == "bhtk":
+        tensors = [x.transpose(1, 2).contiguous() for x in tensors]
+    return tuple(x.to(dtype) for x in tensors)
+
+
+# -- token loops ------------------------------------------------------------------------------------
+
+
+def elementwise(q, k, v, g):
+    """[B, T, H, K]; broadcasting products and .sum; outputs stacked; the final state returned."""
+    S = q.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def einsum_bhtk(q, k, v, g):
+    """[B, H, T, K]; einsum; the scale folded into q; outputs stacked along T; no final state."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.exp(g[:, :, t]).unsqueeze(-1) * S + torch.einsum("bhk,bhv->bhkv", k[:, :, t], v[:, :, t])
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t] * K ** -0.5, S))
+    return torch.stack(outs, 2)
+
+
+def matmul_cat(q, k, v, g):
+    """matmul of [.., K, 1] @ [.., 1, V]; readout q @ S; outputs concatenated; unbind for the steps."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for q_t, k_t, v_t, g_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), g.unbind(1)):
+        S = g_t.exp().unsqueeze(-1) * S + k_t.unsqueeze(-1) @ v_t.unsqueeze(-2)
+        outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2).unsqueeze(1) * 0.5)
+    return torch.cat(outs, 1), S
+
+
+def outer_unbatched(q, k, v, g):
+    """One sequence, one head: torch.outer, state [K, V], q_t @ S."""
+    q, k, v, g = (x[0, :, 0] for x in (q, k, v, g))
+    S = torch.zeros(K, V)
+    outs = []
+    for t in range(T):
+        S = g[t].exp()[:, None] * S + torch.outer(k[t], v[t])
+        outs.append(q[t] @ S)
+    return torch.stack(outs), S
+
+
+def preallocated(q, k, v, g):
+    """Outputs written into a preallocated tensor; a given initial state."""
+    S = torch.ones(B, H, K, V) * 0.1
+    out = torch.zeros(B, T, H, V)
+    for t in range(T):
+        S = S * torch.exp(g[:, t])[..., None] + k[:, t][..., None] * v[:, t][..., None, :]
+        out[:, t] = (q[:, t][..., None] * S).sum(-2)
+    return out
+
+
+def with_initial_state(q, k, v, g, h0):
+    S = h0
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def scanned(q, k, v, g):
+    """torch's scan over the time dimension."""
+    def step(S, xs):
+        q_t, k_t, v_t, g_t = xs
+        S = S * g_t.exp()[..., None] + k_t[..., None] * v_t[..., None, :]
+        return S, (q_t[..., None] * S).sum(-2)
+
+    moved = [x.movedim(1, 0) for x in (q, k, v, g)]
+    S, o = scan(step, torch.zeros(B, H, K, V), moved)
+    return o.movedim(0, 1), S
+
+
+def while_looped(q, k, v, g):
+    """torch's while_loop with a static trip count, steps read by index_select at the counter, the readouts
+    written into a buffer by index_copy."""
+    def cond(i, S, out):
+        return i < T
+
+    def body(i, S, out):
+        at = i.view(1)
+        q_t, k_t, v_t, g_t = (torch.index_select(x, 1, at).squeeze(1) for x in (q, k, v, g))
+        S = S * g_t.exp()[..., None] + k_t[..., None] * v_t[..., None, :]
+        o = (q_t[..., None] * S).sum(-2)
+        return i + 1, S, out.index_copy(1, at, o.unsqueeze(1))
+
+    _, S, out = while_loop(cond, body, (torch.tensor(0), torch.zeros(B, H, K, V), torch.zeros(B, T, H, V)))
+    return out, S
+
+
+def head_gates(q, k, v, g):
+    """Simple GLA / Mamba-2 style: one gate per head and step, g [B, T, H]."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[:, :, None, None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+GAMMA = 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float32))
+
+
+def retnet(q, k, v, g):
+    """RetNet: a fixed decay per head, no gate input."""
+    S = torch.zeros(B, H, K, V)
+    gamma = GAMMA[:, None, None]
+    outs = []
+    for t in range(T):
+        S = gamma * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def linear_attention(q, k, v, g):
+    """No decay at all."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def fixed_decay(q, k, v, g):
+    """A decay that is one number."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = 0.9 * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1)
+
+
+def hgrn2(q, k, v, g):
+    """HGRN2: the key tied to the gate, k_t = 1 - exp(g_t)."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        decay = g[:, t].exp()
+        S = S * decay[..., None] + (1 - decay)[..., None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def grouped_heads(q, k, v, g):
+    """GQA: k and v have one head for two query heads, repeated before the loop."""
+    k, v = k[:, :, :1].repeat_interleave(H, 2), v[:, :, :1].repeat_interleave(H, 2)
+    return elementwise(q, k, v, g)
+
+
+# -- near misses: every one must be left alone, with its reason -----------------------------------------
+
+
+def extra_term(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    bias = torch.linspace(0, 1, K * V).view(K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :] + 0.01 * bias
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def positive_gate(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(F.softplus(g[:, t]) * 0.01)[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def reads_previous_output(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    o = torch.zeros(B, H, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * (v[:, t] + 0.1 * o)[..., None, :]
+        o = (q[:, t, :, :, None] * S).sum(-2)
+        outs.append(o)
+    return torch.stack(outs, 1), S
+
+
+def vector_state(q, k, v, g):
+    S = torch.zeros(B, H, K)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp() + k[:, t] * q[:, t]
+        outs.append(S)
+    return torch.stack(outs, 1), S
+
+
+def backwards(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in reversed(range(T)):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S

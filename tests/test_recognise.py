@@ -1,0 +1,206 @@
+"""GLA found by what it computes: token loops written in plain PyTorch become GLA sites, near misses do not.
+
+Every case is compiled with the laplace backend (cpu target, chunk 8, so a
+20-step loop is three chunks) and compared with the same function run
+eagerly: every output and every input gradient. The graph is checked too:
+after recognition the Dynamo graph holds one chunked GLA call and no
+T-step chain; the report's "recurrences" table has the loop's row. A near
+miss must leave the numbers exactly as they were, with its reason.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import laplace_passes
+from laplace_passes.fx.gla_build import GlaBuilder
+from laplace_passes.fx.recognise import RecogniseGLA
+from laplace_passes.infra.pass_base import run_pass
+from tests import recognise_cases as cases
+
+RECOGNISED = {
+    "elementwise": "per-key gates",
+    "einsum_bhtk": "per-key gates",
+    "matmul_cat": "per-key gates",
+    "outer_unbatched": "per-key gates, state [8, 6]",
+    "preallocated": "per-key gates",
+    "with_initial_state": "per-key gates",
+    "scanned": "token loop (unrolled scan)",
+    "while_looped": "token loop (unrolled while_loop)",
+    "head_gates": "per-head scalar gates",
+    "retnet": "per-head scalar gates",
+    "linear_attention": "no gate",
+    "fixed_decay": "a fixed decay 0.9",
+    "hgrn2": "per-key gates",
+    "grouped_heads": "per-key gates",
+}
+
+NEAR_MISSES = {
+    "extra_term": "its update adds 2 terms besides the decayed state",
+    "positive_gate": "its decay is exp of a value >= 0 by construction",
+    "reads_previous_output": "a step that depends on the previous output",
+    "vector_state": "its update adds a term that is not an outer product of the step's inputs",
+    "backwards": "a loop that runs backwards",
+}
+
+
+def case_inputs(name: str, dtype=torch.float32):
+    args = cases.inputs("bhtk" if name == "einsum_bhtk" else "bthk", "head" if name == "head_gates" else "key",
+                        dtype=dtype)
+    if name == "with_initial_state":
+        args = args + (torch.randn(cases.B, cases.H, cases.K, cases.V, generator=torch.Generator().manual_seed(7)),)
+    return [a.clone().requires_grad_() for a in args]
+
+
+def outputs_and_grads(fn, args):
+    out = fn(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    weights = [torch.linspace(-1, 1, o.numel()).view_as(o) for o in out]
+    loss = sum((o * w).sum() for o, w in zip(out, weights))
+    grads = torch.autograd.grad(loss, args, allow_unused=True)
+    return [o.detach() for o in out], grads
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return laplace_passes.compile(fn, target="cpu", chunk_size=8)
+
+
+def assert_close(found, expected, rtol=2e-5, atol=2e-5):
+    for f, e in zip(found, expected):
+        if e is None:
+            assert f is None or not f.abs().any()
+            continue
+        torch.testing.assert_close(f, e, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", sorted(RECOGNISED))
+def test_a_token_loop_becomes_one_gla_site_with_equal_outputs_and_gradients(name):
+    fn = getattr(cases, name)
+    # torch's eager while_loop gives wrong input gradients (torch 2.13); the same loop written elementwise is
+    # the reference there.
+    reference = cases.elementwise if name == "while_looped" else fn
+    args = case_inputs(name)
+    expected_out, expected_grads = outputs_and_grads(reference, args)
+    model = compiled(fn)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+
+    report = model.laplace_report
+    (row,) = report.recurrences
+    assert row.status == "GLA site" and RECOGNISED[name] in row.form, row
+    assert row.steps == cases.T
+    dynamo = report.graph("after", "dynamo_0")
+    calls = [n for n in dynamo.graph.nodes if n.target is torch.ops.laplace.chunked_gla.default]
+    assert len(calls) == 1
+    # No T-step chain is left: a constant number of nodes, whatever T.
+    assert len(dynamo.graph.nodes) < 60, len(dynamo.graph.nodes)
+    (site,) = report.sites
+    assert site.status == "retiled" and site.plan["n_chunks"] == 3 and site.origin == row.form
+
+
+@pytest.mark.parametrize("name", sorted(NEAR_MISSES))
+def test_a_near_miss_is_declined_with_its_reason_and_unchanged_numbers(name):
+    fn = getattr(cases, name)
+    args = case_inputs(name)
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    model = compiled(fn)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    report = model.laplace_report
+    (row,) = report.recurrences
+    assert row.status == "declined" and NEAR_MISSES[name] in row.reason, row.reason
+    assert row.reason.startswith(f"a {row.steps}-step loop carrying a {row.state} state, but ")
+    assert not report.sites
+    assert "recognise_gla" in {p.name for p in report.passes if any(r.startswith(row.node) for r in p.declined)}
+
+
+def dynamo_graph(fn, *args) -> tuple[torch.fx.GraphModule, list]:
+    """The graph Dynamo captures of `fn(*args)`, and its inputs in the graph's order."""
+    captured = []
+
+    def backend(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    (found,) = captured
+    return found
+
+
+def test_the_pass_on_a_bare_graph_module():
+    args = [a.detach() for a in case_inputs("elementwise")]
+    gm, inputs = dynamo_graph(cases.elementwise, *args)
+    expected = gm(*inputs)
+    result = run_pass(RecogniseGLA(), gm)
+    assert result.modified and result.summary == "1 of 1 loops carrying a state rewritten as GLA sites"
+    (row,) = result.recurrences
+    assert row.status == "GLA site" and row.steps == cases.T
+    code = result.graph_module.code
+    assert code.count("torch.ops.laplace.gla.default") == 1 and "exp" not in code
+    for found, want in zip(result.graph_module(*inputs), expected):
+        torch.testing.assert_close(found, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rewrite_that_computes_something_else_is_caught_on_random_inputs(monkeypatch):
+    """The canonical form is checked, not trusted: gates read wrong (doubled) are found and the loop kept."""
+    original = GlaBuilder.gates
+    monkeypatch.setattr(GlaBuilder, "gates", lambda self: self.call(torch.mul, original(self), 2.0))
+    args = case_inputs("elementwise")
+    expected_out, _ = outputs_and_grads(cases.elementwise, args)
+    model = compiled(cases.elementwise)
+    out, _ = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "declined" and "on random inputs its GLA form differs from the loop" in row.reason
+
+
+def test_an_internal_error_declines_instead_of_breaking_the_compile(monkeypatch):
+    def broken(self, *args, **kwargs):
+        raise IndexError("planted")
+
+    monkeypatch.setattr(GlaBuilder, "gla_inputs", broken)
+    args = case_inputs("elementwise")
+    expected_out, _ = outputs_and_grads(cases.elementwise, args)
+    model = compiled(cases.elementwise)
+    out, _ = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    (row,) = model.laplace_report.recurrences
+    assert "left alone after an internal error while rewriting it: IndexError: planted" in row.reason
+
+
+def test_bfloat16_loops_are_recognised_within_bf16_rounding():
+    args = case_inputs("elementwise", dtype=torch.bfloat16)
+    expected_out, _ = outputs_and_grads(cases.elementwise, [a.float() for a in args])
+    model = compiled(cases.elementwise)
+    out, _ = outputs_and_grads(model, args)
+    for found, want in zip(out, expected_out):
+        assert ((found.float() - want).norm() / want.norm()) < 2e-2
+    assert model.laplace_report.recurrences[0].status == "GLA site"
+
+
+def gates_inside(q, k, v, x):
+    """Gates made inside the compiled function, logsigmoid(x) / 4: provably <= 0 through the rewrite."""
+    return cases.elementwise(q, k, v, F.logsigmoid(x) / 4)
+
+
+def test_gates_built_inside_are_proven_and_not_checked_at_run_time():
+    args = case_inputs("elementwise")
+    model = compiled(gates_inside)
+    expected_out, expected_grads = outputs_and_grads(gates_inside, args)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    (site,) = model.laplace_report.sites
+    assert site.gates.startswith("<= 0 by construction"), site.gates
+
+
+def test_the_option_turns_recognition_off():
+    torch._dynamo.reset()
+    model = laplace_passes.compile(cases.elementwise, target="cpu", recognise_gla=False)
+    model(*[a.detach() for a in case_inputs("elementwise")])
+    assert not model.laplace_report.recurrences and not model.laplace_report.sites
+    assert "recognise_gla" not in {p.name for p in model.laplace_report.passes}
