@@ -9,6 +9,8 @@
 - laplace-3b: d 2560, 36 layers, 16 heads, vocab 32000: about 2.9B parameters,
               29.5 MB of recurrent state per sequence. Built on meta by default
               because materialising it takes about 12 GB in fp32.
+- plain-tiny: tiny with its recurrence written in plain PyTorch (a scan over tokens,
+              `model_zoo.plain_gla`): no call to this project, found by what it computes.
 - fla-gla-tiny, fla-gla-1.3b: flash-linear-attention's own GLAForCausalLM
               (see `model_zoo.fla_models`; needs flash-linear-attention).
 """
@@ -19,12 +21,15 @@ import torch
 
 from model_zoo.fla_models import FLA_CONFIGS, build_fla
 from model_zoo.gla_lm import GatedLinearAttention, GLABlock, GLAConfig, GLALM
+from model_zoo.plain_gla import PlainGLALM
 
 _CONFIGS: dict[str, GLAConfig] = {
     "tiny": GLAConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=2),
     "small": GLAConfig(vocab_size=8192, hidden_size=256, num_layers=4, num_heads=4),
     "laplace-3b": GLAConfig(vocab_size=32000, hidden_size=2560, num_layers=36, num_heads=16),
+    "plain-tiny": GLAConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=2),
 }
+_PLAIN = {"plain-tiny"}  # built as PlainGLALM: the recurrence in plain PyTorch
 _DEFAULT_DEVICE = {"laplace-3b": "meta"}
 
 CONFIG_NAMES: tuple[str, ...] = (*_CONFIGS, *FLA_CONFIGS)
@@ -51,7 +56,8 @@ def build(
     if name in FLA_CONFIGS:
         return build_fla(name, device=device, dtype=dtype, **overrides)
     cfg = config(name, **overrides)
-    return GLALM(cfg, device=device if device is not None else _DEFAULT_DEVICE.get(name), dtype=dtype)
+    model_class = PlainGLALM if name in _PLAIN else GLALM
+    return model_class(cfg, device=device if device is not None else _DEFAULT_DEVICE.get(name), dtype=dtype)
 
 
-__all__ = ["CONFIG_NAMES", "GLABlock", "GLAConfig", "GLALM", "GatedLinearAttention", "build", "config"]
+__all__ = ["CONFIG_NAMES", "GLABlock", "GLAConfig", "GLALM", "GatedLinearAttention", "PlainGLALM", "build", "config"]

@@ -204,3 +204,27 @@ def test_the_option_turns_recognition_off():
     model(*[a.detach() for a in case_inputs("elementwise")])
     assert not model.laplace_report.recurrences and not model.laplace_report.sites
     assert "recognise_gla" not in {p.name for p in model.laplace_report.passes}
+
+
+def test_plain_tiny_your_model_unchanged_trains_like_tiny_through_two_recognised_sites():
+    """model_zoo's plain-tiny (a scan over tokens, no call to this project) against tiny (the GLA op) with the
+    same weights: logits and every parameter gradient, compiled for trn2; each layer's loop a GLA site."""
+    import model_zoo
+
+    torch.manual_seed(0)
+    plain, reference = model_zoo.build("plain-tiny"), model_zoo.build("tiny")
+    reference.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(3))
+    expected = reference(ids)
+    expected.square().mean().backward()
+    torch._dynamo.reset()
+    compiled_model = laplace_passes.compile(plain, target="trn2")
+    logits = compiled_model(ids)
+    logits.square().mean().backward()
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(plain.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    report = compiled_model.laplace_report
+    assert [(r.status, r.steps) for r in report.recurrences] == [("GLA site", 160)] * 2
+    assert all("unrolled scan" in r.form for r in report.recurrences)
+    assert [(s.status, s.plan["n_chunks"], s.gates.startswith("<= 0")) for s in report.sites] == [("retiled", 2, True)] * 2

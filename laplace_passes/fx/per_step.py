@@ -175,7 +175,7 @@ def _op_pattern(node: Node, memo: dict) -> Pattern:
 
     key = (node.op, node.target, key_of(node.args), key_of(dict(node.kwargs)))
     found = Pattern(key, tuple(steps))
-    if not found.varies:
+    if not found.varies or len(set(steps)) > 1:  # reads no position, or many (a stack of every step's value)
         return Pattern(("node", node), ())  # step-invariant: the node itself, whatever computed it
     return found
 
@@ -296,8 +296,16 @@ def _name(node: Node) -> str:
     return getattr(packet or node.target, "__name__", "")
 
 
+# Fills whose value depends on their input's shape and dtype only: zeros_like(x), x.new_zeros(...).
+_FILLS = {"new_zeros": 0.0, "new_ones": 1.0, "zeros_like": 0.0, "ones_like": 1.0}
+
+
 def constant_value(node: Node):
-    """The value of a node computed from no graph input (a zero state, a range), or None."""
+    """The value of a node computed from no graph input's values (a zero state, a range, a counter), or None."""
+    fill = _FILLS.get(_name(node)) if node.op in ("call_function", "call_method") else None
+    value = fake_tensor(node)
+    if fill is not None and value is not None and all(isinstance(d, int) for d in value.shape):
+        return torch.full(tuple(value.shape), fill, dtype=value.dtype)
     if any(a.op in ("placeholder", "get_attr") for a in ancestors([node])):
         return None
     try:

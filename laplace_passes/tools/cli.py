@@ -9,8 +9,8 @@
 DIR is written whole or not at all; a non-empty DIR is refused unless
 --force, which replaces it and everything in it.
 
-MODEL is a model_zoo config name (tiny, small, laplace-3b, fla-gla-tiny,
-fla-gla-1.3b) or
+MODEL is a model_zoo config name (tiny, plain-tiny, small, laplace-3b,
+fla-gla-tiny, fla-gla-1.3b) or
 `package.module:attr`, where attr is an nn.Module taking token ids, or a
 callable returning `(model_or_fn, example_inputs_tuple)`.
 """
