@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.per_step import Lifter
-from laplace_passes.fx.token_loop import RoleFactors, TokenLoop, decay_exponent
+from laplace_passes.fx.token_loop import TIME, RoleFactors, TokenLoop
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
 
 Node = torch.fx.Node
@@ -69,8 +69,8 @@ class GlaBuilder:
         self.graph, self.loop, self.steps = graph, loop, steps
         self.env = env or (lambda n: n)
         self.lifter = Lifter(graph, memo, steps, loop.offset, self.env)
-        self.dtype = fake_tensor(loop.chain.last.node).dtype
-        self.device = fake_tensor(loop.chain.last.node).device
+        self.dtype = fake_tensor(loop.like).dtype
+        self.device = fake_tensor(loop.like).device
         self.batch = loop.batch_axes
         self.sizes = loop.state_shape
 
@@ -91,7 +91,13 @@ class GlaBuilder:
         return product
 
     def arrange(self, factor: RoleFactors, targets: list[int]) -> Node:
-        """A factor over the steps, its dimensions moved to `targets` order, [T, *targets] with 1 for absent ones."""
+        """A factor over the steps, its dimensions moved to `targets` order, [T, *targets] with 1 for absent ones.
+
+        A factor whose positions name a TIME dimension is one node over all tokens already (a quadratic form's
+        q, k, v): that dimension goes first. Any other is a per-step node, lifted over the steps.
+        """
+        if TIME in factor.positions:
+            return self._arrange_whole(factor, targets)
         whole, varies = self.lifter.lift(factor.nodes[: self.steps])
         value = fake_tensor(factor.nodes[0])
         lead = 1 if varies else 0
@@ -101,6 +107,17 @@ class GlaBuilder:
                                                                    + [d for d in range(value.dim()) if d not in kept])])
         shape = [self.steps if varies else 1] + [self.sizes[p] if p in (factor.positions[d] for d in kept) else 1
                                                  for p in targets]
+        return self.call(torch.reshape, node, shape)
+
+    def _arrange_whole(self, factor: RoleFactors, targets: list[int]) -> Node:
+        value = fake_tensor(factor.nodes[0])
+        time = factor.positions.index(TIME)
+        kept = [d for d, p in enumerate(factor.positions) if p is not None and p != TIME]
+        order = sorted(kept, key=lambda d: targets.index(factor.positions[d]))
+        rest = [d for d in range(value.dim()) if d not in kept and d != time]
+        node = self.call(torch.permute, self.env(factor.nodes[0]), [time, *order, *rest])
+        present = {factor.positions[d] for d in kept}
+        shape = [self.steps] + [self.sizes[p] if p in present else 1 for p in targets]
         return self.call(torch.reshape, node, shape)
 
     def full(self, node: Node | None, feature: int, fill: float = 1.0) -> Node:
@@ -138,14 +155,13 @@ class GlaBuilder:
         """log of the decay: exp's exponent itself when the decay is exp(x), else a log."""
         loop, K = self.loop, self.loop.key_axis
         log_coef = math.log(loop.coefs["decay"])
-        exponent = decay_exponent(loop)
-        if exponent is not None:
-            (factor,) = loop.roles["decay"]
-            x = self.role("decay", K, [RoleFactors(exponent, factor.positions)])
+        kind, factors = loop.gate_factors()
+        if kind == "log":
+            x = self.role("decay", K, factors)
             if log_coef:
                 x = self.call(operator.add, x, log_coef)
             return self.full(x, K)
-        decay = self.role("decay", K)
+        decay = self.role("decay", K, factors)
         if decay is None:
             return self.full(None, K, log_coef)
         gk = self.call(torch.log, decay)

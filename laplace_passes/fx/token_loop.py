@@ -28,6 +28,7 @@ Node = torch.fx.Node
 aten = torch.ops.aten
 
 ROLES = ("q", "k", "v", "decay")
+TIME = "time"  # in a whole factor's positions: the dimension that runs over the tokens
 _EXPS = frozenset({torch.exp, aten.exp.default})
 _ZERO_FILLS = frozenset({torch.zeros, torch.zeros_like, aten.zeros.default, aten.zeros_like.default})
 _ZERO_FILL_METHODS = frozenset({"new_zeros", "zero_"})
@@ -55,8 +56,37 @@ class TokenLoop:
     initial_state: Node | None = None
 
     @property
+    def like(self) -> Node:
+        """The node whose dtype and device GLA computes in: the loop's last state."""
+        return self.chain.last.node
+
+    def gate_factors(self) -> tuple[str, list[RoleFactors]]:
+        """("log", the factors of x) for a decay written exp(x); ("decay", its factors); ("none", [])."""
+        exponent = decay_exponent(self)
+        if exponent is not None:
+            return "log", [RoleFactors(exponent, self.roles["decay"][0].positions)]
+        decay = self.roles.get("decay", [])
+        return ("decay", decay) if decay else ("none", [])
+
+    @property
     def batch_axes(self) -> list[int]:
         return [p for p in range(len(self.state_shape)) if p not in (self.key_axis, self.value_axis)]
+
+    def gate_sources(self) -> dict[str, set[Node]]:
+        """The per-step nodes of the gates, by kind ("log": x of exp(x); "decay"), for random inputs."""
+        kind, factors = self.gate_factors()
+        return {kind: {n for f in factors for n in f.nodes}}
+
+    def results(self, steps: int) -> list[Node]:
+        """What the loop computes over its first `steps` steps: their readouts, then the state after them."""
+        return [r.node for r in self.chain.readouts[:steps]] + [self.chain.steps[steps - 1].node]
+
+    def gla_results(self, builder, old: list[Node], target) -> list[Node]:
+        """`results` computed by a GLA call `builder` makes (`target`: the op, or a reference)."""
+        o, state = builder.gla("validation", target=target)
+        over = builder.outputs_over_steps(o)
+        new = [builder.readout(over, t, like) for t, like in enumerate(old[:-1])]
+        return new + [builder.final_state(state, old[-1])]
 
     def source_nodes(self) -> set[Node]:
         """The nodes the loop reads its inputs from (its readouts and updates aside)."""

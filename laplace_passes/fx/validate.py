@@ -19,7 +19,6 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.per_step import constant_value
-from laplace_passes.fx.token_loop import TokenLoop
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.ops.gla import gla_recurrence
@@ -35,10 +34,13 @@ def reference_gla(q, k, v, gk, initial_state, scale, origin):
     return gla_recurrence(q, k, v, gk, initial_state, scale)
 
 
-def check_on_random_inputs(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, steps: int) -> None:
-    """Raise Declined (with the error measured) when the loop's first `steps` steps and GLA disagree."""
-    chain = loop.chain
-    old = [r.node for r in chain.readouts[:steps]] + [chain.steps[steps - 1].node]
+def check_on_random_inputs(gm: torch.fx.GraphModule, loop, memo: dict, steps: int) -> None:
+    """Raise Declined (with the error measured) when the computation's first `steps` steps and GLA disagree.
+
+    `loop` is a TokenLoop or a quadratic form: it names its results over those steps (`results(steps)`),
+    the nodes it reads (`source_nodes()`), and builds GLA's results in their layouts (`gla_results`).
+    """
+    old = loop.results(steps)
     sources = loop.source_nodes()
     region = _region(old, sources)
     externals = sorted({i for n in region for i in n.all_input_nodes if i not in region} | sources,
@@ -49,10 +51,7 @@ def check_on_random_inputs(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict
         if node in region:
             env[node] = graph.node_copy(node, lambda n: env[n])
     builder = GlaBuilder(graph, loop, steps, memo, env=lambda n: env[n])
-    o, state = builder.gla("validation", target=reference_gla)
-    over = builder.outputs_over_steps(o)
-    new = [builder.readout(over, t, like) for t, like in enumerate(old[:-1])]
-    new.append(builder.final_state(state, old[-1]))
+    new = loop.gla_results(builder, old, target=reference_gla)
     graph.output(tuple([env[n] for n in old] + new))
     module = torch.fx.GraphModule(gm, graph)
     with unset_fake_temporarily(), torch.no_grad():
@@ -76,7 +75,7 @@ def _region(outputs: list[Node], sources: set[Node]) -> set[Node]:
     return {n for n, reads in reads_source.items() if reads}
 
 
-def _input_value(node: Node, sources: set[Node], loop: TokenLoop):
+def _input_value(node: Node, sources: set[Node], loop):
     constant = constant_value(node)
     if constant is not None:
         return constant
@@ -86,15 +85,20 @@ def _input_value(node: Node, sources: set[Node], loop: TokenLoop):
     if not value.dtype.is_floating_point:
         raise Declined(f"the loop reads {node.name}, a {value.dtype} tensor, which random inputs cannot stand for")
     shape = [int(d) for d in value.shape]
-    low, high = (0.1, 0.9) if _decay_only(node, loop) else (-1.0, 1.0)
+    low, high = random_range(node, loop.gate_sources())
     return torch.empty(shape, dtype=value.dtype).uniform_(low, high)
 
 
-def _decay_only(node: Node, loop: TokenLoop) -> bool:
-    decay_nodes = {n for f in loop.roles.get("decay", []) for n in f.nodes}
-    if node in decay_nodes:
-        return True
-    return bool(node.users) and all(u in decay_nodes or _feeds_only(u, decay_nodes) for u in node.users)
+def random_range(node: Node, gates: dict[str, set[Node]]) -> tuple[float, float]:
+    """Where a random input is drawn from: log-gates in (-1, 0), decays in (0.1, 0.9), anything else (-1, 1).
+
+    `gates` holds the nodes of each kind ("log", "decay"); an input read only on the way to one kind is of it.
+    """
+    for kind, low_high in (("log", (-1.0, -0.05)), ("decay", (0.1, 0.9))):
+        nodes = gates.get(kind, set())
+        if node in nodes or (node.users and all(_feeds_only(u, nodes) for u in node.users)):
+            return low_high
+    return -1.0, 1.0
 
 
 def _feeds_only(node: Node, targets: set[Node], depth: int = 4) -> bool:

@@ -1,0 +1,130 @@
+"""GLA written in plain PyTorch against the same GLA through `laplace_passes.gla`, side by side in one run.
+
+    python -m benchmarks.bench_recognise                     # T = 512; compile and run parts
+    python -m benchmarks.bench_recognise --part run --repeats 7
+    python -m benchmarks.bench_recognise --no-baseline       # skip the loop compiled without recognition (minutes)
+
+Two parts, each row printed as soon as it is measured:
+
+* compile: the token loop of tests/recognise_cases.py (`elementwise`, B = 1,
+  H = 4, K = V = 32) at T steps through backend="laplace" (trn2, inner
+  eager): the first call, forward and backward, with recognition (the
+  default), without it (`recognise_gla=False`: every step traced into the
+  ATen graphs, as before the pass existed), and the same layer written with
+  `laplace_passes.gla`. Printed: seconds, the ATen forward and backward
+  node counts AOT Autograd made (before the chunk loops are unrolled), and
+  the ratios.
+* run: each spelling of tests/recognise_cases.py that computes per-key GLA
+  (broadcasting, einsum in [B, H, T, K], matmul, scan, while_loop, a
+  preallocated output) compiled once (cpu target, inner eager), then forward
+  plus backward timed, interleaved with the `laplace_passes.gla` spelling;
+  the median ratio of each to it (1.0 = as fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import laplace_passes
+from benchmarks.common import interleaved_samples
+from tests import recognise_cases as cases
+
+SPELLINGS = ("elementwise", "einsum_bhtk", "matmul_cat", "scanned", "while_looped", "preallocated")
+
+
+def set_shape(T: int, B: int = 1, H: int = 4, K: int = 32, V: int = 32) -> None:
+    """The cases read their sizes from their module: set them for this run."""
+    cases.B, cases.T, cases.H, cases.K, cases.V = B, T, H, K, V
+
+
+def op_spelling(q, k, v, g):
+    """The same layer through `laplace_passes.gla` ([B, T, H, K], no scale, zero initial state)."""
+    o, state = laplace_passes.gla(q, k, v, g, scale=1.0, output_final_state=True)
+    return o, state
+
+
+def op_spelling_bhtk(q, k, v, g):
+    o = laplace_passes.gla(*(x.transpose(1, 2) for x in (q, k, v, g)), scale=cases.K ** -0.5)[0]
+    return o.transpose(1, 2)
+
+
+def loss_of(out) -> torch.Tensor:
+    out = out if isinstance(out, tuple) else (out,)
+    return sum(o.float().square().mean() for o in out)
+
+
+def inputs_for(name: str):
+    return [x.requires_grad_() for x in cases.inputs("bhtk" if name == "einsum_bhtk" else "bthk")]
+
+
+def first_call(fn, name: str, **options) -> tuple[float, int, int]:
+    """Seconds of the first forward and backward through the laplace backend; ATen forward, backward nodes."""
+    torch._dynamo.reset()
+    compiled = laplace_passes.compile(fn, target="trn2", **options)
+    args = inputs_for(name)
+    start = time.perf_counter()
+    loss_of(compiled(*args)).backward()
+    seconds = time.perf_counter() - start
+    nodes = {g.kind: len(g.before.graph.nodes) for g in compiled.laplace_report.graphs}
+    return seconds, nodes.get("forward", 0), nodes.get("backward", 0)
+
+
+def compile_part(T: int, baseline: bool) -> None:
+    print(f"compile: first forward + backward at T = {T} (trn2, inner eager), ATen nodes before unrolling")
+    rows = [("laplace_passes.gla", op_spelling, {}), ("token loop, recognised", cases.elementwise, {})]
+    if baseline:
+        rows.append(("token loop, recognise_gla=False", cases.elementwise, {"recognise_gla": False}))
+    results = {}
+    for label, fn, options in rows:
+        seconds, forward, backward = first_call(fn, "elementwise", **options)
+        results[label] = seconds
+        print(f"  {label:34s} {seconds:8.1f} s   forward {forward:6,} nodes   backward {backward:6,} nodes", flush=True)
+    op, loop = results["laplace_passes.gla"], results["token loop, recognised"]
+    print(f"  recognised loop / op spelling: {loop / op:.2f}x the op's first call")
+    if baseline:
+        print(f"  without recognition / recognised: {results['token loop, recognise_gla=False'] / loop:.1f}x "
+              "longer first call")
+
+
+def run_part(repeats: int) -> None:
+    print(f"run: forward + backward, compiled (cpu, inner eager), median of {repeats} interleaved rounds")
+    calls = {}
+    for name in ("op", "op_bhtk", *SPELLINGS):
+        fn = {"op": op_spelling, "op_bhtk": op_spelling_bhtk}.get(name) or getattr(cases, name)
+        torch._dynamo.reset()
+        compiled = laplace_passes.compile(fn, target="cpu")
+        args = inputs_for("einsum_bhtk" if name == "op_bhtk" else name)
+        loss_of(compiled(*args)).backward()  # compiles
+        calls[name] = (lambda c=compiled, a=args: loss_of(c(*a)).backward())
+    samples = interleaved_samples(calls, repeats)
+    for name in SPELLINGS:
+        reference = "op_bhtk" if name == "einsum_bhtk" else "op"
+        ratios = [s / r for s, r in zip(samples[name], samples[reference])]
+        print(f"  {name:14s} {statistics.median(samples[name]) * 1e3:8.1f} ms   "
+              f"{statistics.median(ratios):.2f}x the gla op ({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, default=512)
+    parser.add_argument("--part", choices=("compile", "run", "all"), default="all")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the loop compiled without recognition (its first call takes minutes at T = 512)")
+    args = parser.parse_args(argv)
+    if args.T < 2 or args.repeats < 1:
+        parser.error("--T must be at least 2 and --repeats at least 1")
+    torch.manual_seed(0)
+    set_shape(args.T)
+    if args.part in ("compile", "all"):
+        compile_part(args.T, baseline=not args.no_baseline)
+    if args.part in ("run", "all"):
+        run_part(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
