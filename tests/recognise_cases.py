@@ -231,3 +231,73 @@ def backwards(q, k, v, g):
         S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
         outs.append((q[:, t, :, :, None] * S).sum(-2))
     return torch.stack(outs, 1), S
+
+
+# -- the quadratic (parallel) form ----------------------------------------------------------------------
+
+
+def causal_mask(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def quadratic_head_gates(q, k, v, g):
+    """Simple GLA's parallel form: per-head gates g [B, T, H], D = exp(G_i - G_j) masked, [B, H, T, T]."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)                                  # [B, H, T]
+    D = torch.exp(G[..., :, None] - G[..., None, :]).masked_fill(~causal_mask(T), 0)
+    return ((q @ k.transpose(-1, -2) * K ** -0.5) * D) @ v           # [B, H, T, V]
+
+
+def quadratic_einsum(q, k, v, g):
+    """The same with einsum and tril, [B, T, H, K] in and out."""
+    G = g.cumsum(1)                                                   # [B, T, H]
+    D = torch.exp(G[:, :, None, :] - G[:, None, :, :]).tril(0) if False else \
+        torch.exp(G.transpose(1, 2)[..., :, None] - G.transpose(1, 2)[..., None, :]).tril()
+    scores = torch.einsum("bihk,bjhk->bhij", q, k) * D
+    return torch.einsum("bhij,bjhv->bihv", scores, v)
+
+
+def quadratic_cumprod(q, k, v, g):
+    """Decays multiplied: D = P_i / P_j with P = cumprod(exp(g))."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    P = g.transpose(1, 2).exp().cumprod(-1)
+    D = torch.where(causal_mask(T), P[..., :, None] / P[..., None, :], 0.0)
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_retnet(q, k, v, g):
+    """RetNet's parallel form: gamma ** (i - j), one decay per head, masked."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    position = torch.arange(T, dtype=torch.float32)
+    D = (GAMMA[:, None, None] ** (position[:, None] - position[None, :])) * causal_mask(T)
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_linear(q, k, v, g):
+    """Causal linear attention, no decay: the mask alone."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return ((q @ k.transpose(-1, -2)) * causal_mask(T)) @ v
+
+
+def quadratic_unmasked(q, k, v, g):
+    """A near miss: exp(G_i - G_j) without a mask, so every query reads every later key too."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    D = torch.exp(G[..., :, None] - G[..., None, :])
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_upper_mask(q, k, v, g):
+    """A near miss: masked, but the upper triangle (each query reads the keys after it)."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    D = torch.exp(G[..., None, :] - G[..., :, None]).triu()
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_key_gates(q, k, v, g):
+    """GLA's own gates (one per key) in the parallel form: D [B, H, T, T, K], one einsum."""
+    q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
+    G = g.cumsum(2)                                                   # [B, H, T, K]
+    D = torch.exp(G[:, :, :, None, :] - G[:, :, None, :, :]) * causal_mask(T)[:, :, None]
+    return torch.einsum("bhik,bhjk,bhijk,bhjv->bhiv", q, k, D, v)

@@ -228,3 +228,54 @@ def test_plain_tiny_your_model_unchanged_trains_like_tiny_through_two_recognised
     assert [(r.status, r.steps) for r in report.recurrences] == [("GLA site", 160)] * 2
     assert all("unrolled scan" in r.form for r in report.recurrences)
     assert [(s.status, s.plan["n_chunks"], s.gates.startswith("<= 0")) for s in report.sites] == [("retiled", 2, True)] * 2
+
+
+QUADRATIC = {
+    "quadratic_head_gates": "per-head gates summed cumulatively",
+    "quadratic_einsum": "per-head gates summed cumulatively",
+    "quadratic_cumprod": "per-head decays multiplied cumulatively",
+    "quadratic_retnet": "a fixed decay per head raised to i - j",
+    "quadratic_linear": "no gate",
+    "quadratic_key_gates": "per-key gates summed cumulatively",
+}
+QUADRATIC_NEAR_MISSES = {
+    "quadratic_unmasked": "no causal mask",
+    "quadratic_upper_mask": "keeps the upper triangle",
+}
+
+
+def saved_shapes(fn, args) -> list[tuple]:
+    """The shapes of the tensors autograd keeps for backward while `fn(*args)` runs."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        fn(*args)
+    return shapes
+
+
+@pytest.mark.parametrize("name", sorted(QUADRATIC))
+def test_a_quadratic_form_becomes_a_gla_site_and_keeps_no_t_by_t_tensor(name):
+    fn = getattr(cases, name)
+    args = [a.clone().requires_grad_() for a in cases.inputs("bthk", "key" if "key" in name else "head")]
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    model = compiled(fn)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "GLA site" and QUADRATIC[name] in row.form and row.steps == cases.T, row
+    T = cases.T
+    assert any(shape.count(T) >= 2 for shape in saved_shapes(fn, args))  # eagerly: A and D are kept
+    assert not any(shape.count(T) >= 2 for shape in saved_shapes(model, args))
+
+
+@pytest.mark.parametrize("name", sorted(QUADRATIC_NEAR_MISSES))
+def test_a_quadratic_near_miss_is_declined_with_unchanged_numbers(name):
+    fn = getattr(cases, name)
+    args = [a.clone().requires_grad_() for a in cases.inputs("bthk", "head")]
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    model = compiled(fn)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "declined" and QUADRATIC_NEAR_MISSES[name] in row.reason, row.reason

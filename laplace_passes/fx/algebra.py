@@ -135,6 +135,15 @@ def fresh_sums(expr: Expr) -> Expr:
     return rename(expr, {i: Index(i.size) for i in summed})
 
 
+def renamed_fresh(expr: Expr) -> Expr:
+    """`expr` with a new name for every index, free or summed: `x[:, None] - x[None, :]` reads x twice, at
+    two different positions, and the two reads must not share a name until broadcasting says they do."""
+    indices = {a for a in expr.axes if a is not None}
+    for term in expr.terms:
+        indices |= term.indices()
+    return rename(expr, {i: Index(i.size) for i in indices})
+
+
 def _broadcast(pa: Axes, pb: Axes) -> tuple[Axes, dict[Index, Index]]:
     """The broadcast of two axes tuples (right-aligned), and the renaming that makes `pb`'s indices `pa`'s."""
     n = max(len(pa), len(pb))
@@ -319,7 +328,7 @@ def read(node: Node, stop: Callable[[Node], bool], memo: dict | None = None) -> 
     """`node`'s canonical form, reading through algebraic ops and stopping at nodes `stop` accepts."""
     memo = {} if memo is None else memo
     if node in memo:
-        return memo[node]
+        return renamed_fresh(memo[node])  # each use of a value names its dimensions anew
     expr = leaf(node)
     if not stop(node):
         try:

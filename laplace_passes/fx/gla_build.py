@@ -211,6 +211,16 @@ class GlaBuilder:
         shape = ([self.steps] if leading else []) + [self.sizes[p] if p is not None else 1 for p in positions]
         return self.call(torch.Tensor.to, self.call(torch.reshape, moved, shape), fake_tensor(like).dtype)
 
+    def laid_out_whole(self, over_steps: Node, positions: tuple, like: Node) -> Node:
+        """[T, *batch, V] in the layout of `like`, whose dimensions are at `positions` (TIME, a batch or
+        the value position, or None for size 1)."""
+        source = [TIME, *self.batch, self.loop.value_axis]
+        kept = [p for p in positions if p is not None]
+        rest = [d for d, p in enumerate(source) if p not in kept]
+        moved = self.call(torch.permute, over_steps, [source.index(p) for p in kept] + rest)
+        value = fake_tensor(like)
+        return self.call(torch.Tensor.to, self.call(torch.reshape, moved, list(value.shape)), value.dtype)
+
     def final_state(self, state: Node, like: Node) -> Node:
         """GLA's final state [B, H, K, V] -> the loop's state layout and dtype."""
         order = [*self.batch, self.loop.key_axis, self.loop.value_axis]

@@ -29,6 +29,7 @@ import torch.fx
 
 from laplace_passes.fx.aggregates import Aggregate, find_aggregate
 from laplace_passes.fx.gla_build import GlaBuilder
+from laplace_passes.fx.quadratic import QuadraticForm, describe_quadratic, find_quadratic_forms
 from laplace_passes.fx.recurrence import Chain, find_chains
 from laplace_passes.fx.token_loop import TokenLoop, describe, plan_token_loop
 from laplace_passes.fx.validate import check_on_random_inputs
@@ -55,6 +56,8 @@ class RecogniseGLA(GraphPass):
         records = []
         for chain in find_chains(gm.graph, self.min_steps):
             records.append(self._rewrite(gm, chain))
+        for form in find_quadratic_forms(gm.graph):
+            records.append(_rewrite_quadratic(gm, form))
         found = sum(r.status == "GLA site" for r in records)
         declined = [f"{r.node}: {r.reason}" for r in records if r.status == "declined"]
         summary = f"{found} of {len(records)} loops carrying a state rewritten as GLA sites"
@@ -80,6 +83,39 @@ class RecogniseGLA(GraphPass):
             return record
         record.status = "GLA site"
         return record
+
+
+def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) -> RecurrenceRecord:
+    if isinstance(form, tuple):
+        node, reason = form
+        shape = list(fake_tensor(node).shape)
+        return RecurrenceRecord("", node.name, 0, shape, "declined",
+                                reason=f"a quadratic form (q k^T (.) D) v of shape {shape}, but {reason}")
+    record = RecurrenceRecord("", form.node.name, form.T, list(form.state_shape), "declined")
+    try:
+        record.form = form.form = describe_quadratic(form)
+        check_on_random_inputs(gm, form, {}, form.T)
+        _replace_whole(gm, form)
+    except Declined as declined:
+        record.reason = f"a quadratic form over {form.T} tokens, but {declined.reason}"
+        return record
+    except Exception as error:  # noqa: BLE001 (a pass never breaks a user's compile: it declines)
+        record.reason = (f"a quadratic form over {form.T} tokens, left alone after an internal error while "
+                         f"rewriting it: {type(error).__name__}: {error}")
+        return record
+    record.status = "GLA site"
+    return record
+
+
+def _replace_whole(gm: torch.fx.GraphModule, form: QuadraticForm) -> None:
+    region = ancestors([form.node]) - ancestors(list(form.source_nodes()))
+    anchor = next(n for n in gm.graph.nodes if n in form.node.users)
+    with gm.graph.inserting_before(anchor):
+        builder = GlaBuilder(gm.graph, form, form.T, {})
+        o, _ = builder.gla(form.form)
+        form.node.replace_all_uses_with(
+            builder.laid_out_whole(builder.outputs_over_steps(o), form.output_positions(), form.node))
+    _erase_unused(gm.graph, region)
 
 
 def _written_as(chain: Chain) -> str:

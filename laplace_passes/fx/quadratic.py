@@ -1,0 +1,341 @@
+"""GLA's quadratic (parallel) form, o = (q k^T (.) D) v with D the causal decay matrix, found by what it computes.
+
+NOTE [quadratic form: before and after]
+Before (one head dimension of decay per step, G = cumsum(g), T x T tensors A and D):
+
+    A = q @ k.transpose(-1, -2)                                   # [B, H, T, T]
+    D = torch.exp(G[..., :, None] - G[..., None, :]).tril()       # exp(G_i - G_j), i >= j
+    o = (A * D) @ v                                               # [B, H, T, V]
+
+In the canonical form (NOTE [canonical tensor algebra]) `o` is one term,
+q[b,h,i,k] k[b,h,j,k] D[b,h,i,j] v[b,h,j,v] summed over j and k: the query
+position i is free and the key position j summed, q reads i and k, k reads
+j and k, v reads j and v, and D reads i and j. The gates come from how D is
+built: exp of a difference of one cumulative sum at i and at j (the gates
+are what was summed), a ratio of one cumulative product at i and at j (the
+gates are the log of what was multiplied), or a decay per head raised to
+the power i - j (RetNet: its log, the same at every step). D's other
+factors must be masks; the rewrite is checked on random inputs like a token
+loop's (`laplace_passes.fx.validate`), so a mask that is not causal, or a D
+that is not a decay matrix, leaves the graph unchanged. After: one
+`laplace::gla` call, so no T x T tensor is computed or kept for backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
+from laplace_passes.fx.per_step import constant_value
+from laplace_passes.fx.token_loop import TIME, RoleFactors
+from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.pass_base import Declined
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+_CONTRACTIONS = frozenset({torch.matmul, operator.matmul, torch.bmm, torch.einsum, torch.functional.einsum,
+                           torch.sum, aten.bmm.default, aten.mm.default, aten.sum.dim_IntList})
+_CONTRACTION_METHODS = frozenset({"matmul", "bmm", "sum", "__matmul__"})
+
+
+def _name(node: Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet or node.target, "__name__", "")
+
+
+@dataclass
+class QuadraticForm:
+    """A node computing (q k^T (.) D) v, read into the roles a GLA call needs (the plan `GlaBuilder` takes)."""
+
+    node: Node
+    expr: Expr
+    time: Index  # the query position i (free)
+    batch: list[Index]
+    key: Index
+    value: Index
+    roles: dict[str, list[RoleFactors]] = field(default_factory=dict)
+    gate_kind: str = "none"  # "log" (the gates themselves), "decay" (their exp) or "none"
+    coefs: dict[str, float] = field(default_factory=dict)
+    offset: int = 0
+    initial_state: Node | None = None
+    form: str = ""
+
+    @property
+    def like(self) -> Node:
+        return self.node
+
+    @property
+    def T(self) -> int:
+        return self.time.size
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return (*(b.size for b in self.batch), self.key.size, self.value.size)
+
+    @property
+    def batch_axes(self) -> list[int]:
+        return list(range(len(self.batch)))
+
+    @property
+    def key_axis(self) -> int:
+        return len(self.batch)
+
+    @property
+    def value_axis(self) -> int:
+        return len(self.batch) + 1
+
+    def gate_factors(self) -> tuple[str, list[RoleFactors]]:
+        return self.gate_kind, self.roles.get("decay", [])
+
+    def gate_sources(self) -> dict[str, set[Node]]:
+        return {self.gate_kind: {n for f in self.roles.get("decay", []) for n in f.nodes}}
+
+    def source_nodes(self) -> set[Node]:
+        return {n for factors in self.roles.values() for f in factors for n in f.nodes}
+
+    def results(self, steps: int) -> list[Node]:
+        return [self.node]
+
+    def output_positions(self) -> tuple:
+        where = {index: p for p, index in enumerate(self.batch)} | {self.time: TIME, self.value: self.value_axis}
+        return tuple(where.get(a) if a is not None else None for a in self.expr.axes)
+
+    def gla_results(self, builder, old: list[Node], target) -> list[Node]:
+        o, _ = builder.gla(self.form or "validation", target=target)
+        return [builder.laid_out_whole(builder.outputs_over_steps(o), self.output_positions(), old[0])]
+
+
+def find_quadratic_forms(graph: torch.fx.Graph) -> list[QuadraticForm | tuple[Node, str]]:
+    """Every node of the quadratic form (its plan), or (node, why not) for near misses worth reporting."""
+    memo: dict = {}
+    found = []
+    for node in graph.nodes:
+        if not _is_contraction(node):
+            continue
+        try:
+            expr = read(node, lambda n: False, memo)
+        except NotAlgebraic:
+            continue
+        try:
+            plan = _plan(node, expr)
+        except Declined as declined:
+            found.append((node, declined.reason))
+            continue
+        if plan is not None:
+            found.append(plan)
+    return found
+
+
+def _is_contraction(node: Node) -> bool:
+    value = fake_tensor(node)
+    if value is None or value.dim() < 2 or not value.dtype.is_floating_point:
+        return False
+    if node.op == "call_method":
+        return node.target in _CONTRACTION_METHODS
+    return node.op == "call_function" and (node.target in _CONTRACTIONS or _name(node) in ("bmm", "mm"))
+
+
+def _plan(node: Node, expr: Expr) -> QuadraticForm | None:
+    """None when `node` is not shaped like the form at all; Declined when it is but something does not fit."""
+    if len(expr.terms) != 1:
+        return None
+    (term,) = expr.terms
+    summed = expr.summed(term)
+    free = {a for a in expr.axes if a is not None}
+    if len(summed) != 2:
+        return None
+    for j, key in itertools.permutations(summed):
+        roles = _assign(term, free, j, key)
+        if roles is not None:
+            return _with_gates(node, expr, term.coef, j, key, roles)
+    return None
+
+
+def _assign(term, free: set[Index], j: Index, key: Index):
+    """The factors of q (key, not j), k (j and key), v (j and the value), D (i and j), if they fit."""
+    reads = [(f, f.indices()) for f in term.factors]
+    queries = [f for f, r in reads if key in r and j not in r]
+    for i in {x for f in queries for x in f.indices() & free if x.size == j.size}:
+        keys = [f for f, r in reads if j in r and key in r and i not in r]
+        batch = set().union(*(r & free for f, r in reads if f in keys)) if keys else set()
+        values_free = free - batch - {i}
+        if not keys or i in batch or len(values_free) != 1:
+            continue
+        (value,) = values_free
+        values = [f for f, r in reads if value in r]
+        decays = [f for f, r in reads if f not in keys + queries + values]
+        if any(f.indices() - (batch | {j, value}) for f in values) or any(i in f.indices() for f in values):
+            continue
+        if any(f.indices() - (batch | {i, j, key}) for f in decays):
+            continue
+        return {"q": queries, "k": keys, "v": values, "D": decays, "i": i, "batch": batch, "value": value}
+    return None
+
+
+def _with_gates(node: Node, expr: Expr, coef: float, j: Index, key: Index, roles: dict) -> QuadraticForm:
+    i, value = roles["i"], roles["value"]
+    batch = [a for a in expr.axes if a is not None and a in roles["batch"]]
+    plan = QuadraticForm(node, expr, i, batch, key, value, coefs={"input": 1.0, "decay": 1.0, "scale": coef,
+                                                                   "initial": 1.0})
+    where = {index: p for p, index in enumerate(batch)} | {key: len(batch), value: len(batch) + 1}
+    for name in ("q", "k", "v"):
+        time = i if name == "q" else j
+        plan.roles[name] = [RoleFactors([f.node], _positions(f.axes, {**where, time: TIME})) for f in roles[name]]
+    if not roles["D"]:
+        raise Declined("no causal mask: every query reads every key, so it is attention over the whole "
+                       "sequence, not a recurrence")
+    gate = _gate(roles["D"], i, j, {**where, i: TIME})
+    if gate is not None:
+        plan.gate_kind, plan.roles["decay"] = gate
+    return plan
+
+
+def _positions(axes: tuple, where: dict) -> tuple:
+    if any(a is not None and a not in where for a in axes):
+        raise Declined("a factor reads a dimension the form does not have")
+    return tuple(where.get(a) if a is not None else None for a in axes)
+
+
+def _gate(decays: list[Factor], i: Index, j: Index, where: dict):
+    """(kind, [RoleFactors]) of the gates D is built from; None for a D that is a mask only (no decay)."""
+    masked = any(_unmasked(f.node) is not f.node or constant_value(f.node) is not None for f in decays)
+    for factor in decays:
+        inner, axes = _unmasked(factor.node), factor.axes
+        for reader in (_cumsum_gate, _cumprod_gate, _power_gate):
+            found = reader(inner, axes, i, j)
+            if found is not None:
+                if not masked:
+                    raise Declined("its decay matrix has no causal mask (D_ij for every i and j): every query "
+                                   "reads later keys too")
+                kind, node, node_axes = found
+                return kind, [RoleFactors([node], _positions(node_axes, where))]
+    if all(constant_value(f.node) is not None for f in decays):
+        return None  # a constant mask: no decay (linear attention)
+    raise Declined("its decay matrix D is not built from a cumulative sum (exp(G_i - G_j)), a ratio of "
+                   "cumulative products, or powers of a decay per head")
+
+
+def _unmasked(node: Node) -> Node:
+    """Through tril / masked_fill / where(mask, x, 0) to what is masked."""
+    while node.op in ("call_function", "call_method"):
+        name = _name(node)
+        if name == "tril" and node.args and isinstance(node.args[0], Node):
+            if (node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)) != 0:
+                raise Declined("its mask is tril with another diagonal: not the causal mask i >= j")
+            node = node.args[0]
+        elif name == "triu":
+            raise Declined("its mask keeps the upper triangle (each query reads the keys after it): not causal")
+        elif name in ("masked_fill", "masked_fill_") and isinstance(node.args[0], Node) and node.args[2] == 0:
+            node = node.args[0]
+        elif name == "where" and len(node.args) == 3 and isinstance(node.args[1], Node) and node.args[2] == 0:
+            node = node.args[1]
+        else:
+            break
+    return node
+
+
+def _two_sided(node: Node, source_of, sign: float, i: Index, j: Index, axes: tuple):
+    """node read as +X[.. i ..] - X[.. j ..] (sign 1) or X[.. i ..] / X[.. j ..] terms: X and its axes at i."""
+    try:
+        expr = read(node, lambda n: source_of(n) is not None, {})
+    except NotAlgebraic:
+        return None
+    if len(expr.terms) != 2 or len(expr.axes) != len(axes):
+        return None
+    rename = {a: b for a, b in zip(expr.axes, axes) if a is not None}
+    plus = [t for t in expr.terms if t.coef == 1.0 and len(t.factors) == 1]
+    minus = [t for t in expr.terms if t.coef == sign and len(t.factors) == 1 and t not in plus]
+    if len(plus) != 1 or len(minus) != 1 or plus[0].factors[0].node is not minus[0].factors[0].node:
+        return None
+    x = plus[0].factors[0]
+    mapped = tuple(rename.get(a) if a is not None else None for a in x.axes)
+    other = tuple(rename.get(a) if a is not None else None for a in minus[0].factors[0].axes)
+    if i not in mapped or j not in other:
+        return None
+    return x.node, mapped
+
+
+def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
+    """exp(G_i - G_j) with G = cumsum(g, over the tokens): the gates are g."""
+    if _name(node) != "exp" or not isinstance(node.args[0], Node):
+        return None
+    found = _two_sided(node.args[0], _cumsum_source, -1.0, i, j, axes)
+    if found is None:
+        return None
+    cumsum, mapped = found
+    return "log", _cumsum_source(cumsum), mapped
+
+
+def _cumsum_source(node: Node) -> Node | None:
+    return node.args[0] if _name(node) == "cumsum" and isinstance(node.args[0], Node) else None
+
+
+def _cumprod_gate(node: Node, axes: tuple, i: Index, j: Index):
+    """P_i / P_j with P = cumprod(a, over the tokens): the decays are a."""
+    if _name(node) not in ("div", "truediv") or len(node.args) != 2 or not all(isinstance(a, Node) for a in node.args):
+        return None
+    numerator = _two_sided_ratio(node, i, j, axes)
+    if numerator is None:
+        return None
+    cumprod, mapped = numerator
+    return "decay", cumprod.args[0], mapped
+
+
+def _two_sided_ratio(node: Node, i: Index, j: Index, axes: tuple):
+    top, bottom = node.args
+    try:
+        a = read(top, lambda n: _name(n) == "cumprod", {})
+        b = read(bottom, lambda n: _name(n) == "cumprod", {})
+    except NotAlgebraic:
+        return None
+    if len(a.terms) != 1 or len(b.terms) != 1 or len(a.terms[0].factors) != 1 or len(b.terms[0].factors) != 1:
+        return None
+    fa, fb = a.terms[0].factors[0], b.terms[0].factors[0]
+    if fa.node is not fb.node or _name(fa.node) != "cumprod":
+        return None
+    n = len(axes)
+    ra = {x: y for x, y in zip(((None,) * (n - len(a.axes)) + a.axes), axes) if x is not None}
+    rb = {x: y for x, y in zip(((None,) * (n - len(b.axes)) + b.axes), axes) if x is not None}
+    mapped = tuple(ra.get(x) if x is not None else None for x in fa.axes)
+    other = tuple(rb.get(x) if x is not None else None for x in fb.axes)
+    return (fa.node, mapped) if i in mapped and j in other else None
+
+
+def _power_gate(node: Node, axes: tuple, i: Index, j: Index):
+    """gamma ** (i - j), the exponent a constant: the decay is gamma at every step (RetNet)."""
+    if _name(node) not in ("pow", "__pow__") or len(node.args) != 2 or not isinstance(node.args[0], Node):
+        return None
+    exponent = node.args[1]
+    value = constant_value(exponent) if isinstance(exponent, Node) else None
+    if value is None or value.dim() < 2:
+        return None
+    T = value.shape[-1]
+    expected = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    if value.shape[-2:] != (T, T) or not torch.equal(value.reshape(-1, T, T)[0].to(expected.dtype), expected):
+        return None
+    base = node.args[0]
+    base_value = fake_tensor(base)
+    n = len(axes)
+    mapped = tuple(axes[n - base_value.dim() + d] if base_value.shape[d] != 1 else None
+                   for d in range(base_value.dim()))
+    if i in mapped or j in mapped:
+        return None
+    return "decay", base, mapped
+
+
+def describe_quadratic(form: QuadraticForm) -> str:
+    gates = {"log": "gates summed cumulatively", "decay": "decays multiplied cumulatively", "none": "no gate"}
+    kind = gates[form.gate_kind]
+    if form.gate_kind == "decay" and not any(TIME in f.positions for f in form.roles.get("decay", [])):
+        kind = "a fixed decay per head raised to i - j"
+    per = "per-key" if any(form.key_axis in f.positions for f in form.roles.get("decay", [])) else "per-head"
+    return (f"quadratic form (q k^T (.) D) v, {form.T} tokens, {per if form.gate_kind != 'none' else ''} "
+            f"{kind}, state {list(form.state_shape)}").replace("  ", " ")
