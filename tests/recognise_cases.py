@@ -301,3 +301,46 @@ def quadratic_key_gates(q, k, v, g):
     G = g.cumsum(2)                                                   # [B, H, T, K]
     D = torch.exp(G[:, :, :, None, :] - G[:, :, None, :, :]) * causal_mask(T)[:, :, None]
     return torch.einsum("bhik,bhjk,bhijk,bhjv->bhiv", q, k, D, v)
+
+
+# -- a user's own chunked algorithm ------------------------------------------------------------------------
+
+CHUNK = 4
+
+
+def chunked_simple_gla(q, k, v, g):
+    """fla's naive_chunk_simple_gla, rewritten without einops: per-head gates, chunks of 4 tokens."""
+    q, k, v, g = (x.transpose(1, 2) for x in (q * K ** -0.5, k, v, g))
+    n = T // CHUNK
+    q, k, v = (x.reshape(B, H, n, CHUNK, -1) for x in (q, k, v))
+    decay = g.reshape(B, H, n, CHUNK).cumsum(-1)
+    L_mask = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).tril().exp().tril()
+    S = k.new_zeros(B, H, K, V)
+    o = torch.zeros_like(v)
+    for i in range(n):
+        q_i, k_i, v_i = q[:, :, i], k[:, :, i], v[:, :, i]
+        attn = q_i @ k_i.transpose(-1, -2) * L_mask[:, :, i]
+        o_inter = (q_i * decay[:, :, i, :, None].exp()) @ S
+        o[:, :, i] = o_inter + attn @ v_i
+        S = S * decay[:, :, i, -1, None, None].exp() + \
+            (k_i * (decay[:, :, i, -1, None] - decay[:, :, i]).exp()[..., None]).transpose(-1, -2) @ v_i
+    return o.reshape(B, H, T, V).transpose(1, 2), S
+
+
+def chunked_gla(q, k, v, g):
+    """A chunked GLA with gates per key, [B, H, n, C, K], chunks of 5 tokens, in the state's [K, V] layout."""
+    C = 5
+    q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
+    n = T // C
+    q, k, v, g = (x.reshape(B, H, n, C, -1) for x in (q, k, v, g))
+    G = g.cumsum(-2)                                                  # inside each chunk
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    causal = torch.ones(C, C).tril()
+    for i in range(n):
+        q_i, k_i, v_i, G_i = q[:, :, i], k[:, :, i], v[:, :, i], G[:, :, i]
+        scores = torch.einsum("bhik,bhjk,bhijk->bhij", q_i, k_i, (G_i[:, :, :, None] - G_i[:, :, None]).exp())
+        intra = (scores * causal) @ v_i
+        outs.append((q_i * G_i.exp()) @ S + intra)
+        S = S * G_i[:, :, -1, :, None].exp() + (k_i * (G_i[:, :, -1:] - G_i).exp()).transpose(-1, -2) @ v_i
+    return torch.stack(outs, 2).reshape(B, H, T, V).transpose(1, 2), S

@@ -279,3 +279,27 @@ def test_a_quadratic_near_miss_is_declined_with_unchanged_numbers(name):
     assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
     (row,) = model.laplace_report.recurrences
     assert row.status == "declined" and QUADRATIC_NEAR_MISSES[name] in row.reason, row.reason
+
+
+CHUNKED = {
+    "chunked_simple_gla": ("head", "5 chunks of 4 tokens (20 tokens), per-head gates", "head_gates"),
+    "chunked_gla": ("key", "4 chunks of 5 tokens (20 tokens), per-key gates", "elementwise"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKED))
+def test_a_user_s_own_chunked_algorithm_is_retiled_at_the_target_s_chunk(name):
+    gates, form, token_loop = CHUNKED[name]
+    fn = getattr(cases, name)
+    args = [a.clone().requires_grad_() for a in cases.inputs("bthk", gates)]
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    model = compiled(fn)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    report = model.laplace_report
+    (row,) = report.recurrences
+    assert row.status == "GLA site" and form in row.form and row.steps == cases.T, row
+    (site,) = report.sites
+    assert site.plan["chunk_size"] == 8 and site.plan["n_chunks"] == 3  # the target's chunk, not the user's
+    assert len(report.graph("after", "dynamo_0").graph.nodes) < 60

@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.per_step import Lifter
-from laplace_passes.fx.token_loop import TIME, RoleFactors, TokenLoop
+from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors, TokenLoop
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
 
 Node = torch.fx.Node
@@ -96,7 +96,7 @@ class GlaBuilder:
         A factor whose positions name a TIME dimension is one node over all tokens already (a quadratic form's
         q, k, v): that dimension goes first. Any other is a per-step node, lifted over the steps.
         """
-        if TIME in factor.positions:
+        if TIME in factor.positions or CHUNKS in factor.positions:
             return self._arrange_whole(factor, targets)
         whole, varies = self.lifter.lift(factor.nodes[: self.steps])
         value = fake_tensor(factor.nodes[0])
@@ -110,12 +110,13 @@ class GlaBuilder:
         return self.call(torch.reshape, node, shape)
 
     def _arrange_whole(self, factor: RoleFactors, targets: list[int]) -> Node:
+        """A whole tensor over the tokens: its TIME dimension (or CHUNKS then ROW, merged) goes first."""
         value = fake_tensor(factor.nodes[0])
-        time = factor.positions.index(TIME)
-        kept = [d for d, p in enumerate(factor.positions) if p is not None and p != TIME]
+        time = [factor.positions.index(p) for p in (TIME, CHUNKS, ROW) if p in factor.positions]
+        kept = [d for d, p in enumerate(factor.positions) if p is not None and p not in (TIME, CHUNKS, ROW)]
         order = sorted(kept, key=lambda d: targets.index(factor.positions[d]))
-        rest = [d for d in range(value.dim()) if d not in kept and d != time]
-        node = self.call(torch.permute, self.env(factor.nodes[0]), [time, *order, *rest])
+        rest = [d for d in range(value.dim()) if d not in kept and d not in time]
+        node = self.call(torch.permute, self.env(factor.nodes[0]), [*time, *order, *rest])
         present = {factor.positions[d] for d in kept}
         shape = [self.steps] + [self.sizes[p] if p in present else 1 for p in targets]
         return self.call(torch.reshape, node, shape)
@@ -215,6 +216,10 @@ class GlaBuilder:
         """[T, *batch, V] in the layout of `like`, whose dimensions are at `positions` (TIME, a batch or
         the value position, or None for size 1)."""
         source = [TIME, *self.batch, self.loop.value_axis]
+        if CHUNKS in positions:  # a user's chunked layout: the tokens split into [chunks, rows] first
+            rest_shape = [self.sizes[p] for p in source[1:]]
+            over_steps = self.call(torch.reshape, over_steps, [self.loop.chunks, self.loop.rows, *rest_shape])
+            source = [CHUNKS, ROW, *source[1:]]
         kept = [p for p in positions if p is not None]
         rest = [d for d, p in enumerate(source) if p not in kept]
         moved = self.call(torch.permute, over_steps, [source.index(p) for p in kept] + rest)

@@ -28,7 +28,9 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.aggregates import Aggregate, find_aggregate
+from laplace_passes.fx.chunk_loop import ChunkLoop, describe_chunks, plan_chunk_loop
 from laplace_passes.fx.gla_build import GlaBuilder
+from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
 from laplace_passes.fx.quadratic import QuadraticForm, describe_quadratic, find_quadratic_forms
 from laplace_passes.fx.recurrence import Chain, find_chains
 from laplace_passes.fx.token_loop import TokenLoop, describe, plan_token_loop
@@ -70,6 +72,14 @@ class RecogniseGLA(GraphPass):
         try:
             if chain.mismatch:
                 raise Declined(chain.mismatch)
+            if chain.first.rows is not None:
+                chunked = plan_chunk_loop(chain, memo)
+                record.steps = chunked.T
+                record.form = chunked.form = describe_chunks(chunked, _written_as(chain))
+                check_on_random_inputs(gm, chunked, memo, chunked.T)
+                _replace_chunks(gm, chunked, memo)
+                record.status = "GLA site"
+                return record
             loop = plan_token_loop(chain, memo)
             record.form = describe(loop, _written_as(chain))
             check_on_random_inputs(gm, loop, memo, min(loop.T, self.validation_steps))
@@ -116,6 +126,36 @@ def _replace_whole(gm: torch.fx.GraphModule, form: QuadraticForm) -> None:
         form.node.replace_all_uses_with(
             builder.laid_out_whole(builder.outputs_over_steps(o), form.output_positions(), form.node))
     _erase_unused(gm.graph, region)
+
+
+def _replace_chunks(gm: torch.fx.GraphModule, loop: ChunkLoop, memo: dict) -> None:
+    old = [*loop.outputs, loop.chain.last.node]
+    region = ancestors(old) - ancestors(list(loop.source_nodes()))
+    anchor = _anchor(gm.graph, old, region, loop.aggregate)
+    _check_sources_before(gm.graph, loop, anchor)
+    with gm.graph.inserting_before(anchor):
+        builder = GlaBuilder(gm.graph, loop, loop.T, memo)
+        o, state = builder.gla(loop.form)
+        over = builder.outputs_over_steps(o)
+        if loop.aggregate is not None:
+            aggregate = loop.aggregate
+            positions = list(loop.output_positions)
+            positions.insert(aggregate.dim, CHUNKS)
+            value = builder.laid_out_whole(over, tuple(positions), aggregate.node)
+            for reader in (aggregate.readers if aggregate.readers is not None else list(aggregate.node.users)):
+                reader.replace_input_with(aggregate.node, value)
+        else:
+            for n, node in enumerate(loop.outputs):
+                rows = builder.call(torch.narrow, over, 0, n * loop.rows, loop.rows)
+                positions = tuple(TIME if p == ROW else p for p in loop.output_positions)
+                node.replace_all_uses_with(builder.laid_out_whole(rows, positions, node))
+        loop.chain.last.node.replace_all_uses_with(builder.final_state(state, loop.chain.last.node))
+    built = set()
+    if loop.aggregate is not None:
+        built = {*loop.aggregate.replaced, loop.aggregate.node}
+        for write in [n for n in loop.aggregate.replaced if _writes(n)]:
+            gm.graph.erase_node(write)
+    _erase_unused(gm.graph, region | built)
 
 
 def _written_as(chain: Chain) -> str:

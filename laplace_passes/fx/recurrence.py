@@ -51,6 +51,7 @@ class Step:
     input_coef: float = 1.0
     key_axis: int = -2  # the state's dimension k writes and q reads
     value_axis: int = -1
+    rows: Index | None = None  # a chunked update's summed rows (None: one token per step)
     mismatch: str = ""
 
     @property
@@ -160,37 +161,46 @@ def _classify(step: Step) -> None:
     _assign_axes(step, decay.coef, tuple(rest), inputs[0])
 
 
+ROWS = -1  # in a chunked step's reads: the rows of the chunk, summed over by the update
+
+
 def _assign_axes(step: Step, decay_coef: float, decay: tuple[Factor, ...], term) -> None:
+    """Which factors are k (read the key dimension), v (the value dimension), and the decay's.
+
+    An update may sum over one more index, the rows of a chunk (S_n = a_n S_{n-1} + K_n^T V_n, a user's
+    own chunked algorithm): factors may then read those rows too (`Step.rows`).
+    """
     expr = step.expr
-    if expr.summed(term):
-        step.mismatch = ("its update adds a sum over the step's tokens (a chunk of outer products), not one "
-                         "outer product k_t (x) v_t")
+    summed = expr.summed(term)
+    if len(summed) > 1:
+        step.mismatch = "its update sums over more than one index of the step's inputs"
         return
-    position = {axis: p for p, axis in enumerate(expr.axes) if axis is not None}
+    position = {axis: p for p, axis in enumerate(expr.axes) if axis is not None} | {i: ROWS for i in summed}
 
     def reads(factors) -> set[int]:
         return {position[i] for f in factors for i in f.indices()}
 
     per_factor = [reads([f]) for f in term.factors]
     for key_axis, value_axis in _axis_pairs(len(expr.axes), position):
-        batch = set(range(len(expr.axes))) - {key_axis, value_axis}
+        batch = set(range(len(expr.axes))) - {key_axis, value_axis} | {ROWS}
         keys = [f for f, r in zip(term.factors, per_factor) if r <= batch | {key_axis} and key_axis in r]
         values = [f for f, r in zip(term.factors, per_factor) if r <= batch | {value_axis} and value_axis in r]
         shared = [f for f, r in zip(term.factors, per_factor) if r <= batch]
         if not keys or not values or len(keys) + len(values) + len(shared) != len(term.factors):
             continue
-        if not reads(decay) <= batch | {key_axis}:
+        if not reads(decay) <= (batch - {ROWS}) | {key_axis}:
             continue
         step.decay, step.decay_coef = decay, decay_coef
         step.keys, step.values, step.input_coef = tuple(keys + shared), tuple(values), term.coef
         step.key_axis, step.value_axis = key_axis, value_axis
+        step.rows = next(iter(summed), None)
         return
     step.mismatch = _why_not_outer(expr, term, decay, per_factor, reads)
 
 
 def _axis_pairs(n: int, position: dict[Index, int]) -> list[tuple[int, int]]:
     """(key, value) dimension pairs to try, the last two first (the usual [..., K, V] layout)."""
-    named = sorted(position.values())
+    named = sorted(p for p in position.values() if p != ROWS)
     pairs = [(i, j) for i in named for j in named if i != j]
     return sorted(pairs, key=lambda p: (p != (n - 2, n - 1), p != (n - 1, n - 2), p))
 
@@ -218,7 +228,7 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
     chains = _link(steps, memo)
     chains = [c for c in chains if len(c.steps) >= min_steps and (not c.mismatch or _over_positions(c, memo))]
     for chain in chains:
-        if not chain.mismatch:
+        if not chain.mismatch and chain.first.rows is None:  # a chunked chain's outputs: fx/chunk_loop.py
             _attach_readouts(chain, memo)
     return chains
 

@@ -29,6 +29,7 @@ aten = torch.ops.aten
 
 ROLES = ("q", "k", "v", "decay")
 TIME = "time"  # in a whole factor's positions: the dimension that runs over the tokens
+CHUNKS, ROW = "chunks", "row"  # or two, chunks then the rows of a chunk (a user's chunked tensors)
 _EXPS = frozenset({torch.exp, aten.exp.default})
 _ZERO_FILLS = frozenset({torch.zeros, torch.zeros_like, aten.zeros.default, aten.zeros_like.default})
 _ZERO_FILL_METHODS = frozenset({"new_zeros", "zero_"})
@@ -111,6 +112,9 @@ def _sources(node: Node, memo: dict) -> set[Node]:
 
 def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
     first = chain.first
+    if any(s.rows is not None for s in chain.steps):
+        raise Declined("its updates add a chunk of outer products each (a chunked algorithm), whose readouts "
+                       "are not those of a token loop")
     key_axis, value_axis = first.key_axis % len(first.shape), first.value_axis % len(first.shape)
     for index, step in enumerate(chain.steps):
         if (step.key_axis % len(step.shape), step.value_axis % len(step.shape)) != (key_axis, value_axis):
