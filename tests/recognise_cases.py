@@ -182,6 +182,17 @@ def grouped_heads(q, k, v, g):
     return elementwise(q, k, v, g)
 
 
+def grouped_broadcast(q, k, v, g):
+    """GQA without a copy: one key and value head, broadcast over the query heads inside the loop."""
+    k, v = k[:, :, :1], v[:, :, :1]
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
 # -- near misses: every one must be left alone, with its reason -----------------------------------------
 
 

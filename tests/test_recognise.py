@@ -33,6 +33,7 @@ RECOGNISED = {
     "fixed_decay": "a fixed decay 0.9",
     "hgrn2": "per-key gates",
     "grouped_heads": "per-key gates",
+    "grouped_broadcast": "per-key gates",
 }
 
 NEAR_MISSES = {
@@ -148,7 +149,12 @@ def test_the_pass_on_a_bare_graph_module():
 def test_a_rewrite_that_computes_something_else_is_caught_on_random_inputs(monkeypatch):
     """The canonical form is checked, not trusted: gates read wrong (doubled) are found and the loop kept."""
     original = GlaBuilder.gates
-    monkeypatch.setattr(GlaBuilder, "gates", lambda self: self.call(torch.mul, original(self), 2.0))
+
+    def doubled(self):
+        gates, width = original(self)
+        return self.call(torch.mul, gates, 2.0), width
+
+    monkeypatch.setattr(GlaBuilder, "gates", doubled)
     args = case_inputs("elementwise")
     expected_out, _ = outputs_and_grads(cases.elementwise, args)
     model = compiled(cases.elementwise)
@@ -303,3 +309,16 @@ def test_a_user_s_own_chunked_algorithm_is_retiled_at_the_target_s_chunk(name):
     (site,) = report.sites
     assert site.plan["chunk_size"] == 8 and site.plan["n_chunks"] == 3  # the target's chunk, not the user's
     assert len(report.graph("after", "dynamo_0").graph.nodes) < 60
+
+
+def test_a_counter_as_long_as_a_long_loop_is_read_without_recursion():
+    """An unrolled while_loop's counter is a chain of one add per trip: read in graph order, not recursively."""
+    from laplace_passes.fx.per_step import constant_value, pattern
+
+    graph = torch.fx.Graph()
+    counter = graph.call_function(torch.tensor, (0,))
+    for _ in range(3000):  # past Python's recursion limit
+        counter = graph.call_function(torch.add, (counter, 1))
+    graph.output(counter)
+    assert int(constant_value(counter)) == 3000
+    assert not pattern(counter, {}).varies

@@ -333,7 +333,7 @@ def read(node: Node, stop: Callable[[Node], bool], memo: dict | None = None) -> 
     if not stop(node):
         try:
             expr = _interpret(node, lambda n: read(n, stop, memo))
-        except NotAlgebraic:
+        except (NotAlgebraic, RecursionError):  # a chain of ops too deep to read is a leaf
             pass
     memo[node] = expr
     return expr

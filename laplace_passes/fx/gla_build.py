@@ -121,22 +121,27 @@ class GlaBuilder:
         shape = [self.steps] + [self.sizes[p] if p in present else 1 for p in targets]
         return self.call(torch.reshape, node, shape)
 
-    def full(self, node: Node | None, feature: int, fill: float = 1.0) -> Node:
-        """[T, *batch, feature] expanded to full size (a constant `fill` when there is no factor)."""
-        shape = [self.steps] + [self.sizes[p] for p in [*self.batch, feature]]
+    def full(self, node: Node | None, feature: int, fill: float = 1.0, per_feature: bool = True) -> tuple[Node, int]:
+        """[T, *batch, F] expanded to full size over the steps and batch (a constant `fill` when there is no
+        factor), and F: the feature size, or 1 for a value the same for every feature (a gate per head),
+        which GLA's layout then broadcasts as a stride-0 view instead of a copy per feature."""
+        width = self.sizes[feature] if per_feature else 1
+        shape = [self.steps] + [self.sizes[p] for p in self.batch] + [width]
         if node is None:
-            return self.call(torch.full, shape, fill, dtype=self.dtype, device=self.device)
+            return self.call(torch.full, shape, fill, dtype=self.dtype, device=self.device), width
         if fill != 1.0:
             node = self.call(operator.mul, node, fill)
-        return self.call(torch.Tensor.expand, node, shape)
+        return self.call(torch.Tensor.expand, node, shape), width
 
-    def to_gla_layout(self, node: Node, feature_axis: int) -> Node:
+    def to_gla_layout(self, value: tuple[Node, int], feature_axis: int) -> Node:
         """[T, *batch, F] -> [B, T, H, F] (B the first batch dimension, H the product of the others)."""
+        node, width = value
         batch = [self.sizes[p] for p in self.batch]
         moved = self.call(torch.movedim, node, 0, 1) if batch else node
         B, H = (batch[0], math.prod(batch[1:])) if batch else (1, 1)
+        laid = self.call(torch.reshape, self.call(torch.Tensor.to, moved, self.dtype), [B, self.steps, H, width])
         feature = self.sizes[feature_axis]
-        return self.call(torch.reshape, self.call(torch.Tensor.to, moved, self.dtype), [B, self.steps, H, feature])
+        return laid if width == feature else self.call(torch.Tensor.expand, laid, [B, self.steps, H, feature])
 
     def gla_inputs(self) -> tuple[Node, Node, Node, Node, Node | None]:
         loop, K, V = self.loop, self.loop.key_axis, self.loop.value_axis
@@ -152,21 +157,22 @@ class GlaBuilder:
         inputs = [self.to_gla_layout(x, axis) for x, axis in ((q, K), (k, K), (v, V), (gk, K))]
         return (*inputs, h0)
 
-    def gates(self) -> Node:
+    def gates(self) -> tuple[Node, int]:
         """log of the decay: exp's exponent itself when the decay is exp(x), else a log."""
         loop, K = self.loop, self.loop.key_axis
         log_coef = math.log(loop.coefs["decay"])
         kind, factors = loop.gate_factors()
+        per_key = any(K in f.positions for f in factors)
         if kind == "log":
             x = self.role("decay", K, factors)
             if log_coef:
                 x = self.call(operator.add, x, log_coef)
-            return self.full(x, K)
+            return self.full(x, K, per_feature=per_key)
         decay = self.role("decay", K, factors)
         if decay is None:
-            return self.full(None, K, log_coef)
+            return self.full(None, K, log_coef, per_feature=False)
         gk = self.call(torch.log, decay)
-        return self.full(self.call(operator.add, gk, log_coef) if log_coef else gk, K)
+        return self.full(self.call(operator.add, gk, log_coef) if log_coef else gk, K, per_feature=per_key)
 
     def state_to_gla(self, state: Node) -> Node:
         """A state in the loop's layout -> [B, H, K, V] in the compute dtype."""

@@ -63,9 +63,20 @@ class Pattern:
 def pattern(node: Node, memo: dict) -> Pattern:
     if node in memo:
         return memo[node]
-    found = step_index(node, memo) or _op_pattern(node, memo)
-    memo[node] = found
-    return found
+    # The ancestors first, in graph order: a while_loop's counter is a chain as long as the loop, which a
+    # recursion down the arguments would follow to Python's recursion limit.
+    order = memo.setdefault("order", {})
+    if node.graph not in order:
+        order[node.graph] = {n: i for i, n in enumerate(node.graph.nodes)}
+    todo, stack = set(), [node]
+    while stack:  # the ancestors not read yet
+        current = stack.pop()
+        if current not in memo and current not in todo:
+            todo.add(current)
+            stack.extend(current.all_input_nodes)
+    for earlier in sorted(todo, key=order[node.graph].__getitem__):
+        memo[earlier] = step_index(earlier, memo) or _op_pattern(earlier, memo)
+    return memo[node]
 
 
 def step_index(node: Node, memo: dict) -> Pattern | None:
@@ -315,14 +326,14 @@ def constant_value(node: Node):
 
 
 def _evaluate(node: Node, memo: dict):
-    if node in memo:
-        return memo[node]
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _evaluate(n, memo))
-    if node.op == "call_function":
-        value = node.target(*args, **kwargs)
-    elif node.op == "call_method":
-        value = getattr(args[0], node.target)(*args[1:], **kwargs)
-    else:
-        raise ValueError(node.op)
-    memo[node] = value
-    return value
+    """`node`'s value, its ancestors evaluated first in graph order (no recursion: a counter chain is long)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    for step in sorted(ancestors([node]), key=order.__getitem__):
+        args, kwargs = torch.fx.node.map_arg((step.args, step.kwargs), memo.__getitem__)
+        if step.op == "call_function":
+            memo[step] = step.target(*args, **kwargs)
+        elif step.op == "call_method":
+            memo[step] = getattr(args[0], step.target)(*args[1:], **kwargs)
+        else:
+            raise ValueError(step.op)
+    return memo[node]
