@@ -1,19 +1,21 @@
 """GLA written in plain PyTorch against the same GLA through `laplace_passes.gla`, side by side in one run.
 
-    python -m benchmarks.bench_recognise                     # T = 512; compile and run parts
+    python -m benchmarks.bench_recognise                     # T = 512; every part
     python -m benchmarks.bench_recognise --part run --repeats 7
     python -m benchmarks.bench_recognise --no-baseline       # skip the loop compiled without recognition (minutes)
+    python -m benchmarks.bench_recognise --part compile --inner inductor
 
-Two parts, each row printed as soon as it is measured:
+Four parts, each row printed as soon as it is measured:
 
 * compile: the token loop of tests/recognise_cases.py (`elementwise`, B = 1,
   H = 4, K = V = 32) at T steps through backend="laplace" (trn2, inner
   eager): the first call, forward and backward, with recognition (the
   default), without it (`recognise_gla=False`: every step traced into the
   ATen graphs, as before the pass existed), and the same layer written with
-  `laplace_passes.gla`. Printed: seconds, the ATen forward and backward
-  node counts AOT Autograd made (before the chunk loops are unrolled), and
-  the ratios.
+  `laplace_passes.gla` (`--inner inductor`: the same through Inductor, whose
+  compile of the unrecognised loop's T-step graphs takes far longer).
+  Printed: seconds, the ATen forward and backward node counts AOT Autograd
+  made (before the chunk loops are unrolled), and the ratios.
 * run: each spelling of tests/recognise_cases.py that computes per-key GLA
   (broadcasting, einsum in [B, H, T, K], matmul, scan, while_loop, a
   preallocated output) compiled once (cpu target, inner eager), then forward
@@ -73,10 +75,10 @@ def inputs_for(name: str):
     return [x.requires_grad_() for x in cases.inputs("bhtk" if name == "einsum_bhtk" else "bthk")]
 
 
-def first_call(fn, name: str, **options) -> tuple[float, int, int]:
+def first_call(fn, name: str, inner: str, **options) -> tuple[float, int, int]:
     """Seconds of the first forward and backward through the laplace backend; ATen forward, backward nodes."""
     torch._dynamo.reset()
-    compiled = laplace_passes.compile(fn, target="trn2", **options)
+    compiled = laplace_passes.compile(fn, target="trn2", inner=inner, **options)
     args = inputs_for(name)
     start = time.perf_counter()
     loss_of(compiled(*args)).backward()
@@ -85,14 +87,14 @@ def first_call(fn, name: str, **options) -> tuple[float, int, int]:
     return seconds, nodes.get("forward", 0), nodes.get("backward", 0)
 
 
-def compile_part(T: int, baseline: bool) -> None:
-    print(f"compile: first forward + backward at T = {T} (trn2, inner eager), ATen nodes before unrolling")
+def compile_part(T: int, baseline: bool, inner: str) -> None:
+    print(f"compile: first forward + backward at T = {T} (trn2, inner {inner}), ATen nodes before unrolling")
     rows = [("laplace_passes.gla", op_spelling, {}), ("token loop, recognised", cases.elementwise, {})]
     if baseline:
         rows.append(("token loop, recognise_gla=False", cases.elementwise, {"recognise_gla": False}))
     results = {}
     for label, fn, options in rows:
-        seconds, forward, backward = first_call(fn, "elementwise", **options)
+        seconds, forward, backward = first_call(fn, "elementwise", inner, **options)
         results[label] = seconds
         print(f"  {label:34s} {seconds:8.1f} s   forward {forward:6,} nodes   backward {backward:6,} nodes", flush=True)
     op, loop = results["laplace_passes.gla"], results["token loop, recognised"]
@@ -149,9 +151,12 @@ def gates_part(repeats: int) -> None:
 def saved_bytes(fn, args) -> int:
     """Bytes of the tensors autograd keeps for the backward while `fn(*args)` runs (each storage once)."""
     kept = {}
+
     def pack(t):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if not isinstance(t, torch._subclasses.FakeTensor):  # a recompile inside the hooks traces with fakes
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return sum(kept.values())
@@ -161,6 +166,7 @@ def saved_part() -> None:
     """The quadratic form keeps T x T tensors for its backward; recognised, it keeps what the chunked op does."""
     print("saved for backward: the quadratic form (per-head gates) against laplace_passes.gla of the same layer")
     args = [x.requires_grad_() for x in cases.inputs("bthk", "head")]
+
     def op(q, k, v, g):
         return laplace_passes.gla(q * cases.K ** -0.5, k, v, g[..., None].expand(*g.shape, cases.K))[0]
     rows = {"quadratic form, eager": cases.quadratic_head_gates}
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--part", choices=("compile", "run", "gates", "saved", "all"), default="all")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--inner", default="eager", help="the compile part's inner compiler (eager, inductor)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the loop compiled without recognition (its first call takes minutes at T = 512)")
     args = parser.parse_args(argv)
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     set_shape(args.T)
     if args.part in ("compile", "all"):
-        compile_part(args.T, baseline=not args.no_baseline)
+        compile_part(args.T, baseline=not args.no_baseline, inner=args.inner)
     if args.part in ("run", "all"):
         run_part(args.repeats)
     if args.part in ("gates", "all"):

@@ -1,4 +1,4 @@
-"""`laplace-passes bench unroll|muon|decode` run with their smallest arguments, and their figures agree.
+"""`laplace-passes bench unroll|muon|decode|recognise` run with their smallest arguments, and their figures agree.
 
 Performance is never asserted: each check is that a printed figure is what
 the other printed figures (or a formula written here) make it, so a ratio
@@ -114,3 +114,20 @@ def test_bench_decode_profiles_the_sequences_asked_for(capfd):
     for _, _, total, parts in rows:  # the parts add up to the step's total
         shares = re.findall(r"[\w ()/,]+? ([\d.]+) \(\d+%\)", parts)
         assert sum(map(float, shares)) == pytest.approx(float(total), abs=0.01 * len(shares)), parts
+
+
+def test_bench_recognise_node_counts_do_not_grow_with_the_loop(capfd):
+    """The recognised loop's ATen graphs are the op spelling's plus a constant at two lengths, while without
+    recognition they grow with the loop."""
+    counts = {}
+    for T in (16, 48):
+        out = bench(capfd, "recognise", "--part", "compile", "--T", str(T))
+        rows = dict(re.findall(r"  (laplace_passes.gla|token loop, recognised|token loop, recognise_gla=False)\s+"
+                               r"([\d.]+ s\s+forward\s+[\d,]+ nodes\s+backward\s+[\d,]+ nodes)", out))
+        parsed = {name: [float(x.replace(",", "")) for x in re.findall(r"[\d.,]+", row)] for name, row in rows.items()}
+        counts[T] = {name: values[1:] for name, values in parsed.items()}
+    for T in counts:  # forward and backward nodes: the op's plus the same constant at every length
+        assert counts[T]["token loop, recognised"][0] - counts[T]["laplace_passes.gla"][0] == \
+            counts[16]["token loop, recognised"][0] - counts[16]["laplace_passes.gla"][0]
+    unrecognised = [counts[T]["token loop, recognise_gla=False"][0] for T in (16, 48)]
+    assert unrecognised[1] > 2 * unrecognised[0]  # without recognition every step is in the graph
