@@ -36,13 +36,14 @@ import sys
 
 import torch
 
-from laplace_passes.fla import activations, conv, gla_calls, losses, norms
+from laplace_passes.fla import activations, conv, family_calls, gla_calls, losses, norms, shared_ops
 from laplace_passes.fla.not_replaced import guard_fla_kernels, triton_can_run
 
 # Every fla function replaced, by qualified name -> its replacement.
-FUNCTIONS = {**norms.SUBSTITUTES, **activations.SUBSTITUTES, **conv.SUBSTITUTES, **losses.SUBSTITUTES}
+FUNCTIONS = {**norms.SUBSTITUTES, **activations.SUBSTITUTES, **conv.SUBSTITUTES, **losses.SUBSTITUTES,
+             **shared_ops.SUBSTITUTES, **family_calls.SUBSTITUTES}
 # Replacements that need the original (to hand unsupported calls back to fla).
-FACTORIES = dict(gla_calls.SUBSTITUTE_FACTORIES)
+FACTORIES = {**gla_calls.SUBSTITUTE_FACTORIES, **family_calls.SUBSTITUTE_FACTORIES}
 # nn.Module methods replaced on their class.
 METHODS = dict(losses.METHODS)
 

@@ -1,7 +1,9 @@
 """fla's normalisation kernels in standard PyTorch ops.
 
 fla's `RMSNorm`, `LayerNorm`, `GroupNorm` and `FusedRMSNormGated` /
-`FusedLayerNormGated` call one Triton kernel family with options: a residual
+`FusedLayerNormGated`, and the norm-then-linear forms (`rms_norm_linear`,
+`rms_norm_swish_gate_linear`: HGRN2's, LightNet's and GSA's output
+projections), call one Triton kernel family with options: a residual
 added first (the "prenorm" form returns the sum as the new residual), the
 residual kept in fp32, groups, and a swish or sigmoid output gate. Their
 arithmetic, read from the kernels: everything in fp32; the residual sum is
@@ -102,7 +104,45 @@ def layer_norm_gated(x, g, weight, bias, activation="swish", residual=None, pren
                 residual_in_fp32=residual_in_fp32, gate=g, activation=activation)
 
 
+def _then_linear(normed, linear_weight, linear_bias, prenorm: bool):
+    """fla's norm-then-linear kernels: the weights cast to the norm output's dtype (as without autocast)."""
+    y, new_residual = normed
+    out = F.linear(y, linear_weight.to(y.dtype), None if linear_bias is None else linear_bias.to(y.dtype))
+    return (out, new_residual) if prenorm else out
+
+
+def layer_norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-5,
+                      prenorm=False, residual_in_fp32=False, is_rms_norm=False, num_groups=1):
+    normed = norm(x, norm_weight, norm_bias, eps=eps, is_rms_norm=is_rms_norm, residual=residual, prenorm=True,
+                  residual_in_fp32=residual_in_fp32, num_groups=num_groups)
+    return _then_linear(normed, linear_weight, linear_bias, prenorm)
+
+
+def rms_norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-5,
+                    prenorm=False, residual_in_fp32=False):
+    return layer_norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, residual, eps, prenorm,
+                             residual_in_fp32, is_rms_norm=True)
+
+
+def layer_norm_swish_gate_linear(x, g, norm_weight, norm_bias, linear_weight, linear_bias, residual=None,
+                                 prenorm=False, residual_in_fp32=False, eps=1e-6):
+    normed = norm(x, norm_weight, norm_bias, eps=eps, is_rms_norm=False, residual=residual, prenorm=True,
+                  residual_in_fp32=residual_in_fp32, gate=g, activation="swish")
+    return _then_linear(normed, linear_weight, linear_bias, prenorm)
+
+
+def rms_norm_swish_gate_linear(x, g, norm_weight, norm_bias, linear_weight, linear_bias, residual=None,
+                               prenorm=False, residual_in_fp32=False, eps=1e-6):
+    normed = norm(x, norm_weight, norm_bias, eps=eps, is_rms_norm=True, residual=residual, prenorm=True,
+                  residual_in_fp32=residual_in_fp32, gate=g, activation="swish")
+    return _then_linear(normed, linear_weight, linear_bias, prenorm)
+
+
 SUBSTITUTES = {
+    "fla.modules.norm.layernorm.layer_norm_linear": layer_norm_linear,
+    "fla.modules.norm.layernorm.rms_norm_linear": rms_norm_linear,
+    "fla.modules.norm.fused_norm_gate.layer_norm_swish_gate_linear": layer_norm_swish_gate_linear,
+    "fla.modules.norm.fused_norm_gate.rms_norm_swish_gate_linear": rms_norm_swish_gate_linear,
     "fla.modules.norm.layernorm.rms_norm": rms_norm,
     "fla.modules.norm.layernorm.layer_norm": layer_norm,
     "fla.modules.norm.layernorm.group_norm": group_norm,

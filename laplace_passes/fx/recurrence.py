@@ -252,10 +252,13 @@ def first_step(node: Node, memo: dict) -> Step | None:
 
 def _over_positions(chain: Chain, memo: dict) -> bool:
     """Whether the chain's steps read their inputs at a position that changes with the step: a loop over
-    tokens. A residual stream (x + f(x) layer after layer) carries a state too, but reads no position: it is
-    not reported as a declined recurrence."""
+    tokens. A residual stream (x + f(x) layer after layer) carries a state too, but reads no position, or
+    one now and then (a per-layer parameter `bounds[layer]`): it is not reported as a declined recurrence."""
     patterns = memo.setdefault("patterns", {})
-    return any(pattern(f.node, patterns).varies for s in chain.steps for t in s.expr.terms for f in t.factors)
+    read = [{p for t in s.expr.terms for f in t.factors for p in pattern(f.node, patterns).steps}
+            for s in chain.steps]
+    reading = [positions for positions in read if positions]
+    return len(reading) >= max(2, len(chain.steps) - 1) and len(set().union(*reading)) >= 2
 
 
 def _link(steps: dict[Node, Step], memo: dict) -> list[Chain]:
