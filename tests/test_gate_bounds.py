@@ -46,6 +46,7 @@ PROVEN = {
     "torch.mul(other=0.5)": (lambda x: torch.mul(F.logsigmoid(x), other=0.5), "logsigmoid"),
     "torch.div(other=16.0)": (lambda x: torch.div(F.logsigmoid(x), other=16.0), "logsigmoid / 16.0"),
     "torch.neg(input=softplus)": (lambda x: torch.neg(input=F.softplus(x)), "-(softplus)"),
+    "shifted one token, RWKV6's -exp": (lambda x: F.pad(-x.exp(), (0, 0, 0, 0, 1, -1)), "pad(-(exp), 0.0)"),
     # An in-place write the gates do not read from leaves the proof standing.
     "logsigmoid of a tensor written in place": (_write_before_the_source, "logsigmoid / 16"),
     "views and casts": (lambda x: F.logsigmoid(x.double()).transpose(1, 2).contiguous().transpose(1, 2).float(),
@@ -113,6 +114,8 @@ CHECKED = {
     "logsigmoid / -16": (lambda x: F.logsigmoid(x) / -16, "checked at run time: (sign >= 0)"),
     "logsigmoid + 0.01": (lambda x: F.logsigmoid(x) + 0.01, "comes from add"),
     "softplus": (lambda x: F.softplus(x), "(sign >= 0)"),
+    "logsigmoid padded with 0.5": (lambda x: F.pad(F.logsigmoid(x), (0, 0, 0, 0, 1, -1), value=0.5),
+                                   "pad with mode 'constant' and value 0.5"),
     "-softplus(beta=-1)": (lambda x: -F.softplus(x, beta=-1.0), "softplus with beta -1.0"),
     "clamp(max=0.5)": (lambda x: x.clamp(max=0.5), "clamp(min=None, max=0.5)"),
     "clamp_min(logsigmoid, 0.1)": (lambda x: torch.clamp_min(F.logsigmoid(x), 0.1), "clamp(min=0.1, max=None)"),

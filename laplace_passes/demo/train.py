@@ -45,9 +45,15 @@ from laplace_passes.demo import checkpoint as demo_checkpoint
 from laplace_passes.demo.distributed import join_process_group, launch_local, launcher_rank_and_world, under_torchrun
 
 
+# The model_zoo models the demo trains: GLA LMs (`tiny` calls the GLA op, `plain-tiny` writes the recurrence in
+# plain PyTorch) and flash-linear-attention's own GLA-family models.
+DEMO_MODELS = ("tiny", "plain-tiny", "fla-gla-tiny", "fla-hgrn2-tiny", "fla-retnet-tiny", "fla-rwkv6-tiny",
+               "fla-gsa-tiny", "fla-lightnet-tiny")
+
+
 @dataclass
 class DemoConfig:
-    model: str = "tiny"  # a model_zoo name: "tiny", or "fla-gla-tiny" (fla's GLAForCausalLM)
+    model: str = "tiny"  # one of DEMO_MODELS
     steps: int = 300
     batch: int = 32  # the global batch: split over the ranks
     seq_len: int = 64
@@ -64,6 +70,8 @@ class DemoConfig:
     checkpoint_every: int | None = None  # steps between checkpoints; None: only at the end
 
     def __post_init__(self):
+        if self.model not in DEMO_MODELS:
+            raise ValueError(f"model must be one of {', '.join(DEMO_MODELS)}, got {self.model!r}")
         for name in ("steps", "batch", "seq_len", "num_pairs", "world_size", "eval_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -104,6 +104,7 @@ _DIV = _targets(operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar)
 _CLAMP = _targets(torch.clamp, torch.clip, aten.clamp.default)
 _CLAMP_MAX = _targets(torch.clamp_max, aten.clamp_max.default)
 _CLAMP_MIN = _targets(torch.clamp_min, aten.clamp_min.default)
+_PADS = _targets(F.pad, torch._C._nn.pad, aten.constant_pad_nd.default)
 _SAME_SIGN = _targets(
     torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unflatten, torch.squeeze,
     torch.unsqueeze, torch.clone, torch.movedim, operator.getitem,
@@ -185,7 +186,22 @@ def _bound(node, depth: int, derivation: list) -> Bound:
     if target in _CLAMP or target in _CLAMP_MAX or target in _CLAMP_MIN or (
             method and target in ("clamp", "clip", "clamp_max", "clamp_min")):
         return _clamp(node, depth, derivation)
+    if target in _PADS:
+        return _padded(node, depth, derivation)
     return Bound(None, f"{node.name} comes from {name}, whose sign the pass does not bound")
+
+
+def _padded(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
+    """F.pad with a constant of the input's sign (0 has both): the sign of its input (a shifted gate)."""
+    if node.target is aten.constant_pad_nd.default:
+        mode, value = "constant", _argument(node, 2, "value", 0.0)
+    else:
+        mode, value = _argument(node, 2, "mode", "constant"), _argument(node, 3, "value", None)
+    value = 0.0 if value is None else value
+    inner = _bound(_argument(node, 0, "input", None), depth - 1, derivation)
+    if mode == "constant" and inner.sign and _finite_number(value) and value * inner.sign >= 0:
+        return Bound(inner.sign, f"pad({inner.how}, {value!r})")
+    return Bound(None, f"{node.name}: pad with mode {mode!r} and value {value!r} of {inner.how}")
 
 
 def _same_sign(node: torch.fx.Node, dtype: torch.dtype, depth: int, derivation: list) -> Bound:

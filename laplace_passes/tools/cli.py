@@ -10,7 +10,8 @@ DIR is written whole or not at all; a non-empty DIR is refused unless
 --force, which replaces it and everything in it.
 
 MODEL is a model_zoo config name (tiny, plain-tiny, small, laplace-3b,
-fla-gla-tiny, fla-gla-1.3b) or
+fla-gla-tiny, fla-gla-1.3b, fla-hgrn2-tiny, fla-retnet-tiny, fla-rwkv6-tiny,
+fla-gsa-tiny, fla-lightnet-tiny) or
 `package.module:attr`, where attr is an nn.Module taking token ids, or a
 callable returning `(model_or_fn, example_inputs_tuple)`.
 """
@@ -51,12 +52,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_demo(commands) -> None:
-    from laplace_passes.demo.train import DemoConfig
+    from laplace_passes.demo.train import DEMO_MODELS, DemoConfig
 
     defaults = DemoConfig()
     demo = commands.add_parser("demo", help="train the tiny GLA model on MQAR through backend='laplace'")
-    demo.add_argument("--model", default=defaults.model, choices=("tiny", "fla-gla-tiny"),
-                      help="model_zoo's GLA LM, or flash-linear-attention's GLAForCausalLM")
+    demo.add_argument("--model", default=defaults.model, choices=DEMO_MODELS,
+                      help="model_zoo's GLA LM (tiny; plain-tiny: its recurrence in plain PyTorch), or one of "
+                      "flash-linear-attention's GLA-family models")
     demo.add_argument("--steps", type=int, default=defaults.steps)
     demo.add_argument("--batch", type=int, default=defaults.batch,
                       help="sequences per step, the global batch: split over the ranks (must divide), so the "
