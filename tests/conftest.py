@@ -34,6 +34,7 @@ os.environ.pop("NEURON_LOGICAL_NC_CONFIG", None)
 SLOWEST_MODULES_FIRST = (
     "test_demo_distributed.py",  # 184
     "test_fla_model.py",  # 173
+    "test_fla_family_models.py",  # 120
     "test_cli.py",  # 158
     "test_lowering.py",  # 142
     "test_sharded_muon.py",  # 133

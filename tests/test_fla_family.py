@@ -222,3 +222,48 @@ def test_each_family_call_is_one_retiled_site_in_the_report():
     report = laplace_passes.inspect(lambda q, k, v: chunk_retention(q, k, v)[0], q, k, v, target="trn2")
     (site,) = report.sites
     assert site.origin == "fla.chunk_retention" and site.status == "retiled"
+
+
+# -- bf16, to the ratios fla's own tests use for it ----------------------------------------------------------
+
+BF16_OUTPUT, BF16_GRADIENT = 0.005, 0.008  # fla's tests: 0.005 for outputs and states, 0.008 for gradients
+
+
+def bf16(*tensors):
+    return [t.detach().to(torch.bfloat16).requires_grad_() for t in tensors]
+
+
+def family_in_bf16(name):
+    """(the laplace output, fla's naive reference on the same bf16 inputs, the inputs) for one family call."""
+    q, k, v = bf16(*qkv())
+    if name == "simple_gla":
+        (g,) = bf16(F.logsigmoid(randn(B, T, H, seed=3, grad=False)))
+        found = compiled(lambda *a: chunk_simple_gla(*a)[0])(q, k, v, g)
+        return found, naive_recurrent_simple_gla(q, k, v, g)[0], [q, k, v, g]
+    if name == "retention":
+        decays = (1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float))).log().expand(B, T, H)
+        return compiled(lambda *a: chunk_retention(*a)[0])(q, k, v), \
+            naive_recurrent_simple_gla(q, k, v, decays)[0], [q, k, v]
+    if name == "rwkv6":
+        (w, u) = bf16(-torch.exp(randn(B, T, H, K, seed=3, grad=False)), randn(H, K, seed=4, grad=False))
+        found = compiled(lambda *a: chunk_rwkv6(*a, scale=1.0)[0])(q, k, v, w, u)
+        expected = naive_recurrent_rwkv6(*(x.transpose(1, 2) for x in (q, k, v, w)), u, scale=1.0)[0]
+        return found, expected.transpose(1, 2), [q, k, v, w, u]
+    if name == "gsa":
+        s, g = bf16(randn(B, T, H, 4, seed=3, grad=False), F.logsigmoid(randn(B, T, H, 4, seed=4, grad=False)))
+        found = compiled(lambda *a: chunk_gsa(*a)[0])(q, k, v, s, g)
+        return found, naive_recurrent_gsa(q, k, v, s, g)[0], [q, k, v, s, g]
+    found = compiled(lambda *a: chunk_lightnet(*a)[0])(q, k, v)  # lightnet: fla has no naive function
+    return found, lightnet_reference(q.float(), k.float(), v.float(), torch.zeros(B, H, K, V), None)[0], [q, k, v]
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "retention", "rwkv6", "gsa", "lightnet"])
+def test_each_recurrence_in_bf16_to_fla_s_tolerance(name):
+    found, expected, inputs = family_in_bf16(name)
+    assert found.dtype == torch.bfloat16
+    assert relative_rmse(found, expected) < BF16_OUTPUT, relative_rmse(found, expected)
+    weight = torch.linspace(-1, 1, found.numel()).view_as(found)
+    found_grads = torch.autograd.grad((found.float() * weight).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected.float() * weight).sum(), inputs)
+    for found_grad, expected_grad in zip(found_grads, expected_grads):
+        assert relative_rmse(found_grad, expected_grad) < BF16_GRADIENT, relative_rmse(found_grad, expected_grad)

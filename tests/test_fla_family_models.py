@@ -116,3 +116,19 @@ def test_fla_s_simple_gla_layer_with_its_short_convolution(T):
     assert relative_rmse(found, expected) < 1e-5 and relative_rmse(found_grad, expected_grad) < 1e-4
     (site,) = report.sites
     assert site.status == "retiled" and site.origin.endswith("simple_gla")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_the_command_that_crashed_each_model_now_trains(name):
+    """Each model once crashed on this machine under exactly this command (FlaCallNotReplaced on
+    rms_norm_linear, chunk_local_cumsum, rotary_embedding_fwdbwd, fused_additive_gate; Triton's "0 active
+    drivers" from token_shift_fwd): now its loss and gradients are fla's reference's."""
+    model, ids = build(name, seed=6), tokens(2, 80, seed=7)
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", options={"target": "trn2", "report": report})
+    _, loss, grads = training_step(model, ids, compiled)
+    with reference_kernels():
+        _, ref_loss, ref_grads = training_step(model, ids, model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert max(relative_rmse(grads[key], ref_grads[key]) for key in grads) < 1e-4
+    assert report.sites and all(s.status == "retiled" and s.plan["chunk_size"] == 128 for s in report.sites)

@@ -57,7 +57,7 @@ def test_the_readme_example_of_the_rewrite_is_tiny_at_2048(report):
                      before)
     # Gates <= 0 by construction go to the op unchecked (NOTE [gates proven <= 0]).
     FileCheck().check_not("check_gates").check(
-        f"torch.ops.laplace.chunked_gla.default(").check(f", {gates}, None, 0.25, 128, 16, False)").run(after)
+        "torch.ops.laplace.chunked_gla.default(").check(f", {gates}, None, 0.25, 128, 16, False)").run(after)
     assert {s.gates for s in report.sites} == {"<= 0 by construction: logsigmoid / 16.0"}
 
 

@@ -13,6 +13,8 @@ names of `inner=` to compiler objects, those torch provides
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Callable, Mapping
 
 import torch.fx
@@ -20,6 +22,7 @@ import torch.fx
 from laplace_passes.driver.compile_fx import compile_fx, prepare_to_trace
 from laplace_passes.driver.config import CompileConfig
 from laplace_passes.infra.inner import TORCH_COMPILERS, InnerCompiler
+from laplace_passes.infra.report import Report
 from laplace_passes.lowering.iree import IreeCompiler
 from laplace_passes.lowering.neuron import NeuronCompiler
 from laplace_passes.lowering.stablehlo import StableHLOCompiler
@@ -41,7 +44,41 @@ def compile_config(options: dict[str, Any] | None) -> CompileConfig:
 
 
 def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None) -> Callable:
+    if not (options or {}).get("report"):
+        options = {**(options or {}), "report": report_of_this_call()}
     return compile_fx(gm, example_inputs, compile_config(options))
+
+
+def report_of_this_call() -> Report:
+    """One report for every graph Dynamo compiles during one call of a compiled function.
+
+    torch.compile(model, backend="laplace") hands each graph of a call to the backend on its own (a graph break
+    makes several); `last_report()` should describe the whole call, the call that returned or raised. The graphs
+    of one call are compiled while the call's outermost Dynamo wrapper frame is still running, so the report
+    lives in that frame's locals: it is found again by the call's later graphs and dies with the call (no
+    global state that a later call could mistake for its own).
+    """
+    outermost = _outermost_dynamo_frame(sys._getframe(1))
+    if outermost is None:
+        return Report()
+    try:
+        return outermost.f_locals.setdefault(_REPORT_LOCAL, Report())
+    except (AttributeError, TypeError):  # a frame whose locals take no extra name: one report per graph
+        return Report()
+
+
+_REPORT_LOCAL = "__laplace_passes_report__"
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+def _outermost_dynamo_frame(frame):
+    """The outermost frame of Dynamo's wrapper around a compiled function (None outside any)."""
+    outermost = None
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_EVAL_FRAME):
+            outermost = frame
+        frame = frame.f_back
+    return outermost
 
 
 def __getattr__(name: str):

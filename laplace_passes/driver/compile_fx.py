@@ -25,6 +25,7 @@ from torch._dynamo.backends.common import aot_autograd
 from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fla.install import covered_before_install
 from laplace_passes.fla.install import install as install_fla_replacements
+from laplace_passes.fla.late_import import install_after_import
 from laplace_passes.infra.pass_base import run_passes
 from laplace_passes.driver.pipeline import aten_passes, dynamo_passes, graph_context
 from laplace_passes.infra.report import Report, remember
@@ -56,11 +57,14 @@ def prepare_to_trace() -> bool:
     backend="laplace"), `laplace_passes.driver.backend`), in
     `laplace_passes.compile` and in `capture_graphs` (inspect, preflight,
     export); and again as each Dynamo graph is compiled, which covers an fla
-    imported after the lookup for the compiles that follow. Only an fla the
-    process already imported is covered; importing laplace_passes installs
-    nothing.
+    imported after the lookup for the compiles that follow. An fla not yet
+    imported gets a one-shot import hook instead (`laplace_passes.fla.late_import`):
+    a model importing fla inside `forward` has it covered before Dynamo traces
+    its calls. Importing laplace_passes installs nothing.
     """
-    return install_fla_replacements() != covered_before_install()
+    added = install_fla_replacements() != covered_before_install()
+    install_after_import(lambda: install_fla_replacements(import_fla=True))
+    return added
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> Callable:

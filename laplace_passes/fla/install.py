@@ -25,7 +25,8 @@ Three mechanisms, each where it is the one that works:
 Substitutions and class attributes are process-wide; they are installed on
 demand, when a compile starts (`install()`, called from one place:
 `laplace_passes.driver.compile_fx.prepare_to_trace`), never as a side effect
-of importing fla or laplace_passes.
+of importing laplace_passes. An fla not yet imported when a compile starts is
+covered as its import finishes (`laplace_passes.fla.late_import`).
 """
 
 from __future__ import annotations

@@ -24,10 +24,19 @@ import sys
 import torch
 from torch import Tensor
 
-from laplace_passes.infra.report import last_report
+from laplace_passes.infra.report import PassRecord, last_report
 
 # Devices on which fla's Triton kernels can run.
 TRITON_DEVICE_TYPES = ("cuda", "xpu", "npu")
+
+
+EAGER = "reached eagerly, outside a laplace-compiled graph"
+EAGER_FIXES = (
+    "It ran uncompiled: `torch.compile(model).generate(...)` calls the model's own forward (use "
+    "`model.compile(backend=\"laplace\")`, then `model.generate(...)`); a graph break runs the code after it "
+    "eagerly (`torch._dynamo.explain` shows where); and a function fla runs under `torch.compiler.disable` is "
+    "never traced (laplace_passes.fla.install(import_fla=True) before the first call covers the ones it replaces)."
+)
 
 
 class FlaCallNotReplaced(RuntimeError):
@@ -35,10 +44,10 @@ class FlaCallNotReplaced(RuntimeError):
 
     def __init__(self, call: str, reason: str, device: str = "cpu"):
         self.call, self.reason = call, reason
-        super().__init__(
-            f"{call} was not replaced by laplace_passes ({reason}), and fla's Triton kernel for it "
-            f"cannot run on {device}; the report's 'declined' table lists every such call (pass fla_calls)"
-        )
+        where = (f"{EAGER_FIXES} The latest report's 'declined' table lists the call (pass fla_calls, graph "
+                 "'eager')." if reason == EAGER else "The report's 'declined' table has its row (pass fla_calls).")
+        super().__init__(f"{call} was not replaced by laplace_passes ({reason}), and fla's Triton kernel for it "
+                         f"cannot run on {device}. {where}")
 
 
 def triton_can_run(device: torch.device) -> bool:
@@ -120,8 +129,8 @@ def _guard_class(base):
 
             def refuse(*args, **kwargs):
                 device = _first_device(args, kwargs)
-                error = FlaCallNotReplaced(call, "reached at run time outside a laplace-compiled graph", str(device))
-                _note_in_latest_report(f"fla call not replaced: {error}")
+                error = FlaCallNotReplaced(call, EAGER, str(device))
+                _declined_in_latest_report(f"{call}: not replaced: {EAGER}")
                 raise error
 
             return refuse
@@ -150,10 +159,13 @@ def _first_device(args, kwargs):
     return None
 
 
-def _note_in_latest_report(line: str) -> None:
+def _declined_in_latest_report(line: str) -> None:
+    """A row of the latest report's 'declined' table (pass fla_calls, graph 'eager') for a call met eagerly."""
     try:
-        notes = last_report().notes
+        report = last_report()
     except LookupError:  # nothing compiled yet: the error itself names the call
         return
-    if line not in notes:
-        notes.append(line)
+    if any(line in p.declined for p in report.passes):
+        return
+    report.passes.append(PassRecord("fla_calls", "eager", False, 0, 0, "an fla call met outside the graphs",
+                                    [line]))

@@ -37,10 +37,22 @@ class ReportFlaCalls(GraphPass):
                 continue
             if node.target is MARKER:
                 _, call, reason = node.args
-                lines.append(f"{call} (node {node.name}): not replaced: {reason}")
+                lines.append(f"{call} (node {node.name}{_module_path(node)}): not replaced: {reason}")
             elif "triton_kernel_wrapper" in str(node.target):
                 kernel = node.kwargs.get("kernel_idx", "?")
                 lines.append(f"Triton kernel #{kernel} (node {node.name}): not replaced: Dynamo captured a Triton "
                              f"kernel that no laplace replacement covers")
         summary = f"{len(lines)} fla call(s) left to fla" if lines else "no fla call left to fla"
         return PassResult(gm, modified=False, summary=summary, declined=lines)
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """", in model.layers.0.attn": the module the call was made in (Dynamo's nn_module_stack), if known."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])  # Dynamo's source: "L['self'].layers.0.attn", "L['module'].layers.0"
+    for root in ("L['self']", "L['module']", "L['mod']"):
+        if path.startswith(root):
+            path = "model" + path[len(root):]
+    return f", in {path}"
