@@ -54,6 +54,20 @@ def test_demo_trains_the_fla_model_on_mqar(capsys):
     assert {s["origin"] for s in result["report_dict"]["sites"]} == {"fla.fused_recurrent_gla"}  # T = 64: fla's rule
 
 
+def test_cli_inspect_and_demo_fla_retnet_and_hgrn2(capsys):
+    """Two of fla's GLA-family models by name from the CLI: their sites re-tiled, the demo's loss falling."""
+    assert main(["inspect", "fla-hgrn2-tiny", "--seq-len", "128", "--json"]) == 0
+    sites = json.loads(capsys.readouterr().out)["sites"]
+    assert [(s["origin"], s["status"]) for s in sites] == [("fla.chunk_gla", "retiled")] * 2
+    assert main(["demo", "--model", "fla-retnet-tiny", "--steps", "20", "--batch", "16", "--no-progress",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert sum(result["losses"][-5:]) / 5 < sum(result["losses"][:5]) / 5 - 0.2
+    sites = result["report_dict"]["sites"]
+    assert {s["origin"] for s in sites} <= {"fla.chunk_retention", "fla.fused_recurrent_retention"}
+    assert sites and all(s["status"] == "retiled" for s in sites)
+
+
 @pytest.mark.parametrize("name", ["tiny", "small", "laplace-3b"])
 def test_the_model_zoo_mlp_has_flas_gated_mlp_weights(name):
     """README (model zoo): fla's layer structure with a SwiGLU MLP: the same parameter names and shapes as
