@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_muon                       # parts 1 and 2, one run
     python -m benchmarks.bench_muon --part traffic --models small
+    python -m benchmarks.bench_muon --part plans          # branch-free vs balanced vs all-gather, W = 4, 8
     python -m benchmarks.bench_muon --part time --repeats 15 --threads 1
     python -m benchmarks.bench_muon --part ns --repeats 3 --profile   # Newton-Schulz-bound step
 
@@ -50,7 +51,7 @@ import laplace_passes
 import model_zoo
 from benchmarks.common import self_time_by_part
 from laplace_passes.driver.backend import laplace_backend
-from laplace_passes.collectives import rewrite_muon_step
+from laplace_passes.collectives import newton_schulz_flops, rewrite_muon_step
 from model_zoo.muon import MuonHParams, RowSplit, ShardedMuon, adjust_lr, assign_owners, muon_shard_step
 
 WORLD_SIZES = (2, 4, 8, 16, 32, 48, 64)
@@ -170,6 +171,46 @@ def run_traffic(models: list[str], world_sizes: tuple[int, ...]) -> None:
         print_traffic("laplace-3b (make_fx + rewrite_muon_step)", rows)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- part 1b: ownership plans
+
+PLAN_WORLD_SIZES = (4, 8)
+BF16_BYTES = 2
+
+
+def plan_rows(shapes: list[tuple[int, int]], world_size: int, ns_steps: int = 5) -> dict[str, tuple[int, int, int]]:
+    """{plan: (bytes received per rank, Newton-Schulz FLOPs of the busiest rank, zero matrices)}.
+
+    The plans the Muon pass chooses from (`laplace_passes.collectives.plan`), for row shards padded to
+    ceil(rows / W) as ShardedMuon sends them in bf16, and the all-gather baseline (every rank receives
+    every other rank's shards and runs every Newton-Schulz).
+    """
+    from laplace_passes.collectives.plan import plan_candidates
+
+    W = world_size
+    numels = [-(-r // W) * c for r, c in shapes]
+    flops = [newton_schulz_flops(r, c, ns_steps) for r, c in shapes]
+    rows = {"all-gather baseline": ((W - 1) * sum(numels) * BF16_BYTES, sum(flops), 0)}
+    for plan in plan_candidates(shapes, numels, flops, W):
+        name = "branch-free (uniform)" if plan.kind == "uniform" else "balanced (a cond per owner)"
+        rows[name] = (2 * (W - 1) * plan.chunk_numel * BF16_BYTES, plan.flops_per_rank, plan.padding_matrices)
+    return rows
+
+
+def run_plans(models: list[str], world_sizes: tuple[int, ...]) -> None:
+    print("\n[plans] the Muon step's ownership plans: bytes received per rank (bf16 shards) and the busiest "
+          "rank's Newton-Schulz GFLOP (5 steps); trn2 takes the branch-free plan")
+    print(f"  {'model':<11} {'W':>3}  {'plan':<28} {'received':>12} {'x baseline':>10} {'NS GFLOP':>9} "
+          f"{'x baseline':>10} {'zero matrices':>13}")
+    for name in models:
+        shapes = muon_shapes(name)
+        for world_size in world_sizes:
+            rows = plan_rows(shapes, world_size)
+            base_bytes, base_flops, _ = rows["all-gather baseline"]
+            for plan, (received, flops, zeros) in rows.items():
+                print(f"  {name:<11} {world_size:>3}  {plan:<28} {received / 1e6:>9.4f} MB {received / base_bytes:>10.3f} "
+                      f"{flops / 1e9:>9.2f} {flops / base_flops:>10.3f} {zeros:>13}", flush=True)
 
 
 # ---------------------------------------------------------------- part 2: step time
@@ -370,17 +411,25 @@ def _print_breakdown(per_rank: list[dict[str, dict[str, float]]]) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("traffic", "time", "ns", "both"), default="both")
-    parser.add_argument("--models", nargs="+", default=["small", "laplace-3b"], choices=(*CAPTURED_MODELS, "laplace-3b"))
-    parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
+    parser.add_argument("--part", choices=("traffic", "plans", "time", "ns", "both"), default="both")
+    parser.add_argument("--models", nargs="+", choices=(*CAPTURED_MODELS, "laplace-3b"),
+                        help="default: small and laplace-3b (traffic), tiny (the demo's) and laplace-3b (plans)")
+    parser.add_argument("--world-sizes", nargs="+", type=int, help=f"default: {WORLD_SIZES} (traffic), "
+                        f"{PLAN_WORLD_SIZES} (plans)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--shapes", type=parse_shapes, default=NS_BOUND_SHAPES,
                         help="matrices of --part ns, e.g. 512x512*8,1024x256*4 (the default)")
     parser.add_argument("--profile", action="store_true", help="--part ns: also a torch.profiler breakdown")
     args = parser.parse_args(argv)
+    args.models_given, args.world_sizes_given = args.models is not None, args.world_sizes is not None
+    args.models = args.models or ["small", "laplace-3b"]
+    args.world_sizes = args.world_sizes or list(WORLD_SIZES)
     if args.part in ("traffic", "both"):
         run_traffic(args.models, tuple(args.world_sizes))
+    if args.part == "plans":  # the demo's model (tiny) unless --models says otherwise
+        models = args.models if args.models_given else ["tiny", "laplace-3b"]
+        run_plans(models, tuple(args.world_sizes) if args.world_sizes_given else PLAN_WORLD_SIZES)
     if args.part in ("time", "both"):
         run_time(args.repeats, args.threads)
     if args.part == "ns":  # not in "both": at the default shapes a step takes minutes on 2 cores

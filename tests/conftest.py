@@ -41,6 +41,8 @@ SLOWEST_MODULES_FIRST = (
     "test_muon_rewrite.py",  # 118
     "test_bench_cli.py",  # 90
     "test_backend.py",  # 80
+    "test_estimate_inner.py",  # 65
+    "test_xla_consumer.py",  # 55
     "test_dynamic_shapes.py",  # 70
 )
 

@@ -131,3 +131,35 @@ def test_bench_recognise_node_counts_do_not_grow_with_the_loop(capfd):
             counts[16]["token loop, recognised"][0] - counts[16]["laplace_passes.gla"][0]
     unrecognised = [counts[T]["token loop, recognise_gla=False"][0] for T in (16, 48)]
     assert unrecognised[1] > 2 * unrecognised[0]  # without recognition every step is in the graph
+
+
+PLAN_ROW = re.compile(r"^\s+(?P<model>\S+)\s+(?P<W>\d+)\s+(?P<plan>all-gather baseline|branch-free \(uniform\)|"
+                      r"balanced \(a cond per owner\))\s+(?P<received>[\d.]+) MB\s+(?P<bytes_x>[\d.]+)\s+"
+                      r"(?P<gflop>[\d.]+)\s+(?P<flops_x>[\d.]+)\s+(?P<zeros>\d+)$", re.M)
+
+
+def test_bench_muon_plans_against_the_baseline_formula_and_the_pass(capfd):
+    """The branch-free and balanced plans at W = 4 on the demo's model: the baseline's bytes from the shapes,
+    the ratios from the printed figures, and the plans the same as the Muon pass's own table for that step."""
+    from benchmarks.bench_muon import muon_shapes, traffic_through_backend
+
+    out = bench(capfd, "muon", "--part", "plans", "--models", "tiny", "--world-sizes", "4")
+    rows = {m["plan"]: m.groupdict() for m in PLAN_ROW.finditer(out)}
+    assert set(rows) == {"all-gather baseline", "branch-free (uniform)", "balanced (a cond per owner)"}, out
+    shapes = muon_shapes("tiny")
+    baseline = float(rows["all-gather baseline"]["received"]) * 1e6
+    assert baseline == pytest.approx(3 * sum(-(-r // 4) * c for r, c in shapes) * 2, rel=1e-3)
+    for row in rows.values():
+        assert float(row["bytes_x"]) == pytest.approx(float(row["received"]) * 1e6 / baseline, abs=2e-3)
+    assert int(rows["branch-free (uniform)"]["zeros"]) > 0 and int(rows["balanced (a cond per owner)"]["zeros"]) == 0
+    import torch.distributed as dist
+
+    try:
+        traffic = traffic_through_backend(shapes, 4, "all_gather")  # the pass on the captured step, target cpu
+    finally:  # its fake process group of 4 would stay this test process's world for the tests after it
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    by_kind = {p["kind"]: p for p in traffic.plans}
+    for kind, plan in (("uniform", "branch-free (uniform)"), ("balanced", "balanced (a cond per owner)")):
+        assert by_kind[kind]["received"] / 1e6 == pytest.approx(float(rows[plan]["received"]), abs=1e-3)
+        assert by_kind[kind]["ns_flops"] / 1e9 == pytest.approx(float(rows[plan]["gflop"]), abs=6e-3)

@@ -184,7 +184,11 @@ def test_manifest_inputs_and_outputs_match_the_files_and_graphs(exported):
         graph = exported.report.graph("after", entry["name"])
         assert [s["name"] for s in entry["inputs"]] == [n.name for n in graph.graph.find_nodes(op="placeholder")]
     forward_inputs = exported.manifest["graphs"][0]["inputs"]
-    assert {"name": "primals_2", "shape": [1, 256], "dtype": "int64"} in forward_inputs  # the token ids
+    # The token ids, named as the user passed them; every other input a parameter by its module path.
+    assert {"name": "primals_2", "shape": [1, 256], "dtype": "int64", "source": "args[0]"} in forward_inputs
+    model_names = {f"module.{name}" for name, _ in model_zoo.build("tiny", device="meta").named_parameters()}
+    assert {s["source"] for s in forward_inputs} - {"args[0]"} <= model_names
+    assert all("source" not in s for s in exported.manifest["graphs"][1]["inputs"])  # a backward: no user names
 
 
 def test_size_estimate_agrees_with_the_same_formula_on_the_stablehlo(exported):
@@ -495,3 +499,16 @@ def test_neuronx_cc_command_line(monkeypatch):
     ]
     with pytest.raises(ValueError, match=r"neuronx-cc compiles for Trainium targets \('trn1', 'trn2'\), not 'cpu'"):
         neuronx_cc_command("g.mlir", target="cpu")
+
+
+def test_bf16_matmuls_and_sums_accumulate_in_f32_and_their_scalars_are_bf16_constants():
+    """torch sums bf16 products in f32 and rounds once: the module says so, whatever its consumer's default."""
+    def bf16_math(x, w):
+        y = (x.bfloat16() @ w.bfloat16()) * 0.1
+        return y / (y.float().norm() + 1e-7), y.sum()
+
+    gm = make_fx(bf16_math, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 4))
+    text = lower_to_stablehlo(gm).text
+    FileCheck().check("stablehlo.dot_general").check("-> tensor<8x4xf32>").check("stablehlo.convert").run(text)
+    FileCheck().check("stablehlo.reduce").check("tensor<f32>").run(text)
+    assert "f64" not in text and "(tensor<8x4xbf16>, tensor<bf16>) -> tensor<bf16>" not in text

@@ -140,15 +140,30 @@ def _body_default_backend(rank, world_size):
     applied = [p.modified for p in report.passes if p.name == "muon_all_to_all"]
     if not any(applied) and "trn2's all-to-all supports groups of" not in str(report):
         failures.append("the trn2 group-size reason is missing from str(report)")
-    return failures, report.target, applied
+    traffic = report.traffic
+    code = report.graph("after", traffic[0].graph).code if traffic else ""
+    return failures, report.target, applied, code, [t.plans for t in traffic]
 
 
 @pytest.mark.parametrize("world_size,rewritten", [(4, True), (3, False)])
 def test_default_backend_rewrites_where_trn2_allows_and_stays_exact(world_size, rewritten):
-    """trn2's all-to-all takes 4 ranks, not 3: the gathers stay, with the reason, and the step is exact either way."""
+    """trn2's all-to-all takes 4 ranks, not 3: the gathers stay, with the reason, and the step is exact either way.
+    Where it rewrites, the plan is branch-free (neuronx-cc takes no control flow) although a balanced one with a
+    cond per owner would receive fewer bytes at W = 4; the report gives both."""
     results = run_ranks(world_size, _body_default_backend, timeout=170)
-    assert not [f for failures, _, _ in results for f in failures]
-    assert all(target == "trn2" and applied == [rewritten] for _, target, applied in results), results
+    assert not [f for failures, *_ in results for f in failures]
+    assert all(target == "trn2" and applied == [rewritten] for _, target, applied, _, _ in results), results
+    if not rewritten:
+        return
+    codes = {code for *_, code, _ in results}
+    assert len(codes) == 1, "the rewritten graph differs between ranks"
+    assert "higher_order.cond" not in codes.pop()
+    (plans,) = results[0][4]
+    by_kind = {p["kind"]: p for p in plans}
+    assert by_kind["uniform"]["chosen"] and not by_kind["balanced"]["chosen"]
+    assert "trn2's compiler takes no control flow" in by_kind["uniform"]["why"]
+    assert by_kind["uniform"]["zero_matrices"] > 0 and by_kind["balanced"]["owner_branches"] > 0
+    assert by_kind["balanced"]["received"] < by_kind["uniform"]["received"]  # what the branch-free plan costs
 
 
 PG_TIMEOUT = 3.0

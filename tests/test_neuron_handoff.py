@@ -167,6 +167,22 @@ func.func @main(%arg0: tensor<4x4xi32>) -> tensor<4x4xi32> {
     assert checks == [("stablehlo-integer-dot", "%0"), ("stablehlo-custom-call", "%1"), ("stablehlo-op", "%3")]
 
 
+def test_a_case_and_an_if_are_control_flow_findings():
+    text = """
+func.func @main(%arg0: tensor<i32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = "stablehlo.case"(%arg0) ({
+    stablehlo.return %arg1 : tensor<4xf32>
+  }, {
+    stablehlo.return %arg1 : tensor<4xf32>
+  }) : (tensor<i32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+    (finding,) = check_stablehlo(text, TRN2, "g")
+    assert (finding.check, finding.node, finding.op) == ("stablehlo-control-flow", "%0", "stablehlo.case")
+    assert "does not implement control flow" in finding.message and "select" in finding.fix
+
+
 # -- the neuronx-cc command -------------------------------------------------------------------------
 
 

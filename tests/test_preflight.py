@@ -127,20 +127,99 @@ def all_to_all_graph(input_splits, output_splits):
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def test_all_to_all_with_unequal_splits():
-    finding = only(findings_of(all_to_all_graph([1, 3, 2, 2], [2, 2, 2, 2])), "all-to-all-splits")
+@pytest.mark.parametrize("input_splits,output_splits,which", [
+    ([1, 3, 2, 2], [2, 2, 2, 2], "input split sizes [1, 3, 2, 2]"),
+    ([2, 2, 2, 2], [1, 3, 2, 2], "output split sizes [1, 3, 2, 2]"),
+])
+def test_all_to_all_with_unequal_splits(input_splits, output_splits, which):
+    finding = only(findings_of(all_to_all_graph(input_splits, output_splits)), "all-to-all-splits")
     assert finding.node == "all_to_all_single_default"
-    assert finding.message == "split sizes [1, 3, 2, 2] are unequal; trn2's all-to-all accepts equal splits only"
+    assert finding.message == f"{which} are unequal; trn2's all-to-all accepts equal splits only"
     assert "pad every shard" in finding.fix
 
 
 def test_all_to_all_with_an_unsupported_group_size():
-    finding = only(findings_of(all_to_all_graph([2] * 6, [2] * 6)), "all-to-all-group-size")
+    finding = only(findings_of(all_to_all_graph([2] * 6, [2] * 6)), "collective-group-size")
     assert finding.message == (
-        "the all-to-all spans a group of 6 ranks; trn2 supports groups of 4, 8, 16 or a multiple of 32"
+        "the all_to_all_single spans a group of 6 ranks; trn2 supports groups of 4, 8, 16 or a multiple of 32"
     )
-    # Equal splits over a supported group, collectives left to TorchNeuron's own lowering: clean.
+    # Equal splits over a supported group: clean.
     assert findings_of(all_to_all_graph([1] * 8, [1] * 8)) == []
+
+
+def collective_graph(op, *args):
+    """x -> op(x, *args) -> wait_tensor, shapes given by the op's fake kernel."""
+    mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with mode:
+        value = torch.empty(8, 4)
+        out = op(value, *args)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = value
+    called = graph.call_function(op, (x, *args))
+    called.meta["val"] = out
+    done = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (called,))
+    done.meta["val"] = out
+    graph.output((done,))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_other_collectives_have_their_group_size_checked():
+    c10d = torch.ops._c10d_functional
+    finding = only(findings_of(collective_graph(c10d.all_gather_into_tensor.default, 6, "g6")), "collective-group-size")
+    assert finding.message.startswith("the all_gather_into_tensor spans a group of 6 ranks")
+    finding = only(findings_of(collective_graph(c10d.reduce_scatter_tensor.default, "sum", 3, "g3")),
+                   "collective-group-size")
+    assert finding.message.startswith("the reduce_scatter_tensor spans a group of 3 ranks")
+    assert findings_of(collective_graph(c10d.all_gather_into_tensor.default, 4, "g4")) == []
+
+
+def test_a_collective_without_a_stablehlo_form_is_named():
+    finding = only(findings_of(collective_graph(torch.ops._c10d_functional.broadcast.default, 0, "g")), "collective")
+    assert finding.node == "broadcast_default" and "no StableHLO form for broadcast" in finding.message
+
+
+def test_a_cond_is_control_flow_on_trn2_and_nothing_on_cpu():
+    def pick(x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+    gm = make_fx(pick, tracing_mode="fake")(torch.randn(4))
+    finding = only(findings_of(gm), "control-flow")
+    assert finding.node == "cond" and "does not implement control flow" in finding.message
+    assert "torch.where" in finding.fix
+    report = laplace_passes.preflight(pick, torch.randn(4), target="trn2")  # through Dynamo: no crash either
+    assert [f.check for f in report.findings] == ["control-flow"]
+
+
+@pytest.mark.parametrize("op", ["nonzero", "repeat_interleave", "masked_select"])
+def test_a_data_dependent_size_is_named_at_its_node(op):
+    def data_dependent(x, r):
+        if op == "nonzero":
+            return torch.nonzero(x > 0).float().sum(0)
+        if op == "repeat_interleave":
+            return torch.repeat_interleave(x, r, dim=0).sum(0)
+        return torch.masked_select(x, x > 0).sum()
+
+    gm = make_fx(data_dependent, tracing_mode="fake")(torch.randn(4, 3), torch.tensor([1, 2, 0, 1]))
+    dynamic = [f for f in findings_of(gm) if f.check == "dynamic-shape"]
+    assert [f.node for f in dynamic] == [op] and "data-dependent shape [u" in dynamic[0].message
+    assert "mask" in dynamic[0].fix
+    assert not [f for f in findings_of(gm) if f.check == "internal-error"]
+
+
+def test_a_check_that_fails_inside_is_a_finding_naming_it(monkeypatch):
+    from laplace_passes.lowering import checks
+
+    def broken(gm, target):
+        raise ValueError("planted")
+
+    monkeypatch.setattr(checks, "check_collectives", broken)
+    monkeypatch.delenv("LAPLACE_PASSES_STRICT", raising=False)
+    finding = only(findings_of(all_to_all_graph([1] * 8, [1] * 8)), "internal-error")
+    assert finding.op == "broken" and "ValueError: planted" in finding.message
+    monkeypatch.setenv("LAPLACE_PASSES_STRICT", "1")
+    with pytest.raises(ValueError, match="planted"):
+        findings_of(all_to_all_graph([1] * 8, [1] * 8))
 
 
 def test_op_torch_mlir_cannot_lower_is_named():

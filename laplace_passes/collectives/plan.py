@@ -23,8 +23,10 @@ to lay the chunks out, both giving a graph that is the same on every rank:
     same graph everywhere, only the owner's branch runs. Chunks are padded to
     the fullest owner's.
 
-`plan_ownership` takes "uniform" when it needs no zero matrices or when no
-rank tensor is available for the conds, otherwise whichever sends less.
+`plan_ownership` takes "uniform" when it needs no zero matrices or when
+balanced plans are not allowed (no rank tensor for the conds, or a target
+whose compiler takes no control flow), otherwise whichever sends less.
+`plan_candidates` gives both, for the report to compare.
 """
 
 from __future__ import annotations
@@ -95,13 +97,25 @@ def plan_ownership(
     allow_balanced: bool = True,
 ) -> OwnershipPlan:
     """Plan for matrices with computation `keys`, shard sizes `numels` and Newton-Schulz `flops`."""
+    return choose_plan(plan_candidates(keys, numels, flops, world_size), allow_balanced)
+
+
+def choose_plan(candidates: Sequence[OwnershipPlan], allow_balanced: bool) -> OwnershipPlan:
+    """The uniform plan, or the balanced one where allowed and it sends less."""
+    if len(candidates) == 1 or not allow_balanced:
+        return candidates[0]
+    uniform, balanced = candidates
+    return balanced if balanced.chunk_numel < uniform.chunk_numel else uniform
+
+
+def plan_candidates(keys, numels, flops, world_size: int) -> list[OwnershipPlan]:
+    """[the uniform plan] when it needs no zero matrices, else [uniform, balanced]."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     uniform = uniform_plan(keys, numels, flops, world_size)
-    if uniform.padding_matrices == 0 or not allow_balanced:
-        return uniform
-    balanced = balanced_plan(numels, flops, world_size)
-    return balanced if balanced.chunk_numel < uniform.chunk_numel else uniform
+    if uniform.padding_matrices == 0:
+        return [uniform]
+    return [uniform, balanced_plan(numels, flops, world_size)]
 
 
 def uniform_plan(keys, numels, flops, world_size) -> OwnershipPlan:

@@ -86,7 +86,7 @@ import torch.fx
 from laplace_passes.collectives.emit import Exchange, emit_all_to_all
 from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket, find_buckets, rank_input
 from laplace_passes.collectives.newton_schulz import find_newton_schulz, may_hold_newton_schulz
-from laplace_passes.collectives.plan import OwnershipPlan, plan_ownership
+from laplace_passes.collectives.plan import OwnershipPlan, choose_plan, plan_candidates
 from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, count_node, per_rank_totals
 from laplace_passes.infra.fx_helpers import (
     COND,
@@ -96,7 +96,6 @@ from laplace_passes.infra.fx_helpers import (
     is_static,
     resolve_process_group,
     subgraph,
-    value_bytes,
 )
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult, run_pass
 from laplace_passes.infra.report import TrafficRecord
@@ -153,22 +152,23 @@ class RewriteMuonStep(GraphPass):
                 buckets = []
         before = collective_bytes(gm, world_size)
         original = set(gm.graph.nodes)
-        done: list[tuple[Exchange, OwnershipPlan, Saving]] = []
+        done: list[tuple[Exchange, PlanChoice, Saving]] = []
         for exchange in _exchanges(buckets):
-            plan = _plan(exchange)
+            choice = _plan(exchange, self.target)
+            plan = choice.plan
             try:
                 saving = _check_saves(exchange, plan)
             except Declined as no_gain:
                 declined.append(no_gain.reason)
                 continue
             _rewrite_exchange(gm, exchange, plan)
-            done.append((exchange, plan, saving))
+            done.append((exchange, choice, saving))
         if not done:
             return PassResult(gm, modified=folded, summary="no Muon gather pattern rewritten", declined=declined)
         fill_fake_values(set(gm.graph.nodes) - original)  # later passes and inner compilers read shapes
         traffic = _traffic(done, before, collective_bytes(gm, world_size), world_size)
         return PassResult(gm, modified=True, summary=_summary(done, traffic), declined=declined, traffic=traffic,
-                          plans=[plan for _, plan, _ in done])
+                          plans=[choice.plan for _, choice, _ in done])
 
     def _check_present(self, gm: torch.fx.GraphModule) -> None:
         """Declined unless the graph is an ATen graph with static shapes and a gather to rewrite."""
@@ -233,12 +233,32 @@ def _rank_for(exchange: Exchange) -> torch.fx.Node | int | None:
     return None if process_group is None else process_group.rank()
 
 
-def _plan(exchange: Exchange) -> OwnershipPlan:
+@dataclass(frozen=True)
+class PlanChoice:
+    """The plan an exchange takes, the plans it was chosen from, and why."""
+
+    plan: OwnershipPlan
+    candidates: tuple[OwnershipPlan, ...]
+    why: str
+
+
+def _plan(exchange: Exchange, target: HardwareTarget | None) -> PlanChoice:
+    """Balanced plans hold a `cond` per owner (or a different program per rank): never on a target whose
+    compiler takes no control flow (neuronx-cc), and only with a rank to test."""
     sites = exchange.sites
-    return plan_ownership(
-        [s.key for s in sites], [s.numel for s in sites], [s.newton_schulz.flops for s in sites],
-        exchange.world_size, allow_balanced=_rank_for(exchange) is not None,
-    )
+    args = ([s.key for s in sites], [s.numel for s in sites], [s.newton_schulz.flops for s in sites],
+            exchange.world_size)
+    candidates = tuple(plan_candidates(*args))
+    if len(candidates) == 1:
+        why = "every shape group's count is a multiple of W: no zero matrices"
+    elif target is not None and not target.control_flow:
+        why = f"{target.name}'s compiler takes no control flow: one branch-free program for every rank"
+    elif _rank_for(exchange) is None:
+        why = "no rank input to test for the owners' branches"
+    else:
+        why = "the plan that receives fewer bytes per rank"
+    allowed = len(candidates) > 1 and why.startswith("the plan")
+    return PlanChoice(choose_plan(candidates, allowed), candidates, why)
 
 
 def _check_saves(exchange: Exchange, plan: OwnershipPlan) -> Saving:
@@ -302,8 +322,11 @@ def _ns_flops_before(sites, world_size: int) -> int:
 
 def _traffic(done, before: list[CollectiveBytes], after: list[CollectiveBytes], W: int) -> TrafficRecord:
     sites = [s for exchange, _, _ in done for s in exchange.sites]
-    plans = [plan for _, plan, _ in done]
-    matrix_bytes = sum(value_bytes(s.result) for s in sites)
+    plans = [choice.plan for _, choice, _ in done]
+    # The matrices as they travel (the dtype of the gather's buffer, bf16 in ShardedMuon), not as Newton-Schulz
+    # returns them: the bound is on bytes sent.
+    matrix_bytes = sum(fake_tensor(s.result).numel() * fake_tensor(exchange.buckets[0].send).element_size()
+                       for exchange, _, _ in done for s in exchange.sites)
     sent_before, received_before = per_rank_totals(before, W)
     sent_after, received_after = per_rank_totals(after, W)
     return TrafficRecord(
@@ -323,7 +346,32 @@ def _traffic(done, before: list[CollectiveBytes], after: list[CollectiveBytes], 
         received_ratio=received_before / received_after if received_after else float("inf"),
         ns_flops_before=sum(saving.flops_before for _, _, saving in done),
         ns_flops_after=sum(p.flops_per_rank for p in plans),
+        plans=_compared_plans(done, W),
     )
+
+
+def _compared_plans(done, W: int) -> list[dict]:
+    """Each plan kind over the whole graph (an exchange without that kind counts its uniform plan)."""
+    rows = []
+    for kind in ("uniform", "balanced"):
+        if not any(plan.kind == kind for _, choice, _ in done for plan in choice.candidates):
+            continue
+        chosen = [_of_kind(choice.candidates, kind) for _, choice, _ in done]
+        element = [fake_tensor(exchange.buckets[0].send).element_size() for exchange, _, _ in done]
+        rows.append({
+            "kind": kind,
+            "chosen": all(plan is choice.plan for plan, (_, choice, _) in zip(chosen, done)),
+            "received": sum(2 * (W - 1) * plan.chunk_numel * size for plan, size in zip(chosen, element)),
+            "ns_flops": sum(plan.flops_per_rank for plan in chosen),
+            "zero_matrices": sum(plan.padding_matrices for plan in chosen),
+            "owner_branches": sum(len({*plan.owners}) for plan in chosen if plan.kind == "balanced"),
+            "why": "; ".join(sorted({choice.why for _, choice, _ in done})) if kind == done[0][1].plan.kind else "",
+        })
+    return rows
+
+
+def _of_kind(candidates: tuple[OwnershipPlan, ...], kind: str) -> OwnershipPlan:
+    return next((plan for plan in candidates if plan.kind == kind), candidates[0])
 
 
 def _summary(done, traffic: TrafficRecord) -> str:

@@ -15,6 +15,7 @@ without depending on what depends on it.
 from __future__ import annotations
 
 import functools
+import re
 import types
 from typing import Any, Callable
 
@@ -67,6 +68,17 @@ def prepare_to_trace() -> bool:
     return added
 
 
+def input_source(placeholder: torch.fx.Node) -> str:
+    """Where Dynamo took a graph input from, as the user would write it: "args[0][3]", "self.lm_head.weight"."""
+    graph_arg = placeholder.meta.get("grapharg")
+    name = getattr(getattr(graph_arg, "source", None), "name", None)
+    if not isinstance(name, str):
+        return placeholder.name
+    name = re.sub(r"^L\['(\w+)'\]", r"\1", name)
+    return re.sub(r"\._modules\['(\w+)'\]|\._parameters\['(\w+)'\]|\._buffers\['(\w+)'\]",
+                  lambda m: "." + next(g for g in m.groups() if g), name)
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> Callable:
     """The passes, AOT Autograd, the ATen passes and the inner compiler, for one Dynamo graph."""
     report = config.report
@@ -77,6 +89,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
             "laplace_passes.fla.install() before compiling)"
         )
     record = report.new_graph("dynamo", gm)
+    record.input_sources = [input_source(n) for n in gm.graph.find_nodes(op="placeholder")]
     gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report)
     compilers = {kind: _aten_compiler(config, kind) for kind in KINDS}
     kwargs: dict[str, Any] = {

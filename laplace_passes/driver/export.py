@@ -10,7 +10,8 @@ clean-up for neuronx-cc (`clean_stablehlo`: no f64, no arith, no
 dynamic_iota). Each graph is written as text (`.mlir`) and as MLIR
 bytecode (`.mlirbc`, what TorchNeuron hands neuronx-cc). The manifest
 lists, per graph: its name and kind, both files, its inputs and outputs
-(name, shape, dtype), its op counts by op name, and for Trainium targets
+(name, shape, dtype, and for forward and inference graphs the user's name for it, "args[0][3]",
+"self.lm_head.weight"), its op counts by op name and its collectives, and for Trainium targets
 the neuronx-cc command (`neuronx_cc_command`: the target's --lnc and
 --auto-cast, then $NEURON_CC_FLAGS) on the bytecode.
 """
@@ -37,6 +38,8 @@ from laplace_passes.infra.report import Report
 from laplace_passes.infra.targets import HardwareTarget
 
 MANIFEST = "manifest.json"
+STABLEHLO_COLLECTIVES = ("stablehlo.all_to_all", "stablehlo.all_gather", "stablehlo.reduce_scatter",
+                         "stablehlo.all_reduce", "stablehlo.collective_permute", "stablehlo.collective_broadcast")
 MANIFEST_FORMAT = "laplace_passes.stablehlo_export/1"
 
 
@@ -93,18 +96,27 @@ def _write_export(out_dir: Path, report: Report, target: HardwareTarget, capture
         _write_graph(out_dir, name, kind, lowered, target)
         for name, (kind, lowered) in zip(_graph_names(report, len(captured)), captured, strict=True)
     ]
+    _name_input_sources(entries, report)
     manifest = {
         "format": MANIFEST_FORMAT,
         "target": report.target,
         "versions": _versions(),
-        "notes": [
-            "laplace::check_gates is lowered as clamp(gk, max=0): lowered graphs do not refuse positive "
-            "gates (see laplace_passes.lowering.legalize)",
-        ],
+        "notes": _notes(report),
         "graphs": entries,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _notes(report: Report) -> list[str]:
+    notes = []
+    if report.sites:
+        notes.append("laplace::check_gates is lowered as clamp(gk, max=0): lowered graphs do not refuse positive "
+                     "gates (see laplace_passes.lowering.legalize)")
+    if report.traffic:
+        notes.append("collectives are StableHLO collectives over replica groups, the same module on every rank: "
+                     "compile it for W replicas (laplace_passes.lowering.collectives)")
+    return notes
 
 
 class _ExportCompiler(StableHLOCompiler):
@@ -136,11 +148,27 @@ def _graph_names(report: Report, compiled: int) -> list[str]:
     return names
 
 
+def _name_input_sources(entries: list[dict], report: Report) -> None:
+    """Give each input of a forward or inference module the user's name for it ("args[0][3]", "ids").
+
+    Those graphs take their Dynamo graph's inputs in the same order (AOT Autograd flattens them); a
+    backward graph takes saved values and tangents, a partition its cut's values: no user names.
+    """
+    sources = {g.name.removeprefix("dynamo_"): g.input_sources for g in report.graphs if g.kind == "dynamo"}
+    for entry in entries:
+        kind, _, index = entry["name"].partition("_")
+        names = sources.get(index, [])
+        if kind in ("forward", "inference") and len(names) == len(entry["inputs"]):
+            for spec, source in zip(entry["inputs"], names):
+                spec["source"] = source
+
+
 def _write_graph(out_dir: Path, name: str, kind: str, lowered: LoweredGraph, target: HardwareTarget) -> dict:
     file, bytecode = f"{name}.mlir", f"{name}.mlirbc"
     (out_dir / file).write_text(lowered.text)
     (out_dir / bytecode).write_bytes(lowered.bytecode)
-    entry = {"name": name, "kind": kind, "file": file, "bytecode": bytecode, **lowered.to_dict()}
+    entry = {"name": name, "kind": kind, "file": file, "bytecode": bytecode, **lowered.to_dict(),
+             "collectives": {op: n for op, n in sorted(lowered.op_counts.items()) if op in STABLEHLO_COLLECTIVES}}
     if target.name in NEURON_TARGETS:
         entry["neuronx_cc"] = format_command(neuronx_cc_command(bytecode, target=target))
     return entry

@@ -47,7 +47,14 @@ class InnerCompiler:
         raise NotImplementedError
 
     def decompositions(self) -> dict | None:
-        """What AOT Autograd should decompose before handing graphs over (None: its defaults)."""
+        """What AOT Autograd should decompose before handing graphs over (None: its defaults).
+
+        The passes, and the budget's instruction estimate, run on the graph this
+        table makes: only compilers that cannot take other graphs (the lowering
+        ones) set one; a compiler that merely prefers its own decompositions
+        applies them in `compile` (InductorCompiler), so the estimate does not
+        depend on it.
+        """
         return None
 
     def check_available(self) -> None:
@@ -67,7 +74,14 @@ class EagerCompiler(InnerCompiler):
 
 
 class InductorCompiler(InnerCompiler):
-    """torch's own compiler, with its decompositions and its min-cut partitioner."""
+    """torch's own compiler, with its min-cut partitioner; its decompositions applied when it compiles.
+
+    AOT Autograd and the laplace passes (the budget's estimate included) see
+    the same graph as with inner="eager": Inductor's table rewrites for
+    Inductor's CPU/GPU kernels (a [n, 1, K] @ [n, K, 1] bmm becomes mul + sum
+    on the CPU), not what neuronx-cc is given, so it is applied here, to each
+    graph or partition, after the passes.
+    """
 
     name = "inductor"
     # As torch.compile's own Inductor path: a buffer updated in place (a decode state) is written by
@@ -77,18 +91,28 @@ class InductorCompiler(InnerCompiler):
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         from torch._inductor.compile_fx import compile_fx_inner
 
+        gm = _decomposed_for_inductor(gm, example_inputs)
         return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
-
-    def decompositions(self) -> dict:
-        from torch._inductor.decomposition import select_decomp_table
-
-        return select_decomp_table()
 
     @staticmethod
     def partition_fn(*args, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         return min_cut_rematerialization_partition(*args, **kwargs)
+
+
+def _decomposed_for_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+    """`gm` traced again with Inductor's decomposition table, in its inputs' fake mode (or a new one)."""
+    import contextlib
+
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode(example_inputs)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        mode = "real" if fake_mode is not None else "fake"
+        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode=mode)(*example_inputs)
 
 
 class CallableCompiler(InnerCompiler):

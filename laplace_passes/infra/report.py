@@ -92,6 +92,9 @@ class TrafficRecord:
     received_ratio: float  # received_before / received_after
     ns_flops_before: int
     ns_flops_after: int
+    # Each ownership plan over the whole graph: {"kind", "chosen", "received" (bytes per rank), "ns_flops"
+    # (the busiest rank's Newton-Schulz FLOPs), "zero_matrices", "owner_branches" (conds), "why"}.
+    plans: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -141,6 +144,9 @@ class GraphRecord:
     loops: list[LoopRecord] = field(default_factory=list)
     size: SizeRecord | None = None
     traffic: TrafficRecord | None = None  # set by the Muon all-to-all rewrite
+    # A Dynamo graph's inputs as the user passed them ("args[0][3]", "self.layers.0.weight"), in order:
+    # the order of the forward and inference graphs' (and their modules') inputs too.
+    input_sources: list[str] = field(default_factory=list)
 
     def snapshot(self, label: str, gm: torch.fx.GraphModule, modified: bool = True) -> None:
         """Keep a copy of `gm` as it is after `label`; a pass that changed nothing shares the previous copy.
@@ -374,6 +380,16 @@ def _traffic_tables(records: list[TrafficRecord]) -> list[str]:
              _bytes(t.received_after), f"{t.received_ratio:.2f}x", _bytes(t.lower_bound_bytes),
              f"{t.ns_flops_before / 1e9:.3g}", f"{t.ns_flops_after / 1e9:.3g}"]
             for t in records
+        ],
+    )
+    lines += _table(
+        "Muon ownership plans compared (per rank; 'uniform' is branch-free)",
+        ["graph", "plan", "chosen", "received", "NS GFLOP busiest rank", "zero matrices", "owner branches", "why"],
+        [
+            [t.graph, p["kind"], "yes" if p["chosen"] else "", _bytes(p["received"]), f"{p['ns_flops'] / 1e9:.3g}",
+             p["zero_matrices"], p["owner_branches"], p["why"]]
+            for t in records
+            for p in t.plans
         ],
     )
     return lines + _table(

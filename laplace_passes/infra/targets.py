@@ -30,6 +30,8 @@ whose source is https://github.com/aws-neuron/aws-neuron-sdk):
            github.com/parmoham-aws/test-repo-parmoham at 98154b8), the instance's default otherwise
   [A2A]    TorchNeuron's all-to-all accepts equal splits only (torch_neuronx/distributed/backend.py,
            alltoall_base: "Only even split sizes are supported")
+  [CTRL]   general/arch/neuron-features/control-flow.rst: control flow is "supported in NeuronCore-v2
+           Architecture ... however it is still not implemented by the Neuron Compiler"
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ class HardwareTarget:
         of the tiny model ran 1.20x faster at 1280 sequences; README, "Short sites and decode").
     static_shapes: the target's compiler takes static shapes only (neuronx-cc): a graph with
         symbolic sizes is compiled once per concrete shape (`laplace_passes.driver.shapes`).
+    control_flow: the target's compiler takes control flow (`cond`, `while_loop`; StableHLO `case`,
+        `if`, `while`) in a graph. neuronx-cc does not [CTRL]: passes emit none for it (the Muon
+        rewrite takes its branch-free plan) and the preflight flags any left.
     save_residuals: chunked GLA's forward keeps the states entering each chunk and tril(A) for
         its backward (`laplace_passes.ops.chunked`), which otherwise recomputes them from the inputs:
         more memory for less work. On a CPU a forward+backward step runs faster with them kept
@@ -110,6 +115,7 @@ class HardwareTarget:
     recurrent_max_tokens: int = 0
     recurrent_readout: str = "matmul"
     static_shapes: bool = False
+    control_flow: bool = True
     save_residuals: bool = False
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
     hbm_bytes_per_core: int | None = None
@@ -156,6 +162,7 @@ TRN2 = HardwareTarget(
     # The estimated instructions of the two forms cross between T = 8 and 16 (tiny and 1.3B heads).
     recurrent_max_tokens=8,
     static_shapes=True,  # neuronx-cc; TorchNeuron recompiles per shape and rejects dynamic=True
+    control_flow=False,  # [CTRL]
     # [A2A]; the group sizes follow [NRT], the runtime's trn1 topology rule plus its 4-rank groups
     # (no document states a trn2 all-to-all rule; override it when yours differs).
     collectives=CollectiveConstraints(
@@ -175,6 +182,7 @@ TRN1 = HardwareTarget(
     max_graph_instructions=5_000_000,  # [XTP002]
     matmul_tile=(128, 512),  # [ARCH1]
     recurrent_max_tokens=8,  # as trn2: same TensorEngine shape, not measured separately
+    control_flow=False,  # [CTRL]
     hbm_bytes_per_core=16 * GB,  # [HBM]
     logical_cores=1,  # [LNC]: the only value trn1 accepts
     logical_core_choices=(1,),  # [LNC]

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from laplace_passes.lowering import _deps
 from laplace_passes.lowering.clean_stablehlo import clean_module, dense_literal_hooks
+from laplace_passes.lowering.collectives import has_collectives, import_with_collectives
 
 
 class TorchMlirFailure(RuntimeError):
@@ -27,6 +28,7 @@ class TorchMlirFailure(RuntimeError):
 def import_stablehlo(gm: torch.fx.GraphModule):
     """`torch_mlir.fx.stateless_fx_import(gm, output_type="stablehlo")`; the function is named `main`.
 
+    Functional collectives become StableHLO collectives (`collectives.py`).
     Tensor literals are written inline (`dense<...>`, not `dense_resource`)
     and the module is cleaned for neuronx-cc (`clean_stablehlo.clean_module`:
     no f64 constants, no `arith` ops, no `dynamic_iota`) before it is returned.
@@ -49,10 +51,13 @@ def import_stablehlo(gm: torch.fx.GraphModule):
     try:
         # Outside the compile's fake mode: the importer converts constants (real tensors) itself.
         with unset_fake_temporarily():
-            module = tm_fx.stateless_fx_import(
-                gm, output_type="stablehlo", fx_importer=FxImporter(context=context, hooks=dense_literal_hooks()),
-                model_name="main",
-            )
+            if has_collectives(gm):  # torch-mlir refuses them: our own legalisation, then its pipelines
+                module = import_with_collectives(gm, context, dense_literal_hooks())
+            else:
+                module = tm_fx.stateless_fx_import(
+                    gm, output_type="stablehlo", fx_importer=FxImporter(context=context, hooks=dense_literal_hooks()),
+                    model_name="main",
+                )
         clean_module(module)
         return module
     except (TorchMlirCompilerError, ir.MLIRError) as error:

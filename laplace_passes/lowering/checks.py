@@ -8,32 +8,37 @@ returns `Finding`s that name the node, say what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import asdict
+from typing import Callable
 
 import torch
 import torch.fx
 
 from laplace_passes.infra.fx_helpers import (
+    COND,
     fake_tensor,
     fake_value,
     hop_name,
+    is_collective,
     is_loop,
     is_static,
     resolve_process_group,
 )
 from laplace_passes.infra.op_facts import op_name
+from laplace_passes.lowering.collectives import LOWERED, CollectiveLoweringError
 from laplace_passes.lowering.diagnose import LoweringError, lower_each_op
 from laplace_passes.lowering.finding import Finding
 from laplace_passes.lowering.hlo_checks import check_stablehlo
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo
 from laplace_passes.infra.pass_base import Declined
+from laplace_passes.infra.strict import strict_mode
 from laplace_passes.infra.targets import HardwareTarget, runtime_target
 from laplace_passes.unroll.partition import plan_partitions
 from laplace_passes.unroll.size import SizeModel
 
 FLOAT64 = (torch.float64, torch.complex128)
-ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 
 
 def check_dynamic_shapes(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
@@ -50,7 +55,9 @@ def check_dynamic_shapes(gm: torch.fx.GraphModule, target: HardwareTarget) -> li
     for node in gm.graph.nodes:
         if node.op == "call_function" and not is_static(fake_value(node)):
             return [Finding("dynamic-shape", node.name, op_name(node), f"produces a data-dependent shape "
-                            f"{_shape(node)}; neuronx-cc compiles static shapes only", fix)]
+                            f"{_shape(node)}; neuronx-cc compiles static shapes only",
+                            "compute a fixed-size result instead: keep every element and mask it (torch.where, "
+                            "a multiplied 0/1 mask), or pad to a fixed upper bound")]
     return []
 
 
@@ -62,6 +69,19 @@ def check_loops(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Findin
                 "unroll it before lowering: a Python loop over range(n) with a static n, or laplace's "
                 "unroll passes for chunk-sequential scans")
         for n in gm.graph.nodes if is_loop(n)
+    ]
+
+
+def check_control_flow(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
+    """A `cond` left in the graph, on a target whose compiler takes no control flow."""
+    if target.control_flow:
+        return []
+    return [
+        Finding("control-flow", n.name, "higher_order.cond", f"a cond is left in the graph; {target.name}'s "
+                "compiler does not implement control flow and torch-mlir's FX importer does not import cond",
+                "compute both branches and pick with torch.where, or branch in Python on a value known at "
+                "compile time (for a Muon step: let the all-to-all rewrite take its branch-free plan)")
+        for n in gm.graph.nodes if n.op == "call_function" and n.target is COND
     ]
 
 
@@ -131,51 +151,85 @@ def check_instruction_budget(
         "largest ops (shorter sequences or fewer layers per graph)")]
 
 
-def check_all_to_all(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
-    rules = target.collectives
+def check_collectives(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
+    """Collectives the StableHLO lowering has no form for, group sizes the target's runtime refuses, and
+    all-to-alls with unequal splits (in either direction)."""
     findings = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not ALL_TO_ALL:
+        if not is_collective(node):
             continue
-        _, output_splits, input_splits, group_name = node.args[:4]
-        splits = [s for s in (input_splits, output_splits) if s]
-        if rules.all_to_all_equal_splits_only and any(len(set(s)) > 1 for s in splits):
-            uneven = next(s for s in splits if len(set(s)) > 1)
+        name = node.target.overloadpacket.__name__.split(".")[-1]
+        args = collective_arguments(node)
+        if name not in LOWERED:
+            findings.append(Finding(
+                "collective", node.name, op_name(node),
+                f"laplace_passes has no StableHLO form for {name} (it lowers {', '.join(LOWERED[:-1])})",
+                "express it with those collectives (a broadcast is an all_gather of the source's tensor and a "
+                "select; a list all_gather is all_gather_into_tensor and a view)"))
+        if name == "all_to_all_single":
+            findings += _unequal_splits(node, args, target)
+        size = _group_size(args)
+        if size is not None and size > 1 and not target.collectives.group_size_supported(size):
+            findings.append(Finding(
+                "collective-group-size", node.name, op_name(node),
+                f"the {name} spans a group of {size} ranks; {target.name} supports groups of "
+                f"{_supported_sizes(target.collectives)}",
+                "run it over a process group of a supported size (e.g. sub-groups of 4, 8 or 16 ranks "
+                "starting at a multiple of the group size)"))
+    return findings
+
+
+def collective_arguments(node: torch.fx.Node) -> dict:
+    """A functional collective's arguments by schema name (input, group_size, group_name, ...)."""
+    schema = node.target._schema
+    values = dict(zip((a.name for a in schema.arguments), node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def _unequal_splits(node: torch.fx.Node, args: dict, target: HardwareTarget) -> list[Finding]:
+    findings = []
+    for which in ("input_split_sizes", "output_split_sizes"):
+        splits = args.get(which)
+        if not splits:
+            continue
+        if any(isinstance(s, torch.fx.Node) for s in splits):
             findings.append(Finding(
                 "all-to-all-splits", node.name, op_name(node),
-                f"split sizes {list(uneven)} are unequal; {target.name}'s all-to-all accepts equal splits only",
+                f"its {which.replace('_', ' ')} are computed at run time; {target.name}'s all-to-all accepts "
+                "equal splits only and StableHLO's all_to_all has no split sizes",
+                "pad every shard to one fixed size so that the splits are equal constants"))
+        elif len(set(splits)) > 1:
+            findings.append(Finding(
+                "all-to-all-splits", node.name, op_name(node),
+                f"{which.replace('_', ' ')} {list(splits)} are unequal; {target.name}'s all-to-all accepts "
+                "equal splits only",
                 "pad every shard to the largest split with zero rows so that all splits are equal "
                 "(laplace's Muon all-to-all rewrite pads shards this way)"))
-        size = _group_size(group_name, splits)
-        if size is not None and not rules.group_size_supported(size):
-            findings.append(Finding(
-                "all-to-all-group-size", node.name, op_name(node),
-                f"the all-to-all spans a group of {size} ranks; {target.name} supports groups of "
-                f"{_supported_sizes(rules)}",
-                "run the all-to-all over a process group of a supported size (e.g. sub-groups of 4, 8 or 16 "
-                "ranks starting at a multiple of the group size)"))
     return findings
 
 
 def check_lowering(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Finding]:
-    """Try torch-mlir's lowering; name each node it cannot lower, or check what it produced.
+    """Try the lowering to StableHLO; name each node it cannot lower, or check what it produced.
 
     A graph that lowers gets the StableHLO checks (`hlo_checks`: element
-    types, dynamic dimensions, ops, custom calls, loops, integer matmuls,
-    the HBM estimate) on the module neuronx-cc would receive.
+    types, dynamic dimensions, ops, custom calls, control flow, integer
+    matmuls, the HBM estimate) on the module neuronx-cc would receive.
 
-    Loops are check_loops' findings, and torch-mlir's importer fails on them
-    as a whole; collectives are lowered by TorchNeuron's own legalization,
-    not by upstream torch-mlir. With either in the graph, every other op is
-    lowered on its own instead of the graph as a whole.
+    Loops, conds and collectives without a StableHLO form are other checks'
+    findings, and the importer fails on them as a whole: with any of them in
+    the graph, every other op is lowered on its own instead.
     """
-    if any(_lowered_elsewhere(n) or is_loop(n) for n in gm.graph.nodes):
-        failures = lower_each_op(gm, skip=_lowered_elsewhere)
+    if any(_not_lowered(n) or is_loop(n) or n.target is COND for n in gm.graph.nodes):
+        failures = lower_each_op(gm, skip=is_collective)
     else:
         try:
             lowered = lower_to_stablehlo(gm)
             return check_stablehlo(lowered.text, target)
         except LoweringError as error:
+            if isinstance(error.__cause__, CollectiveLoweringError):
+                return [Finding("collective", "(graph)", "", str(error), "see the collective's message: equal "
+                                "all-to-all splits, a process group whose replica groups are known")]
             failures = error.unlowerable
             if not failures:
                 return [Finding("unlowerable-op", "(graph)", "", f"torch-mlir could not lower the graph, though "
@@ -186,9 +240,9 @@ def check_lowering(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Fin
     ]
 
 
-def _lowered_elsewhere(node: torch.fx.Node) -> bool:
-    """Collectives: TorchNeuron legalizes them itself (its collective_legalization pass)."""
-    return node.op == "call_function" and op_name(node).startswith("_c10d_functional.")
+def _not_lowered(node: torch.fx.Node) -> bool:
+    """A collective without a StableHLO form (check_collectives names it)."""
+    return is_collective(node) and node.target.overloadpacket.__name__.split(".")[-1] not in LOWERED
 
 
 def check_graph(
@@ -198,25 +252,43 @@ def check_graph(
     """Every check over one ATen graph (with fake values in meta["val"]); see the module docstring.
 
     A Neuron target is checked at the runtime's logical NeuronCore config
-    (NEURON_LOGICAL_NC_CONFIG, when set: `targets.runtime_target`).
+    (NEURON_LOGICAL_NC_CONFIG, when set: `targets.runtime_target`). A check
+    that fails inside is itself a finding that names it; the others still run.
     """
     target = runtime_target(target)
-    dynamic, aten_f64 = check_dynamic_shapes(gm, target), check_float64(gm, target)
-    lowered = check_lowering(gm, target)
+    run = functools.partial(_run_check, gm, target)
+    dynamic, aten_f64 = run(check_dynamic_shapes), run(check_float64)
+    lowered = run(check_lowering)
     # The ATen finding names the node where f64 or a symbol enters; the lowered module's say no more
     # (a symbolic graph's module is full of shape arithmetic: tensor.dim, arith.index_cast).
-    if dynamic:
-        lowered = [f for f in lowered if f.check == "unlowerable-op"]
-    said = {"stablehlo-dtype": bool(aten_f64)}
+    if dynamic:  # and a graph-level failure of the lowering is the symbol's doing too
+        lowered = [f for f in lowered if f.check == "internal-error" or (f.check == "unlowerable-op"
+                                                                          and f.node != "(graph)")]
+    collectives = run(check_collectives)
+    said = {"stablehlo-dtype": bool(aten_f64), "collective": bool(collectives)}
     findings = [
         *dynamic,
-        *check_loops(gm, target),
+        *run(check_loops),
+        *run(check_control_flow),
         *aten_f64,
-        *check_instruction_budget(gm, target, partition_budget),
-        *check_all_to_all(gm, target),
+        *run(check_instruction_budget, partition_budget),
+        *collectives,
         *[f for f in lowered if not said.get(f.check)],
     ]
     return [Finding(**{**asdict(f), "graph": graph_name}) for f in findings]
+
+
+def _run_check(gm: torch.fx.GraphModule, target: HardwareTarget, check: Callable, *args) -> list[Finding]:
+    """`check`'s findings; an exception inside it becomes a finding that names the check (strict: raised)."""
+    try:
+        return check(gm, target, *args)
+    except Exception as error:  # noqa: BLE001  the preflight reads; it never stops the user's work
+        if strict_mode():
+            raise
+        return [Finding("internal-error", "(graph)", check.__name__,
+                        f"the {check.__name__} check failed inside ({type(error).__name__}: {error}); its finding(s), "
+                        "if any, are missing and the other checks ran",
+                        "report it to laplace_passes with the graph (report.graph('after', name).code)")]
 
 
 def _what_is_symbolic(node: torch.fx.Node) -> str:
@@ -236,11 +308,14 @@ def _is_f64(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype in FLOAT64
 
 
-def _group_size(group_name, splits: list) -> int | None:
-    """Ranks in the all-to-all's group: one split per rank, else the process group's size when it exists."""
+def _group_size(args: dict) -> int | None:
+    """Ranks in a collective's group: its group_size argument, one split per rank, else the process group's."""
+    if isinstance(args.get("group_size"), int):
+        return args["group_size"]
+    splits = args.get("input_split_sizes") or args.get("output_split_sizes")
     if splits:
-        return len(splits[0])
-    process_group = resolve_process_group(group_name)
+        return len(splits)
+    process_group = resolve_process_group(args.get("group_name"))
     return None if process_group is None else process_group.size()
 
 

@@ -1,4 +1,5 @@
-"""What torch-mlir's StableHLO needs before neuronx-cc may read it: no f64, no `arith`, no `dynamic_iota`.
+"""What torch-mlir's StableHLO needs before neuronx-cc may read it: no f64, no `arith`, no `dynamic_iota`,
+and low-precision matmuls that say they accumulate in f32.
 
 torch-mlir 20261001 writes things neuronx-cc does not accept into graphs
 whose shapes are all static (sources: torch-mlir's
@@ -28,8 +29,12 @@ rather than silently demoted.
     convert_iN(floor(convert_f64(x) / c))   -> x / c - (remainder(x, c) < 0), in iN (c > 0 constant)
     convert_f(select(p, c1 : iN, c2 : iN))  -> select(p, c1 : f, c2 : f): decompositions pick integer
                                             constants (a sign, 1 or 0) by a predicate and then convert
+    dot_general : bf16 / f16                -> convert(dot_general : f32): accumulate in f32, as PyTorch
+                                            and the TensorEngine do, whatever the consumer's default
+    reduce(add) : bf16 / f16                -> convert(reduce(add) of f32): PyTorch's sums do the same
     reshape / convert of an f64 constant    -> a constant of the result type (numpy's cast rounds to
-                                            nearest even, as stablehlo.convert does at run time)
+                                            nearest even, as stablehlo.convert does at run time; a
+                                            bf16 one when the constant is one value, rounded by torch)
     stablehlo-aggressive-simplification, canonicalize, cse
 
 `DenseLiterals` is the importer hook that writes tensor literals inline
@@ -45,7 +50,7 @@ from typing import Callable
 import numpy as np
 
 SIMPLIFY = "builtin.module(func.func(stablehlo-aggressive-simplification),canonicalize,cse)"
-# numpy types for folding an f64 constant into a float type (bf16 has none: left for the checks).
+# numpy types for folding an f64 constant into a float type (bf16 has none: its scalars are rounded by torch).
 FLOAT_NUMPY = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
 
 
@@ -57,6 +62,8 @@ def clean_module(module) -> dict[str, int]:
     counts["f64_constant_reshapes"] = _fold_f64_constants(module, "stablehlo.reshape")
     counts["f64_constant_converts"] = _fold_f64_constants(module, "stablehlo.convert")
     counts["converted_selects"] = _convert_selects_of_constants(module)
+    counts["f32_accumulating_dots"] = _accumulate_dots_in_f32(module)
+    counts["f32_accumulating_sums"] = _accumulate_sums_in_f32(module)
     _simplify(module)
     return counts
 
@@ -132,9 +139,10 @@ def _fold_f64_constants(module, name: str) -> int:
         # f64 constants, and the integer scalars of Python ints (`x * 2`) converted to floats.
         source = op.operands[0]
         element, result = _element_type(source), _element_type(op.results[0])
+        floats = (*FLOAT_NUMPY, "bf16") if _is_splat(source) else tuple(FLOAT_NUMPY)
         return (_owner_name(source) == "stablehlo.constant"
-                and (element == "f64" or (element.startswith("i") and result in FLOAT_NUMPY))
-                and (result in FLOAT_NUMPY or result.startswith("i")))
+                and (element == "f64" or (element.startswith("i") and result in floats))
+                and (result in floats or result.startswith("i")))
 
     found = _ops_named(module, name, foldable)
     with module.context, ir.Location.unknown():
@@ -142,9 +150,29 @@ def _fold_f64_constants(module, name: str) -> int:
             target = ir.RankedTensorType(op.results[0].type)
             values = np.array(ir.DenseElementsAttr(_owner(op.operands[0]).attributes["value"]))
             element = str(target.element_type)
+            if element == "bf16":  # numpy has no bf16: one value (a scalar of the model), rounded as convert does
+                _replace(op, "stablehlo.constant", target, value=ir.DenseElementsAttr.get_splat(
+                    target, ir.FloatAttr.get(target.element_type, _to_bfloat16(float(values.reshape(-1)[0])))))
+                continue
             values = values.astype(FLOAT_NUMPY[element]) if element in FLOAT_NUMPY else _to_integer(values, element)
             _replace(op, "stablehlo.constant", target, value=_dense(values, target))
     return len(found)
+
+
+def _is_splat(value) -> bool:
+    from torch_mlir import ir
+
+    owner = _owner(value)
+    if getattr(owner, "name", None) != "stablehlo.constant":
+        return False
+    return ir.DenseElementsAttr(owner.attributes["value"]).is_splat
+
+
+def _to_bfloat16(value: float) -> float:
+    """`value` rounded to the nearest bfloat16 (ties to even), as stablehlo.convert rounds."""
+    import torch
+
+    return torch.tensor(value, dtype=torch.float64).to(torch.bfloat16).item()
 
 
 def _dense(values: np.ndarray, target):
@@ -185,6 +213,62 @@ def _convert_selects_of_constants(module) -> int:
                     constants.append(ir.Operation.create("stablehlo.constant", results=[kind], attributes={
                         "value": _dense(array.astype(FLOAT_NUMPY[str(target.element_type)]), kind)}).results[0])
             _replace(op, "stablehlo.select", target, [select.operands[0], *constants])
+    return len(found)
+
+
+def _accumulate_dots_in_f32(module) -> int:
+    """dot_general(a, b) : bf16 or f16 -> convert(dot_general(a, b) : f32): the sum in f32, rounded once.
+
+    torch-mlir types a bf16 matmul's result bf16, which leaves the accumulation type to the consumer:
+    XLA's CPU backend then sums in bf16 (a 5-step bf16 Newton-Schulz came out 0.19 relative RMSE from
+    f32, against torch's 0.03). PyTorch sums bf16 and f16 products in f32 and rounds the result, and
+    so does the TensorEngine (its PSUM accumulates in fp32); an f32 result type says so in the IR.
+    """
+    from torch_mlir import ir
+
+    found = _ops_named(module, "stablehlo.dot_general", lambda op: _element_type(op.results[0]) in ("bf16", "f16"))
+    with module.context, ir.Location.unknown():
+        for op in found:
+            low = ir.RankedTensorType(op.results[0].type)
+            wide = ir.RankedTensorType.get(low.shape, ir.F32Type.get())
+            attributes = {name: op.attributes[name] for name in op.attributes}
+            with ir.InsertionPoint(op), op.location:
+                summed = ir.Operation.create("stablehlo.dot_general", results=[wide], operands=list(op.operands),
+                                             attributes=attributes)
+            _replace(op, "stablehlo.convert", low, [summed.results[0]])
+    return len(found)
+
+
+def _accumulate_sums_in_f32(module) -> int:
+    """reduce(x : bf16 or f16, add) -> convert(reduce(convert(x) : f32, add)): PyTorch's sums of bf16 and f16
+    accumulate in f32 (a norm of 2,048 bf16 squares summed in bf16 is off by percents)."""
+    from torch_mlir import ir
+
+    def low_precision_sum(op) -> bool:
+        body = [o.operation.name for o in op.regions[0].blocks[0].operations]
+        return (len(op.operands) == 2 and body == ["stablehlo.add", "stablehlo.return"]
+                and _element_type(op.results[0]) in ("bf16", "f16"))
+
+    found = _ops_named(module, "stablehlo.reduce", low_precision_sum)
+    with module.context, ir.Location.unknown():
+        f32 = ir.F32Type.get()
+        for op in found:
+            low = ir.RankedTensorType(op.results[0].type)
+            with ir.InsertionPoint(op), op.location:
+                operands = [
+                    ir.Operation.create("stablehlo.convert", operands=[value], results=[
+                        ir.RankedTensorType.get(ir.RankedTensorType(value.type).shape, f32)]).results[0]
+                    for value in op.operands
+                ]
+                summed = ir.Operation.create("stablehlo.reduce", results=[ir.RankedTensorType.get(low.shape, f32)],
+                                             operands=operands, attributes={"dimensions": op.attributes["dimensions"]},
+                                             regions=1)
+                scalar = ir.RankedTensorType.get([], f32)
+                block = summed.regions[0].blocks.append(scalar, scalar)
+                with ir.InsertionPoint(block):
+                    added = ir.Operation.create("stablehlo.add", results=[scalar], operands=list(block.arguments))
+                    ir.Operation.create("stablehlo.return", operands=[added.results[0]])
+            _replace(op, "stablehlo.convert", low, [summed.results[0]])
     return len(found)
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from laplace_passes.infra.fx_helpers import fake_tensor, fake_value
+from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, is_static
 from laplace_passes.infra.op_facts import op_name, overload_packet_name
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
 
@@ -107,10 +107,10 @@ def _signature(node: torch.fx.Node):
     values = []
     for arg in node.all_input_nodes:
         value = fake_tensor(arg)
-        if value is None:
+        if value is None or not is_static(value):  # a symbolic size: check_dynamic_shapes' finding
             return None
         values.append((tuple(value.shape), value.dtype))
-    if fake_tensor(node) is None:
+    if fake_tensor(node) is None or not is_static(fake_tensor(node)):
         return None
     constants = repr(torch.fx.node.map_arg((node.args, node.kwargs), lambda _: None))
     return (node.target, tuple(values), constants)

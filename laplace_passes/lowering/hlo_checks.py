@@ -12,6 +12,7 @@ documented to reject (AWS Neuron SDK, compiler/error-codes):
     stablehlo-op            an op outside the stablehlo dialect (arith, chlo, tensor, ...)
     stablehlo-custom-call   a custom_call target neuronx-cc does not know (NCC_EHCA005 lists them)
     stablehlo-while         a loop: neuronx-cc wants straight-line code (our unroll passes)
+    stablehlo-control-flow  a `case` or `if`: neuronx-cc does not implement control flow
     stablehlo-integer-dot   an integer dot_general: no integer matmul datapath (NCC_EVRF035)
     hbm-estimate            the graph's inputs plus its peak of live intermediates pass the target's
                             HBM per logical core (NCC_EOOM001)
@@ -183,6 +184,10 @@ def _op_problems(op: HloOp) -> list[tuple[str, str, str]]:
     if op.name == "stablehlo.while":
         problems.append(("stablehlo-while", "a loop; neuronx-cc wants loops unrolled with static trip counts",
                          "unroll it before lowering (laplace's unroll passes, or a Python loop over range(n))"))
+    if op.name in ("stablehlo.case", "stablehlo.if"):
+        problems.append(("stablehlo-control-flow", "a branch; neuronx-cc does not implement control flow "
+                         "(general/arch/neuron-features/control-flow.rst)",
+                         "compute both branches and select (stablehlo.select, torch.where in the model)"))
     if op.name == "stablehlo.dot_general" and re.search(r"tensor<[^>]*x(u?i\d+)>", op.text.split(" : ", 1)[-1]):
         problems.append(("stablehlo-integer-dot", "an integer matrix product; the TensorEngine has no integer "
                          "datapath (NCC_EVRF035)", "cast the operands to bfloat16 or float32 before the matmul"))

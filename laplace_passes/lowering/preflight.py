@@ -8,18 +8,25 @@ It runs the passes and AOT Autograd as inner="neuron" would (with
 torch-mlir's decomposition table standing in for TorchNeuron's, which ships
 with torch-neuronx), then checks every ATen graph:
 
-    dynamic-shape          a symbolic size: neuronx-cc compiles static shapes only
+    dynamic-shape          a symbolic size, at the input or the data-dependent op (nonzero,
+                           masked_select, ...) it enters by: neuronx-cc compiles static shapes only
     loop                   while_loop / scan / map left in the graph
+    control-flow           a cond left in the graph (neuronx-cc implements no control flow)
     f64                    float64 tensors: no f64 on Trainium, TorchNeuron demotes them
     instruction-budget     estimated instructions over the target's budget (neuronx-cc [XTP002])
                            that the budget pass will not cut into partitions that fit
-    all-to-all-splits      unequal split sizes (TorchNeuron's all-to-all: equal splits only)
-    all-to-all-group-size  a group size the target does not support (trn2: 4, 8, 16, multiples of 32)
+    all-to-all-splits      unequal (or run-time) input or output split sizes (TorchNeuron's
+                           all-to-all: equal splits only)
+    collective-group-size  a collective over a group size the target does not support (trn2: 4,
+                           8, 16, multiples of 32)
+    collective             a collective the StableHLO lowering has no form for
     unlowerable-op         an op torch-mlir cannot lower: the lowering is tried, the op named
     stablehlo-*, hbm-estimate   on the lowered module itself (`hlo_checks`): f64 or complex values,
                            dynamic dimensions, ops outside StableHLO, unknown custom_call targets,
-                           while, integer dot_general, and inputs plus peak live intermediates
-                           over the target's HBM per logical core
+                           while, case and if, integer dot_general, and inputs plus peak live
+                           intermediates over the target's HBM per logical core
+    internal-error         a check that failed inside: named, the others still run (raised under
+                           LAPLACE_PASSES_STRICT=1)
 
 inner="neuron" runs the same checks as its last ATen pass (`NeuronPreflight`),
 so the findings are in its report and stop the compile before TorchNeuron

@@ -40,6 +40,7 @@ from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, output_valu
 from laplace_passes.infra.inner import InnerCompiler
 from laplace_passes.lowering import _deps
 from laplace_passes.lowering._torch_mlir import TorchMlirFailure, import_stablehlo
+from laplace_passes.lowering.collectives import CollectiveLoweringError
 from laplace_passes.lowering.diagnose import LoweringError, lowering_error
 from laplace_passes.infra.pass_base import GraphPass, PassResult
 from laplace_passes.unroll import partition_calls
@@ -143,6 +144,8 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
         module = import_stablehlo(lowering_gm)
     except TorchMlirFailure as failure:
         raise lowering_error(gm, failure.diagnostics) from failure
+    except CollectiveLoweringError as error:
+        raise LoweringError(f"a collective cannot be lowered: {error}") from error
     return LoweredGraph(
         text=str(module),
         inputs=[TensorSpec.of(n) for n in gm.graph.find_nodes(op="placeholder")],

@@ -4,6 +4,7 @@
     laplace-passes inspect MODEL [--json] [--dump DIR]      what the passes do to MODEL
     laplace-passes inspect --passes [--target T --inner I]  the passes a compile runs, in order
     laplace-passes export MODEL --stablehlo DIR             every graph as StableHLO + manifest.json
+        [--muon --world-size W]                             ... and the demo's ShardedMuon step, one module for W ranks
     laplace-passes bench NAME [args...]                     run a benchmark script
 
 DIR is written whole or not at all; a non-empty DIR is refused unless
@@ -22,8 +23,10 @@ import argparse
 import contextlib
 import importlib
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -155,6 +158,11 @@ def _add_export(commands) -> None:
     export.add_argument("--target", default="trn2")
     export.add_argument("--inference", action="store_true",
                         help="export the inference graph only (default: forward and backward of a training step)")
+    export.add_argument("--muon", action="store_true",
+                        help="also export the demo's ShardedMuon step over MODEL's parameters into DIR/muon_step "
+                             "(one module for every rank, traced on --world-size local ranks)")
+    export.add_argument("--world-size", type=int, default=4, metavar="W",
+                        help="ranks of the --muon step (default 4; trn2's all-to-all takes 4, 8, 16 or 32k)")
     export.add_argument("--json", action="store_true", help="print the manifest as JSON")
     export.set_defaults(run=_run_export)
 
@@ -166,20 +174,43 @@ def _run_export(args) -> int:
     from laplace_passes.infra.files import check_output_dir
 
     check_output_dir(args.stablehlo, args.force)
+    if args.muon and args.world_size < 2:
+        raise SystemExit(f"error: --muon needs --world-size of at least 2 (got {args.world_size}): with one rank the "
+                         "step has no communication to export")
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
-    # Gradients on (the default): AOT Autograd makes the forward and backward graphs of a training step.
-    context = torch.no_grad() if args.inference else contextlib.nullcontext()
-    with context, _status(f"export {args.model}: lowering every graph at batch {args.batch}, T = {args.seq_len}"):
-        exported = laplace_passes.export_stablehlo(model, *example_inputs, target=args.target, out_dir=args.stablehlo,
-                                                   overwrite=args.force)
-    manifest = exported.manifest
+    with tempfile.TemporaryDirectory(prefix="laplace_export_") as scratch:
+        step = None
+        if args.muon:  # first: a failure here leaves DIR as it was
+            from laplace_passes.demo.muon_export import STEP_DIR, export_muon_step
+
+            with _status(f"export {args.model}: the ShardedMuon step, traced and lowered on {args.world_size} ranks"):
+                step = export_muon_step(args.model, world_size=args.world_size, target=args.target,
+                                        out_dir=Path(scratch) / STEP_DIR)
+        # Gradients on (the default): AOT Autograd makes the forward and backward graphs of a training step.
+        context = torch.no_grad() if args.inference else contextlib.nullcontext()
+        with context, _status(f"export {args.model}: lowering every graph at batch {args.batch}, T = {args.seq_len}"):
+            exported = laplace_passes.export_stablehlo(model, *example_inputs, target=args.target,
+                                                       out_dir=args.stablehlo, overwrite=args.force)
+        manifest = exported.manifest
+        if step is not None:
+            shutil.move(str(Path(scratch) / step["dir"]), str(exported.out_dir / step["dir"]))
+            manifest["muon_step"] = step
+            (exported.out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if args.json:
         print(json.dumps(manifest, indent=2))
     else:
         for entry in manifest["graphs"]:
             ops = sum(entry["op_counts"].values())
             print(f"{entry['file']:<32} {entry['kind']:<10} {ops:>7,} StableHLO ops")
-        print(f"wrote {len(manifest['graphs'])} graphs and manifest.json to {exported.out_dir}")
+        if "muon_step" in manifest:
+            step = manifest["muon_step"]
+            for name in step["graphs"]:
+                collectives = ", ".join(f"{op.removeprefix('stablehlo.')} x{n}" for op, n in step["collectives"][name].items())
+                print(f"{step['dir'] + '/' + name + '.mlir':<32} {'muon step':<10} {collectives} "
+                      f"(W = {step['world_size']}, the same module on every rank)")
+        count = len(manifest['graphs'])
+        print(f"wrote {count} graph{'' if count == 1 else 's'}{' and the Muon step' if 'muon_step' in manifest else ''} "
+              f"and manifest.json to {exported.out_dir}")
     return 0
 
 

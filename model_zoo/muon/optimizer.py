@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,6 +253,27 @@ class ShardedMuon(Optimizer):
     def _hook(self, phase: str) -> None:
         if self._fault_hook is not None:
             self._fault_hook(phase)
+
+    def shard_step_call(self) -> tuple[Callable, tuple]:
+        """(the shard step as a function of tensors, this rank's arguments): what `step` compiles.
+
+        For exporting it, e.g. ``laplace_passes.export_stablehlo(fn, *args, target="trn2", out_dir=...)``
+        inside the distributed job. The arguments are this rank's shards of the current momenta, gradients
+        (not averaged over the ranks: only their shapes matter to an export) and parameters, and the rank
+        as a tensor. Needs a ``.grad`` on the Muon parameters; modifies nothing.
+        """
+        muon, _ = self._collect()
+        if not muon.params:
+            raise ValueError("ShardedMuon.shard_step_call(): no Muon parameter has a .grad (run a backward first)")
+        splits = tuple(muon.splits)
+        step = functools.partial(muon_shard_step, splits=splits, hparams=tuple(muon.hparams),
+                                 owners=assign_owners(splits, self.world_size), comm=self.comm,
+                                 world_size=self.world_size,
+                                 group=self.process_group.group_name if self.process_group is not None else None)
+        own = [lambda full, sp=sp: sp.own(full.detach(), self.rank) for sp in splits]
+        args = (self._momentum_shards(muon), [o(g) for o, g in zip(own, muon.grads)],
+                [o(p) for o, p in zip(own, muon.params)], self._rank_tensor(muon.params[0].device))
+        return step, args
 
     def _shard_step(self) -> Callable:
         if self._step_fn is None:
