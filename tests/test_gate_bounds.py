@@ -108,6 +108,37 @@ def _write_out(x):
     return gates
 
 
+def _foreach_add(x):
+    gates, other = F.logsigmoid(x) / 16, F.logsigmoid(x)
+    torch._foreach_add_([other, gates], 5.0)  # the gates are the second tensor of the list
+    return gates
+
+
+def _foreach_mul_a_tuple(x):
+    gates = F.logsigmoid(x) / 16
+    torch._foreach_mul_((gates,), -1.0)  # a tuple, not a list
+    return gates
+
+
+def _foreach_copy(x):
+    gates = F.logsigmoid(x) / 16
+    torch._foreach_copy_([gates], [x])
+    return gates
+
+
+def _foreach_addcmul(x):
+    gates = F.logsigmoid(x) / 16
+    torch._foreach_addcmul_([gates], [x], [x], 1.0)
+    return gates
+
+
+def _amp_unscale(x):
+    # Writes its tensor list (scaled by 1 / inv_scale) and found_inf: here the gates are found_inf's memory.
+    gates = F.logsigmoid(x[:1, :1, :1, :1]).reshape(1) / 16
+    torch._amp_foreach_non_finite_check_and_unscale_([x.clone()], gates, torch.ones(1))
+    return gates.expand(x.shape) + 0 * x
+
+
 # name -> (gates from x, x making some gate positive, why the pass keeps the check)
 CHECKED = {
     "an input": (lambda x: x, "is an input of the graph"),
@@ -143,6 +174,11 @@ CHECKED = {
                                  "iadd (flat_1) writes in place to flat, which shares memory with gates"),
     "logsigmoid / 16, then out=": (_write_out, "add writes in place to gates"),
     "logsigmoid / 16, then hardtanh(inplace)": (_hardtanh_in_place, "writes in place to gates"),
+    # Ops that write each tensor of a list or tuple argument.
+    "logsigmoid / 16, then _foreach_add_ of a list": (_foreach_add, "_foreach_add_ writes in place to"),
+    "logsigmoid / 16, then _foreach_mul_ of a tuple": (_foreach_mul_a_tuple, "_foreach_mul_ writes in place to"),
+    "logsigmoid / 16, then _foreach_copy_": (_foreach_copy, "_foreach_copy_ writes in place to"),
+    "logsigmoid / 16, then _foreach_addcmul_": (_foreach_addcmul, "_foreach_addcmul_ writes in place to"),
 }
 
 
@@ -301,6 +337,18 @@ def test_operator_functions_named_like_in_place_ops_write_nothing():
     assert written_operands(graph.call_function(operator.iadd, (x, y))) == [x]
     assert written_operands(graph.call_function(operator.setitem, (x, 0, y))) == [x]
     assert written_operands(graph.call_method("add_", (x, y))) == [x]
+
+
+def test_ops_writing_through_lists_tuples_and_a_second_argument_are_seen():
+    graph = torch.fx.Graph()
+    a, b, found_inf, scale = (graph.placeholder(name) for name in ("a", "b", "found_inf", "scale"))
+    assert written_operands(graph.call_function(torch._foreach_add_, ([a, b], 1.0))) == [a, b]
+    assert written_operands(graph.call_function(torch._foreach_mul_, ((a, b), scale))) == [a, b]
+    assert written_operands(graph.call_method("_foreach_copy_", ([a], [b]))) == [a]
+    unscale = graph.call_function(torch._amp_foreach_non_finite_check_and_unscale_, ([a, b], found_inf, scale))
+    assert written_operands(unscale) == [a, b, found_inf]
+    assert written_operands(graph.call_function(torch.ops.aten._foreach_add_.Scalar, ([a, b], 1.0))) == [a, b]
+    assert written_operands(graph.call_function(torch.add, (a, 1.0), {"out": [b]})) == [b]
 
 
 def test_a_model_recompiled_with_a_dynamic_length_keeps_its_proof():

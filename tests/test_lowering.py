@@ -141,12 +141,33 @@ def test_export_writes_one_file_per_graph_and_a_manifest(exported):
     assert sorted(p.name for p in exported.out_dir.iterdir()) == [
         "backward_0.mlir", "backward_0.mlirbc", "forward_0.mlir", "forward_0.mlirbc", "manifest.json"]
     assert manifest["target"] == "trn2" and manifest["versions"]["torch-mlir"] == "20261001"
-    assert "clamp(gk, max=0)" in manifest["notes"][0]
+    checked_gates = any(s.gates.startswith("checked at run time") for s in exported.report.sites)
+    assert any("clamp(gk, max=0)" in note for note in manifest["notes"]) == checked_gates
     assert manifest["graphs"][0]["bytecode"] == "forward_0.mlirbc"
     assert manifest["graphs"][0]["neuronx_cc"] == (
         "neuronx-cc compile forward_0.mlirbc --framework XLA --target trn2 --lnc 2 -O2 --model-type transformer "
         "--auto-cast=none --output forward_0.neff"
     )
+
+
+def test_the_manifest_notes_only_what_applies_to_its_modules(tmp_path):
+    """A model computing in float64 is noted (neuronx-cc has no FP64); a model without GLA gets no gate note;
+    a GLA site whose gates are checked at run time gets the note that the lowering clamps them."""
+    torch.manual_seed(0)
+    in_double = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).double().eval()
+    notes = laplace_passes.export_stablehlo(in_double, torch.randn(3, 4, dtype=torch.float64), target="trn2",
+                                            out_dir=tmp_path / "double").manifest["notes"]
+    assert len(notes) == 1 and notes[0].startswith("forward_0, backward_0 compute in float64") and "no FP64" in notes[0]
+    plain = torch.nn.Linear(4, 4).eval()
+    assert laplace_passes.export_stablehlo(plain, torch.randn(3, 4), target="trn2",
+                                           out_dir=tmp_path / "plain").manifest["notes"] == []
+
+    def gla_layer(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    inputs = [torch.randn(1, 16, 1, 4), torch.randn(1, 16, 1, 4), torch.randn(1, 16, 1, 4), -torch.rand(1, 16, 1, 4)]
+    notes = laplace_passes.export_stablehlo(gla_layer, *inputs, target="trn2", out_dir=tmp_path / "gla").manifest["notes"]
+    assert len(notes) == 1 and "clamp(gk, max=0)" in notes[0]
 
 
 def test_exported_stablehlo_has_no_while_and_no_gla_custom_call(exported):

@@ -90,7 +90,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
         )
     record = report.new_graph("dynamo", gm)
     record.input_sources = [input_source(n) for n in gm.graph.find_nodes(op="placeholder")]
-    gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report)
+    gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report, strict=config.strict)
     compilers = {kind: _aten_compiler(config, kind) for kind in KINDS}
     kwargs: dict[str, Any] = {
         "fw_compiler": compilers["forward"],
@@ -112,7 +112,7 @@ def _aten_compiler(config: CompileConfig, kind: str) -> Callable:
         forward_graphs = [g.before for g in report.graphs if g.kind == "forward"]
         record = report.new_graph(kind, gm)
         passes = aten_passes(config, graph_context(config, record.name, kind), gm, forward_graphs)
-        gm = run_passes(gm, passes, record, report)
+        gm = run_passes(gm, passes, record, report, strict=config.strict)
         # A graph the budget pass cut into partitions: each compiled on its own.
         return compile_graph(config.inner, gm, example_inputs, kind)
 
@@ -131,7 +131,11 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     backend = functools.partial(compile_fx, config=config)
     compiled = torch.compile(fresh_code(model_or_fn), backend=backend, dynamic=False)
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        compiled(*example_inputs)
+        try:
+            compiled(*example_inputs)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            # Dynamo's wrapper starts with the backend's repr; the user needs the cause first.
+            raise error.inner_exception.with_traceback(error.inner_exception.__traceback__) from None
     if not config.report.graphs:
         raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
     return config.report

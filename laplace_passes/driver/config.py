@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from laplace_passes.infra.checks import check_chunk_size
 from laplace_passes.infra.inner import TORCH_COMPILERS, InnerCompiler, resolve_inner
 from laplace_passes.infra.report import Report
+from laplace_passes.infra.strict import strict_mode
 from laplace_passes.infra.targets import HardwareTarget, get_target
 
 OPTION_DOCS = {
@@ -21,6 +22,8 @@ OPTION_DOCS = {
     "muon_all_to_all": "rewrite a sharded Muon step's gathers into paired all-to-alls (default True)",
     "gate_checks": "'auto' (default): a GLA site's gates are checked at run time unless the graph shows them "
     "<= 0 by construction (NOTE [gates proven <= 0]); 'always': every site's gates are checked",
+    "strict": "raise an exception met inside a laplace pass instead of skipping the pass for that graph "
+    "(default: False, or True when the environment sets LAPLACE_PASSES_STRICT=1)",
     "max_graph_instructions": "estimated instructions one compiled graph may hold; a graph over it is "
     "cut into partitions that fit (default: the target's, 5,000,000 on trn2; None: no limit)",
 }
@@ -39,6 +42,7 @@ class CompileConfig:
     max_graph_instructions: int | None = None
     gate_checks: str = "auto"
     recognise_gla: bool = True
+    strict: bool = False
     _decompositions: dict | None = field(default=None, init=False, repr=False)
 
     def decompositions(self) -> dict | None:
@@ -80,8 +84,16 @@ class CompileConfig:
         recognise = options.get("recognise_gla", True)
         if not isinstance(recognise, bool):
             raise TypeError(f"recognise_gla must be a bool, got {type(recognise).__name__}")
+        strict = options.get("strict", strict_mode())
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
         return cls(target, inner, chunk_size, retile, report, muon_all_to_all, max_graph_instructions=budget,
-                   gate_checks=gate_checks, recognise_gla=recognise)
+                   gate_checks=gate_checks, recognise_gla=recognise, strict=strict)
+
+    def __repr__(self) -> str:
+        # Short: torch puts the backend's repr (a partial holding this config) into its error messages.
+        return (f"CompileConfig(target={self.target.name!r}, inner={self.inner.name!r}, chunk_size={self.chunk_size}, "
+                f"retile_gla={self.retile_gla}, recognise_gla={self.recognise_gla}, strict={self.strict})")
 
 
 def _check_budget(value: Any) -> int | None:

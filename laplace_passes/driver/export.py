@@ -101,22 +101,34 @@ def _write_export(out_dir: Path, report: Report, target: HardwareTarget, capture
         "format": MANIFEST_FORMAT,
         "target": report.target,
         "versions": _versions(),
-        "notes": _notes(report),
+        "notes": _notes(report, entries, captured),
         "graphs": entries,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def _notes(report: Report) -> list[str]:
+def _notes(report: Report, entries: list[dict], captured: list[tuple[str, LoweredGraph]]) -> list[str]:
+    """What a reader of the manifest must know about these modules; only what applies to them."""
     notes = []
-    if report.sites:
+    if any(site.status == "retiled" and site.gates.startswith("checked at run time") for site in report.sites):
         notes.append("laplace::check_gates is lowered as clamp(gk, max=0): lowered graphs do not refuse positive "
                      "gates (see laplace_passes.lowering.legalize)")
     if report.traffic:
         notes.append("collectives are StableHLO collectives over replica groups, the same module on every rank: "
                      "compile it for W replicas (laplace_passes.lowering.collectives)")
+    in_f64 = [entry["name"] for entry, (_, lowered) in zip(entries, captured) if _computes_in_f64(lowered)]
+    if in_f64:
+        notes.append(f"{', '.join(in_f64)} compute in float64 (the model holds float64 tensors or ops): "
+                     "neuronx-cc has no FP64; cast the model and its inputs to float32 or bfloat16 "
+                     "(laplace_passes.preflight names the nodes)")
     return notes
+
+
+def _computes_in_f64(lowered: LoweredGraph) -> bool:
+    """Whether f64 is left in the module: the clean-up removes the lowering's own (constants, index
+    arithmetic), so what is left is the model's."""
+    return "f64" in lowered.text
 
 
 class _ExportCompiler(StableHLOCompiler):

@@ -43,7 +43,9 @@ def written_operands(node: torch.fx.Node) -> list:
     if node.op == "call_module":
         return written + list(node.all_input_nodes)
     if node.op == "call_method":
-        if _in_place_name(node.target) or node.target in _IN_PLACE_DUNDERS:
+        if _in_place_name(node.target):
+            written.extend(_named_op_writes(node, node.target))
+        elif node.target in _IN_PLACE_DUNDERS:
             written.append(node.args[0])
         return written
     if node.op != "call_function":
@@ -54,8 +56,10 @@ def written_operands(node: torch.fx.Node) -> list:
     # operator.not_, and_, or_, is_ end in "_" for being keywords, not for writing: of the operator
     # module only the augmented assignments and setitem write.
     name = "" if getattr(target, "__module__", None) in _OPERATOR_MODULES else getattr(target, "__name__", "")
-    if target in _IN_PLACE_OPERATORS or _in_place_name(name) or _asks_in_place(node):
-        written.append(node.args[0] if node.args else node.kwargs.get("input"))
+    if _in_place_name(name):
+        return written + _named_op_writes(node, getattr(target, "_qualified_op_name", f"aten::{name}"))
+    if target in _IN_PLACE_OPERATORS or _asks_in_place(node):
+        written.extend(tree_leaves(node.args[0] if node.args else node.kwargs.get("input")))
     return written
 
 
@@ -108,6 +112,39 @@ def _signature_with_inplace(target) -> inspect.Signature | None:
         keep = signature is not None and "inplace" in signature.parameters
         _SIGNATURES[key] = (target, signature if keep else None)  # the target kept alive: its id stays unique
     return _SIGNATURES[key][1]
+
+
+def _named_op_writes(node: torch.fx.Node, name: str) -> list:
+    """What an in-place op called by name (`torch._foreach_mul_`, `x.add_`) writes: every argument any
+    of the ATen op's overloads marks written (`_amp_foreach_non_finite_check_and_unscale_` writes its
+    tensor list and `found_inf`), each tensor of a list or tuple; its first argument when no ATen op
+    has the name (a module's own `scale_`)."""
+    qualified = name if "::" in name else f"aten::{name}"
+    written_arguments = {(index, argument.name)
+                         for schema in _schemas(qualified)
+                         for index, argument in enumerate(schema.arguments)
+                         if argument.alias_info is not None and argument.alias_info.is_write}
+    if not written_arguments:
+        written_arguments = {(0, "self")}
+    written = []
+    for index, argument_name in sorted(written_arguments):
+        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument_name)
+        if value is None and index == 0:
+            value = node.kwargs.get("input")
+        written.extend(tree_leaves(value))
+    return written
+
+
+_SCHEMAS: dict = {}
+
+
+def _schemas(qualified_name: str) -> list:
+    if qualified_name not in _SCHEMAS:
+        try:
+            _SCHEMAS[qualified_name] = torch._C._jit_get_schemas_for_operator(qualified_name)
+        except RuntimeError:  # no such operator
+            _SCHEMAS[qualified_name] = []
+    return _SCHEMAS[qualified_name]
 
 
 def _schema_writes(node: torch.fx.Node, schema) -> list:

@@ -142,6 +142,7 @@ class RetileGLA(GraphPass):
         try:
             if any(v is None for v in values):
                 raise Declined("no shape information on the inputs (graph was not traced with fake tensors)")
+            site.scale = _known_scale(site.scale)
             if isinstance(site.scale, torch.fx.Node):  # K ** -0.5 of a symbolic K: a value known only at run time
                 raise Declined(f"the scale is computed at run time ({site.scale.name}, from a dynamic head size "
                                "K); keep K static or pass scale= as a number")
@@ -208,6 +209,16 @@ class RetileGLA(GraphPass):
         site.node.replace_all_uses_with(replacement)
         graph.erase_node(site.node)
         return replacement
+
+
+def _known_scale(scale):
+    """The scale as a number when the graph knows it: `q.shape[-1] ** -0.5` in a graph specialised to one
+    shape (NOTE [specialising per shape]) is a node whose value is a plain float, no longer a symbol."""
+    if isinstance(scale, torch.fx.Node):
+        value = fake_value(scale)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return scale
 
 
 def _needs_grad(node: torch.fx.Node) -> bool:

@@ -30,10 +30,22 @@ decided; the pass catches it and lists the reason in `result.declined`.
 a lint, and its result filed in the report (a `PassRecord`, the graph's
 records, a snapshot of the graph). It also logs each pass through torch's
 logging (`laplace_passes.infra.logs`: TORCH_LOGS="laplace", TORCH_TRACE).
+
+NOTE [a failing pass declines]: a pass that raises, or leaves a graph the
+lint rejects, must not end the user's compile. `run_passes` puts back the
+graph as it was before that pass (the last snapshot), files the pass as
+declined with the exception, where it was raised and the node it was
+working on, and goes on with the next pass. Two exceptions: passes whose
+failure is the answer the user asked for (`stops_compile_on_error`: the
+lowering the user chose, the preflight the user made a requirement), and
+strict mode (the `strict` option, LAPLACE_PASSES_STRICT=1: the test suite),
+where the exception is raised so that such failures are found.
 """
 
 from __future__ import annotations
 
+import os
+import traceback
 from dataclasses import dataclass
 
 import torch.fx
@@ -42,6 +54,7 @@ from torch.fx.passes.infra import pass_base as torch_pass_base
 from laplace_passes.infra import logs
 from laplace_passes.infra.report import (
     GraphRecord,
+    copy_graphs,
     LoopRecord,
     PassRecord,
     RecurrenceRecord,
@@ -112,6 +125,9 @@ class GraphPass(torch_pass_base.PassBase):
     """
 
     name = "graph_pass"
+    # NOTE [a failing pass declines]: True for a pass whose exception is the user's answer (a lowering the
+    # user asked for failed, a required preflight found problems): raised, never declined.
+    stops_compile_on_error = False
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         raise NotImplementedError
@@ -145,18 +161,71 @@ def run_pass(graph_pass: GraphPass, gm: torch.fx.GraphModule, graph_name: str = 
 
 
 def run_passes(
-    gm: torch.fx.GraphModule, passes: list[GraphPass], graph: GraphRecord, report: Report
+    gm: torch.fx.GraphModule, passes: list[GraphPass], graph: GraphRecord, report: Report, strict: bool = False
 ) -> torch.fx.GraphModule:
-    """Run `passes` in order over `gm`, linting, filing and logging the result after each."""
+    """Run `passes` in order over `gm`, linting, filing and logging the result after each.
+
+    A pass that fails declines and the graph goes on as it was (NOTE [a failing pass declines]);
+    `strict`: its exception is raised instead.
+    """
     for graph_pass in passes:
         nodes_before = len(gm.graph.nodes)
         logs.graph_before(graph_pass.name, graph.name, gm)
-        result = run_pass(graph_pass, gm, graph.name)
+        try:
+            result = run_pass(graph_pass, gm, graph.name)
+        except Exception as error:
+            if strict or graph_pass.stops_compile_on_error or not graph.snapshots:
+                raise
+            result = _declined_for_failure(graph_pass, graph, error)
+            logs.log.warning("laplace pass %r failed on graph %s and was skipped; the graph goes on unchanged: %s",
+                             graph_pass.name, graph.name, result.declined[0])
         gm = result.graph_module
         record = _file(result, graph_pass.name, graph, report, nodes_before)
         graph.snapshot(graph_pass.name, gm, modified=result.modified)
         logs.pass_done(record, gm)
     return gm
+
+
+def _declined_for_failure(graph_pass: GraphPass, graph: GraphRecord, error: Exception) -> PassResult:
+    """The pass's result when it raised: the graph before it (a copy: the pass may have half-changed
+    the one it was given), and the failure as the reason it declined."""
+    reason = failure_reason(error)
+    return PassResult(copy_graphs(graph.after), False, summary=f"failed and skipped: {type(error).__name__}",
+                      declined=[reason])
+
+
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def failure_reason(error: BaseException) -> str:
+    """One line: the exception, where in laplace_passes it was raised, the node being worked on, the way out."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else "(no message)"
+    if isinstance(error, PassLintError) and error.__cause__ is not None:
+        message = f"left an ill-formed graph ({str(error.__cause__).strip().splitlines()[0]})"
+    parts = [f"{type(error).__name__}: {message[:300]}"]
+    frame, node = _innermost_own_frame(error.__traceback__)
+    if frame is not None:
+        parts.append(f"at {os.path.relpath(frame.f_code.co_filename, os.path.dirname(_PACKAGE_DIRECTORY))}"
+                     f":{frame.f_lineno} ({frame.f_code.co_name})")
+    if node is not None:
+        parts.append(f"on node {node.name} ({node.format_node()[:120]})")
+    return (" ".join(parts) + "; the graph goes on as it was before the pass "
+            "(set LAPLACE_PASSES_STRICT=1 or the option strict=True to raise it)")
+
+
+def _innermost_own_frame(tb) -> tuple:
+    """The innermost traceback frame in this package, and the graph node our frames were working on:
+    the innermost local named `node` (the loops over a graph's nodes name it so), else any Node."""
+    own_frame, named, other = None, None, None
+    for frame, _ in traceback.walk_tb(tb):
+        if not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIRECTORY + os.sep):
+            continue
+        own_frame = frame
+        local_values = frame.f_locals
+        if isinstance(local_values.get("node"), torch.fx.Node):
+            named = local_values["node"]
+        other = next((value for value in local_values.values() if isinstance(value, torch.fx.Node)), other)
+    return own_frame, named if named is not None else other
 
 
 def _file(result: PassResult, pass_name: str, graph: GraphRecord, report: Report, nodes_before: int) -> PassRecord:

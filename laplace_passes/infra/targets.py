@@ -124,6 +124,11 @@ class HardwareTarget:
     auto_cast: str = "none"
     description: str = ""
 
+    def __repr__(self) -> str:
+        # Short: it shows up in torch's error messages (the backend's repr); every field: dataclasses.asdict.
+        return (f"HardwareTarget({self.name!r}, partitions={self.partitions}, "
+                f"max_graph_instructions={self.max_graph_instructions}, static_shapes={self.static_shapes})")
+
     def with_overrides(self, **changes) -> HardwareTarget:
         """This target with some numbers replaced, e.g. ``TRN2.with_overrides(max_graph_instructions=2_000_000)``."""
         return dataclasses.replace(self, **changes)

@@ -109,6 +109,7 @@ class RequireCleanPreflight(GraphPass):
     """
 
     name = "require_clean_preflight"
+    stops_compile_on_error = True  # NOTE [a failing pass declines]: the failure is the answer asked for
 
     def __init__(self, preflight: NeuronPreflight) -> None:
         self.preflight = preflight

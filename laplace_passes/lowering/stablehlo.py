@@ -248,6 +248,7 @@ class LowerToStableHLO(GraphPass):
     """
 
     name = "lower_to_stablehlo"
+    stops_compile_on_error = True  # NOTE [a failing pass declines]: the failure is the answer asked for
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         parts = [gm.get_submodule(call.target) for call in partition_calls(gm)] or [gm]
