@@ -6,7 +6,9 @@ A GLA model's memory of the context is one fixed-size state per layer
 
 Prefill may run through any callable with the model's signature, e.g. the
 model compiled with ``backend="laplace"`` (chunked GLA); decode then
-continues from the states it returns.
+continues from the states it returns. A prefill compiled with
+``seq_buckets`` refuses a prompt it would pad (its final states would
+include the padding) and is exact at a prompt length that is a bucket.
 
 Decode (``decode=``):
 - "compiled": each step is one call of a `model_zoo.decode.DecodeStep`,
@@ -23,6 +25,7 @@ Decode (``decode=``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,12 +53,7 @@ def generate(
     decode: str = "auto",
 ) -> Generation:
     """Greedy (temperature 0) or sampled continuation of every sequence in `input_ids`."""
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits)
     step = _decode_step(model, decode, input_ids.device, _dtype(model))
     run_prefill = prefill if prefill is not None else model
     logits, states = run_prefill(input_ids, output_final_states=True)
@@ -84,6 +82,27 @@ def generate(
 
 
 DECODE_MODES = ("auto", "compiled", "eager")
+
+
+def _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits) -> None:
+    """Each argument's accepted range, checked before any compile or forward."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [B, T] tensor with B >= 1 and T >= 1, got {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature) or temperature < 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if not isinstance(return_logits, bool):
+        raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
+    if prefill is not None and not callable(prefill):
+        raise ValueError(f"prefill must be a callable with the model's signature or None, got "
+                         f"{type(prefill).__name__}")
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype | None:

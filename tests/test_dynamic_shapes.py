@@ -184,7 +184,87 @@ def test_seq_buckets_padding_and_slicing():
     assert ids.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
     assert labels.tolist() == [[7] * 5 + [IGNORE_INDEX] * 3]
     assert out["logits"].shape == (1, 5, 1) and out["count"] == 8 and out["sum"].item() == 15
-    assert run(torch.tensor([[1, 2, 3, 4]]))["logits"].shape == (1, 4, 1)  # exactly a bucket: no padding
+
+
+def test_seq_buckets_length_at_a_bucket_runs_at_that_bucket_and_above_the_largest_is_refused():
+    seen = []
+
+    def fn(ids):
+        seen.append(ids.shape[1])
+        return ids[..., None] * 2
+
+    run = SeqBuckets(fn, [4, 8])
+    for length, bucket in [(4, 4), (5, 8), (8, 8), (1, 4)]:  # 8: the largest bucket itself is accepted
+        ids = torch.arange(1, length + 1)[None]
+        assert torch.equal(run(ids), ids[..., None] * 2)
+        assert seen[-1] == bucket, (length, seen)
+    with pytest.raises(ValueError, match=r"sequence length 9 is longer than the largest of seq_buckets \[4, 8\]: "
+                                         r"add a larger bucket"):
+        run(torch.zeros(1, 9))
+    assert len(seen) == 4  # refused before the call
+
+
+class LossLM(torch.nn.Module):
+    """The tiny model with its loss inside, as a training script often writes it: forward(input_ids, labels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = one_layer_tiny(seed=2)
+
+    def forward(self, input_ids, labels):
+        logits = self.lm(input_ids)
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def test_seq_buckets_labels_by_position_equal_labels_by_keyword_and_unpadded_eager():
+    model = LossLM()
+    ids, labels = tokens(10, batch=2, seed=4), tokens(10, batch=2, seed=5)
+    with torch.no_grad():
+        expected = model(ids, labels)
+        compiled = laplace_passes.compile(model, target="cpu", seq_buckets=[16])
+        by_position = compiled(ids, labels)
+        by_keyword = compiled(input_ids=ids, labels=labels)
+    for out in (by_position, by_keyword):
+        torch.testing.assert_close(out["loss"], expected["loss"], **TOL)
+        torch.testing.assert_close(out["logits"], expected["logits"], **TOL)
+    assert compiled.laplace_report.sites[0].plan["T"] == 16
+
+
+def test_seq_buckets_other_spellings_of_labels_and_states():
+    def loss_of(ids, targets):  # a loss whose labels go by another common name, by position
+        return torch.nn.functional.cross_entropy(torch.nn.functional.one_hot(ids, 8).float().flatten(0, 1),
+                                                 targets.flatten())
+
+    ids, targets = tokens(5, batch=2, seed=6) % 8, tokens(5, batch=2, seed=7) % 8
+    torch.testing.assert_close(SeqBuckets(loss_of, [8])(ids, targets), loss_of(ids, targets))
+
+    def unknown(ids, y):  # labels by a name seq_buckets cannot know: its loss would count the padding
+        return loss_of(ids, y)
+
+    with pytest.raises(ValueError, match=r"output \(shape \(\)\) is not per position, so it includes the 3 "
+                                         r"padding positions.*pass its targets as labels="):
+        SeqBuckets(unknown, [8])(ids, targets)
+
+    def scan(x, initial_state):  # a state carried in is [B, H, ...]: neither padded nor a length
+        return x.cumsum(1) + initial_state.sum((1, 2))[:, None, None]
+
+    x, state = torch.randn(2, 5, 3), torch.randn(2, 4, 6)
+    torch.testing.assert_close(SeqBuckets(scan, [8])(x, initial_state=state), scan(x, state))
+    torch.testing.assert_close(SeqBuckets(scan, [8])(x, state), scan(x, state))
+
+
+def test_seq_buckets_attention_mask_and_an_empty_prompt_equal_unpadded_eager():
+    model = one_layer_tiny(seed=3).eval()
+    run = SeqBuckets(model, [8])
+    with torch.no_grad():
+        empty = run(tokens(0, batch=2))
+        assert empty.shape == (2, 0, 128) and empty.shape == model(tokens(0, batch=2)).shape
+
+    def masked(ids, attention_mask):  # padding masked out (0), as transformers' masks mean it
+        return (ids * attention_mask)[..., None].float().cumsum(1)
+
+    ids = tokens(5, batch=2, seed=8)
+    torch.testing.assert_close(SeqBuckets(masked, [8])(ids, torch.ones_like(ids)), masked(ids, torch.ones_like(ids)))
 
 
 def test_seq_buckets_errors():
@@ -194,8 +274,6 @@ def test_seq_buckets_errors():
     with pytest.raises(ValueError, match="strictly increasing"):
         laplace_passes.compile(torch.nn.Identity(), seq_buckets=[256, 128])
     run = SeqBuckets(lambda *args, **kwargs: args[0], [4, 8])
-    with pytest.raises(ValueError, match="longer than the largest of seq_buckets"):
-        run(torch.zeros(1, 9))
     with pytest.raises(ValueError, match="share one length"):
         run(torch.zeros(1, 3), torch.zeros(1, 5))
     with pytest.raises(ValueError, match="has none"):
@@ -203,6 +281,9 @@ def test_seq_buckets_errors():
     with_cache = SeqBuckets(lambda ids: {"logits": ids, "past_key_values": object()}, [4])
     with pytest.raises(ValueError, match="use_cache=False"):
         with_cache(torch.zeros(1, 3))
+    assert with_cache(torch.zeros(1, 4))["logits"].shape == (1, 4)  # nothing padded: the cache is exact
+    with pytest.raises(TypeError, match="seq_buckets: the call does not match the model's parameters"):
+        SeqBuckets(lambda ids: ids, [4])(torch.zeros(1, 3), torch.zeros(1, 3))
 
 
 def test_a_graph_specialised_past_the_recompile_limit_warns_once():

@@ -43,13 +43,47 @@ def test_sampling_is_reproducible_with_a_generator(model):
     assert torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize(
-    "kwargs,message",
-    [({"max_new_tokens": 0}, "max_new_tokens must be a positive int"),
-     ({"max_new_tokens": 2, "temperature": -1.0}, "temperature must be >= 0")],
-)
+def test_bucketed_prefill_at_a_bucket_equals_eager_and_refuses_a_padded_prompt(model):
+    """A prefill behind seq_buckets is exact only where nothing is padded: its final states would hold the padding."""
+    prefill = laplace_passes.compile(model, target="cpu", seq_buckets=[16, 32])
+    prompt = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = model.generate(prompt, 5, prefill=prefill, return_logits=True, decode="eager")
+    expected = model.generate(prompt, 5, return_logits=True, decode="eager")  # unbucketed eager prefill
+    assert torch.equal(out.tokens, expected.tokens)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"seq_buckets: output_final_states=True would return recurrent states that "
+                                         r"include 6 padding positions \(length 10, bucket 16\); prefill with the "
+                                         r"model compiled without seq_buckets"):
+        model.generate(prompt[:, :10], 5, prefill=prefill)
+
+
+BAD_ARGUMENTS = [
+    ({"max_new_tokens": 0}, "max_new_tokens must be a positive int"),
+    ({"max_new_tokens": -3}, "max_new_tokens must be a positive int"),
+    ({"max_new_tokens": 2.0}, "max_new_tokens must be a positive int"),
+    ({"max_new_tokens": True}, "max_new_tokens must be a positive int"),
+    *[({"max_new_tokens": 2, "temperature": bad}, r"temperature must be a finite number >= 0 \(0: greedy\), got")
+      for bad in (-1.0, float("nan"), float("inf"), "1.0", True, None)],
+    ({"max_new_tokens": 2, "generator": 7}, "generator must be a torch.Generator or None"),
+    ({"max_new_tokens": 2, "return_logits": "yes"}, "return_logits must be a bool"),
+    ({"max_new_tokens": 2, "prefill": "compiled"}, "prefill must be a callable"),
+    ({"max_new_tokens": 2, "decode": "fast"}, "decode must be one of"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_ARGUMENTS)
 def test_bad_arguments(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         model.generate(torch.ones(1, 3, dtype=torch.long), **kwargs)
-    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
-        model.generate(torch.ones(3, dtype=torch.long), 1)
+
+
+@pytest.mark.parametrize("input_ids,message", [
+    (torch.ones(3, dtype=torch.long), r"input_ids must be a \[B, T\] tensor with B >= 1 and T >= 1, got \(3,\)"),
+    (torch.ones(1, 0, dtype=torch.long), r"B >= 1 and T >= 1, got \(1, 0\)"),
+    (torch.ones(0, 3, dtype=torch.long), r"B >= 1 and T >= 1, got \(0, 3\)"),
+    ([[1, 2, 3]], r"input_ids must be a \[B, T\] tensor .*got list"),
+    (torch.ones(1, 3), "input_ids must hold integer token ids, got dtype torch.float32"),
+])
+def test_bad_input_ids(model, input_ids, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate(input_ids, 2)
