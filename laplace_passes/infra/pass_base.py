@@ -52,6 +52,7 @@ import torch.fx
 from torch.fx.passes.infra import pass_base as torch_pass_base
 
 from laplace_passes.infra import logs
+from laplace_passes.infra.op_facts import op_name
 from laplace_passes.infra.report import (
     GraphRecord,
     copy_graphs,
@@ -177,8 +178,7 @@ def run_passes(
             if strict or graph_pass.stops_compile_on_error or not graph.snapshots:
                 raise
             result = _declined_for_failure(graph_pass, graph, error)
-            logs.log.warning("laplace pass %r failed on graph %s and was skipped; the graph goes on unchanged: %s",
-                             graph_pass.name, graph.name, result.declined[0])
+            logs.log.warning("laplace pass %r failed on graph %s: %s", graph_pass.name, graph.name, result.declined[0])
         gm = result.graph_module
         record = _file(result, graph_pass.name, graph, report, nodes_before)
         graph.snapshot(graph_pass.name, gm, modified=result.modified)
@@ -207,10 +207,10 @@ def failure_reason(error: BaseException) -> str:
     if frame is not None:
         parts.append(f"at {os.path.relpath(frame.f_code.co_filename, os.path.dirname(_PACKAGE_DIRECTORY))}"
                      f":{frame.f_lineno} ({frame.f_code.co_name})")
-    if node is not None:
-        parts.append(f"on node {node.name} ({node.format_node()[:120]})")
-    return (" ".join(parts) + "; the graph goes on as it was before the pass "
-            "(set LAPLACE_PASSES_STRICT=1 or the option strict=True to raise it)")
+    if node is not None:  # the node may have been erased by then: its name and op, not its arguments
+        parts.append(f"on node {node.name} ({node.op} {op_name(node)})")
+    return (" ".join(parts) + "; the pass was skipped for this graph, which goes on as it was before it "
+            "(strict=True or LAPLACE_PASSES_STRICT=1 raises instead)")
 
 
 def _innermost_own_frame(tb) -> tuple:
