@@ -188,7 +188,7 @@ def per_matrix_flat_packed(momenta, grads, params, *, ns="kj"):
 
 def index_tensor_rows(momenta, grads, params, *, ns="kj"):
     """Own rows picked with a tensor of row indices (advanced indexing), not a view."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     new_m, new_p = [], []
     for m, g, p in zip(momenta, grads, params):
         buf, u = _momentum(m, g)
@@ -237,7 +237,7 @@ def batched_newton_schulz(momenta, grads, params, *, ns="kj"):
 
 def gather_list_stack(momenta, grads, params, *, ns="kj"):
     """`dist.all_gather(list, x)` into W buffers, stacked back into the matrix."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     new_m, new_p = [], []
     for m, g, p in zip(momenta, grads, params):
         buf, u = _momentum(m, g)
