@@ -169,3 +169,82 @@ def torch_muon_step(opt, params, grad_shards):
         p.grad.copy_(fc.all_gather_tensor(shard, 0, dist.group.WORLD))
     opt.step()
     return [p.detach().clone() for p in params]
+
+
+def per_matrix_flat_packed(momenta, grads, params, *, ns="kj"):
+    """One gather per matrix of its flattened shard, viewed [W, -1]; the result packed back to [W, -1]
+    (one row per rank) and this rank's row taken from it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        s, c = u.shape
+        gathered = fc.all_gather_tensor(u.bfloat16().flatten(), 0, dist.group.WORLD).view(world, -1)
+        o = NEWTON_SCHULZ[ns](gathered.view(world * s, c))
+        new_m.append(buf)
+        new_p.append(_apply(p, o.reshape(world, -1)[rank].view(s, c), world * s, c))
+    return new_m, new_p
+
+
+def index_tensor_rows(momenta, grads, params, *, ns="kj"):
+    """Own rows picked with a tensor of row indices (advanced indexing), not a view."""
+    rank = dist.get_rank()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        s = u.size(0)
+        full = fc.all_gather_tensor(u.bfloat16(), 0, dist.group.WORLD)
+        rows = torch.arange(rank * s, (rank + 1) * s, device=full.device)
+        new_m.append(buf)
+        new_p.append(_apply(p, NEWTON_SCHULZ[ns](full)[rows], *full.shape))
+    return new_m, new_p
+
+
+def next_rank_rows(momenta, grads, params, *, ns="kj"):
+    """Not a data-parallel step: each rank takes the next rank's rows (a bug the pass must not hide)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        full = fc.all_gather_tensor(u.bfloat16(), 0, dist.group.WORLD)
+        new_m.append(buf)
+        new_p.append(_apply(p, NEWTON_SCHULZ[ns](full).chunk(world)[(rank + 1) % world], *full.shape))
+    return new_m, new_p
+
+
+def column_shards(momenta, grads, params, *, ns="kj"):
+    """Column shards: each rank holds [r, c / W], gathered on dim 1; own columns taken back."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        full = fc.all_gather_tensor(u.bfloat16(), 1, dist.group.WORLD)  # [r, W * k]
+        new_m.append(buf)
+        new_p.append(_apply(p, NEWTON_SCHULZ[ns](full).chunk(world, dim=1)[rank], *full.shape))
+    return new_m, new_p
+
+
+def batched_newton_schulz(momenta, grads, params, *, ns="kj"):
+    """Matrices of one shape stacked [k, s, c], gathered on dim 1, orthogonalised as one batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    bufs, updates = zip(*(_momentum(m, g) for m, g in zip(momenta, grads)))
+    stacked = torch.stack([u.bfloat16() for u in updates])  # [k, s, c]
+    s = stacked.size(1)
+    full = fc.all_gather_tensor(stacked, 1, dist.group.WORLD)  # [k, W * s, c]
+    mine = NEWTON_SCHULZ[ns](full)[:, rank * s:(rank + 1) * s]
+    return list(bufs), [_apply(p, o, world * s, p.size(1)) for p, o in zip(params, mine.unbind(0))]
+
+
+def gather_list_stack(momenta, grads, params, *, ns="kj"):
+    """`dist.all_gather(list, x)` into W buffers, stacked back into the matrix."""
+    world = dist.get_world_size()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        send = u.bfloat16()
+        pieces = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(pieces, send)
+        full = torch.stack(pieces).view(world * send.size(0), send.size(1))
+        new_m.append(buf)
+        new_p.append(_apply(p, own_rows(NEWTON_SCHULZ[ns](full), "chunk"), *full.shape))
+    return new_m, new_p

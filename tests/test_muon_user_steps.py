@@ -41,6 +41,13 @@ ELEMENT_RANGES = "element-range shards cross matrix boundaries"
 # Dynamo does not trace distribute_tensor (torch 2.13): the gather and Newton-Schulz land in different graphs.
 GRAPH_BREAK = "leaves the graph (a graph output) before any Newton-Schulz reads it"
 
+# Each names the cause it found (not a stand-in such as "reaches the graph output unsharded").
+INDEX_TENSOR = "picks rows with the index tensor arange"
+OTHER_RANKS_ROWS = "rows of its [2 x 12]-element result, but this process is rank"
+COLUMN_SHARDS = "takes a block of dim 1, 1/2 of the columns: column shards"
+BATCHED = "orthogonalises a batch of 2 matrices at once"
+FEWER_MATRICES = "fewer matrices (1) than ranks (3), so 2 rank(s) own none"
+
 # (name, step function, keyword arguments, expected: None = rewritten, else a phrase of the decline reason)
 CASES = {
     2: [
@@ -50,6 +57,10 @@ CASES = {
         ("DTensor Shard(0), full_tensor, redistribute back", steps.dtensor_shard0, dict(ns="kj"), None),
         ("DTensor Shard(0), full_tensor, distribute_tensor back", steps.dtensor_shard0,
          dict(ns="torch", back="distribute_tensor"), GRAPH_BREAK),
+        ("own rows by an index tensor", steps.index_tensor_rows, {}, INDEX_TENSOR),
+        ("the next rank's rows", steps.next_rank_rows, {}, OTHER_RANKS_ROWS),
+        ("column shards gathered on dim 1", steps.column_shards, {}, COLUMN_SHARDS),
+        ("batched Newton-Schulz of stacked matrices", steps.batched_newton_schulz, {}, BATCHED),
     ],
     3: [
         ("per-matrix all_gather_tensor, split, KellerJordan's NS", steps.per_matrix, dict(own="split", ns="kj"), None),
@@ -57,10 +68,14 @@ CASES = {
         ("Megatron element ranges", steps.megatron_ranges, dict(shapes=((4, 6), (5, 3))), ELEMENT_RANGES),
         ("unequal matrices (a balanced plan, owner work on its rank only)", steps.per_matrix,
          dict(own="chunk", ns="kj"), BALANCED),
+        ("fewer matrices than ranks", steps.per_matrix, dict(own="chunk", ns="kj"), FEWER_MATRICES),
     ],
     4: [
         ("dist.all_gather_into_tensor, narrow, torch.optim.Muon's NS", steps.per_matrix_into_tensor,
          dict(own="narrow", ns="torch"), None),
+        # Each matrix's block of the all-to-all chunk is strided: the user's view of it needs a contiguous copy.
+        ("per-matrix flat gathers viewed [W, -1], own row of the packed result", steps.per_matrix_flat_packed, {},
+         None),
     ],
 }
 # Each case compiles once per rank, the most of the runtime: the own-row spellings and Newton-Schulz
@@ -76,6 +91,10 @@ def _state(name: str, world_size: int, rank: int) -> list[list[torch.Tensor]]:
     if name.startswith("round-robin"):  # full replicas: W parameters of one shape
         return [[torch.randn(6, 4, generator=gen) for _ in range(world_size)] for _ in range(3)]
     shards = UNEQUAL_SHARDS if name.startswith("unequal") else SHARD_SHAPES * world_size
+    if name.startswith("fewer"):
+        shards = SHARD_SHAPES[:1]
+    if name.startswith("batched"):  # stacked: one shape
+        shards = SHARD_SHAPES[:1] * world_size
     shapes = [(world_size * s, c) for s, c in shards]
     if name.startswith("DTensor"):
         from torch.distributed.device_mesh import init_device_mesh

@@ -200,6 +200,50 @@ def test_compiled_step_captures_functional_collectives():
         ]
 
 
+# Column and row vectors as matrices: NS transposes the tall [n, 1] one, a view whose strides
+# `.contiguous()` leaves as they are; gather_broadcast's torch.cond must still see one layout.
+# W of each shape: every rank owns one of each, so the rewrite's plan saves and is applied.
+VECTOR_SHAPES = [(5, 1), (1, 6), (6, 4)]
+
+
+def _body_vectors(rank, world_size):
+    """Compiled (laplace, CPU target: the Muon rewrite runs) and eager ShardedMuon beside torch.optim.Muon."""
+    import functools
+
+    import laplace_passes
+    from laplace_passes.driver.backend import laplace_backend
+
+    failures: list[str] = []
+    records = {}
+    gen = torch.Generator().manual_seed(4)
+    init = [torch.randn(s, generator=gen) for s in VECTOR_SHAPES * world_size]
+    for comm in COMM_MODES:
+        report = laplace_passes.Report()
+        compiled = functools.partial(laplace_backend, options={"target": "cpu", "report": report})
+        for name, backend in (("compiled", compiled), ("eager", None)):
+            params = [t.clone().requires_grad_() for t in init]
+            ref_params = [t.clone().requires_grad_() for t in init]
+            opt = ShardedMuon(params, comm=comm, backend=backend, lr=0.02)
+            ref = torch.optim.Muon(ref_params, lr=0.02)
+            step_beside_reference(opt, (ref,), params, ref_params, rank, world_size, 2,
+                                  f"W={world_size} {comm} {name}", failures)
+        records[comm] = [(p.modified, p.declined) for p in report.passes if p.name == "muon_all_to_all"]
+    return failures, records
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_column_vector_matrices_compile_and_equal_torch_muon(world_size):
+    """[n, 1] parameters in both comm modes: the step compiles, equals the eager step and torch.optim.Muon
+    bit for bit, and the Muon rewrite takes every matrix (no decline)."""
+    results = run_ranks(world_size, _body_vectors, timeout=180)
+    failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures)
+    for rank, (_, records) in enumerate(results):
+        for comm, passes in records.items():
+            assert [modified for modified, _ in passes] == [True], (rank, comm, passes)
+            assert not [reason for _, declined in passes for reason in declined], (rank, comm, passes)
+
+
 # ---------------------------------------------------------------- failures
 
 PG_TIMEOUT = 3.0  # the faulted step's process-group timeout

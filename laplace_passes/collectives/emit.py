@@ -166,11 +166,15 @@ def _all_to_all(graph: torch.fx.Graph, flat: Node, plan: OwnershipPlan, group: s
     return _call(graph, aten.view.default, done, [plan.world_size, plan.chunk_numel])
 
 
-def _matrix_work(graph: torch.fx.Graph, site: MatrixSite, received: Node, offset: int, world_size: int) -> Node:
+def _matrix_work(graph: torch.fx.Graph, site: MatrixSite, received: Node, offset: int, plan: OwnershipPlan) -> Node:
     """Rebuild one matrix from every rank's shard, orthogonalise it, lay it out per rank: [W, numel]."""
+    world_size = plan.world_size
     block = _call(graph, aten.slice.Tensor, received, 1, offset, offset + site.numel)  # [W, numel]
     block_shape = list(fake_tensor(site.block).shape)
-    if block_shape != [world_size, site.numel]:  # a whole gathered matrix: W row blocks, rank-major
+    # A column slice of the chunk is strided; the user's own ops may view the block (a gathered
+    # value viewed [W, -1] is contiguous): give them a contiguous one when theirs was.
+    needs_copy = site.numel != plan.chunk_numel and fake_tensor(site.block).is_contiguous()
+    if block_shape != [world_size, site.numel] or needs_copy:  # a whole gathered matrix: W row blocks, rank-major
         block = _call(graph, aten.clone.default, block, memory_format=torch.contiguous_format)
         block = _call(graph, aten.view.default, block, block_shape)
     full = copy_region(graph, site.unpad, block)
@@ -183,14 +187,14 @@ def _matrix_work(graph: torch.fx.Graph, site: MatrixSite, received: Node, offset
 
 def _slot_work(graph: torch.fx.Graph, sites: list[MatrixSite], plan: OwnershipPlan, received: Node) -> Node:
     """Uniform plan: every rank runs every slot's computation (its group's template)."""
-    pieces = [_matrix_work(graph, sites[s.template], received, s.offset, plan.world_size) for s in plan.slots]
+    pieces = [_matrix_work(graph, sites[s.template], received, s.offset, plan) for s in plan.slots]
     return _call(graph, aten.cat.default, pieces, 1)
 
 
 def _owned_work(graph: torch.fx.Graph, sites, plan: OwnershipPlan, rank: int, received: Node, like) -> Node:
     """Balanced plan in a per-rank graph: this rank's matrices only, zeros for the rest of its chunk."""
     owned = plan.owned(rank)
-    pieces = [_matrix_work(graph, sites[i], received, plan.offsets[i], plan.world_size) for i in owned]
+    pieces = [_matrix_work(graph, sites[i], received, plan.offsets[i], plan) for i in owned]
     used = sum(plan.numels[i] for i in owned)
     if used < plan.chunk_numel:
         pieces.append(_zeros(graph, [plan.world_size, plan.chunk_numel - used], like))

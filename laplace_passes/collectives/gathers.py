@@ -43,21 +43,31 @@ def fold_copies_into_new_buffers(graph: torch.fx.Graph) -> int:
     The copy writes every element of a buffer nothing else reads, so its
     users can read the gathered value directly (same values, same dtype).
     Returns how many copies were folded (the graph changed when any).
+    `dist.all_gather(list, x)` is the same with one buffer per rank, each
+    `copy(empty_like(x), slice(wait, 0, ...))`: a row block of the gathered
+    value, contiguous, so read directly as well.
     """
     folded = 0
     for node in list(graph.nodes):
         if node.target is not WAIT or not isinstance(node.args[0], Node) or node.args[0].target is not ALL_GATHER:
             continue
-        for user in list(node.users):
-            if user.target is aten.copy.default and user.args[1] is node and _fresh_buffer(user.args[0]) \
-                    and fake_tensor(user).shape == fake_tensor(node).shape \
-                    and fake_tensor(user).dtype == fake_tensor(node).dtype:
-                buffer = user.args[0]
-                user.replace_all_uses_with(node)
-                graph.erase_node(user)
-                graph.erase_node(buffer)
-                folded += 1
+        pieces = [u for u in node.users if u.target is aten.slice.Tensor and u.args[1] == 0]
+        for source in [node, *pieces]:
+            for user in list(source.users):
+                if _copy_into_fresh_buffer(user, source):
+                    buffer = user.args[0]
+                    user.replace_all_uses_with(source)
+                    graph.erase_node(user)
+                    graph.erase_node(buffer)
+                    folded += 1
     return folded
+
+
+def _copy_into_fresh_buffer(user: Node, source: Node) -> bool:
+    if user.target is not aten.copy.default or user.args[1] is not source or not _fresh_buffer(user.args[0]):
+        return False
+    into, read = fake_tensor(user), fake_tensor(source)
+    return into.shape == read.shape and into.dtype == read.dtype and read.is_contiguous()
 
 
 def _fresh_buffer(node) -> bool:

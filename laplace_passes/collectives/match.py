@@ -155,6 +155,9 @@ def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[Gather
                 buckets.append(_match_bucket(node, world_size, ns_by_input, owner_only, live))
             except Declined as reason:
                 declined.append(f"{node.name}: {reason}")
+            except Exception as error:  # noqa: BLE001 - a spelling not foreseen: keep the user's graph
+                declined.append(f"{node.name}: {type(error).__name__} while matching this gather ({error}); "
+                                "the rewrite does not know this spelling, the gather is kept")
     return buckets, declined, folded
 
 
@@ -171,6 +174,9 @@ def _owner_only_conds(gm: torch.fx.GraphModule, live: set[Node], declined: list[
             info = _owner_only(gm, node, live)
         except Declined as reason:
             declined.append(f"{node.name}: {reason}")
+            continue
+        except Exception as error:  # noqa: BLE001 - a spelling not foreseen: keep the user's graph
+            declined.append(f"{node.name}: {type(error).__name__} while matching this cond ({error})")
             continue
         if info is not None:
             found[info.cond.args[3][0]] = info
@@ -397,6 +403,13 @@ def _through_broadcast(info: _OwnerOnly, group: str, live: set[Node]) -> tuple[N
 
 def _finish_site(context: _MatchContext, block: Node, offset: int, numel: int, unpad, work: _Work) -> MatrixSite:
     world_size = context.world_size
+    ns = work.ns
+    if ns.batch > 1:
+        raise Declined(
+            f"Newton-Schulz {ns.output.name} orthogonalises a batch of {ns.batch} matrices at once "
+            f"([{ns.batch}, {ns.rows}, {ns.cols}] from the gathered {block.name}): the rewrite gives each gathered "
+            "matrix one owner, and cannot split a batch between owners"
+        )
     selection = _own_row_selection(work.result, world_size, numel, context.group, context.live)
     layout = closed_region(work.result, selection_source(selection))
     if fake_tensor(layout.output).numel() != world_size * numel:
@@ -433,7 +446,7 @@ def _own_row_selection(result: Node, world_size: int, numel: int, group: str, li
             if user.op == "output":
                 if beyond:
                     continue
-                raise Declined(f"Newton-Schulz result {result.name} reaches the graph output unsharded")
+                raise Declined(_why_unsharded(result, node, seen, others, world_size))
             if _is_selection(user, world_size, numel, group, aliases, others):
                 found.append(user)
                 if user.target in (aten.index_select.default, aten.index.Tensor):
@@ -450,6 +463,41 @@ def _own_row_selection(result: Node, world_size: int, numel: int, group: str, li
             f"found {len(found)}{detail}"
         )
     return found[0]
+
+
+def _why_unsharded(result: Node, last: Node, seen: set[Node], others: list[str], world_size: int) -> str:
+    """Why no selection of this rank's rows lies between `result` and the graph output `last` reaches."""
+    where = f"Newton-Schulz result {result.name} reaches the graph output (at {last.name}) with no pick of this " \
+            "rank's rows"
+    if others:
+        return f"{where}: {others[0]}; the rewrite moves each rank its own rows only"
+    for node in sorted(seen):
+        if node.target is aten.index.Tensor and node.args[0] in seen | {result}:
+            index = next((i for i in node.args[1] if isinstance(i, Node)), None)
+            made = f"{index.name} ({_op_short(index)})" if index is not None else "an index"
+            return (f"{where}: {node.name} picks rows with the index tensor {made} computed in the graph, not with "
+                    "the rank input or a view; the rewrite cannot tell whose rows an index tensor holds")
+    for node in sorted(seen):
+        dim = _column_block_dim(node, world_size)
+        if dim is not None:
+            return (f"{where}: {node.name} ({_op_short(node)}) takes a block of dim {dim}, 1/{world_size} of the "
+                    "columns: column shards; the rewrite moves row shards (gathered and taken back on dim 0)")
+    return f"{where} (the whole result leaves the graph, or is used past a pick the rewrite does not know)"
+
+
+def _column_block_dim(node: Node, world_size: int) -> int | None:
+    """The dim (> 0) of which `node` takes 1/W, by slice, narrow or chunk / split; None otherwise."""
+    op = _split_of(node)[0] if _split_of(node) else node
+    if op.target not in (aten.slice.Tensor, aten.narrow.default, *SPLITS) or len(op.args) < 3:
+        return None
+    source, value = fake_tensor(op.args[0]), fake_tensor(node)
+    dim = op.args[2] if op.target in SPLITS else op.args[1]
+    if source is None or value is None or not isinstance(dim, int) or source.dim() < 2:
+        return None
+    dim %= source.dim()
+    if dim == 0 or value.shape[dim] * world_size != source.shape[dim]:
+        return None
+    return dim
 
 
 def _first_selections(found: list[Node]) -> list[Node]:

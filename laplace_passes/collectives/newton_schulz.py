@@ -296,10 +296,17 @@ class _Finder:
             coefficients.append(tuple(round(c, 9) for c in p))
         if not coefficients:
             return None
-        transposed = self.aliases.of(y).is_transpose_view()
-        matrix = self._matrix_node(y, transposed)
-        if matrix is None:
-            raise RegionError(f"{y.name} is a transposed view of no node in its input chain")
+        alias = self.aliases.of(y)
+        if alias.is_transpose_view():
+            matrix = self._matrix_node(y, True)
+            if matrix is None:
+                raise RegionError(f"{y.name} is a transposed view of no node in its input chain")
+        elif 1 in alias.shape[-2:]:
+            # A [n, 1] matrix transposed reads its elements in row-major order (no transpose view to see):
+            # the tall-matrix transpose shows only as an earlier node that holds the transposed value.
+            matrix = self._matrix_node(y, True) or y
+        else:
+            matrix = y
         region = closed_region(matrix, x)
         value = fake_tensor(matrix)
         rows, cols = int(value.shape[-2]), int(value.shape[-1])

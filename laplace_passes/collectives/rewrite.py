@@ -144,6 +144,10 @@ class RewriteMuonStep(GraphPass):
             return PassResult(gm, modified=False, summary="no Muon gather pattern", declined=[absent.reason])
         world_size = self.world_size or _gather_group_size(gm)
         buckets, declined, folded = find_buckets(gm, world_size)
+        return self._rewrite(gm, world_size, buckets, declined, folded)
+
+    def _rewrite(self, gm: torch.fx.GraphModule, world_size: int, buckets: list[GatherBucket], declined: list[str],
+                 folded: bool) -> PassResult:
         if buckets:
             try:
                 self._check_group_size(world_size)
@@ -153,19 +157,32 @@ class RewriteMuonStep(GraphPass):
         before = collective_bytes(gm, world_size)
         original = set(gm.graph.nodes)
         done: list[tuple[Exchange, PlanChoice, Saving]] = []
-        for exchange in _exchanges(buckets):
-            choice = _plan(exchange, self.target)
-            plan = choice.plan
+        exchanges = _exchanges(buckets)
+        for k, exchange in enumerate(exchanges):
             try:
-                saving = _check_saves(exchange, plan)
+                choice = unexpected_as_declined("planning the owners of", exchange.buckets[0].all_gather,
+                                                _plan, exchange, self.target)
+                saving = _check_saves(exchange, choice.plan)
             except Declined as no_gain:
                 declined.append(no_gain.reason)
                 continue
-            _rewrite_exchange(gm, exchange, plan)
+            snapshot = _snapshot(gm.graph)
+            try:
+                unexpected_as_declined("rewriting", exchange.buckets[0].all_gather,
+                                       _rewrite_exchange, gm, exchange, choice.plan)
+            except Declined as failed:  # the graph as it was: a half-made rewrite must never run
+                gm.graph = snapshot
+                gm.delete_all_unused_submodules()
+                declined.append(failed.reason)
+                # The other exchanges were matched on the nodes just replaced by their copies.
+                declined += [f"{later.buckets[0].all_gather.name}: kept, since rewriting an earlier gather of this "
+                             "graph failed" for later in exchanges[k + 1:]]
+                break
             done.append((exchange, choice, saving))
         if not done:
             return PassResult(gm, modified=folded, summary="no Muon gather pattern rewritten", declined=declined)
-        fill_fake_values(set(gm.graph.nodes) - original)  # later passes and inner compilers read shapes
+        # Later passes and inner compilers read shapes (a graph put back after a failure holds copies).
+        fill_fake_values(n for n in gm.graph.nodes if n not in original or "val" not in n.meta)
         traffic = _traffic(done, before, collective_bytes(gm, world_size), world_size)
         return PassResult(gm, modified=True, summary=_summary(done, traffic), declined=declined, traffic=traffic,
                           plans=[choice.plan for _, choice, _ in done])
@@ -197,6 +214,26 @@ class RewriteMuonStep(GraphPass):
         raise Declined(f"{self.target.name}'s all-to-all supports groups of "
                        f"{', '.join(map(str, rules.all_to_all_group_sizes))} or multiples of "
                        f"{rules.all_to_all_group_size_multiple} ranks, not {world_size}; the gathers are kept")
+
+
+def unexpected_as_declined(doing: str, node: torch.fx.Node, fn, *args):
+    """`fn(*args)`, an error it raises (a spelling the matcher or emitter did not foresee) as a Declined."""
+    try:
+        return fn(*args)
+    except Declined:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure here means: leave the user's graph as it is
+        raise Declined(f"{node.name}: {type(error).__name__} while {doing} this gather ({error}); the rewrite "
+                       "does not know this spelling, the gathers are kept") from error
+
+
+def _snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of `graph` (nodes, names and meta) to put back when a rewrite fails halfway."""
+    copy = torch.fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    copy._codegen = graph._codegen
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    return copy
 
 
 def _gather_group_size(gm: torch.fx.GraphModule) -> int:
@@ -277,13 +314,24 @@ def _check_saves(exchange: Exchange, plan: OwnershipPlan) -> Saving:
     saving = Saving(before, after, flops_before, plan.flops_per_rank)
     what = (f"{len(exchange.sites)} matrices from {len(exchange.buckets)} gather(s), all-to-all chunk "
             f"{plan.chunk_numel} elements, {plan.kind} plan with {plan.padding_matrices} zero matrices")
+    cause = _fewer_matrices_than_ranks(len(exchange.sites), W)
+    cause = f"{cause}: " if cause else ""
     if after > before:
-        raise Declined(f"planned received bytes per rank {after} > {before} with the gathers ({what}); "
+        raise Declined(f"{cause}planned received bytes per rank {after} > {before} with the gathers ({what}); "
                        "the gathers are kept")
     if after == before and saving.flops_after >= flops_before:
-        raise Declined(f"planned received bytes per rank {after} = {before} with the gathers and Newton-Schulz "
-                       f"FLOPs per rank {saving.flops_after} >= {flops_before} ({what}); the gathers are kept")
+        raise Declined(f"{cause}planned received bytes per rank {after} = {before} with the gathers and "
+                       f"Newton-Schulz FLOPs per rank {saving.flops_after} >= {flops_before} ({what}); "
+                       "the gathers are kept")
     return saving
+
+
+def _fewer_matrices_than_ranks(matrices: int, W: int) -> str:
+    """The cause of an all-to-all above its bound when there are not enough matrices to give every rank one."""
+    if matrices >= W:
+        return ""
+    return (f"fewer matrices ({matrices}) than ranks ({W}), so {W - matrices} rank(s) own none and every rank's "
+            "all-to-all chunk is as large as the largest owner's")
 
 
 def _rewrite_exchange(gm: torch.fx.GraphModule, exchange: Exchange, plan: OwnershipPlan) -> None:
@@ -385,9 +433,12 @@ def _summary(done, traffic: TrafficRecord) -> str:
     )
     if traffic.received_after < traffic.received_before:
         return text + f" ({traffic.received_ratio:.2f}x less)"
-    return text + (f" (unchanged: at W = {traffic.world_size} two all-to-alls receive what the gather did); "
-                   f"applied because Newton-Schulz FLOPs per rank fall {traffic.ns_flops_before} -> "
-                   f"{traffic.ns_flops_after}")
+    W = traffic.world_size
+    why = _fewer_matrices_than_ranks(n, W) or (
+        f"at W = {W} two all-to-alls receive what the gather did" if W == 2 else
+        "the owners' chunks are as large as the gathered shards")
+    return text + (f" (unchanged: {why}); applied because Newton-Schulz FLOPs per rank fall "
+                   f"{traffic.ns_flops_before} -> {traffic.ns_flops_after}")
 
 
 def is_candidate(gm: torch.fx.GraphModule) -> bool:

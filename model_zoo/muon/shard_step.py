@@ -141,9 +141,19 @@ def _owner_only_ns(full: Tensor, hp: MuonHParams, rank: Tensor, owner: int) -> T
     """NS(full) on the owner rank, zeros elsewhere (the value other ranks send is ignored)."""
     if torch.compiler.is_compiling():
         # A Python branch on the rank would specialise the graph per rank.
-        # Both branches must agree on strides: NS of a tall matrix is a transposed view.
-        return torch.cond(rank == owner, lambda x: _ns(x, hp).contiguous(), torch.zeros_like, (full,))
+        # Both branches must return one layout, row-major with the canonical strides: NS of a tall
+        # matrix is a transposed view, and `.contiguous()` keeps it as is when a dimension is 1
+        # ([n, 1] with strides (1, n)), which torch.cond rejects beside zeros of strides (1, 1).
+        return torch.cond(rank == owner, lambda x: _row_major(_ns(x, hp)), _row_major_zeros, (full,))
     return _ns(full, hp) if int(rank) == owner else torch.zeros_like(full)
+
+
+def _row_major(x: Tensor) -> Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _row_major_zeros(x: Tensor) -> Tensor:
+    return torch.zeros_like(x, memory_format=torch.contiguous_format)
 
 
 def _orthogonalise_gather_broadcast(updates, rank, splits, hparams, owners, world_size, group) -> list[Tensor]:
