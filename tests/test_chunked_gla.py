@@ -18,9 +18,10 @@ import math
 import pytest
 import torch
 
+import laplace_passes
 from laplace_passes import chunked_gla, gla
 from laplace_passes.ops.chunked import chunked_gla_saved_bytes
-from laplace_passes.ops.chunked_forward import chunked_forward
+from laplace_passes.ops.chunked_forward import FLUSH_BELOW, chunked_forward
 from tests.gla_cases import make_inputs, output_cotangents, relative_rmse
 
 TOLERANCE = 0.005
@@ -130,6 +131,95 @@ def test_reset_gates_match_the_recurrence(reset):
     got = torch.autograd.grad((o * do).sum() + (h * dh).sum(), inputs)
     for name, g, e in zip("q k v gk initial_state".split(), got, expected):
         torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-4, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_a_gate_at_the_flush_threshold_gets_the_gradients_of_one_just_below_it(backward):
+    """NOTE [flushing tiny decays]: a gate of exactly -FLUSH_BELOW is flushed as one just below it is.
+
+    The two runs agree bit for bit, outputs and every gradient (a flushed gate's own gradient is 0 in
+    both), and both equal autograd of the recurrence, where a decay of exp(-30) ~ 1e-13 leaves nothing
+    fp32 can show.
+    """
+    B, T, H, K, V = 1, 40, 2, 6, 5
+    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, gate_divisor=1.0)
+    threshold = torch.tensor(-FLUSH_BELOW)
+    results = {}
+    for name, gate in (("at", threshold), ("just below", torch.nextafter(threshold, torch.tensor(-math.inf)))):
+        gates = gk.clone()
+        gates[:, [3, 17, 18], :, ::2] = gate  # in the first chunk and across a chunk boundary, half the channels
+        results[name] = (gates, forward_backward(BACKWARDS[backward], q, k, v, gates, h0, chunk_size=16,
+                                                 sub_chunk_size=4))
+    (gates, at), (_, below) = results["at"], results["just below"]
+    names = ["o", "final_state", "dq", "dk", "dv", "dgk", "dh0"]
+    for name, a, b in zip(names, at, below):
+        assert torch.equal(a, b), f"{name} differs between a gate at the flush threshold and one just below it"
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v, gates, h0)]
+    expected_o, expected_h = plain_recurrence(*leaves, K**-0.5)
+    do, dh = output_cotangents(B, T, H, K, V)
+    expected = [expected_o, expected_h,
+                *torch.autograd.grad((expected_o * do).sum() + (expected_h * dh).sum(), leaves)]
+    for name, a, e in zip(names, at, expected):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4, msg=name)
+
+
+EMPTY = {"B=0": (0, 20, 2), "H=0": (2, 20, 0), "T=0": (2, 0, 2), "B=0, T=0": (0, 0, 2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("empty", EMPTY)
+def test_an_empty_batch_heads_or_sequence_gives_the_references_result(empty, backward, dtype):
+    """What the reference gives: empty outputs and gradients of the inputs' shapes and dtypes (T = 0: the
+    initial state as the final state, the final state's gradient as the initial state's)."""
+    B, T, H = EMPTY[empty]
+    inputs = make_inputs(B, T, H, 6, 5, dtype=dtype)
+    expected = forward_backward(gla, *inputs)
+    actual = forward_backward(BACKWARDS[backward], *inputs, chunk_size=16, sub_chunk_size=4)
+    for name, a, e in zip(["o", "final_state", "dq", "dk", "dv", "dgk", "dh0"], actual, expected):
+        assert (a.shape, a.dtype) == (e.shape, e.dtype), name
+        assert torch.equal(a, e), name
+
+
+class ProjectedSite(torch.nn.Module):
+    """A model with one GLA site, its queries projected: a weight's gradient comes back too."""
+
+    def __init__(self, K):
+        super().__init__()
+        self.proj = torch.nn.Linear(K, K)
+
+    def forward(self, q, k, v, gk, h0):
+        return gla(self.proj(q), k, v, gk, initial_state=h0, output_final_state=True)
+
+
+def model_outputs_and_gradients(model, inputs, grad):
+    """(o, final state), and with `grad` the gradients of every input and of the projection's weight."""
+    leaves = [x.detach().clone().requires_grad_(grad) for x in inputs]
+    with torch.set_grad_enabled(grad):
+        o, state = model(*leaves)
+    if not grad:
+        return [o, state]
+    do, dh = output_cotangents(*o.shape[:3], inputs[0].shape[-1], o.shape[-1])
+    grads = torch.autograd.grad((o * do).sum() + (state * dh).sum(), [*leaves, model.proj.weight])
+    return [o, state, *grads]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("T", [5, 70])  # the cpu target: without gradient, the recurrent form, then chunked
+@pytest.mark.parametrize("empty", ["B=0", "H=0"])
+def test_a_compiled_site_with_an_empty_batch_or_heads_gives_the_eager_result(empty, T, grad):
+    B, _, H = EMPTY[empty]
+    torch.manual_seed(0)
+    model = ProjectedSite(6)
+    compiled = torch.compile(model, backend="laplace", dynamic=False, options={"target": "cpu"})
+    inputs = make_inputs(B, T, H, 6, 5)
+    expected = model_outputs_and_gradients(model, inputs, grad)
+    actual = model_outputs_and_gradients(compiled, inputs, grad)
+    (site,) = laplace_passes.last_report().sites
+    assert site.status == "retiled" and site.form.startswith("recurrent" if T == 5 and not grad else "chunked")
+    for a, e in zip(actual, expected):
+        assert (a.shape, a.dtype) == (e.shape, e.dtype) and torch.equal(a, e)
 
 
 @pytest.mark.parametrize("save_residuals", [False, True])

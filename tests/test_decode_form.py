@@ -8,6 +8,7 @@ import pytest
 
 import laplace_passes
 from laplace_passes.fx.retile import RetileGLA
+from laplace_passes.infra.targets import CPU
 from laplace_passes.ops.gla import gla_op, gla_recurrence
 from tests.gla_cases import make_inputs, relative_rmse
 
@@ -106,3 +107,40 @@ def test_the_reduce_readout_traces_to_five_ops_per_token_and_no_matmul():
         torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
         assert torch.equal(state, state_ref)
     assert counts[12] - counts[4] == 5 * (12 - 4), counts
+
+
+@pytest.mark.parametrize("T, form", [(5, "recurrent"), (6, "chunked")])
+def test_a_site_of_exactly_recurrent_max_tokens_gets_the_recurrent_form(T, form):
+    """NOTE [short sites]: T <= recurrent_max_tokens without gradient is recurrent, one token more is chunked."""
+    target = CPU.with_overrides(recurrent_max_tokens=5)
+    inputs = make_inputs(2, T, 2, 8, 4)
+    compiled = laplace_passes.compile(site, target=target)
+    with torch.no_grad():
+        o, state = compiled(*inputs)
+        o_ref, state_ref = site(*inputs)  # eager: the token recurrence
+    assert relative_rmse(o, o_ref) < 1e-6 and relative_rmse(state, state_ref) < 1e-6
+    (record,) = compiled.laplace_report.sites
+    assert record.status == "retiled" and record.form.startswith(f"{form}: T = {T} {'<=' if T == 5 else '>'} 5")
+    installed = {n.target.__name__ for n in compiled.laplace_report.graph("after").graph.nodes
+                 if n.op == "call_function" and hasattr(n.target, "__name__")}
+    assert ("gla_recurrence" in installed) == (form == "recurrent")
+    assert ("chunked_gla.default" in installed) == (form == "chunked")
+
+
+@pytest.mark.parametrize("T", [0, 1])
+def test_the_recurrent_forms_final_state_never_aliases_the_initial_state(T):
+    """An in-place update of a step's final state (a decode buffer) must not write the caller's initial state,
+    even when no token updated it (T = 0): as the reference op, the form returns new memory."""
+    inputs = make_inputs(2, T, 2, 8, 4)
+    initial = inputs[-1]
+    before = initial.clone()
+    compiled = laplace_passes.compile(site, target="cpu")
+    with torch.no_grad():
+        o, state = compiled(*inputs)
+        state.add_(1.0)
+    (record,) = compiled.laplace_report.sites
+    assert record.form.startswith("recurrent")
+    assert torch.equal(initial, before)
+    _, direct = gla_recurrence(*inputs, 0.5)
+    direct.add_(1.0)
+    assert torch.equal(initial, before)

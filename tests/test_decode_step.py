@@ -54,6 +54,22 @@ def test_state_after_n_steps_is_the_token_recurrence_updated_in_place(model):
     torch.testing.assert_close(step_logits, full_logits[:, -1], **TIGHT)
 
 
+def test_decode_steps_leave_the_callers_prefill_states_unchanged(model):
+    """The buffers a step advances in place are copies: the prefill's own states keep their values."""
+    ids = prompt(3, 5, seed=2)
+    step = model.decode_step
+    with torch.no_grad():
+        _, states = model(ids[:, :2], output_final_states=True)
+        before = [s.clone() for s in states]
+        buffers = step.state_buffer(states)
+        for t in range(2, ids.shape[1]):
+            step(ids[:, t], buffers)
+    for state, original, buffer in zip(states, before, buffers):
+        assert torch.equal(state, original)
+        assert state.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+        assert not torch.equal(buffer, original)  # the steps did advance the buffers
+
+
 def test_the_kernels_write_each_state_buffer_without_a_temporary():
     """NOTE [one buffer per layer]: no state-sized tensor is allocated; the state kernels write the buffers."""
     torch.manual_seed(2)

@@ -76,9 +76,14 @@ def centred(x, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+# fla's default eps, and one that dominates the mean square of inputs ~1e-4 (an eps dropped or replaced shows).
+EPS_CASES = {"eps=1e-6": (1e-6, 1.0), "eps=1e-2, inputs ~1e-4": (1e-2, 1e-4)}
+
+
+@pytest.mark.parametrize("eps_case", EPS_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norms_with_residual_prenorm_groups_and_gates(dtype):
-    D, eps = 32, 1e-6
+def test_norms_with_residual_prenorm_groups_and_gates(dtype, eps_case):
+    D, (eps, magnitude) = 32, EPS_CASES[eps_case]
     rms_norm, layer_norm = fla_modules.RMSNorm(D, eps=eps), fla_modules.LayerNorm(D, bias=True, eps=eps)
     group_norm = fla_modules.GroupNorm(4, D, bias=True, eps=eps)
     gated = fla_modules.FusedRMSNormGated(D, eps=eps)
@@ -88,7 +93,8 @@ def test_norms_with_residual_prenorm_groups_and_gates(dtype):
             module.weight.copy_(1 + 0.1 * randn(D, seed=1))
         for module in (layer_norm, group_norm):
             module.bias.copy_(0.1 * randn(D, seed=2))
-    x, residual, g = (randn(3, 5, D, dtype=dtype, seed=s) for s in (3, 4, 5))
+    x, residual = ((magnitude * randn(3, 5, D, seed=s)).to(dtype) for s in (3, 4))
+    g = randn(3, 5, D, dtype=dtype, seed=5)
 
     def fla_calls(x, residual, g):
         y1, new_residual = rms_norm(x, residual, prenorm=True, residual_in_fp32=True)
@@ -106,6 +112,30 @@ def test_norms_with_residual_prenorm_groups_and_gates(dtype):
                 (rms(s, eps) * w[4] * torch.sigmoid(gf)).to(dtype))
 
     assert_same(fla_calls, formulas, (x, residual, g), dtype)
+
+
+@pytest.mark.parametrize("eps_case", EPS_CASES)
+def test_norms_then_linear_with_their_eps(eps_case):
+    """The norm-then-linear forms (HGRN2's, LightNet's and GSA's output projections) normalise with their eps."""
+    D, E, (eps, magnitude) = 32, 12, EPS_CASES[eps_case]
+    rms_linear, layer_linear = fla_modules.RMSNormLinear(D, eps=eps), fla_modules.LayerNormLinear(D, eps=eps)
+    gated_linear = fla_modules.FusedRMSNormSwishGateLinear(D, eps=eps)
+    with torch.no_grad():
+        for i, module in enumerate((rms_linear, layer_linear, gated_linear)):
+            module.weight.copy_(1 + 0.1 * randn(D, seed=10 + i))
+    x = magnitude * randn(3, 5, D, seed=3)
+    g, linear_weight, linear_bias = randn(3, 5, D, seed=5), randn(E, D, seed=6), randn(E, seed=7)
+
+    def fla_calls(x, g, linear_weight, linear_bias):
+        return (rms_linear(x, linear_weight, linear_bias), layer_linear(x, linear_weight, linear_bias),
+                gated_linear(x, g, linear_weight, linear_bias))
+
+    def formulas(x, g, linear_weight, linear_bias):
+        return (F.linear(rms(x, eps) * rms_linear.weight, linear_weight, linear_bias),
+                F.linear(centred(x, eps) * layer_linear.weight, linear_weight, linear_bias),
+                F.linear(rms(x, eps) * gated_linear.weight * g * torch.sigmoid(g), linear_weight, linear_bias))
+
+    assert_same(fla_calls, formulas, (x, g, linear_weight, linear_bias), torch.float32)
 
 
 # --- activations -------------------------------------------------------------------------------------

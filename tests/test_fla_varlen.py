@@ -63,6 +63,33 @@ def test_packed_chunk_gla_equals_each_sequence_alone():
     assert site.plan["T"] == sum(LENGTHS) and site.shape["B"] == 1  # one computation over the packed batch
 
 
+def test_an_empty_packed_sequence_keeps_its_initial_state():
+    """Two equal consecutive offsets in `cu_seqlens`: that sequence's final state is its initial state, bit for bit,
+    and its gradient the final state's; empty sequences first, last and side by side. The others as alone."""
+    lengths = [0, 5, 0, 0, 70, 0]
+    inputs, cu_seqlens = packed_inputs(lengths, seed=4)
+
+    def packed(q, k, v, g, h0):
+        return fla_gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, state_v_first=True,
+                                 cu_seqlens=cu_seqlens)
+
+    compiled = laplace_passes.compile(packed, target="cpu")
+    o, final, dq, dk, dv, dg, dh0 = run(compiled, inputs)
+    q, k, v, g, h0 = inputs
+    gen = torch.Generator().manual_seed(1)  # the cotangents `run` drew: the output's, then the final states'
+    torch.randn(o.shape, generator=gen)
+    d_final = torch.randn(final.shape, generator=gen)
+    for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        if start == end:
+            assert torch.equal(final[n], h0[n]), f"sequence {n}"
+            assert torch.equal(dh0[n], d_final[n]), f"sequence {n}"
+            continue
+        alone = [x[:, start:end] for x in (q, k, v, g)] + [h0[n:n + 1].transpose(-1, -2)]
+        expected_o, expected_final = reference.gla(*alone)
+        assert relative_rmse(o[:, start:end], expected_o) <= 1e-5, f"sequence {n}"
+        assert relative_rmse(final[n], expected_final[0].transpose(-1, -2)) <= 1e-5, f"sequence {n}"
+
+
 def test_packed_causal_conv1d_equals_each_sequence_alone():
     lengths, D, W = [1, 2, 5, 9], 6, 4
     gen = torch.Generator().manual_seed(2)

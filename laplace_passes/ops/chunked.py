@@ -139,7 +139,8 @@ def chunked_gla(
     the intra-chunk halving, computed elementwise (NOTE [stable intra-chunk
     scores] in `laplace_passes.ops.chunked_forward`; 4 runs fastest on a CPU). Any T, K,
     V; inputs in fp32, bf16 or fp16, computed in fp32, output in the input
-    dtype, final state in fp32. The backward is the explicit reverse
+    dtype, final state in fp32; an empty batch, heads or sequence gives the
+    reference's empty result. The backward is the explicit reverse
     recurrence over chunks (`laplace_passes.ops.chunked_backward`); with
     `save_residuals` (the default, as the `cpu` target) the forward keeps the
     states entering each chunk and tril(A) for it, B*H*N*(K*V + C'*C') fp32

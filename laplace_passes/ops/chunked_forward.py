@@ -299,7 +299,8 @@ class IntraChunk:
         blocks = self._leaf_scores()  # [.., C/leaf, leaf, leaf]
         for level in reversed(self.levels):
             h = level.half
-            halves = blocks.reshape(*self.lead, -1, 2, h, h)
+            # Sizes, not -1, in the reshapes below: -1 is ambiguous when B or H is 0.
+            halves = blocks.reshape(*self.lead, self.chunk // (2 * h), 2, h, h)
             lower_left = level.q_anchored @ level.k_anchored.transpose(-1, -2)  # [.., n, h, h]
             top = F.pad(halves[..., 0, :, :], (0, h))
             bottom = torch.cat([lower_left, halves[..., 1, :, :]], dim=-1)
@@ -317,20 +318,20 @@ class IntraChunk:
         blocks = d_scores
         for level in self.levels:
             h = level.half
-            quarters = blocks.reshape(*lead, -1, 2, h, 2, h)
+            quarters = blocks.reshape(*lead, C // (2 * h), 2, h, 2, h)  # sizes, not -1: B or H may be 0
             d_lower_left = quarters[..., 1, :, 0, :]  # [.., n, h, h]
             dq = (d_lower_left @ level.k_anchored) * level.q_decay  # rows of the second halves
             dk = (d_lower_left.transpose(-1, -2) @ level.q_anchored) * level.k_decay  # rows of the first halves
             level_gradients.append((h, dq, dk))
             blocks = torch.stack([quarters[..., 0, :, 0, :], quarters[..., 1, :, 1, :]], dim=-3)
-        dq, dk = self._leaf_gradients(blocks.reshape(*lead, -1, self.leaf, self.leaf))
+        dq, dk = self._leaf_gradients(blocks.reshape(*lead, C // self.leaf, self.leaf, self.leaf))
         # From the leaves up, each level's gradients added to the rows they belong to as the
         # blocks double (no zero-padded [.., C, K] copy per level to sum: eager 1.2x).
         for h, dq_level, dk_level in reversed(level_gradients):
             dq, dk = (x.reshape(*lead, C // (2 * h), 2, h, x.shape[-1]) for x in (dq, dk))  # K may be 0
             dq = torch.stack([dq[..., 0, :, :], dq[..., 1, :, :] + dq_level], dim=-3)
             dk = torch.stack([dk[..., 0, :, :] + dk_level, dk[..., 1, :, :]], dim=-3)
-        return dq.reshape(*lead, C, -1), dk.reshape(*lead, C, -1)
+        return dq.reshape(*lead, C, dq.shape[-1]), dk.reshape(*lead, C, dk.shape[-1])
 
     def _leaf_scores(self) -> Tensor:
         """The leaves' lower triangles, [.., n, leaf, leaf], one diagonal at a time."""

@@ -131,6 +131,9 @@ def gla_recurrence(
         o = torch.cat(outputs, dim=1).view(B, H, T, V).transpose(1, 2)
     else:
         o = q.new_zeros(B, 0, H, V, dtype=torch.float32)
+        # No token updated the state, so h is still a view of the caller's initial state: a final
+        # state returned as that view would let an in-place update of it (a decode buffer) write the caller's.
+        h = h.clone()
     return (o * scale).to(q.dtype), h.view(B, H, K, V)
 
 
