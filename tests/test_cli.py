@@ -98,12 +98,50 @@ def test_inspect_module_attr_form(capsys):
         (["inspect", "tests.cli_models:NOT_A_MODEL"], "expected an nn.Module or a callable"),
         (["inspect", "tiny", "--target", "tpu"], "unknown target 'tpu'"),
         (["demo", "--steps", "0"], "steps must be a positive int"),
+        (["demo", "--world-size", "-1"], "world_size must be a positive int, got -1"),
+        (["demo", "--batch", "-4"], "batch must be a positive int, got -4"),
+        (["export", "tiny", "--stablehlo", "unused", "--muon", "--world-size", "1"],
+         "--muon needs --world-size of at least 2 (got 1)"),
         (["bench", "nope"], "unknown benchmark 'nope'; available: "),
     ],
 )
 def test_errors_are_clear(args, message, capsys):
     assert main(args) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def no_work(*args, **kwargs):
+    raise AssertionError("the work started before its size was checked")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["demo", "--seq-len", str(10**12)], "demo: error: the evaluation batch of 256 sequences of 1,000,000,000,000 "
+     "tokens (their ids, targets and logits) need at least 120.1 PiB, more than this machine's "),
+    (["demo", "--seq-len", "64", "--batch", str(10**14)], "demo: error: a rank's training batch of "
+     "100000000000000 sequences of 64 tokens (their ids, targets and logits) need at least 3,001.3 PiB"),
+    (["inspect", "tiny", "--seq-len", str(10**12)], "inspect: error: --batch 1 x --seq-len 1,000,000,000,000 "
+     "tokens (their ids and logits) need at least 472.9 TiB, more than this machine's "),
+    (["export", "tiny", "--stablehlo", "unused", "--seq-len", str(10**20)], "export: error: --batch 1 x --seq-len "),
+])
+def test_a_batch_larger_than_memory_is_refused_before_the_work(args, message, monkeypatch, capsys):
+    """The token ids and logits alone, a lower bound of what the work allocates, against the machine's memory."""
+    monkeypatch.setattr("laplace_passes.demo.train._train", no_work)
+    monkeypatch.setattr("laplace_passes.inspect", no_work)
+    monkeypatch.setattr("laplace_passes.export_stablehlo", no_work)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert err.rstrip().endswith(("of memory: use a smaller --seq-len", "of memory: use a smaller --seq-len or --batch"))
+
+
+def test_an_allocation_failing_in_training_is_one_line(monkeypatch, capsys):
+    """What the lower bound lets through fails where it allocates (here the batch's token ids): one line, the fix."""
+    monkeypatch.setattr("laplace_passes.tools.memory.physical_memory_bytes", lambda: 2**100)
+    assert main(["demo", "--steps", "1", "--batch", "4", "--seq-len", str(10**14), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("laplace-passes demo: error: out of memory ("), err
+    assert err.rstrip().endswith("): use a smaller --seq-len or --batch") and "enforce fail" not in err
 
 
 TINY_GLA_BENCH = ["gla", "--T", "64", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--no-compiled",

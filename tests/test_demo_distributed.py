@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from laplace_passes.demo import checkpoint as demo_checkpoint
 from laplace_passes.tools.cli import main
 from laplace_passes.demo.train import DemoConfig, run_demo
 from laplace_passes.demo.distributed import LaunchError, launch_local
@@ -127,6 +129,87 @@ def test_a_checkpoint_of_other_settings_is_refused(reference, tmp_path):
         run_demo(config)
 
 
+@pytest.fixture
+def no_training(monkeypatch):
+    """Building the model (before its state is loaded) and launching ranks fail: the checks must come first."""
+    def fail_if_called(*args, **kwargs):
+        raise AssertionError("the run went past the checkpoint's checks")
+
+    monkeypatch.setattr("laplace_passes.demo.train._build", fail_if_called)
+    monkeypatch.setattr("laplace_passes.demo.train.launch_local", fail_if_called)
+
+
+def refusal(args, capsys) -> str:
+    """The one line `demo ARGS` refuses with (exit status 2)."""
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("laplace-passes demo: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("world_size", ["1", "4"])
+def test_resuming_with_another_model_names_both_before_loading(reference, tmp_path, capsys, no_training, world_size):
+    _, saved = reference
+    copy_checkpoint(saved, 2, tmp_path)
+    err = refusal([*SMALL, "--steps", "6", "--model", "plain-tiny", "--world-size", world_size,
+                   "--checkpoint-dir", str(tmp_path)], capsys)
+    assert f"the checkpoint {tmp_path}/step_00000002 is from a different run (model 'tiny' there, 'plain-tiny' " \
+           "here); use another --checkpoint-dir or the same settings" in err
+
+
+def test_the_settings_are_compared_before_any_state_is_loaded(reference, tmp_path):
+    """A template of another model's keys: the settings are refused, not the first key the checkpoint lacks."""
+    _, saved = reference
+    copy_checkpoint(saved, 2, tmp_path)
+    config = DemoConfig(model="fla-gla-tiny", steps=6, batch=12, seq_len=16, num_pairs=2)
+    settings = {name: getattr(config, name) for name in demo_checkpoint.RUN_SETTINGS}
+    template = {"model": {"not.in.the.checkpoint": torch.zeros(1)}, "settings": ""}
+    with pytest.raises(demo_checkpoint.CheckpointError, match=r"model 'tiny' there, 'fla-gla-tiny' here"):
+        demo_checkpoint.load(str(tmp_path), 2, template, settings)
+    assert template["settings"] == ""  # nothing was loaded into it
+
+
+def damage_data_file(step: Path) -> str:
+    (data,) = step.glob("*.distcp")
+    size = data.stat().st_size
+    with open(data, "r+b") as file:
+        file.truncate(size // 2)
+    return f"the checkpoint's data file {data} is truncated ({size // 2:,} of {size:,} bytes)"
+
+
+def damage_metadata(step: Path) -> str:
+    metadata = step / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    return f"the checkpoint's {metadata} is damaged ("
+
+
+@pytest.mark.parametrize("damage", [damage_data_file, damage_metadata])
+def test_a_damaged_checkpoint_names_its_file(reference, tmp_path, capsys, no_training, damage):
+    _, saved = reference
+    copy_checkpoint(saved, 2, tmp_path)
+    message = damage(tmp_path / "step_00000002")
+    err = refusal([*SMALL, "--steps", "6", "--checkpoint-dir", str(tmp_path)], capsys)
+    assert message in err and f"remove {tmp_path}/step_00000002 to resume from the checkpoint before it" in err
+
+
+def test_a_checkpoint_past_the_steps_is_refused_first(reference, tmp_path, capsys, no_training):
+    _, saved = reference
+    copy_checkpoint(saved, 4, tmp_path)
+    err = refusal([*SMALL, "--steps", "3", "--checkpoint-dir", str(tmp_path)], capsys)
+    assert f"the newest checkpoint in {tmp_path} is at step 4, past steps=3: ask for more --steps" in err
+
+
+def test_a_ranks_refusal_is_one_line(monkeypatch, capsys):
+    """What a rank raises about the input (its checkpoint, memory) reads as at W = 1, not as every rank's traceback."""
+    def failed_rank(*args, **kwargs):
+        raise LaunchError({1: "Traceback (most recent call last):\n  ...\nOutOfMemory: out of memory (...): fix"},
+                          {1: "OutOfMemory: out of memory (...): use a smaller --seq-len or --batch"})
+
+    monkeypatch.setattr("laplace_passes.demo.train.launch_local", failed_rank)
+    err = refusal([*SMALL, "--steps", "2", "--world-size", "2"], capsys)
+    assert err.endswith("error: rank 1: out of memory (...): use a smaller --seq-len or --batch\n")
+
+
 def test_batch_must_divide_over_the_ranks():
     with pytest.raises(ValueError, match="global batch and must divide over 4 ranks"):
         run_demo(DemoConfig(steps=1, batch=6, world_size=4))
@@ -139,8 +222,11 @@ def test_launch_local_reports_the_failed_rank():
     with pytest.raises(LaunchError, match=r"(?s)rank \d: Traceback.*ZeroDivisionError") as failed:
         launch_local(2, operator.truediv, 1, 0, timeout_s=120)
     assert failed.value.failures and set(failed.value.failures) <= {0, 1}
-    with pytest.raises(LaunchError, match="rank 0: exited with code 3"):
+    assert set(failed.value.raised) == set(failed.value.failures)
+    assert all(text == "ZeroDivisionError: division by zero" for text in failed.value.raised.values())
+    with pytest.raises(LaunchError, match="rank 0: exited with code 3") as exited:
         launch_local(1, os._exit, 3, timeout_s=120)
+    assert exited.value.raised == {}
 
 
 def test_launch_local_forks_ranks_from_the_fork_server_by_default():

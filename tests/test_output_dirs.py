@@ -1,7 +1,10 @@
 """Output directories (`export_stablehlo`, `dump_report`, the CLI's --stablehlo and --dump):
-checked before the work, written whole or not at all, never mixed with an earlier run's files."""
+checked before the work, written whole or not at all, never mixed with an earlier run's files; and the demo's
+--checkpoint-dir, which a run adds to: checked before the first training step."""
 
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -133,3 +136,60 @@ def test_cli_a_write_failing_half_way_is_one_line_and_leaves_nothing(tmp_path, m
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "laplace-passes inspect: error: [Errno 28] No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_place_where_no_directory_can_be_made_is_refused_first(monkeypatch, capsys):
+    """/proc: writable by its permission bits for root, yet no directory can be made there."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc on this platform")
+    monkeypatch.setattr("laplace_passes.tools.cli.load_model", fail_if_called)
+    for command in (["inspect", "tiny", "--dump", "/proc/x"], ["export", "tiny", "--stablehlo", "/proc/x/y"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "cannot create the output directory /proc/x" in err, err
+        assert "no directory can be made in /proc (" in err
+
+
+def read_only_filesystem(*args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+# --- the demo's --checkpoint-dir: kept and added to (not replaced), checked before the first step -----------
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """The demo's work, at either world size, replaced by a failure: the checks must come first."""
+    monkeypatch.setattr("laplace_passes.demo.train._train", fail_if_called)
+    monkeypatch.setattr("laplace_passes.demo.train.launch_local", fail_if_called)
+
+
+DEMO = ["demo", "--steps", "2", "--batch", "4", "--seq-len", "16", "--num-pairs", "2", "--no-progress"]
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+@pytest.mark.parametrize("place,message", [
+    ("a_file", "cannot use {}/a_file as the checkpoint directory: a file of that name is in the way"),
+    ("a_file/sub", "cannot create the checkpoint directory {}/a_file/sub: {}/a_file is not a directory"),
+    ("read_only/new", "cannot create the checkpoint directory {}/read_only/new: no directory can be made in "
+                      "{}/read_only (Read-only file system)"),
+    ("read_only", "cannot write into the checkpoint directory {}/read_only: no directory can be made in "
+                  "{}/read_only (Read-only file system)"),
+])
+def test_demo_checks_the_checkpoint_directory_before_training(world_size, place, message, tmp_path, monkeypatch,
+                                                              capsys, no_training):
+    (tmp_path / "a_file").write_text("mine")
+    (tmp_path / "read_only").mkdir()
+    if place.startswith("read_only"):  # a read-only mount, which root cannot write either
+        monkeypatch.setattr("laplace_passes.infra.files.tempfile.mkdtemp", read_only_filesystem)
+    assert main([*DEMO, "--world-size", world_size, "--checkpoint-dir", str(tmp_path / place)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("laplace-passes demo: error: ")
+    assert message.format(tmp_path, tmp_path) in err
+    assert (tmp_path / "a_file").read_text() == "mine" and list((tmp_path / "read_only").iterdir()) == []
+
+
+def test_demo_names_an_unwritable_checkpoint_parent(tmp_path, monkeypatch, capsys, no_training):
+    monkeypatch.setattr("laplace_passes.infra.files.os.access", lambda path, mode: False)  # tests may run as root
+    assert main([*DEMO, "--checkpoint-dir", str(tmp_path / "new")]) == 2
+    assert f"cannot create the checkpoint directory {tmp_path}/new: {tmp_path} is not writable" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -50,11 +50,13 @@ class LaunchError(RuntimeError):
     """A locally launched rank failed; ``failures`` maps rank to what went wrong.
 
     The agent stops the other ranks as soon as one fails, so ``failures``
-    holds the rank(s) that failed first.
+    holds the rank(s) that failed first. ``raised`` maps each rank that
+    raised (rather than died) to its exception's ``"Type: message"``.
     """
 
-    def __init__(self, failures: dict[int, str]):
+    def __init__(self, failures: dict[int, str], raised: dict[int, str] | None = None):
         self.failures = dict(sorted(failures.items()))
+        self.raised = dict(sorted((raised or {}).items()))
         lines = [f"{len(failures)} rank(s) failed (the others were stopped):"]
         lines += [f"--- rank {rank}: {message}" for rank, message in self.failures.items()]
         super().__init__("\n".join(lines))
@@ -135,7 +137,8 @@ def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s:
         with _restored_signal_handlers(), _deadline(timeout_s):
             values = elastic_launch(config, fn)(*args)
     except ChildFailedError as error:
-        raise LaunchError({rank: _failure_text(f) for rank, f in error.failures.items()}) from None
+        raise LaunchError({rank: _failure_text(f) for rank, f in error.failures.items()},
+                          {rank: text for rank, f in error.failures.items() if (text := _raised_text(f))}) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return [values[rank] for rank in range(world_size)]
@@ -150,6 +153,14 @@ def _failure_text(failure) -> str:
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
     return f"exited with code {failure.exitcode}"
+
+
+def _raised_text(failure) -> str | None:
+    """"Type: message" of the exception the rank raised (from the error file `record` wrote); None if it died."""
+    message = failure.message
+    if isinstance(message, dict) and isinstance(message.get("message"), str):
+        return message["message"]
+    return None
 
 
 def _quiet_agent_loggers() -> None:

@@ -42,13 +42,22 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from laplace_passes.demo import checkpoint as demo_checkpoint
-from laplace_passes.demo.distributed import join_process_group, launch_local, launcher_rank_and_world, under_torchrun
+from laplace_passes.demo.distributed import (LaunchError, join_process_group, launch_local, launcher_rank_and_world,
+                                             under_torchrun)
+from laplace_passes.infra.files import check_writable_dir
+from laplace_passes.tools.memory import allocation_failures_as_errors, check_fits
 
 
 # The model_zoo models the demo trains: GLA LMs (`tiny` calls the GLA op, `plain-tiny` writes the recurrence in
 # plain PyTorch) and flash-linear-attention's own GLA-family models.
 DEMO_MODELS = ("tiny", "plain-tiny", "fla-gla-tiny", "fla-hgrn2-tiny", "fla-retnet-tiny", "fla-rwkv6-tiny",
                "fla-gsa-tiny", "fla-lightnet-tiny")
+
+MEMORY_FIX = "use a smaller --seq-len or --batch"
+
+# What a rank raises about the user's input or files (the settings, a checkpoint, memory): at W > 1 it is
+# the same one line as at W = 1, not the launcher's report of every rank's traceback.
+_ONE_LINE_ERRORS = ("ValueError", "CheckpointError", "OutputDirError", "OutOfMemory")
 
 
 @dataclass
@@ -133,18 +142,44 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
     config.check_world_size(config.world_size)
     if config.world_size == 1:
         return _train(0, 1, config)
-    return launch_local(config.world_size, _launched_rank, config)[0]
+    try:
+        return launch_local(config.world_size, _launched_rank, config)[0]
+    except LaunchError as error:
+        refusal = next((f"rank {rank}: {text.partition(': ')[2]}" for rank, text in error.raised.items()
+                        if text.partition(": ")[0] in _ONE_LINE_ERRORS), None)
+        if refusal is None:
+            raise
+        raise ValueError(refusal) from None
 
 
 def _check_settings(config: DemoConfig) -> None:
-    """What every rank would refuse after its start (a minute each), refused once before any starts."""
+    """What every rank would refuse after its start (a minute each) or after training (the checkpoint
+    directory, written at the first save), refused once before any starts."""
     import model_zoo
     from laplace_passes.driver.backend import compile_config
     from model_zoo.mqar import MQARTask
 
     vocab_size = model_zoo.build(config.model, device="meta").config.vocab_size  # no weights made
     MQARTask(vocab_size=vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
+    _check_memory(config, vocab_size)
     compile_config({"target": config.target, "inner": config.inner})
+    if config.checkpoint_dir is not None:
+        check_writable_dir(config.checkpoint_dir, "checkpoint directory")
+        demo_checkpoint.check_resumable(config.checkpoint_dir, config.steps, _settings(config))
+
+
+def _check_memory(config: DemoConfig, vocab_size: int) -> None:
+    """Refuse a batch whose token ids, targets and logits alone exceed this machine's memory.
+
+    A lower bound (the activations come on top), so the refusal is never wrong: one process holds
+    its rank's rows of a training batch, and rank 0 the whole evaluation batch.
+    """
+    world_size = launcher_rank_and_world()[1] if under_torchrun() else config.world_size
+    per_token = 2 * 8 + 4 * vocab_size  # int64 ids and targets, one float32 logit per vocabulary entry
+    rows, which, fix = max((config.batch // world_size, "a rank's training batch of", MEMORY_FIX),
+                           (config.eval_batch, "the evaluation batch of", "use a smaller --seq-len"))
+    check_fits(rows * config.seq_len * per_token,
+               f"{which} {rows} sequences of {config.seq_len:,} tokens (their ids, targets and logits)", fix)
 
 
 def _launched_rank(config: DemoConfig) -> DemoResult | None:
@@ -191,6 +226,11 @@ def _build(config: DemoConfig, world_size: int) -> _Trainer:
 
 def _train(rank: int, world_size: int, config: DemoConfig) -> DemoResult | None:
     """Train on this rank; rank 0 alone evaluates and returns the result (the others return None)."""
+    with allocation_failures_as_errors(MEMORY_FIX):  # what _check_memory's lower bound lets through
+        return _train_and_evaluate(rank, world_size, config)
+
+
+def _train_and_evaluate(rank: int, world_size: int, config: DemoConfig) -> DemoResult | None:
     trainer = _build(config, world_size)
     start_step, losses = _resume(config, trainer)
     progress = _progress_bar(config.steps, start_step, enabled=config.progress and rank == 0)
@@ -261,11 +301,9 @@ def _resume(config: DemoConfig, trainer: _Trainer) -> tuple[int, list[float]]:
     """(step, losses) of the newest checkpoint in checkpoint_dir, loaded into trainer; (0, []) if none."""
     if config.checkpoint_dir is None:
         return 0, []
-    step = demo_checkpoint.newest_step(config.checkpoint_dir)
+    step = demo_checkpoint.newest_step(config.checkpoint_dir)  # step <= steps: _check_settings
     if step is None:
         return 0, []
-    if step > config.steps:
-        raise ValueError(f"the newest checkpoint in {config.checkpoint_dir} is at step {step}, past steps={config.steps}")
     template = demo_checkpoint.training_state(trainer.model, trainer.optimizer, trainer.names, 0, [],
                                               _settings(config))
     loaded = demo_checkpoint.load(config.checkpoint_dir, step, template, _settings(config))

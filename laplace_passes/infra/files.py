@@ -1,6 +1,7 @@
 """Output directories, written whole or not at all.
 
     check_output_dir(path, overwrite=False)              before the work: a bad destination is a ValueError
+    check_writable_dir(path)                             the same for a directory that is added to (checkpoints)
     with staged_directory(path, overwrite) as staging:   write every file into `staging`;
         ...                                              on success it becomes `path`
 
@@ -10,7 +11,10 @@ NOTE [output directories]
 manifest and the files it lists, a report and its graphs. Three rules:
 
 * The destination is checked before the work (minutes on a large model), so
-  a file in the way or an unwritable parent fails at once, in one line.
+  a file in the way, an unwritable parent or a place where no directory can
+  be made (/proc, a read-only mount) fails at once, in one line. The last is
+  found by making (and removing) an empty directory there: permission bits
+  do not tell, and root passes every `os.access` check.
 * A non-empty directory is refused unless `overwrite=True` (`--force`),
   which replaces it whole: no file of an earlier run survives that the new
   manifest does not list. A directory holding the current working directory
@@ -28,6 +32,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -52,12 +57,43 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
             cwd = Path.cwd().resolve()
             if real in (cwd, *cwd.parents):
                 raise OutputDirError(f"refusing to replace {path}: it holds the current working directory")
-    ancestor = _nearest_existing(real.parent)
-    if not ancestor.is_dir():
-        raise OutputDirError(f"cannot create the output directory {path}: {ancestor} is not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise OutputDirError(f"cannot create the output directory {path}: {ancestor} is not writable")
+    _check_can_create(real.parent, f"create the output directory {path}")
     return path
+
+
+def check_writable_dir(path: str | os.PathLike, what: str = "directory") -> Path:
+    """`path` as a Path, when files can be added to it: an existing directory, or one that can be made.
+
+    For a directory a run adds to (and may resume from), unlike `check_output_dir`'s, which a run
+    replaces whole: its files are kept. `what` names it in the error ("checkpoint directory").
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise OutputDirError(f"a {what} must be a path, got {type(path).__name__}")
+    path = Path(path)
+    real = Path(os.path.realpath(path))
+    if not real.exists():
+        _check_can_create(real.parent, f"create the {what} {path}")
+    elif not real.is_dir():
+        raise OutputDirError(f"cannot use {path} as the {what}: a file of that name is in the way")
+    else:
+        _check_can_create(real, f"write into the {what} {path}")  # the run makes directories inside it
+    return path
+
+
+def _check_can_create(parent: Path, doing: str) -> None:
+    """Refuse to `doing` ("create the output directory DIR") unless a directory can be made in `parent`
+    (or in the nearest of its ancestors that exists)."""
+    ancestor = _nearest_existing(parent)
+    if not ancestor.is_dir():
+        raise OutputDirError(f"cannot {doing}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputDirError(f"cannot {doing}: {ancestor} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=ancestor))
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise OutputDirError(f"cannot {doing}: no directory can be made in {ancestor} "
+                             f"({reason})") from None
 
 
 @contextlib.contextmanager

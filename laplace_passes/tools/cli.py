@@ -34,10 +34,13 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def main(argv: list[str] | None = None) -> int:
+    from laplace_passes.tools.memory import allocation_failures_as_errors
+
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        with allocation_failures_as_errors("use a smaller --seq-len or --batch"):
+            return args.run(args)
     except (ValueError, TypeError, LookupError, ImportError, OSError) as error:
         print(f"laplace-passes {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -130,7 +133,8 @@ def _run_inspect(args) -> int:
         return 0
     if args.model is None:
         raise ValueError("MODEL is required (or --passes)")
-    if args.dump:  # before the work, which may take minutes
+    _check_target(args.target)  # before the work, which may take minutes
+    if args.dump:
         check_output_dir(args.dump, args.force)
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
     with _status(f"inspect {args.model}: capturing and transforming its graphs at batch {args.batch}, "
@@ -174,8 +178,9 @@ def _run_export(args) -> int:
     from laplace_passes.infra.files import check_output_dir
 
     check_output_dir(args.stablehlo, args.force)
+    _check_target(args.target)
     if args.muon and args.world_size < 2:
-        raise SystemExit(f"error: --muon needs --world-size of at least 2 (got {args.world_size}): with one rank the "
+        raise ValueError(f"--muon needs --world-size of at least 2 (got {args.world_size}): with one rank the "
                          "step has no communication to export")
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
     with tempfile.TemporaryDirectory(prefix="laplace_export_") as scratch:
@@ -214,6 +219,12 @@ def _run_export(args) -> int:
     return 0
 
 
+def _check_target(target: str) -> None:
+    from laplace_passes.driver.backend import compile_config
+
+    compile_config({"target": target})  # an unknown target is a ValueError naming the known ones
+
+
 @contextlib.contextmanager
 def _status(what: str):
     """One line on stderr before long silent work, and how long it took after."""
@@ -236,6 +247,7 @@ def load_model(spec: str, batch: int, seq_len: int):
             raise ValueError(f"unknown model {spec!r}: use one of {', '.join(model_zoo.CONFIG_NAMES)} "
                              "or package.module:attr")
         model = model_zoo.build(spec)
+        _check_batch_fits(batch, seq_len, model.config.vocab_size)
         device = next(model.parameters()).device
         ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         return model, (ids,)
@@ -249,6 +261,7 @@ def load_model(spec: str, batch: int, seq_len: int):
         if vocab is None:
             raise TypeError(f"{spec} is a module without config.vocab_size: give a callable returning "
                             "(model_or_fn, example_inputs) instead")
+        _check_batch_fits(batch, seq_len, vocab)
         return obj, (torch.zeros(batch, seq_len, dtype=torch.long),)
     if callable(obj):
         made = obj()
@@ -256,6 +269,15 @@ def load_model(spec: str, batch: int, seq_len: int):
             raise TypeError(f"{spec}() must return (model_or_fn, example_inputs_tuple), got {type(made).__name__}")
         return made
     raise TypeError(f"{spec} is a {type(obj).__name__}: expected an nn.Module or a callable")
+
+
+def _check_batch_fits(batch: int, seq_len: int, vocab_size: int) -> None:
+    """Refuse example inputs whose token ids and logits alone exceed this machine's memory."""
+    from laplace_passes.tools.memory import check_fits
+
+    per_token = 8 + 4 * vocab_size  # an int64 id, one float32 logit per vocabulary entry
+    check_fits(batch * seq_len * per_token, f"--batch {batch} x --seq-len {seq_len:,} tokens (their ids and logits)",
+               "use a smaller --seq-len or --batch")
 
 
 def _add_bench(commands) -> None:
