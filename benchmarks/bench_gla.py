@@ -33,7 +33,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_samples, once
+from benchmarks.common import interleaved_samples, once, say
 import laplace_passes
 from laplace_passes import chunked_gla, gla
 from laplace_passes.infra.targets import CPU
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
         "compiled_s": timed.get("compiled"),
         "chunked_recomputing_s": timed.get("chunked_recomputing"),
         "compiled_recomputing_s": timed.get("compiled_recomputing"),
-        "recurrence_s": once(forward_backward(gla, inputs)),
+        "recurrence_s": _timed_once("the token recurrence (laplace::gla)", forward_backward(gla, inputs)),
         "matmul_gflops": MATMUL_FLOPS / timed["matmul"] / 1e9,
         "load_average": [load_before, os.getloadavg()[0]],
     }
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
     except ImportError:
         results["fla_naive_s"] = None
     else:
-        results["fla_naive_s"] = once(forward_backward(naive_recurrent_gla, inputs))
+        results["fla_naive_s"] = _timed_once("fla's naive_recurrent_gla", forward_backward(naive_recurrent_gla, inputs))
     flops = gla_flops(args.B, args.T, args.H, args.K, args.V, args.chunk_size)
     for name in ("chunked", "compiled", "chunked_recomputing", "compiled_recomputing"):
         seconds = results[f"{name}_s"]
@@ -144,6 +144,13 @@ def main(argv=None) -> dict:
             results[f"{name}_keeping_residuals_speedup"] = statistics.median(ratios)
     print(json.dumps(results, indent=2) if args.json else _text(results))
     return results
+
+
+def _timed_once(what: str, fn) -> float:
+    say(f"timing {what} once ...")
+    seconds = once(fn)
+    say(f"  {seconds:.1f} s")
+    return seconds
 
 
 def _text(r: dict) -> str:

@@ -33,6 +33,7 @@ from unittest import mock
 
 import torch
 
+from benchmarks.common import print_row, say
 import laplace_passes
 import laplace_passes.driver.compile_fx as compile_fx
 import model_zoo
@@ -121,45 +122,57 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--model", default="laplace-3b", help="a model_zoo GLA config (built on meta)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    say(f"warming up: {args.model} with 1 layer at T = {args.seq_len} (imports, tracing the chunk ops) ...")
     measure(1, args.seq_len, model_name=args.model)  # first-call costs (imports, tracing the chunk ops) out
-    results = [measure(n, args.seq_len, args.budget, args.model) for n in args.layers]
+    results = []
+    for n in args.layers:
+        say(f"measuring {args.model} with {n} layers at T = {args.seq_len} ...")
+        results.append(measure(n, args.seq_len, args.budget, args.model))
+        if not args.json:
+            print_row("\n".join(_text(results[-1], header=len(results) == 1)))
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     else:
-        print(_text(results))
+        print_row(_growth(results))
     return results
 
 
-def _text(results: list[dict]) -> str:
-    budget = next(iter(results[0]["graphs"].values()))["budget"]
-    lines = [f"{results[0]['model']} on meta, T={results[0]['seq_len']}, target trn2, budget {budget:,} estimated instructions"]
-    for r in results:
+def _text(r: dict, header: bool) -> list[str]:
+    """One depth's rows, under the table's title line when `header`."""
+    budget = next(iter(r["graphs"].values()))["budget"]
+    title = f"{r['model']} on meta, T={r['seq_len']}, target trn2, budget {budget:,} estimated instructions"
+    lines = [title] if header else []
+    lines.append(
+        f"\n{r['layers']} layers: passes {r['passes_s']:.2f} s, pass pipeline with lint and report snapshots "
+        f"{r['pipeline_s']:.2f} s, whole inspect {r['inspect_s']:.2f} s"
+    )
+    total_nodes = total_instructions = 0
+    for name, g in r["graphs"].items():
+        total_nodes += g["nodes"]
+        total_instructions += g["instructions"]
+        layer_nodes = [v for k, v in g["by_layer"]["nodes"].items() if k != "other"]
+        layer_instr = [v for k, v in g["by_layer"]["instructions"].items() if k != "other"]
+        cuts = ", ".join(f"{b / 1e6:.1f} MB" for b in g["cut_bytes"]) or "-"
         lines.append(
-            f"\n{r['layers']} layers: passes {r['passes_s']:.2f} s, pass pipeline with lint and report snapshots "
-            f"{r['pipeline_s']:.2f} s, whole inspect {r['inspect_s']:.2f} s"
+            f"  {name:11s} {g['nodes']:7d} nodes {g['instructions']:11,d} instructions "
+            f"({g['instructions'] / g['budget']:.0%} of budget), {g['partitions']} partition(s), cuts: {cuts}"
         )
-        total_nodes = total_instructions = 0
-        for name, g in r["graphs"].items():
-            total_nodes += g["nodes"]
-            total_instructions += g["instructions"]
-            layer_nodes = [v for k, v in g["by_layer"]["nodes"].items() if k != "other"]
-            layer_instr = [v for k, v in g["by_layer"]["instructions"].items() if k != "other"]
-            cuts = ", ".join(f"{b / 1e6:.1f} MB" for b in g["cut_bytes"]) or "-"
+        if layer_nodes:
             lines.append(
-                f"  {name:11s} {g['nodes']:7d} nodes {g['instructions']:11,d} instructions "
-                f"({g['instructions'] / g['budget']:.0%} of budget), {g['partitions']} partition(s), cuts: {cuts}"
+                f"  {'':11s} per layer: {min(layer_nodes)}-{max(layer_nodes)} nodes, "
+                f"{min(layer_instr):,}-{max(layer_instr):,} instructions; outside the layers: "
+                f"{g['by_layer']['nodes'].get('other', 0)} nodes, "
+                f"{g['by_layer']['instructions'].get('other', 0):,} instructions"
             )
-            if layer_nodes:
-                lines.append(
-                    f"  {'':11s} per layer: {min(layer_nodes)}-{max(layer_nodes)} nodes, "
-                    f"{min(layer_instr):,}-{max(layer_instr):,} instructions; outside the layers: "
-                    f"{g['by_layer']['nodes'].get('other', 0)} nodes, "
-                    f"{g['by_layer']['instructions'].get('other', 0):,} instructions"
-                )
-            if g["saved_for_backward_bytes"]:
-                lines.append(f"  {'':11s} activations saved for it: {g['saved_for_backward_bytes'] / 1e9:.2f} GB")
-        lines.append(f"  {'total':11s} {total_nodes:7d} nodes {total_instructions:11,d} instructions")
-    lines.append("\ngrowth with depth (per added layer, between consecutive depths):")
+        if g["saved_for_backward_bytes"]:
+            lines.append(f"  {'':11s} activations saved for it: {g['saved_for_backward_bytes'] / 1e9:.2f} GB")
+    lines.append(f"  {'total':11s} {total_nodes:7d} nodes {total_instructions:11,d} instructions")
+    return lines
+
+
+def _growth(results: list[dict]) -> str:
+    """Per added layer, between consecutive depths: printed once every depth is measured."""
+    lines = ["\ngrowth with depth (per added layer, between consecutive depths):"]
     for a, b in zip(results, results[1:]):
         added = b["layers"] - a["layers"]
         if added <= 0:

@@ -2,26 +2,47 @@
 
 This machine is shared and noisy, so absolute times drift; measurements that
 are compared are interleaved (A, B, A, B, ...) and summarised by their median.
+
+Nothing is measured in silence: `say` puts a progress line on stderr at once
+(the first call of a compiled path compiles, for up to minutes), and tables
+print each row as soon as it is measured (`print_row`).
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Callable, Mapping
 
 
+def say(text: str) -> None:
+    """A progress line on stderr, shown at once (stdout keeps the results, JSON included)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def print_row(text: str) -> None:
+    """One row of a table on stdout, shown as soon as it is measured, not when the table is done."""
+    print(text, flush=True)
+
+
 def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Seconds of each call of each function, calls interleaved round-robin: sample r of every function is round r."""
+    """Seconds of each call of each function, calls interleaved round-robin: sample r of every function is round r.
+
+    Each warm-up call and each round is said on stderr as it ends (a first call may compile for minutes).
+    """
     for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+        for name, fn in fns.items():
+            say(f"warming up {name} (a first call compiles) ...")
+            say(f"  {name}: {once(fn):.1f} s")
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    for round_index in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
+        say(f"round {round_index + 1}/{repeats}: " + ", ".join(f"{name} {times[-1] * 1e3:.1f} ms"
+                                                                for name, times in samples.items()))
     return samples
 
 

@@ -7,9 +7,11 @@ is checked in test_cli.py. `bench lowering` is not run here: lowering even
 its smallest point with torch-mlir takes about a minute on 2 cores.
 """
 
+import io
 import json
 import math
 import re
+import sys
 
 import pytest
 
@@ -163,3 +165,49 @@ def test_bench_muon_plans_against_the_baseline_formula_and_the_pass(capfd):
     for kind, plan in (("uniform", "branch-free (uniform)"), ("balanced", "balanced (a cond per owner)")):
         assert by_kind[kind]["received"] / 1e6 == pytest.approx(float(rows[plan]["received"]), abs=1e-3)
         assert by_kind[kind]["ns_flops"] / 1e9 == pytest.approx(float(rows[plan]["gflop"]), abs=6e-3)
+
+
+class Screen(io.StringIO):
+    """stdout as a reader sees it: what was written shows only once it is flushed."""
+
+    def __init__(self):
+        super().__init__()
+        self.shown = ""
+
+    def flush(self):
+        self.shown = self.getvalue()
+
+
+def fake_depth(layers: int, *args, **kwargs) -> dict:
+    graph = {"nodes": 10 * layers, "instructions": 100 * layers, "budget": 1000, "partitions": 1, "cut_bytes": [],
+             "by_layer": {"nodes": {}, "instructions": {}}, "saved_for_backward_bytes": None}
+    return {"model": "tiny", "seq_len": 128, "layers": layers, "passes_s": 0.1, "pipeline_s": 0.2, "inspect_s": 0.3,
+            "graphs": {"forward_0": graph}}
+
+
+def test_bench_unroll_shows_each_depth_as_soon_as_it_is_measured(monkeypatch):
+    from benchmarks import bench_unroll
+
+    screen = Screen()
+    shown_at_each_measure = []
+
+    def measure(layers, *args, **kwargs):
+        shown_at_each_measure.append(screen.shown)
+        return fake_depth(layers)
+
+    monkeypatch.setattr(bench_unroll, "measure", measure)
+    monkeypatch.setattr(sys, "stdout", screen)
+    bench_unroll.main(["--layers", "1", "2", "3"])
+    warmup, first, second, third = shown_at_each_measure
+    assert warmup == first == "" and "\n1 layers:" in second and "\n2 layers:" in third and "\n3 layers" not in third
+    assert "\n3 layers:" in screen.shown and "growth with depth" in screen.shown
+
+
+def test_interleaved_rounds_are_said_on_stderr_as_they_end(capsys):
+    from benchmarks.common import interleaved_samples
+
+    samples = interleaved_samples({"a": lambda: None, "b": lambda: None}, repeats=2)
+    err = capsys.readouterr().err
+    assert re.findall(r"round (\d)/2: a [\d.]+ ms, b [\d.]+ ms", err) == ["1", "2"]
+    assert "warming up a (a first call compiles) ..." in err and "warming up b" in err
+    assert [len(times) for times in samples.values()] == [2, 2]

@@ -183,6 +183,12 @@ def test_export_subprocess_inference_graph(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "inference_0.mlir" in done.stdout and "StableHLO ops" in done.stdout
     assert "export tiny: lowering every graph" in done.stderr and "done in" in done.stderr
+    # What the minutes of lowering are spent on, as it goes: capture, then each graph's passes and lowering.
+    progress = [line.strip() for line in done.stderr.splitlines() if line.startswith("  ")]
+    assert progress[0] == "capturing the graphs of GLALM at inputs [1, 64] ...", done.stderr
+    steps = ["dynamo_0: the passes ...", "inference_0: the passes ...", "lowering inference_0 to StableHLO (torch-mlir) ..."]
+    assert [line for line in progress if line in steps] == steps
+    assert progress[-1].startswith("capturing the graphs of GLALM at inputs [1, 64]: done in ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inference_0.mlir", "inference_0.mlirbc", "manifest.json"]
 
 
@@ -219,3 +225,44 @@ def test_inspect_passes_prints_the_declared_pipeline_for_the_inner_compiler(caps
     assert "+ 10. lower_to_stablehlo" in lowered and "- 10. lower_to_stablehlo" in eager
     assert "+  3. clamp_gate_checks" in lowered and "-  7. neuron_preflight" in lowered
     assert "target trn2, inner eager" in eager
+
+
+def help_text(capsys, *command) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    assert exited.value.code == 0
+    return re.sub(r"\s+", " ", capsys.readouterr().out)  # argparse wraps lines at the terminal's width
+
+
+def test_help_shows_defaults_and_the_choices_of_target_and_inner(capsys):
+    from laplace_passes.driver.backend import INNER_COMPILERS
+    from laplace_passes.infra.targets import TARGETS
+
+    targets = f"hardware target: {', '.join(sorted(TARGETS))} (default: trn2)"
+    inners = f"inner compiler: {', '.join(INNER_COMPILERS)}"
+    demo = help_text(capsys, "demo")
+    assert f"--steps STEPS (default: {DemoConfig().steps})" in demo and f"(default: {DemoConfig().batch})" in demo
+    assert targets in demo and inners in demo
+    inspect = help_text(capsys, "inspect")
+    assert "--seq-len SEQ_LEN (default: 2048)" in inspect and targets in inspect and inners in inspect
+    assert "(default: False)" not in inspect  # flags have no default to show
+    export = help_text(capsys, "export")
+    assert "--seq-len SEQ_LEN (default: 256)" in export and "(default: 4)" in export and targets in export
+
+
+def test_inspect_help_explains_the_report_columns(capsys):
+    from laplace_passes.infra.report import COLUMNS
+
+    text = help_text(capsys, "inspect")
+    for column in ("whole-tile mm", "small mm", "padding", "saved for bwd"):
+        assert f"{column} {COLUMNS[column]}" in text, column
+
+
+def test_bench_help_names_each_benchmark_from_its_script(capsys, tmp_path, monkeypatch):
+    text = help_text(capsys, "bench")
+    for name in available_benchmarks():
+        assert f" {name} " in text, name
+    assert "gla Chunked GLA against the token recurrence" in text
+    (tmp_path / "bench_new.py").write_text('"""A benchmark added later.\n\nMore.\n"""\n')
+    monkeypatch.setattr("laplace_passes.tools.cli.BENCHMARKS_DIR", tmp_path)
+    assert "one of: new" in help_text(capsys, "bench") and "new A benchmark added later." in help_text(capsys, "bench")

@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import sys
 
 import laplace_passes
@@ -75,10 +76,46 @@ def test_dump_draws_small_graphs_and_names_the_ones_it_does_not(tmp_path, monkey
     assert "dot took more than 1 s" in err and "nodes > 40" in err
 
 
-def test_dump_writes_every_dot_without_graphviz(tmp_path, monkeypatch):
+def test_dump_without_graphviz_writes_every_dot_and_says_once_how_to_draw_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` here
     assert main(["inspect", "tests.cli_models:two_layer_gla", "--target", "cpu", "--dump", str(tmp_path / "g")]) == 0
     assert list((tmp_path / "g").glob("*.dot")) and not list((tmp_path / "g").glob("*.svg"))
+    err = capsys.readouterr().err
+    assert err.count("no .svg drawn: Graphviz's `dot` is not on PATH") == 1 and "apt-get install graphviz" in err
+    assert (tmp_path / "g" / "report.txt").read_text().rstrip().endswith(f"dump: {dump.NO_GRAPHVIZ}")
+
+
+def test_dump_notes_graphviz_missing_only_when_it_is(tmp_path, monkeypatch):
+    fn, inputs = two_layer_gla()
+    report = laplace_passes.inspect(fn, *inputs, target="cpu")
+    monkeypatch.setattr(dump.shutil, "which", lambda name: None)
+    assert dump.dump_report(report, tmp_path / "without").notes == [dump.NO_GRAPHVIZ]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake_dot(bin_dir, slow_names="never")
+    monkeypatch.setattr(dump.shutil, "which", lambda name: str(bin_dir / name))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    drawn = dump.dump_report(report, tmp_path / "with")
+    assert drawn.notes == [] and "Graphviz" not in (tmp_path / "with" / "report.txt").read_text()
+
+
+# -- progress on stderr during the long waits --------------------------------------------------
+
+
+def test_inspect_says_on_stderr_what_it_is_doing_as_it_goes(capsys):
+    assert main(["inspect", "tests.cli_models:two_layer_gla", "--target", "cpu"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("inspect tests.cli_models:two_layer_gla: capturing and transforming") and \
+        err[-1].startswith("done in ")
+    progress = [line.strip() for line in err[1:-1]]
+    assert progress[0] == "capturing the graphs of fn at inputs [1, 100, 2, 8], [1, 100, 2, 8], " \
+        "[1, 100, 2, 8], [1, 100, 2, 8] ...", err
+    # Each graph's passes, each said before and timed after, in the order they ran; the eager inner compiler is
+    # instant and not said.
+    assert [line.partition(":")[0] for line in progress[1:-1]] == ["dynamo_0"] * 2 + ["inference_0"] * 2
+    assert progress[1:-1:2] == ["dynamo_0: the passes ...", "inference_0: the passes ..."]
+    assert all(re.fullmatch(r"\w+: the passes: done in \d+\.\d s", line) for line in progress[2:-1:2]), progress
+    assert re.fullmatch(r"capturing the graphs of fn .*: done in \d+\.\d s", progress[-1])
 
 
 def test_drawing_stops_when_its_total_time_is_used_up(tmp_path, monkeypatch):

@@ -7,11 +7,17 @@ then unrolled).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+
+import laplace_passes
+from laplace_passes.infra import logs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,3 +74,66 @@ def test_plus_laplace_prints_graphs_and_torch_trace_keeps_them(tmp_path):
     # The payload follows its header: the graph after re-tiling holds the chunk-loop op.
     header = logged.index('"laplace_dynamo_0_retile_gla_after"')
     assert "torch.ops.laplace.chunked_gla.default(" in logged[header:logged.index('"laplace_dynamo_0_fla_calls_before"')]
+
+
+class Records(logging.Handler):
+    """The records of one logger, kept in order (caplog needs pytest's logging plugin)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.DEBUG)
+        self.logger, self.records = logging.getLogger(name), []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        self.saved_level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.saved_level)
+
+
+def attention(q, k, v, gk):
+    return laplace_passes.gla(q, k, v, gk)[0]
+
+
+def gla_inputs(grad: bool):
+    q, k, v, gk = (torch.randn(1, 100, 2, 8, requires_grad=grad) for _ in range(4))
+    return q, k, v, -gk.abs()
+
+
+def test_the_python_api_logs_its_progress_under_laplace(monkeypatch):
+    """inspect, as the CLI and TORCH_LOGS=laplace show it: the capture, then each graph's passes, timed."""
+    with Records("laplace.progress") as records:
+        laplace_passes.inspect(attention, *gla_inputs(grad=True), target="cpu")
+    messages = [r.getMessage() for r in records]
+    assert all(r.levelno == logging.INFO for r in records) and logging.getLogger("laplace") in _parents(records[0])
+    assert messages[0] == "capturing the graphs of attention at inputs " + ", ".join(["[1, 100, 2, 8]"] * 4) + " ..."
+    assert [m for m in messages if m.endswith(" ...")][1:] == [f"{g}: the passes ..." for g in
+                                                              ("dynamo_0", "forward_0", "backward_0")]
+    assert re.fullmatch(r"capturing the graphs of attention .*: done in \d+\.\d s", messages[-1])
+
+
+def _parents(record):
+    logger = logging.getLogger(record.name)
+    while logger is not None:
+        yield logger
+        logger = logger.parent
+
+
+def test_the_first_slow_compile_says_once_what_took_the_time(monkeypatch):
+    """Over SLOW_COMPILE_S (here 0 s: every compile is slow), one WARNING for the process, not one per graph."""
+    monkeypatch.setattr(logs, "SLOW_COMPILE_S", 0.0)
+    monkeypatch.setattr(logs, "_slow_compile_hinted", False)
+    with Records("laplace.progress") as records:
+        compiled = laplace_passes.compile(attention, target="cpu")
+        compiled(*gla_inputs(grad=True))[0].sum().backward()  # forward and backward graphs: two compiles
+        laplace_passes.inspect(attention, *gla_inputs(grad=False), target="cpu")
+    hints = [r for r in records if r.levelno == logging.WARNING]
+    assert len(hints) == 1, [r.getMessage() for r in records]
+    assert re.fullmatch(r"first compile took \d+ s \(eager on forward_0\); later calls with the same shapes reuse "
+                        r"it; set TORCH_LOGS=laplace for progress", hints[0].getMessage())

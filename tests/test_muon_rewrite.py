@@ -566,3 +566,17 @@ def test_frobenius_norms_in_their_spellings_start_newton_schulz(name, scale):
     gm = _gather_then(_scaled_iteration(scale), flat_send=False)
     (found,) = find_newton_schulz(gm.graph)[0]
     assert len(found.coefficients) == 2, name
+
+
+def test_summary_at_two_ranks_says_the_same_bytes_and_half_the_newton_schulz_work():
+    """At W = 2 two all-to-alls receive what the gather did: the demo's summary says what the rewrite does save."""
+    from laplace_passes.collectives.traffic import muon_saving
+    from laplace_passes.demo.train import DemoResult
+
+    t = rewrite_muon_step(_step_graph([(64, 32)] * 4, 2, ns_steps=1), world_size=2).traffic
+    assert t.received_before == t.received_after and t.ns_flops_before == 2 * t.ns_flops_after
+    result = DemoResult(losses=[2.0, 1.0], accuracy=0.5, chance=0.1, tokens_per_s=1.0, seconds=1.0, world_size=2,
+                        muon_received_ratio=t.received_ratio, muon_ns_work_ratio=t.ns_flops_before / t.ns_flops_after)
+    assert result.summary().endswith("; Muon step receives the same bytes, half the Newton-Schulz work per rank "
+                                     "after the rewrite")
+    assert muon_saving(2.0, 8.0) == "receives x2.00 fewer bytes per rank"  # W = 4 of 16 matrices, as above

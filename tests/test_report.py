@@ -142,3 +142,22 @@ def test_last_report_follows_torch_compile():
     q = torch.randn(1, 10, 1, 4)
     torch.compile(f, backend="laplace", options={"target": "cpu"})(q, q, q, -q.abs())
     assert laplace_passes.last_report().sites[0].plan["T"] == 10
+
+
+def test_the_text_explains_the_columns_of_the_tables_it_shows(report):
+    """One legend line per explained column, only for the tables present: tiny's report has GLA sites and graph
+    sizes, no Muon traffic."""
+    from laplace_passes.infra.report import COLUMNS
+
+    text = str(report)
+    legend = text[text.index("\ncolumns:\n"):].splitlines()[2:]
+    explained = {line.split("  ")[1].strip(): line for line in legend if line.startswith("  ")}
+    for column in ("whole-tile mm", "small mm", "padding", "saved for bwd", "chunk", "budget"):
+        assert column in explained and COLUMNS[column] in explained[column], column
+    assert "whole 128 x 128 TensorEngine tiles" in explained["whole-tile mm"]
+    assert not {"received before", "NS GFLOP after", "lower bound"} & set(explained)  # no Muon table here
+    assert len(legend) == len(explained)  # one line each
+
+
+def test_a_report_without_tables_has_no_legend():
+    assert "columns:" not in str(laplace_passes.Report(target="cpu", inner="eager"))

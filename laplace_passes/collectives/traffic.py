@@ -76,3 +76,19 @@ def per_rank_totals(collectives: list[CollectiveBytes], world_size: int) -> tupl
     sent = [sum(c.sent[r] for c in collectives) for r in range(world_size)]
     received = [sum(c.received[r] for c in collectives) for r in range(world_size)]
     return max(sent, default=0), max(received, default=0)
+
+
+def muon_saving(received_ratio: float, ns_work_ratio: float | None) -> str:
+    """What the rewrite saves per rank, in words: "receives x2.00 fewer bytes per rank", or at a ratio of 1.00
+    (W = 2: two all-to-alls receive what the gather did) "receives the same bytes, half the Newton-Schulz work
+    per rank". The ratios are before / after."""
+    if f"{received_ratio:.2f}" != "1.00":
+        return f"receives x{received_ratio:.2f} fewer bytes per rank"
+    if ns_work_ratio is None or f"{ns_work_ratio:.2f}" == "1.00":
+        return "receives the same bytes per rank"
+    return f"receives the same bytes, {_share(1 / ns_work_ratio)} the Newton-Schulz work per rank"
+
+
+def _share(fraction: float) -> str:
+    named = {"0.50": "half", "0.25": "a quarter of", "0.33": "a third of"}
+    return named.get(f"{fraction:.2f}", f"{fraction:.0%} of")

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from laplace_passes.collectives.traffic import muon_saving
 from laplace_passes.demo import checkpoint as demo_checkpoint
 from laplace_passes.demo.distributed import (LaunchError, join_process_group, launch_local, launcher_rank_and_world,
                                              under_torchrun)
@@ -109,13 +110,14 @@ class DemoResult:
     report_dict: dict = field(default_factory=dict)
     # Data-parallel runs: per-rank bytes received by the Muon step, gathers / all-to-alls.
     muon_received_ratio: float | None = None
+    muon_ns_work_ratio: float | None = None  # the busiest rank's Newton-Schulz FLOPs, before / after the rewrite
     world_size: int = 1
     resumed_from: int | None = None  # the checkpoint's step this run started from
 
     def summary(self) -> str:
         muon = ""
         if self.muon_received_ratio is not None:
-            muon = f"; Muon step receives x{self.muon_received_ratio:.2f} fewer bytes per rank after the rewrite"
+            muon = f"; Muon step {muon_saving(self.muon_received_ratio, self.muon_ns_work_ratio)} after the rewrite"
         resumed = f" (resumed from step {self.resumed_from})" if self.resumed_from is not None else ""
         return (
             f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} over {len(self.losses)} steps{resumed}; "
@@ -319,13 +321,15 @@ def _result(config: DemoConfig, trainer: _Trainer, losses: list[float], seconds:
     with torch.no_grad():
         accuracy = recall_accuracy(_logits(trainer.compiled(eval_ids)), eval_targets)
     report = trainer.compiled.laplace_report
-    report_text, report_dict, muon_ratio = str(report), report.to_dict(), None
+    report_text, report_dict, muon_ratio, ns_ratio = str(report), report.to_dict(), None, None
     if world_size > 1:
         muon_report = trainer.muon_report
         report_text += f"\n\nShardedMuon step over {world_size} ranks (backend='laplace', target 'cpu'):\n{muon_report}"
         report_dict["muon_step"] = muon_report.to_dict()
         traffic = muon_report.traffic
         muon_ratio = traffic[0].received_ratio if traffic else None
+        if traffic and traffic[0].ns_flops_after:
+            ns_ratio = traffic[0].ns_flops_before / traffic[0].ns_flops_after
     trained = config.steps - (resumed_from or 0)
     return DemoResult(
         losses=losses,
@@ -336,6 +340,7 @@ def _result(config: DemoConfig, trainer: _Trainer, losses: list[float], seconds:
         report=report_text,
         report_dict=report_dict,
         muon_received_ratio=muon_ratio,
+        muon_ns_work_ratio=ns_ratio,
         world_size=world_size,
         resumed_from=resumed_from,
     )

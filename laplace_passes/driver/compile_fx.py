@@ -27,6 +27,7 @@ from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fla.install import covered_before_install
 from laplace_passes.fla.install import install as install_fla_replacements
 from laplace_passes.fla.late_import import install_after_import
+from laplace_passes.infra import logs
 from laplace_passes.infra.pass_base import run_passes
 from laplace_passes.driver.pipeline import aten_passes, dynamo_passes, graph_context
 from laplace_passes.infra.report import Report, remember
@@ -90,7 +91,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
         )
     record = report.new_graph("dynamo", gm)
     record.input_sources = [input_source(n) for n in gm.graph.find_nodes(op="placeholder")]
-    gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report, strict=config.strict)
+    with logs.progress(f"{record.name}: the passes"):
+        gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report, strict=config.strict)
     compilers = {kind: _aten_compiler(config, kind) for kind in KINDS}
     kwargs: dict[str, Any] = {
         "fw_compiler": compilers["forward"],
@@ -112,9 +114,11 @@ def _aten_compiler(config: CompileConfig, kind: str) -> Callable:
         forward_graphs = [g.before for g in report.graphs if g.kind == "forward"]
         record = report.new_graph(kind, gm)
         passes = aten_passes(config, graph_context(config, record.name, kind), gm, forward_graphs)
-        gm = run_passes(gm, passes, record, report, strict=config.strict)
+        with logs.progress(f"{record.name}: the passes"):
+            gm = run_passes(gm, passes, record, report, strict=config.strict)
         # A graph the budget pass cut into partitions: each compiled on its own.
-        return compile_graph(config.inner, gm, example_inputs, kind)
+        with logs.inner_compile(config.inner.name, record.name):
+            return compile_graph(config.inner, gm, example_inputs, kind)
 
     compile_aten_graph.__name__ = f"laplace_{kind}_compiler"
     return compile_aten_graph
@@ -130,7 +134,8 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     prepare_to_trace()
     backend = functools.partial(compile_fx, config=config)
     compiled = torch.compile(fresh_code(model_or_fn), backend=backend, dynamic=False)
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+            logs.progress(f"capturing the graphs of {_described(model_or_fn, example_inputs)}"):
         try:
             compiled(*example_inputs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -139,6 +144,14 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     if not config.report.graphs:
         raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
     return config.report
+
+
+def _described(model_or_fn: Callable, example_inputs: tuple) -> str:
+    """`GLALM at inputs [1, 2048]`: what a progress line names."""
+    name = type(model_or_fn).__name__ if isinstance(model_or_fn, torch.nn.Module) else getattr(
+        model_or_fn, "__name__", type(model_or_fn).__name__)
+    shapes = ", ".join(str(list(x.shape)) for x in example_inputs if isinstance(x, torch.Tensor))
+    return f"{name} at inputs {shapes}" if shapes else name
 
 
 def check_callable(model_or_fn: object) -> None:

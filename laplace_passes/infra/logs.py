@@ -11,11 +11,21 @@ module named `laplace` (laplace.py, empty) for that: torch then configures
 the "laplace" logger (level, handler, format), and the logger here is its
 child. From Python, `torch._logging.set_logs(modules={"laplace": logging.INFO})`
 does the same.
+
+Progress, on the "laplace.progress" logger: a line at INFO before each wait
+(capturing a model's graphs, the passes on each graph, the inner compiler on
+each graph) and its time after; the first compile that takes more than
+`SLOW_COMPILE_S` logs, once per process at WARNING (shown with no logging
+configured), what took the time and how to see the progress. The CLI prints
+these lines on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from typing import Iterator
 
 import torch.fx
 from torch._logging import trace_structured
@@ -24,6 +34,47 @@ from laplace_passes.infra.report import PassRecord
 
 # The "laplace" logger is the one TORCH_LOGS="laplace" configures (see above).
 log = logging.getLogger("laplace.passes")
+progress_log = logging.getLogger("laplace.progress")
+
+SLOW_COMPILE_S = 10.0
+_slow_compile_hinted = False
+
+
+@contextlib.contextmanager
+def progress(what: str) -> Iterator[None]:
+    """`what ...` at INFO before the work, `what: done in N s` after."""
+    progress_log.info("%s ...", what)
+    start = time.perf_counter()
+    yield
+    progress_log.info("%s: done in %.1f s", what, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def inner_compile(inner: str, graph: str) -> Iterator[None]:
+    """Progress around the inner compiler on one graph, and the hint at the first slow compile."""
+    start = time.perf_counter()
+    with progress(_compiling(inner, graph)) if inner != "eager" else contextlib.nullcontext():
+        yield
+    seconds = time.perf_counter() - start
+    if seconds > SLOW_COMPILE_S:
+        _hint_once(inner, graph, seconds)
+
+
+def _compiling(inner: str, graph: str) -> str:
+    if inner == "stablehlo":
+        return f"lowering {graph} to StableHLO (torch-mlir)"
+    if inner == "iree":
+        return f"lowering {graph} to StableHLO and compiling it with IREE"
+    return f"compiling {graph} with {inner}"
+
+
+def _hint_once(inner: str, graph: str, seconds: float) -> None:
+    global _slow_compile_hinted
+    if _slow_compile_hinted:
+        return
+    _slow_compile_hinted = True
+    progress_log.warning("first compile took %.0f s (%s on %s); later calls with the same shapes reuse it; "
+                         "set TORCH_LOGS=laplace for progress", seconds, inner, graph)
 
 
 def graph_before(pass_name: str, graph_name: str, gm: torch.fx.GraphModule) -> None:

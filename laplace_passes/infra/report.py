@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import operator
+import re
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
@@ -319,7 +320,7 @@ class Report:
             lines += _traffic_tables(self.traffic)
         lines += _shape_lines(self.dynamic_dims, self.specialised)
         lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return "\n".join(lines + legend(lines))
 
     __repr__ = __str__
 
@@ -402,6 +403,51 @@ def _traffic_tables(records: list[TrafficRecord]) -> list[str]:
             for c in entries
         ],
     )
+
+
+# What a column means, for the columns a newcomer cannot guess; `legend` lists those of the tables shown.
+COLUMNS = {
+    "origin": "what the GLA call was found as: laplace::gla, an fla function, or a recognised loop",
+    "T": "the sequence length the site runs at",
+    "chunk": "the chunk size the site was re-tiled to (tokens per chunk)",
+    "chunks": "T / chunk, rounded up",
+    "padding": "tokens appended so T fills the last chunk (sliced off after)",
+    "saved for bwd": "bytes the forward keeps for the backward (a GLA site's q, k, v, gk, state and residuals; "
+                     "a backward graph's inputs from its forward)",
+    "gates": "how gk <= 0 holds: by construction (no check) or checked at run time",
+    "trips": "iterations of the loop",
+    "count": "loops of this kind, trip count and status",
+    "instructions": "the graph's size estimated in the target compiler's instructions",
+    "budget": "the target's instruction limit per graph (none: no limit); graphs above it are cut into partitions",
+    "bytes across cuts": "bytes passed from one partition to the next, per cut",
+    "whole-tile mm": "share of the matmul FLOPs on whole 128 x 128 TensorEngine tiles (the rest leaves it idle)",
+    "small mm": "matmul products (batch elements) with K or max(M, N) under 128: they fill part of the TensorEngine",
+    "W": "ranks (world size)",
+    "ownership": "uniform: the same slots on every rank, branch-free; balanced: a cond per owner",
+    "zero pads": "zero matrices added so every rank owns as many",
+    "received before": "bytes the busiest rank receives per step, before the rewrite (gathers)",
+    "received after": "the same after the rewrite (two all-to-alls)",
+    "ratio": "received before / received after",
+    "lower bound": "the least two all-to-alls with one owner per matrix can receive: 2 (W-1) G / W^2",
+    "NS GFLOP before": "Newton-Schulz GFLOP on the busiest rank, before the rewrite",
+    "NS GFLOP after": "the same after the rewrite (each rank orthogonalises only the matrices it owns)",
+    "received": "bytes the busiest rank receives per step under this plan",
+    "NS GFLOP busiest rank": "Newton-Schulz GFLOP of the busiest rank under this plan",
+    "owner branches": "conds choosing a rank's matrices at run time (0: branch-free)",
+}
+
+
+def legend(lines: list[str]) -> list[str]:
+    """One line per explained column of the tables in `lines` (a table: its title line, then its header)."""
+    shown = set()
+    for title, header in zip(lines, lines[1:]):
+        if not title.startswith(" ") and title.endswith(":") and header.startswith("  "):
+            shown.update(re.split(r"\s{2,}", header.strip()))
+    explained = [name for name in COLUMNS if name in shown]
+    if not explained:
+        return []
+    width = max(len(name) for name in explained)
+    return ["columns:"] + [f"  {name:<{width}}  {COLUMNS[name]}" for name in explained]
 
 
 def _bytes(n: int) -> str:

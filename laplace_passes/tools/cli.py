@@ -20,9 +20,12 @@ callable returning `(model_or_fn, example_inputs_tuple)`.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import copy
 import importlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -38,23 +41,67 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
+    progress = _progress_on_stderr() if args.command in ("inspect", "export") else contextlib.nullcontext()
     try:
-        with allocation_failures_as_errors("use a smaller --seq-len or --batch"):
+        with allocation_failures_as_errors("use a smaller --seq-len or --batch"), progress:
             return args.run(args)
     except (ValueError, TypeError, LookupError, ImportError, OSError) as error:
         print(f"laplace-passes {args.command}: error: {error}", file=sys.stderr)
         return 2
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions and epilogs as written; every option with a default shows it, with or without help text."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and _has_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if _has_default(action) and "%(default)" not in help_text and "(default" not in help_text:
+            help_text += " (default: %(default)s)"
+        return help_text.strip()
+
+
+def _has_default(action: argparse.Action) -> bool:
+    # Flags (default False) and options without a default have nothing to show.
+    return bool(action.option_strings) and not any(action.default is nothing for nothing in (None, False)) \
+        and action.default != argparse.SUPPRESS
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, formatter_class=_HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="laplace-passes", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="laplace-passes", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_demo(commands)
     _add_inspect(commands)
     _add_export(commands)
     _add_bench(commands)
+    _name_the_choices(commands.choices.values())
     return parser
+
+
+def _name_the_choices(parsers) -> None:
+    """--target and --inner of every command list what they accept, read from where they are registered."""
+    from laplace_passes.driver.backend import INNER_COMPILERS
+    from laplace_passes.infra.targets import TARGETS
+
+    described = {
+        "--target": f"hardware target: {', '.join(sorted(TARGETS))}",
+        "--inner": f"inner compiler: {', '.join(INNER_COMPILERS)}",
+    }
+    for parser in parsers:
+        for action in parser._actions:
+            option = next((o for o in action.option_strings if o in described), None)
+            if option is not None:
+                action.help = described[option] + (f"; {action.help}" if action.help else "")
 
 
 def _add_demo(commands) -> None:
@@ -106,14 +153,19 @@ def _run_demo(args) -> int:
 
 
 def _add_inspect(commands) -> None:
-    inspect = commands.add_parser("inspect", help="run the passes on MODEL and print the report")
+    from laplace_passes.infra.report import COLUMNS
+
+    width = max(len(name) for name in COLUMNS)
+    columns = "\n".join(f"  {name:<{width}}  {meaning}" for name, meaning in COLUMNS.items())
+    inspect = commands.add_parser("inspect", help="run the passes on MODEL and print the report",
+                                  epilog=f"the report's columns:\n{columns}")
     inspect.add_argument("model", nargs="?", help="model_zoo config name or package.module:attr")
     inspect.add_argument("--seq-len", type=int, default=2048)
     inspect.add_argument("--batch", type=int, default=1)
     inspect.add_argument("--target", default="trn2")
     inspect.add_argument("--passes", action="store_true",
                          help="print the passes this target and --inner run, in order, and stop (no MODEL needed)")
-    inspect.add_argument("--inner", default="eager", help="the inner compiler --passes describes (default eager)")
+    inspect.add_argument("--inner", default="eager", help="the one --passes describes")
     inspect.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
     inspect.add_argument("--dump", metavar="DIR", help="write every graph before/after each pass to DIR")
     inspect.add_argument("--force", action="store_true", help="replace DIR (and everything in it) if it is not empty")
@@ -143,6 +195,8 @@ def _run_inspect(args) -> int:
     print(report.to_json(indent=2) if args.json else report)
     if args.dump:
         dumped = dump_report(report, args.dump, overwrite=args.force)
+        for note in dumped.notes:
+            print(note, file=sys.stderr)
         for reason in dumped.not_drawn:
             print(f"not drawn as .svg (the .dot is written): {reason}", file=sys.stderr)
         print(f"wrote {len(dumped.written)} files to {args.dump}", file=sys.stderr)
@@ -166,7 +220,7 @@ def _add_export(commands) -> None:
                         help="also export the demo's ShardedMuon step over MODEL's parameters into DIR/muon_step "
                              "(one module for every rank, traced on --world-size local ranks)")
     export.add_argument("--world-size", type=int, default=4, metavar="W",
-                        help="ranks of the --muon step (default 4; trn2's all-to-all takes 4, 8, 16 or 32k)")
+                        help="ranks of the --muon step (trn2's all-to-all takes 4, 8, 16 or 32k)")
     export.add_argument("--json", action="store_true", help="print the manifest as JSON")
     export.set_defaults(run=_run_export)
 
@@ -226,6 +280,24 @@ def _check_target(target: str) -> None:
 
 
 @contextlib.contextmanager
+def _progress_on_stderr():
+    """The progress lines of `laplace_passes.infra.logs` on stderr, as they are logged (and only here)."""
+    logger = logging.getLogger("laplace.progress")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("  %(message)s"))
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # TORCH_LOGS=laplace would print them a second time
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+@contextlib.contextmanager
 def _status(what: str):
     """One line on stderr before long silent work, and how long it took after."""
     print(f"{what} ...", file=sys.stderr, flush=True)
@@ -281,14 +353,26 @@ def _check_batch_fits(batch: int, seq_len: int, vocab_size: int) -> None:
 
 
 def _add_bench(commands) -> None:
-    bench = commands.add_parser("bench", help="run a benchmark script (needs a source checkout)")
-    bench.add_argument("name", help="benchmark name, e.g. gla (benchmarks/bench_gla.py)")
+    names = available_benchmarks()
+    width = max((len(name) for name in names), default=0)
+    listed = "\n".join(f"  {name:<{width}}  {_first_line(BENCHMARKS_DIR / f'bench_{name}.py')}" for name in names)
+    bench = commands.add_parser(
+        "bench", help="run a benchmark script (needs a source checkout)",
+        epilog=f"benchmarks (`laplace-passes bench NAME --help` for each one's arguments):\n{listed}" if names else
+        f"no benchmark scripts at {BENCHMARKS_DIR}: `bench` runs from a source checkout")
+    bench.add_argument("name", metavar="NAME", help=f"one of: {', '.join(names)}" if names else "benchmark name")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     bench.set_defaults(run=_run_bench)
 
 
 def available_benchmarks() -> list[str]:
     return sorted(p.stem.removeprefix("bench_") for p in BENCHMARKS_DIR.glob("bench_*.py"))
+
+
+def _first_line(script: Path) -> str:
+    """The first line of a script's docstring, read without importing it (imports take seconds)."""
+    docstring = ast.get_docstring(ast.parse(script.read_text())) or ""
+    return docstring.strip().splitlines()[0] if docstring.strip() else ""
 
 
 def _run_bench(args) -> int:

@@ -5,7 +5,8 @@ For every graph and every snapshot (its input, then after each pass):
     {graph}.{index}.{label}.dot   the graph for Graphviz
     {graph}.{index}.{label}.svg   its drawing, when Graphviz's `dot` is installed and the graph is small
 and per graph {graph}.diff, a unified diff of the input against the final code.
-Plus report.txt and report.json. The directory is written whole or not at
+Plus report.txt and report.json. Without `dot` nothing is drawn, and
+`Dumped.notes` and report.txt say so, with how to install it. The directory is written whole or not at
 all; a non-empty one is replaced only with `overwrite=True` (NOTE [output
 directories] in `laplace_passes.infra.files`).
 
@@ -34,6 +35,8 @@ from laplace_passes.infra.files import staged_directory
 from laplace_passes.infra.report import Report
 
 
+NO_GRAPHVIZ = ("no .svg drawn: Graphviz's `dot` is not on PATH (install Graphviz: apt-get install graphviz, "
+               "brew install graphviz or conda install -c conda-forge graphviz; then `dot -Tsvg FILE.dot -o FILE.svg`)")
 MAX_SVG_NODES = 300
 SVG_TIMEOUT_S = 20.0
 SVG_TOTAL_S = 60.0
@@ -41,10 +44,12 @@ SVG_TOTAL_S = 60.0
 
 @dataclass
 class Dumped:
-    """What `dump_report` wrote, and the graphs it did not draw as .svg (with the reason)."""
+    """What `dump_report` wrote, the graphs it did not draw as .svg (with the reason), and what the reader must
+    know about the whole dump (no Graphviz)."""
 
     written: list[Path] = field(default_factory=list)
     not_drawn: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     drawing_deadline: float = field(default_factory=lambda: time.monotonic() + SVG_TOTAL_S, repr=False)
 
 
@@ -57,8 +62,11 @@ def dump_report(report: Report, out_dir: str | Path, overwrite: bool = False) ->
 
 
 def _write_report(report: Report, out: Path) -> Dumped:
-    dumped = Dumped([_write(out / "report.txt", str(report) + "\n"), _write(out / "report.json", report.to_json(indent=2))])
     draw = shutil.which("dot") is not None
+    notes = [] if draw else [NO_GRAPHVIZ]
+    text = "\n".join([str(report), *(f"dump: {note}" for note in notes)]) + "\n"
+    dumped = Dumped([_write(out / "report.txt", text), _write(out / "report.json", report.to_json(indent=2))],
+                    notes=notes)
     for record in report.graphs:
         for index, (label, gm) in enumerate(record.snapshots):
             stem = f"{record.name}.{index}.{label}"
