@@ -248,3 +248,93 @@ def gather_list_stack(momenta, grads, params, *, ns="kj"):
         new_m.append(buf)
         new_p.append(_apply(p, own_rows(NEWTON_SCHULZ[ns](full), "chunk"), *full.shape))
     return new_m, new_p
+
+
+def gather_list_cat(momenta, grads, params, *, ns="torch"):
+    """`dist.all_gather(list, x)` concatenated back with `torch.cat`; own rows by slicing."""
+    world = dist.get_world_size()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        send = u.bfloat16()
+        pieces = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(pieces, send)
+        full = torch.cat(pieces)
+        new_m.append(buf)
+        new_p.append(_apply(p, own_rows(NEWTON_SCHULZ[ns](full), "slice"), *full.shape))
+    return new_m, new_p
+
+
+def uneven_row_shards(momenta, grads, params, *, rows, ns="kj"):
+    """Rows not divisible by W: every shard padded to ceil(n / W) rows, the padding cut off after the gather,
+    and this rank's rows sliced from the n-row result (the last rank's block shorter, padded back)."""
+    rank = dist.get_rank()
+    new_m, new_p = [], []
+    for m, g, p, n in zip(momenta, grads, params, rows):
+        buf, u = _momentum(m, g)
+        s = u.size(0)
+        full = fc.all_gather_tensor(u.bfloat16(), 0, dist.group.WORLD)[:n]
+        mine = NEWTON_SCHULZ[ns](full)[rank * s:(rank + 1) * s]
+        new_m.append(buf)
+        new_p.append(_apply(p, torch.nn.functional.pad(mine, (0, 0, 0, s - mine.size(0))), *full.shape))
+    return new_m, new_p
+
+
+def whole_result_also_read(momenta, grads, params, *, ns="kj"):
+    """The whole orthogonalised matrix read besides this rank's rows (its norm scales the momentum)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        full = fc.all_gather_tensor(u.bfloat16(), 0, dist.group.WORLD)
+        o = NEWTON_SCHULZ[ns](full)
+        new_m.append(buf * o.float().norm())
+        new_p.append(_apply(p, o.chunk(world)[rank], *full.shape))
+    return new_m, new_p
+
+
+def with_gathered_bias(momenta, grads, params, *, ns="kj"):
+    """A 1-D bias beside the matrices: its shard gathered too (normalised by the whole norm), no Newton-Schulz."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    new_m, new_p = [], []
+    for m, g, p in zip(momenta, grads, params):
+        buf, u = _momentum(m, g)
+        new_m.append(buf)
+        if p.dim() == 1:
+            full = fc.all_gather_tensor(u, 0, dist.group.WORLD)
+            new_p.append(p - LR * full.chunk(world)[rank] / full.norm())
+            continue
+        full = fc.all_gather_tensor(u.bfloat16(), 0, dist.group.WORLD)
+        new_p.append(_apply(p, own_rows(NEWTON_SCHULZ[ns](full), "chunk"), *full.shape))
+    return new_m, new_p
+
+
+def in_place(momenta, grads, params, *, ns="torch"):
+    """Momenta and parameters updated in place (`lerp_`, `mul_`, `add_`), as torch.optim's steps do."""
+    for m, g, p in zip(momenta, grads, params):
+        m.lerp_(g, 1 - MU)
+        full = fc.all_gather_tensor(g.lerp(m, MU).bfloat16(), 0, dist.group.WORLD)
+        rows, cols = full.shape
+        p.mul_(1 - LR * WD).add_(own_rows(NEWTON_SCHULZ[ns](full), "chunk"), alpha=-LR * max(1.0, rows / cols) ** 0.5)
+    return momenta, params
+
+
+def mixed_dtypes(momenta, grads, params, *, ns="kj"):
+    """Every other matrix gathered in fp32 (its update not cast to bf16), the others in bf16."""
+    new_m, new_p = [], []
+    for i, (m, g, p) in enumerate(zip(momenta, grads, params)):
+        buf, u = _momentum(m, g)
+        full = fc.all_gather_tensor(u.bfloat16() if i % 2 == 0 else u, 0, dist.group.WORLD)
+        new_m.append(buf)
+        new_p.append(_apply(p, own_rows(NEWTON_SCHULZ[ns](full), "chunk").to(p.dtype), *full.shape))
+    return new_m, new_p
+
+
+def ns_five_cubic(g: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz with other coefficients (the cubic 1.5, -0.5 as a quintic) and 5 steps."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(g, (1.5, -0.5, 0.0), 5, EPS)
+
+
+NEWTON_SCHULZ["torch, 5 cubic steps"] = ns_five_cubic

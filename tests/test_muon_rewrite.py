@@ -317,6 +317,49 @@ def test_world_size_one_is_declined():
     assert result.declined == ["world_size is 1: there is no communication to rewrite"]
 
 
+def test_gathers_over_one_rank_are_declined_as_such():
+    """The backend's pass reads the world size from the gathers: over one rank nothing travels, and the
+    reason says so (not a byte count of 0 = 0)."""
+    from laplace_passes.collectives import RewriteMuonStep
+    from laplace_passes.infra.pass_base import run_pass
+
+    def step(shard):
+        c10d = torch.ops._c10d_functional
+        full = c10d.wait_tensor(c10d.all_gather_into_tensor(shard.bfloat16(), 1, "0"))
+        return newton_schulz(full, (3.4445, -4.775, 2.0315), 2, 1e-7)
+
+    gm = make_fx(step, tracing_mode="fake")(torch.zeros(10, 6))
+    code = gm.code
+    result = run_pass(RewriteMuonStep(), gm)
+    assert not result.modified and result.graph_module.code == code
+    assert result.declined == ["the gathers are over 1 rank (world size 1): there is no communication to rewrite"]
+
+
+def test_torch_optim_muon_compiled_in_one_process_equals_eager():
+    """torch.optim.Muon's own step compiled with the laplace backend: Newton-Schulz without a gather, nothing
+    to rewrite; the reason says so and the numbers are eager's, bit for bit."""
+    report = laplace_passes.Report()
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(s, generator=gen) for s in [(10, 6), (6, 10)]]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(2)]
+    runs = {}
+    for mode in ("eager", "compiled"):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = torch.optim.Muon(params, **HPARAMS)
+        step = opt.step if mode == "eager" else torch.compile(opt.step, backend=_laplace(report))
+        for g in grads:
+            for p, grad in zip(params, g):
+                p.grad = grad.clone()
+            step()
+        runs[mode] = [p.detach().clone() for p in params] + [opt.state[p]["momentum_buffer"] for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(runs["compiled"], runs["eager"]))
+    records = [p for p in report.passes if p.name == "muon_all_to_all"]
+    assert records and not any(r.modified for r in records)
+    assert all(r.declined == ["Newton-Schulz found, but no all_gather_into_tensor gathers its input (world size 1, "
+                              "a gather left in an earlier graph by a graph break, or communication this pass does "
+                              "not know)"] for r in records), [r.declined for r in records]
+
+
 def test_single_process_backend_declines_with_reason_and_matches_torch_muon():
     """W = 1 through the backend: nothing to rewrite, the report says why, the step is still exact."""
     report = laplace_passes.Report()
@@ -409,9 +452,8 @@ def test_full_result_used_beyond_own_rows_is_declined():
         muon.newton_schulz = _original_ns
     result = rewrite_muon_step(gm, world_size=2)
     assert not result.modified
-    assert any("outside the gather pattern" in r or "reaches the graph output" in r for r in result.declined), (
-        result.declined
-    )
+    (reason,) = result.declined
+    assert "reads the whole result and its value leaves the graph, so every rank needs the whole" in reason, reason
 
 
 def test_trn2_group_size_rules_are_honoured():

@@ -8,13 +8,18 @@ Newton-Schulz ops on it). Where the pass rewrites, the graph holds exactly
 two all-to-alls and no gather, and each rank receives 2 (W-1) G / W^2 bytes
 (G: the gathered matrices), never more than with the gathers; where it
 declines, the report says why. One process group per world size: every
-case of that size runs in the same W processes.
+case of that size runs in the same W processes, each case compiling from a
+reset Dynamo (all cases compile the same wrapper frame, which Dynamo stops
+compiling past its recompile limit: a case must never pass by running
+eagerly). Steps that are torch.optim.Muon's update are also compared with
+torch.optim.Muon on the whole matrices.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -47,6 +52,21 @@ OTHER_RANKS_ROWS = "rows of its [2 x 12]-element result, but this process is ran
 COLUMN_SHARDS = "takes a block of dim 1, 1/2 of the columns: column shards"
 BATCHED = "orthogonalises a batch of 2 matrices at once"
 FEWER_MATRICES = "fewer matrices (1) than ranks (3), so 2 rank(s) own none"
+UNEVEN = "rows, which do not split into 2 equal blocks (uneven shards, the last rank's shorter); pad the result to"
+WHOLE_READ = "reads the whole result and its value leaves the graph, so every rank needs the whole orthogonalised"
+UNEVEN_ROWS = (3, 5)  # gathered from shards padded to SHARD_SHAPES' 2 and 3 rows at W = 2
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """Rewritten into `all_to_alls` all-to-alls, keeping the gathers the reason `kept` names (if any)."""
+
+    all_to_alls: int
+    kept: str | None = None
+
+# Rewritten steps that are torch.optim.Muon's update (its Newton-Schulz, Nesterov momentum, "original" lr scale):
+# also compared with torch.optim.Muon on the whole matrices.
+ALSO_TORCH_MUON = {"dist.all_gather into a list, torch.stack, chunk"}
 
 # (name, step function, keyword arguments, expected: None = rewritten, else a phrase of the decline reason)
 CASES = {
@@ -61,6 +81,12 @@ CASES = {
         ("the next rank's rows", steps.next_rank_rows, {}, OTHER_RANKS_ROWS),
         ("column shards gathered on dim 1", steps.column_shards, {}, COLUMN_SHARDS),
         ("batched Newton-Schulz of stacked matrices", steps.batched_newton_schulz, {}, BATCHED),
+        ("dist.all_gather into a list, torch.stack, chunk", steps.gather_list_stack, dict(ns="torch"), None),
+        ("uneven row shards, padded to W equal blocks for the gather", steps.uneven_row_shards,
+         dict(rows=UNEVEN_ROWS), UNEVEN),
+        ("whole Newton-Schulz result read besides this rank's rows", steps.whole_result_also_read, {}, WHOLE_READ),
+        ("1-D bias gathered beside the matrices", steps.with_gathered_bias, {},
+         Rewritten(2, kept="([6] torch.float32) feeds no Newton-Schulz region: not a Muon step")),
     ],
     3: [
         ("per-matrix all_gather_tensor, split, KellerJordan's NS", steps.per_matrix, dict(own="split", ns="kj"), None),
@@ -69,6 +95,9 @@ CASES = {
         ("unequal matrices (a balanced plan, owner work on its rank only)", steps.per_matrix,
          dict(own="chunk", ns="kj"), BALANCED),
         ("fewer matrices than ranks", steps.per_matrix, dict(own="chunk", ns="kj"), FEWER_MATRICES),
+        ("dist.all_gather into a list, torch.cat, slicing", steps.gather_list_cat, dict(ns="torch"), None),
+        ("momenta and parameters updated in place", steps.in_place, {}, None),
+        ("bf16 and fp32 gathers (one exchange per dtype)", steps.mixed_dtypes, {}, Rewritten(4)),
     ],
     4: [
         ("dist.all_gather_into_tensor, narrow, torch.optim.Muon's NS", steps.per_matrix_into_tensor,
@@ -76,6 +105,8 @@ CASES = {
         # Each matrix's block of the all-to-all chunk is strided: the user's view of it needs a contiguous copy.
         ("per-matrix flat gathers viewed [W, -1], own row of the packed result", steps.per_matrix_flat_packed, {},
          None),
+        ("Newton-Schulz with other coefficients and 5 steps", steps.per_matrix,
+         dict(own="chunk", ns="torch, 5 cubic steps"), None),
     ],
 }
 # Each case compiles once per rank, the most of the runtime: the own-row spellings and Newton-Schulz
@@ -95,6 +126,8 @@ def _state(name: str, world_size: int, rank: int) -> list[list[torch.Tensor]]:
         shards = SHARD_SHAPES[:1]
     if name.startswith("batched"):  # stacked: one shape
         shards = SHARD_SHAPES[:1] * world_size
+    if name.startswith("uneven row"):
+        shards = SHARD_SHAPES
     shapes = [(world_size * s, c) for s, c in shards]
     if name.startswith("DTensor"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -105,8 +138,39 @@ def _state(name: str, world_size: int, rank: int) -> list[list[torch.Tensor]]:
             shapes = shapes[:1]
         return [[distribute_tensor(torch.randn(shape, generator=gen), mesh, [Shard(0)]) for shape in shapes]
                 for _ in range(3)]
-    return [[torch.randn(shape, generator=gen).chunk(world_size)[rank].clone() for shape in shapes]
-            for _ in range(3)]
+    return [[t.chunk(world_size)[rank].clone() for t in part] for part in _whole(name, shapes, world_size, gen)]
+
+
+def _whole(name: str, shapes, world_size: int, gen: torch.Generator) -> list[list[torch.Tensor]]:
+    """(momenta, grads, params) whole, as every rank draws them."""
+    state = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(3)]
+    if name.startswith("uneven row"):  # the rows past n are the padding: zeros
+        state = [[t.index_fill(0, torch.arange(n, t.size(0)), 0.0) for t, n in zip(part, UNEVEN_ROWS)]
+                 for part in state]
+    if name.startswith("1-D bias"):
+        state = [part + [torch.randn(world_size * 3, generator=gen)] for part in state]
+    return state
+
+
+def _torch_muon_rows(name: str, world_size: int, rank: int) -> list[list[torch.Tensor]]:
+    """This rank's rows of torch.optim.Muon's parameters after each step, from the whole state `_state` shards
+    (its momenta as torch's momentum buffers, the same gradients, torch's Newton-Schulz settings)."""
+    gen = torch.Generator().manual_seed(len(name))
+    momenta, grads, params = _whole(name, [(world_size * s, c) for s, c in SHARD_SHAPES * world_size], world_size, gen)
+    params = [torch.nn.Parameter(p) for p in params]
+    opt = torch.optim.Muon(params, lr=steps.LR, weight_decay=steps.WD, momentum=steps.MU, nesterov=True,
+                           ns_coefficients=steps.COEFFICIENTS, eps=steps.EPS, ns_steps=steps.NS_STEPS,
+                           adjust_lr_fn="original")
+    for p, m in zip(params, momenta):
+        opt.state[p]["momentum_buffer"] = m.clone()
+    rows = []
+    for k in range(STEPS):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        rows.append([p.detach().chunk(world_size)[rank].clone() for p in params])
+        grads = _scaled(grads, 0.5 + k)
+    return rows
 
 
 def _step_pairs(name: str, fn, kwargs, state, compiled):
@@ -199,10 +263,18 @@ def _case(rank: int, world_size: int, name: str, fn, kwargs, expected) -> dict:
     report = laplace_passes.Report()
     backend = functools.partial(laplace_backend, options={"target": "cpu", "report": report})
     compiled = torch.compile(functools.partial(fn, **kwargs), backend=backend, dynamic=False)
+    torch._dynamo.reset()  # every case compiles the same wrapper frame: past Dynamo's recompile limit it would run eagerly
     differs = []
-    for k, (mine, ref) in enumerate(_step_pairs(name, fn, kwargs, _state(name, world_size, rank), compiled)):
+    pairs = _step_pairs(name, fn, kwargs, _state(name, world_size, rank), compiled)
+    for k, (mine, ref) in enumerate(pairs):
         differs += [f"step {k} tensor {i}" for i, (a, b) in enumerate(zip(_flat(mine), _flat(ref)))
                     if not torch.equal(a, b)]
+    if name in ALSO_TORCH_MUON:
+        for k, ((mine, _), torchs) in enumerate(zip(pairs, _torch_muon_rows(name, world_size, rank))):
+            differs += [f"step {k} parameter {i}: torch.optim.Muon's differs" for i, (a, b) in
+                        enumerate(zip(mine[2], torchs)) if not torch.equal(a, b)]
+    if not report.graphs:
+        differs.append("nothing compiled: the step ran eagerly")
     records = [p for p in report.passes if p.name == "muon_all_to_all"]
     traffic = report.traffic[0] if report.traffic else None
     code = report.graph("after", traffic.graph).code if traffic else ""
@@ -243,6 +315,8 @@ def test_gather_before_newton_schulz_becomes_two_all_to_alls_at_the_bound(ranks)
     world_size, results = ranks
     for rank, cases in enumerate(results):
         for case in cases:
+            if isinstance(case["expected"], Rewritten):
+                continue
             if case["expected"] == BALANCED:
                 assert case["modified"] == [True], (rank, case["name"], case["declined"])
                 assert case["traffic"].received_after < case["traffic"].received_before
@@ -270,12 +344,32 @@ def test_other_shapes_are_declined_with_what_is_there(ranks):
     world_size, results = ranks
     for rank, cases in enumerate(results):
         for case in cases:
-            if case["expected"] in (None, BALANCED):
+            if not isinstance(case["expected"], str) or case["expected"] == BALANCED:
                 continue
             assert case["modified"] and not any(case["modified"]), (rank, case["name"])
             assert any(case["expected"] in reason for reason in case["declined"]), (case["name"], case["declined"])
             assert case["expected"] in case["shown"]  # what users read, not only the JSON
             assert case["traffic"] is None
+
+
+def test_rewritten_beside_the_gathers_it_keeps(ranks):
+    """Gathers of two dtypes: one exchange each; a 1-D bias's gather: kept (no Newton-Schulz reads it), the
+    matrices' gathers rewritten around it."""
+    world_size, results = ranks
+    for rank, cases in enumerate(results):
+        for case in cases:
+            expected = case["expected"]
+            if not isinstance(expected, Rewritten):
+                continue
+            assert case["modified"] == [True], (rank, case["name"], case["declined"])
+            FileCheck().check_count("all_to_all_single.default(", expected.all_to_alls, exactly=True).run(case["code"])
+            if expected.kept is None:
+                assert case["declined"] == [], (case["name"], case["declined"])
+                FileCheck().check_not("all_gather_into_tensor").run(case["code"])
+                continue
+            assert len(case["declined"]) == 1 and expected.kept in case["declined"][0], case["declined"]
+            assert expected.kept in case["shown"]
+            FileCheck().check_count("all_gather_into_tensor.default(", 1, exactly=True).run(case["code"])
 
 
 def test_all_to_alls_carry_the_splits_torch_fills_in_for_none(ranks):

@@ -33,7 +33,9 @@ them: a gather of values Newton-Schulz already produced (KellerJordan's
 round-robin), matrices cut from a flat buffer by element ranges
 (Megatron's layout), a gathered value combined with other state before
 Newton-Schulz (replicated optimizer state), a gathered value that leaves
-the graph before Newton-Schulz (a graph break between them).
+the graph before Newton-Schulz (a graph break between them), rows not
+divisible by W picked from the unpadded result (uneven shards), the whole
+result read besides this rank's rows (every rank needs all of it).
 """
 
 from __future__ import annotations
@@ -355,10 +357,17 @@ def _full_matrix(block: Node, ns_by_input, owner_only) -> Node:
             "gather and Newton-Schulz are in different graphs (a graph break between them, e.g. at DTensor's "
             "distribute_tensor, which Dynamo does not trace)"
         )
+    what = f"column block {block.name}" if block.target is aten.slice.Tensor else \
+        f"the gathered {block.name} ({_shape_text(block)})"
     raise Declined(
-        f"column block {block.name} feeds no Newton-Schulz region: not a Muon step "
+        f"{what} feeds no Newton-Schulz region: not a Muon step "
         "(another optimizer, or Newton-Schulz written in a form this pass does not recognise)"
     )
+
+
+def _shape_text(node: Node) -> str:
+    value = fake_tensor(node)
+    return "unknown shape" if value is None else f"[{', '.join(map(str, value.shape))}] {value.dtype}"
 
 
 def _returned_as_is(node: Node) -> bool:
@@ -436,17 +445,20 @@ def _split_of(selection: Node) -> tuple[Node, ...]:
 
 def _own_row_selection(result: Node, world_size: int, numel: int, group: str, live: set[Node]) -> Node:
     found, others, seen, frontier = [], [], set(), [(result, False)]
+    reached_from: dict[Node, Node] = {}
+    leak: list[Node] | None = None  # a path from the result to the graph output past no selection
     aliases = Aliases()
     while frontier:
         node, beyond = frontier.pop(0)  # beyond: downstream of a selection already
         for user in live_users(node, live):
+            if user.op == "output":  # reached on every path: one past a selection does not hide one without
+                if not beyond and leak is None:  # the reason names the picks found further on too
+                    leak = _path_from(result, node, reached_from)
+                continue
             if user in seen:
                 continue
             seen.add(user)
-            if user.op == "output":
-                if beyond:
-                    continue
-                raise Declined(_why_unsharded(result, node, seen, others, world_size))
+            reached_from[user] = node
             if _is_selection(user, world_size, numel, group, aliases, others):
                 found.append(user)
                 if user.target in (aten.index_select.default, aten.index.Tensor):
@@ -454,6 +466,8 @@ def _own_row_selection(result: Node, world_size: int, numel: int, group: str, li
                 frontier.append((user, True))  # a view taking a rank's block may still be part of a layout
             else:
                 frontier.append((user, beyond))
+    if leak is not None:
+        raise Declined(_why_unsharded(result, leak, seen, _first_selections(found), others, world_size))
     found = _first_selections(found)
     if len(found) != 1:
         detail = f"; {others[0]}" if others and not found else ""
@@ -465,8 +479,18 @@ def _own_row_selection(result: Node, world_size: int, numel: int, group: str, li
     return found[0]
 
 
-def _why_unsharded(result: Node, last: Node, seen: set[Node], others: list[str], world_size: int) -> str:
-    """Why no selection of this rank's rows lies between `result` and the graph output `last` reaches."""
+def _path_from(result: Node, last: Node, reached_from: dict[Node, Node]) -> list[Node]:
+    """The nodes from `result`'s user to `last`, along which the search reached `last`."""
+    path = [last]
+    while path[-1] is not result and path[-1] in reached_from and reached_from[path[-1]] is not result:
+        path.append(reached_from[path[-1]])
+    return path[::-1]
+
+
+def _why_unsharded(result: Node, whole: list[Node], seen: set[Node], found: list[Node], others: list[str],
+                   world_size: int) -> str:
+    """Why no selection of this rank's rows lies on the path `whole` from `result` to the graph output."""
+    last = whole[-1]
     where = f"Newton-Schulz result {result.name} reaches the graph output (at {last.name}) with no pick of this " \
             "rank's rows"
     if others:
@@ -482,7 +506,43 @@ def _why_unsharded(result: Node, last: Node, seen: set[Node], others: list[str],
         if dim is not None:
             return (f"{where}: {node.name} ({_op_short(node)}) takes a block of dim {dim}, 1/{world_size} of the "
                     "columns: column shards; the rewrite moves row shards (gathered and taken back on dim 0)")
+    for node in sorted(seen):
+        uneven = _uneven_row_block(node, world_size)
+        if uneven is not None:
+            taken, rows = uneven
+            block = -(-rows // world_size)
+            return (f"{where}: {node.name} ({_op_short(node)}) takes {taken} of the result's {rows} rows, which "
+                    f"do not split into {world_size} equal blocks (uneven shards, the last rank's shorter); pad the "
+                    f"result to {world_size * block} rows before taking this rank's block: the rewrite moves equal "
+                    "row blocks")
+    picks = ancestors(found) | set(found)
+    reader = next((n for n in whole if n not in picks), None)
+    if found and reader is not None and reader.op != "output":
+        return (f"{where}: besides this rank's pick {found[0].name}, {reader.name} ({_op_short(reader)}) reads the "
+                "whole result and its value leaves the graph, so every rank needs the whole orthogonalised matrix; "
+                "the gather is kept")
     return f"{where} (the whole result leaves the graph, or is used past a pick the rewrite does not know)"
+
+
+def _uneven_row_block(node: Node, world_size: int) -> tuple[int, int] | None:
+    """(rows taken, rows of the source) when `node` takes at most ceil(n / W) of the n rows of a source whose n is
+    not a multiple of W (by slice, narrow or chunk / split on dim 0): a rank's block of uneven row shards."""
+    op = _split_of(node)[0] if _split_of(node) else node
+    if op.target not in (aten.slice.Tensor, aten.narrow.default, *SPLITS) or op.target is aten.unbind.int:
+        return None
+    source, value = fake_tensor(op.args[0]), fake_tensor(node)
+    if op.target in SPLITS:
+        dim = op.args[2] if len(op.args) > 2 else 0
+    else:
+        dim = op.args[1]
+    if source is None or value is None or not isinstance(dim, int) or source.dim() < 1 or value.dim() < 1:
+        return None
+    if dim % source.dim() != 0:
+        return None
+    rows, taken = source.shape[0], value.shape[0]
+    if rows % world_size == 0 or not 0 < taken <= -(-rows // world_size):
+        return None
+    return taken, rows
 
 
 def _column_block_dim(node: Node, world_size: int) -> int | None:

@@ -143,6 +143,10 @@ class RewriteMuonStep(GraphPass):
         except Declined as absent:
             return PassResult(gm, modified=False, summary="no Muon gather pattern", declined=[absent.reason])
         world_size = self.world_size or _gather_group_size(gm)
+        if world_size == 1:  # a step run by one process: its gathers copy the shard, nothing travels
+            return PassResult(gm, modified=False, summary="no Muon gather pattern",
+                              declined=["the gathers are over 1 rank (world size 1): there is no communication to "
+                                        "rewrite"])
         buckets, declined, folded = find_buckets(gm, world_size)
         return self._rewrite(gm, world_size, buckets, declined, folded)
 
