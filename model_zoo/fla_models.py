@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from model_zoo.inputs import check_fla_token_ids
+
 TINY = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2}
 
 # name -> (fla's model family, its config's fields). Every tiny model is small enough to train on MQAR in
@@ -47,4 +49,5 @@ def build_fla(name: str, *, device: torch.device | str | None = None, dtype: tor
     device = device if device is not None else FLA_DEFAULT_DEVICE.get(name, torch.get_default_device())
     with torch.device(device):
         model = getattr(models, f"{family}ForCausalLM")(config)
+    model.register_forward_pre_hook(check_fla_token_ids, with_kwargs=True)  # fla's own error is an unpack deep inside
     return model.to(dtype) if dtype is not None else model

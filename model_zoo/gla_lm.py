@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from laplace_passes.ops.gla import gla
+from model_zoo.inputs import check_hidden_states, check_token_ids
 
 FP32_BYTES = 4
 
@@ -150,6 +151,7 @@ class GatedLinearAttention(nn.Module):
     def forward(
         self, x: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False
     ) -> tuple[Tensor, Tensor | None]:
+        check_hidden_states(x, self.q_proj.in_features)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         q = self.q_proj(x).unflatten(-1, (H, K))
         k = self.k_proj(x).unflatten(-1, (H, K))
@@ -245,6 +247,7 @@ class GLALM(nn.Module):
         Passing those states back as `initial_states` continues the sequence, so
         prefill in pieces and token-by-token decode equal one full forward.
         """
+        check_token_ids(input_ids)
         if initial_states is not None and len(initial_states) != len(self.layers):
             raise ValueError(
                 f"initial_states has {len(initial_states)} entries; the model has {len(self.layers)} layers"

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch._higher_order_ops.scan import scan
 
 from model_zoo.gla_lm import GatedLinearAttention, GLAConfig, GLALM
+from model_zoo.inputs import check_hidden_states
 
 
 def scanned_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None = None):
@@ -40,6 +41,7 @@ class PlainGatedLinearAttention(GatedLinearAttention):
 
     def forward(self, x: Tensor, initial_state: Tensor | None = None,
                 output_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
+        check_hidden_states(x, self.q_proj.in_features)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         q = self.q_proj(x).unflatten(-1, (H, K))
         k = self.k_proj(x).unflatten(-1, (H, K))

@@ -44,13 +44,19 @@ class Block:
         return f"README.md:{self.line}"
 
     def cli_commands(self) -> list[list[str]]:
-        """The argument lists of the `laplace-passes` commands in a shell block.
+        """The argument lists of the `laplace-passes` commands in a shell block (`cli_runs` without the env)."""
+        return [argv for _, argv in self.cli_runs()]
+
+    def cli_runs(self) -> list[tuple[dict[str, str], list[str]]]:
+        """Each `laplace-passes` command of a shell block: the variables set before it, and its arguments.
 
         `&&` chains are split, `\\`-continued lines joined, and a command run
         by a launcher (`torchrun ... --no-python laplace-passes demo ...`)
-        counts from the `laplace-passes` word on.
+        counts from the `laplace-passes` word on. `NAME=value` words that
+        start a command (`TORCH_LOGS="laplace" laplace-passes ...`) are its
+        environment.
         """
-        commands = []
+        runs = []
         for line in self.text.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             segments, current = [], []
@@ -63,8 +69,8 @@ class Block:
             for seg in segments:
                 starts = [i for i, word in enumerate(seg) if Path(word).name == CLI]
                 if starts:
-                    commands.append(seg[starts[0] + 1:])
-        return commands
+                    runs.append((_leading_assignments(seg[:starts[0]]), seg[starts[0] + 1:]))
+        return runs
 
     def python_source(self) -> str:
         text = self.text
@@ -73,6 +79,20 @@ class Block:
                 raise ValueError(f"{self.id}: marker replaces {old!r}, which the block does not contain")
             text = text.replace(old, new)
         return text
+
+
+ASSIGNMENT = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>.*)$")
+
+
+def _leading_assignments(words: list[str]) -> dict[str, str]:
+    """The `NAME=value` words a command starts with (a launcher's words end them)."""
+    env = {}
+    for word in words:
+        found = ASSIGNMENT.match(word)
+        if not found:
+            break
+        env[found["name"]] = found["value"]
+    return env
 
 
 def parse_marker(body: str) -> Marker:

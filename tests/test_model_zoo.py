@@ -1,5 +1,6 @@
 """The GLA LM in model_zoo: shapes, tying, gates, one layer against a hand-written
-recurrence, chunked prefill, the 3B config on meta, config errors, gradients.
+recurrence, chunked prefill, the 3B config on meta, config errors, gradients, and
+every model's refusal of token ids of the wrong shape or dtype.
 
 Sequences stay short: the eager `gla` op is a token loop.
 """
@@ -195,3 +196,38 @@ def test_gradients_reach_every_parameter(tiny):
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+IDS_EXPECTED = "input_ids must be [batch, seq_len] integer token ids"
+BAD_TOKEN_IDS = [
+    (lambda ids: ids[0], ValueError, f"{IDS_EXPECTED}, got shape [16]: for one sequence pass input_ids[None]"),
+    (lambda ids: ids[..., None], ValueError, f"{IDS_EXPECTED}, got shape [2, 16, 1]: drop the trailing dimension"),
+    (lambda ids: ids[None], ValueError, f"{IDS_EXPECTED}, got shape [1, 2, 16]"),
+    (lambda ids: ids.float(), TypeError, f"{IDS_EXPECTED} (torch.long or torch.int32), got dtype torch.float32: "
+                                         "cast them with input_ids.long()"),
+    (lambda ids: ids.tolist(), TypeError, f"{IDS_EXPECTED} (a torch.Tensor), got list"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", BAD_TOKEN_IDS, ids=["T", "BT1", "1BT", "float", "list"])
+@pytest.mark.parametrize("name", model_zoo.CONFIG_NAMES)
+def test_token_ids_of_the_wrong_shape_or_dtype_are_named_with_the_expected_shape(name, bad, error, message):
+    """Each model's forward names its input, before a tensor made inside (q, a norm's input) fails."""
+    if name.startswith("fla-"):
+        pytest.importorskip("fla", reason="fla models need flash-linear-attention")
+    model = model_zoo.build(name, device="meta")  # refused before any weight is read
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(error) as info:
+        model(bad(ids))
+    assert str(info.value).startswith(message)
+    if not name.startswith("fla-"):  # fla's layers run Triton kernels outside a laplace-compiled graph
+        assert model(ids).shape == (2, 16, model.config.vocab_size)
+
+
+def test_a_layer_names_its_hidden_states_shape(tiny):
+    x = torch.randn(16, tiny.config.hidden_size)
+    for layer in (tiny.layers[0].attn, model_zoo.build("plain-tiny").layers[0].attn):
+        with pytest.raises(ValueError, match=r"^x must be \[batch, seq_len, hidden_size=64\] hidden states, "
+                                             r"got shape \[16, 64\]$"):
+            layer(x)
+        assert layer(x[None])[0].shape == (1, 16, 64)

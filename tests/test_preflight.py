@@ -79,6 +79,55 @@ def test_float64_constant_is_flagged():
     assert findings[0].message.startswith("produces torch.float64 [2]; Trainium has no f64 arithmetic")
 
 
+F64_FIX = "cast the model to float32/bfloat16"
+
+
+def test_float64_model_is_a_finding_that_names_its_parameters():
+    """laplace's GLA refuses float64 while tracing: the preflight still returns, with the finding and its fix."""
+    model = model_zoo.build("tiny").double()
+    ids = torch.randint(0, 128, (1, 16))
+    report = laplace_passes.preflight(model, ids)
+    finding = only(report.findings, "f64")
+    count = sum(1 for p in model.parameters() if p.dtype == torch.float64)
+    assert (finding.node, finding.op) == ("embeddings.weight", "parameter")
+    assert finding.message.startswith(f"float64: {count} parameter(s) (embeddings.weight, layers.0.")
+    assert "neuronx-cc has no FP64" in finding.message and finding.fix.startswith(F64_FIX)
+    assert not report.ok and report.graphs == []
+    assert "graphs not checked: tracing stopped at TypeError: q must have dtype" in str(report)
+    # Token ids cast with the model are named too; the model's own refusal is kept in the report.
+    with_f64_ids = laplace_passes.preflight(model, ids.double())
+    assert [(f.check, f.node) for f in with_f64_ids.findings] == [("f64", "embeddings.weight"), ("f64", "input[0]")]
+    assert "token ids stay integer: .long()" in with_f64_ids.findings[1].fix
+    assert "input_ids must be [batch, seq_len] integer token ids" in with_f64_ids.not_checked
+
+
+def test_float64_inputs_of_a_plain_gla_layer_are_findings():
+    q, gk = torch.randn(1, 8, 2, 4, dtype=torch.float64), -torch.rand(1, 8, 2, 4, dtype=torch.float64)
+    report = laplace_passes.preflight(lambda q, k, v, gk: laplace_passes.gla(q, k, v, gk)[0], q, q, q, gk)
+    assert [(f.check, f.node, f.op) for f in report.findings] == [("f64", f"input[{i}]", "input") for i in range(4)]
+    assert report.findings[0].message.startswith("float64: input[0] torch.float64 [1, 8, 2, 4]; neuronx-cc has no FP64")
+    assert report.to_dict()["not_checked"].startswith("graphs not checked: tracing stopped at TypeError")
+
+
+def test_float64_made_inside_the_model_is_a_finding_at_the_op_that_refuses_it():
+    def casts_to_f64(x):
+        x = x.double()
+        return laplace_passes.gla(x, x, x, -x.abs())[0]
+
+    report = laplace_passes.preflight(casts_to_f64, torch.randn(1, 8, 2, 4))
+    finding = only(report.findings, "f64")
+    assert finding.message.startswith("float64: an op refused a float64 tensor computed inside the model (q must")
+    assert finding.fix.startswith(F64_FIX)
+
+
+def test_float64_without_a_refusing_op_names_the_parameter_once():
+    """The graphs are checked; their f64 placeholders are the parameters the first finding names."""
+    report = laplace_passes.preflight(torch.nn.Linear(4, 2).double(), torch.randn(3, 4).float().double())
+    assert [(f.node, f.op) for f in report.findings[:2]] == [("weight", "parameter"), ("input[0]", "input")]
+    assert report.graphs and not report.not_checked
+    assert not [f for f in report.findings if f.op == "input" and f.graph], str(report)
+
+
 def test_estimated_instructions_over_the_budget():
     gm = make_fx(lambda a, b: a @ b, tracing_mode="fake")(torch.randn(256, 128), torch.randn(128, 1024))
     assert findings_of(gm, TRN2) == []

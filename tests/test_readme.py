@@ -11,13 +11,17 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import model_zoo
 from laplace_passes.tools.cli import _parser, available_benchmarks, main
+from tests import processes
 from tests.readme_blocks import README, dangling_markers, readme_blocks
 
 BLOCKS = readme_blocks()
@@ -78,16 +82,41 @@ def shrunk(argv: list[str], shrink: list[str]) -> list[str]:
 @pytest.mark.parametrize("block", _params(BLOCKS, "shell"))
 def test_shell_block_runs(block, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # graphs/, hlo/ ... land here
-    for argv in block.cli_commands():
+    for env, argv in block.cli_runs():
         argv = shrunk(argv, block.marker.shrink)
-        assert main(argv) == 0, f"laplace-passes {' '.join(argv)}: {capsys.readouterr().err[-2000:]}"
+        if env:
+            run_with_environment(env, argv, tmp_path)
+        else:
+            assert main(argv) == 0, f"laplace-passes {' '.join(argv)}: {capsys.readouterr().err[-2000:]}"
+
+
+def run_with_environment(env: dict[str, str], argv: list[str], cwd) -> None:
+    """A command with variables torch reads at import (TORCH_LOGS, TORCH_TRACE): a fresh process, as typed.
+
+    What each variable promises is checked: TORCH_LOGS="laplace" logs the passes,
+    TORCH_TRACE writes a trace into its directory.
+    """
+    cli = "import sys; from laplace_passes.tools.cli import main; sys.exit(main(sys.argv[1:]))"
+    environment = {**os.environ, **env, "PYTHONPATH": str(README.parent)}
+    done = processes.run([sys.executable, "-c", cli, *argv], timeout=600, cwd=cwd, env=environment)
+    command = f"{' '.join(f'{k}={v}' for k, v in env.items())} laplace-passes {' '.join(argv)}"
+    assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
+    if "laplace" in env.get("TORCH_LOGS", ""):
+        assert "retile_gla on " in done.stderr, f"{command} logged no pass: {done.stderr[-2000:]}"
+    if "TORCH_TRACE" in env:
+        assert any(Path(cwd, env["TORCH_TRACE"]).iterdir()), f"{command} wrote no trace"
 
 
 @pytest.mark.parametrize("block", _params(BLOCKS, "python"))
 def test_python_block_runs(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     source = block.marker.setup + "\n" + block.python_source()
-    exec(compile(source, block.id, "exec"), {"__name__": "readme_block"})  # noqa: S102
+    try:
+        exec(compile(source, block.id, "exec"), {"__name__": "readme_block"})  # noqa: S102
+    finally:
+        # A block's compiles count towards Dynamo's recompile limit on shared code (fla's layers): a later
+        # test of the same code would run it uncompiled.
+        torch._dynamo.reset()
 
 
 # -- the tables ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from laplace_passes.driver.compile_fx import capture_graphs
 from laplace_passes.driver.config import CompileConfig, entry_point_options
 from laplace_passes.infra.report import Report
-from laplace_passes.lowering.checks import Finding
+from laplace_passes.lowering.checks import Finding, check_float64_entries, float64_refusal
 from laplace_passes.lowering.neuron import NEURON_ADVICE
 from laplace_passes.lowering.preflight import NeuronPreflight, PreflightCompiler
 
@@ -28,6 +28,7 @@ class PreflightReport:
     findings: list[Finding]
     graphs: list[str]
     report: Report
+    not_checked: str = ""  # why the graphs were not captured (a float64 model an op refused), else ""
 
     @property
     def ok(self) -> bool:
@@ -43,7 +44,7 @@ class PreflightReport:
 
     def to_dict(self) -> dict:
         return {"target": self.target, "graphs": self.graphs, "findings": [asdict(f) for f in self.findings],
-                "dynamic_dims": list(self.dynamic_dims)}
+                "dynamic_dims": list(self.dynamic_dims), "not_checked": self.not_checked}
 
     def __str__(self) -> str:
         head = f"Neuron preflight ({self.target}): {len(self.graphs)} graph(s) checked"
@@ -51,6 +52,8 @@ class PreflightReport:
                                                           *(f"  {f}" for f in self.findings)]
         if self.dynamic_dims:
             lines += [f"dynamic dimensions: {'; '.join(self.dynamic_dims)}", f"  {NEURON_ADVICE}"]
+        if self.not_checked:
+            lines.append(self.not_checked)
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -65,7 +68,25 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
     (chunk_size, retile_gla, ...).
     """
     options = entry_point_options("preflight", options, target=target, inner=PreflightCompiler())
-    report = capture_graphs(model_or_fn, example_inputs, CompileConfig.from_options(options))
+    config = CompileConfig.from_options(options)
+    f64_entries = check_float64_entries(model_or_fn, example_inputs)
+    try:
+        report = capture_graphs(model_or_fn, example_inputs, config)
+    except Exception as error:
+        refusal = float64_refusal(error)
+        if not f64_entries and refusal is None:
+            raise
+        return PreflightReport(config.report.target, f64_entries or [refusal], [], config.report,
+                               not_checked=_not_captured(error))
     checked = [record for record in report.passes if record.name == NeuronPreflight.name]
     findings = [f for record in checked for f in record.findings]
-    return PreflightReport(report.target, findings, [record.graph for record in checked], report)
+    if f64_entries:  # they name the parameters and inputs the graphs' f64 placeholders stand for
+        findings = [f for f in findings if not (f.check == "f64" and f.op == "input")]
+    return PreflightReport(report.target, f64_entries + findings, [record.graph for record in checked], report)
+
+
+def _not_captured(error: Exception) -> str:
+    """float64 stopped the capture (an op refuses it): the graphs' checks wait for the cast model."""
+    cause = str(error).splitlines()[0] if str(error) else ""
+    return (f"graphs not checked: tracing stopped at {type(error).__name__}: {cause}; cast the model and "
+            "inputs to float32/bfloat16 and run preflight again for the graphs' checks")

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from laplace_passes.infra.fx_helpers import (
     COND,
@@ -101,6 +102,52 @@ def check_float64(gm: torch.fx.GraphModule, target: HardwareTarget) -> list[Find
             "compute in float32 or bfloat16: cast inputs and parameters (.float()), avoid dtype=torch.float64 "
             "and torch.set_default_dtype(torch.float64)"))
     return findings
+
+
+F64_FIX = ("cast the model to float32/bfloat16: model.float() or model.to(torch.bfloat16), and pass float32 "
+           "inputs (token ids stay integer: .long())")
+
+
+def check_float64_entries(model_or_fn: object, example_inputs: tuple) -> list[Finding]:
+    """float64 parameters, buffers and inputs, named before anything is traced.
+
+    Checked ahead of the graphs because an op may refuse float64 outright
+    (laplace's GLA does): its TypeError would stop the capture, and a finding
+    that names the parameter says more than a graph placeholder would.
+    """
+    findings = []
+    if isinstance(model_or_fn, torch.nn.Module):
+        for kind, named in (("parameter", model_or_fn.named_parameters()), ("buffer", model_or_fn.named_buffers())):
+            found = _f64_named(named)
+            if found:
+                findings.append(_f64_entry(found[0][0], kind, f"{len(found)} {kind}(s) ({_first_names(found)})"))
+    flat, _ = pytree.tree_flatten_with_path(example_inputs)
+    for path, value in flat:
+        if _is_f64(value):
+            name = f"input{pytree.keystr(path)}"
+            findings.append(_f64_entry(name, "input", f"{name} {value.dtype} {list(value.shape)}"))
+    return findings
+
+
+def float64_refusal(error: BaseException) -> Finding | None:
+    """An op's refusal of float64 (laplace's GLA: "q must have dtype in (...), got torch.float64") as a finding."""
+    if not (isinstance(error, TypeError) and str(error).endswith(("got torch.float64", "got torch.complex128"))):
+        return None
+    return _f64_entry("(traced)", "op", f"an op refused a float64 tensor computed inside the model ({error})")
+
+
+def _f64_named(named) -> list[tuple[str, torch.Tensor]]:
+    return [(name, value) for name, value in named if _is_f64(value)]
+
+
+def _first_names(found: list[tuple[str, torch.Tensor]], shown: int = 3) -> str:
+    names = ", ".join(name for name, _ in found[:shown])
+    return names + (f" and {len(found) - shown} more" if len(found) > shown else "")
+
+
+def _f64_entry(node: str, op: str, what: str) -> Finding:
+    return Finding("f64", node, op, f"float64: {what}; neuronx-cc has no FP64 (Trainium has no f64 arithmetic)",
+                   F64_FIX)
 
 
 def _value(gm: torch.fx.GraphModule, node: torch.fx.Node):

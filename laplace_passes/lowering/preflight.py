@@ -12,7 +12,9 @@ with torch-neuronx), then checks every ATen graph:
                            masked_select, ...) it enters by: neuronx-cc compiles static shapes only
     loop                   while_loop / scan / map left in the graph
     control-flow           a cond left in the graph (neuronx-cc implements no control flow)
-    f64                    float64 tensors: no f64 on Trainium, TorchNeuron demotes them
+    f64                    float64 tensors: no f64 on Trainium, TorchNeuron demotes them; `preflight`
+                           names float64 parameters and inputs before tracing, and an op refusing
+                           float64 while tracing (laplace's GLA) ends it with the finding, no exception
     instruction-budget     estimated instructions over the target's budget (neuronx-cc [XTP002])
                            that the budget pass will not cut into partitions that fit
     all-to-all-splits      unequal (or run-time) input or output split sizes (TorchNeuron's
