@@ -7,7 +7,7 @@
 The `laplace` backend runs the same pass (`RewriteMuonStep`) on every
 inference graph that holds a gather or Newton-Schulz, unless
 `options={"muon_all_to_all": False}`. See `rewrite.py` for the graphs before
-and after, `match.py` and `newton_schulz.py` for what is matched,
+and after, `match.py`, `own_rows.py` and `newton_schulz.py` for what is matched,
 `plan.py` for ownership, `traffic.py` for the byte accounting.
 """
 

@@ -84,7 +84,8 @@ import torch
 import torch.fx
 
 from laplace_passes.collectives.emit import Exchange, emit_all_to_all
-from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket, find_buckets, rank_input
+from laplace_passes.collectives.match import ALL_GATHER, BROADCAST, GatherBucket, find_buckets
+from laplace_passes.collectives.own_rows import rank_input
 from laplace_passes.collectives.newton_schulz import find_newton_schulz, may_hold_newton_schulz
 from laplace_passes.collectives.plan import OwnershipPlan, choose_plan, plan_candidates
 from laplace_passes.collectives.traffic import CollectiveBytes, collective_bytes, count_node, per_rank_totals
@@ -264,7 +265,7 @@ def _exchanges(buckets: list[GatherBucket]) -> list[Exchange]:
 
 def _rank_for(exchange: Exchange) -> torch.fx.Node | int | None:
     """How owners' work is gated: the rank input (ShardedMuon), this process's rank (per-rank graphs), or None."""
-    inputs = {rank_input(site) for site in exchange.sites}
+    inputs = {rank_input(site.selection) for site in exchange.sites}
     if len(inputs) != 1:
         return None
     (rank,) = inputs
