@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import laplace_passes
 import laplace_passes.fx.retile as retile_module
+from laplace_passes.driver.compile_fx import fresh_code
 from laplace_passes.infra.pass_base import GraphPass, PassResult, run_passes
 from laplace_passes.infra.report import Report
 from laplace_passes.infra.strict import ENVIRONMENT_VARIABLE
@@ -146,3 +147,25 @@ def test_a_second_head_size_on_a_static_target_is_re_tiled_in_its_specialised_gr
         torch.testing.assert_close(compiled(*inputs), scaled_layer(*inputs), rtol=1e-4, atol=1e-5)
         (site,) = laplace_passes.last_report().sites
         assert site.status == "retiled" and site.shape["K"] == K, site
+
+
+@pytest.mark.parametrize("target", ["cpu", "trn2"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_the_recurrent_form_runs_on_gates_whose_kernel_and_meta_strides_differ(target, T):
+    """F.logsigmoid of a transposed tensor is contiguous on the CPU but keeps the transposed strides in its
+    fake tensor: the recurrent form's reshapes must not trace a view that only the fake allows."""
+    def transposed_layer(q, k, v, x, state):
+        return laplace_passes.gla(q, k, v, F.logsigmoid(x) / 4, scale=0.5, initial_state=state,
+                                  output_final_state=True)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, x = (torch.randn(2, 2, T, 4, generator=gen).transpose(1, 2) for _ in range(3))  # [B, T, H, K] views
+    v = torch.randn(2, 2, T, 8, generator=gen).transpose(1, 2)
+    state = torch.randn(2, 2, 4, 8, generator=gen)
+    compiled = laplace_passes.compile(fresh_code(transposed_layer), target=target)
+    with torch.no_grad():
+        actual, expected = compiled(q, k, v, x, state), transposed_layer(q, k, v, x, state)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    (site,) = compiled.laplace_report.sites
+    assert site.form.startswith("recurrent"), site.form

@@ -151,3 +151,21 @@ def test_flag_scale_and_state_device_are_checked(fn, good):
         fn(q, k, v, gk, scale=float("nan"))
     with pytest.raises(ValueError, match="initial_state must be on q's device cpu, got meta"):
         fn(q, k, v, gk, initial_state=torch.zeros(1, 2, 8, 6, device="meta"))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("partitions", 0, "HardwareTarget.partitions must be a positive int, got 0"),
+    ("sub_chunk_size", 0, "HardwareTarget.sub_chunk_size must be a positive int, got 0"),
+    ("sub_chunk_size", -2, "HardwareTarget.sub_chunk_size must be a positive int, got -2"),
+    ("sub_chunk_size", 4.0, "HardwareTarget.sub_chunk_size must be a positive int, got 4.0"),
+    ("recurrent_max_tokens", -1, "HardwareTarget.recurrent_max_tokens must be an int >= 0, got -1"),
+    ("recurrent_readout", "dot", "HardwareTarget.recurrent_readout must be one of ('matmul', 'reduce'), got 'dot'"),
+    ("matmul_tile", (0, 512), "HardwareTarget.matmul_tile must be two positive ints (partition rows, free columns), "
+                              "got (0, 512)"),
+])
+def test_a_target_with_an_impossible_number_is_refused_where_it_is_made(field, value, message):
+    """Left to the passes, sub_chunk_size=0 would be a ZeroDivisionError and -2 a negative tensor size, each
+    wrapped in Dynamo's error."""
+    with pytest.raises(ValueError) as raised:
+        laplace_passes.targets.CPU.with_overrides(**{field: value})
+    assert str(raised.value) == message

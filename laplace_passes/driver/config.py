@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -59,8 +60,9 @@ class CompileConfig:
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTION_DOCS))
         if unknown:
-            known = "; ".join(f"{k}: {v}" for k, v in OPTION_DOCS.items())
-            raise ValueError(f"unknown laplace option(s) {unknown}; known options: {known}")
+            # The first line is the cause and the likely fix; what each option means follows, one a line.
+            known = "".join(f"\n  {name}: {doc}" for name, doc in OPTION_DOCS.items())
+            raise ValueError(f"unknown laplace option(s) {unknown}{_did_you_mean(unknown)}; known options:{known}")
         target = get_target(options.get("target", "trn2"))
         inner = resolve_inner(options.get("inner", "eager"), compilers)
         inner.check_available()
@@ -94,6 +96,13 @@ class CompileConfig:
         # Short: torch puts the backend's repr (a partial holding this config) into its error messages.
         return (f"CompileConfig(target={self.target.name!r}, inner={self.inner.name!r}, chunk_size={self.chunk_size}, "
                 f"retile_gla={self.retile_gla}, recognise_gla={self.recognise_gla}, strict={self.strict})")
+
+
+def _did_you_mean(unknown: list[str]) -> str:
+    """` (did you mean chunk_size= for chunksize?)` for the misspellings close to an option."""
+    close = [(name, difflib.get_close_matches(name, OPTION_DOCS, n=1)) for name in unknown]
+    hints = [f"{match[0]}= for {name}" for name, match in close if match]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 def _check_budget(value: Any) -> int | None:

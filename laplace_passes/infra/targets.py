@@ -66,6 +66,20 @@ class CollectiveConstraints:
         return bool(m) and size % m == 0
 
 
+# How the recurrent form reads o_t = q_t S out of the state (`laplace_passes.ops.gla.gla_recurrence`).
+RECURRENT_READOUTS = ("matmul", "reduce")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"HardwareTarget.{name} must be {kind}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class HardwareTarget:
     """A compilation target.
@@ -123,6 +137,20 @@ class HardwareTarget:
     logical_core_choices: tuple[int, ...] = ()
     auto_cast: str = "none"
     description: str = ""
+
+    def __post_init__(self) -> None:
+        # Checked where the target is made: a bad number would otherwise surface inside a pass, as a
+        # ZeroDivisionError or a negative tensor size wrapped in Dynamo's error.
+        for name in ("partitions", "sub_chunk_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("recurrent_max_tokens", self.recurrent_max_tokens, minimum=0)
+        if self.recurrent_readout not in RECURRENT_READOUTS:
+            raise ValueError(f"HardwareTarget.recurrent_readout must be one of {RECURRENT_READOUTS}, "
+                             f"got {self.recurrent_readout!r}")
+        tile = self.matmul_tile
+        if not (isinstance(tile, tuple) and len(tile) == 2 and all(_is_int(n) and n > 0 for n in tile)):
+            raise ValueError(f"HardwareTarget.matmul_tile must be two positive ints (partition rows, free columns), "
+                             f"got {tile!r}")
 
     def __repr__(self) -> str:
         # Short: it shows up in torch's error messages (the backend's repr); every field: dataclasses.asdict.

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from laplace_passes.infra.checks import check_flag, check_gla_args, resolve_scale
+from laplace_passes.infra.targets import RECURRENT_READOUTS
 
 # `origin` names where a site came from ("laplace.gla", "fla.chunk_gla", ...),
 # so the report can answer "which of my calls was re-tiled?".
@@ -79,13 +80,9 @@ def _recurrence_states(q, k, v, gk, initial_state):
     return torch.stack(states), decay
 
 
-# How the recurrent form reads o_t = q_t S out of the state (`gla_recurrence`).
-READOUTS = ("matmul", "reduce")
-
-
 def check_readout(readout: str, name: str = "readout") -> None:
-    if readout not in READOUTS:
-        raise ValueError(f"{name} must be one of {READOUTS}, got {readout!r}")
+    if readout not in RECURRENT_READOUTS:
+        raise ValueError(f"{name} must be one of {RECURRENT_READOUTS}, got {readout!r}")
 
 
 def gla_recurrence(
@@ -116,7 +113,7 @@ def gla_recurrence(
 
     def per_token(x: Tensor, rows: int, cols: int) -> tuple[Tensor, ...]:
         # [B, T, H, D] -> T tensors [B*H, rows, cols] (one of rows/cols is D, the other 1).
-        return x.float().transpose(1, 2).reshape(B * H, T, rows, cols).unbind(1)
+        return _contiguous(x.float()).transpose(1, 2).reshape(B * H, T, rows, cols).unbind(1)
 
     h = (q.new_zeros(B * H, K, V, dtype=torch.float32) if initial_state is None
          else initial_state.float().reshape(B * H, K, V))
@@ -135,6 +132,21 @@ def gla_recurrence(
         # state returned as that view would let an in-place update of it (a decode buffer) write the caller's.
         h = h.clone()
     return (o * scale).to(q.dtype), h.view(B, H, K, V)
+
+
+def _contiguous(x: Tensor) -> Tensor:
+    """`x` in a layout its fake tensor and its run-time value agree on, before it is transposed and reshaped.
+
+    Traced (AOT Autograd), a reshape becomes a view or a copy by the fake
+    tensor's strides, and the eager inner compiler then runs that choice on
+    the real tensor. Some CPU kernels return a contiguous tensor where their
+    meta function keeps the input's strides (``F.logsigmoid`` of a transposed
+    tensor): the transposed fake is then contiguous, a view of it is traced,
+    and that view fails on the real, transposed tensor. A tensor the fake
+    calls non-contiguous is copied (contiguous on both sides); a contiguous
+    one costs nothing.
+    """
+    return x.contiguous()
 
 
 @torch.library.custom_op("laplace::gla", mutates_args=())
