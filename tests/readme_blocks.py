@@ -1,4 +1,4 @@
-"""The code blocks of README.md and the markers that say how tests/test_readme.py checks them.
+"""The code blocks of README.md and the docs pages, and the markers that say how tests/test_readme.py checks them.
 
 A marker is an HTML comment (invisible on GitHub) on the line before a block:
 
@@ -18,7 +18,13 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# The user's pages: the README and the docs it sends readers on to (docs/DESIGN.md explains the code, and
+# its blocks are sketches, not commands).
+PAGES = [ROOT / page for page in (
+    "README.md", "docs/usage.md", "docs/api.md", "docs/passes.md", "docs/fla.md", "docs/lowering.md",
+    "docs/model_zoo.md", "docs/benchmarks.md")]
 MARKER = re.compile(r"^<!-- readme-test: (?P<body>.*) -->$")
 CLI = "laplace-passes"
 
@@ -35,13 +41,14 @@ class Marker:
 @dataclass
 class Block:
     kind: str  # "python" or "shell"
-    line: int  # 1-based line of the block's first code line in README.md
+    line: int  # 1-based line of the block's first code line in its page
     text: str
     marker: Marker | None
+    page: str = "README.md"  # the page's path from the repository root
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
     def cli_commands(self) -> list[list[str]]:
         """The argument lists of the `laplace-passes` commands in a shell block (`cli_runs` without the env)."""
@@ -122,9 +129,15 @@ def parse_marker(body: str) -> Marker:
     return marker
 
 
+def all_blocks() -> list[Block]:
+    """The blocks of every page in `PAGES`."""
+    return [block for page in PAGES for block in readme_blocks(page)]
+
+
 def readme_blocks(path: Path = README) -> list[Block]:
     """Every fenced python block and every indented block that runs `laplace-passes`, with its marker."""
     lines = path.read_text().splitlines()
+    page = path.relative_to(ROOT).as_posix()
     blocks: list[Block] = []
     marker, i = None, 0
     while i < len(lines):
@@ -137,14 +150,14 @@ def readme_blocks(path: Path = README) -> list[Block]:
         if line.startswith("```"):
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
             if line.strip() == "```python":
-                blocks.append(Block("python", i + 2, "\n".join(lines[i + 1:end]) + "\n", marker))
+                blocks.append(Block("python", i + 2, "\n".join(lines[i + 1:end]) + "\n", marker, page))
             marker, i = None, end + 1
             continue
         if line.startswith("    ") and (i == 0 or not lines[i - 1].strip() or MARKER.match(lines[i - 1])):
             end = i
             while end < len(lines) and lines[end].startswith("    "):
                 end += 1
-            block = Block("shell", i + 1, "\n".join(l[4:] for l in lines[i:end]) + "\n", marker)
+            block = Block("shell", i + 1, "\n".join(l[4:] for l in lines[i:end]) + "\n", marker, page)
             if block.cli_commands():
                 blocks.append(block)
             marker, i = None, end

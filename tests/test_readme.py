@@ -1,4 +1,4 @@
-"""README.md checked by running it: its code blocks, its API table and its model-zoo table.
+"""README.md and the docs pages checked by running them: their code blocks, the API table and the model-zoo table.
 
 Every fenced python block and every indented block of `laplace-passes` lines
 carries a marker saying how it is checked (tests/readme_blocks.py; the
@@ -22,9 +22,9 @@ import torch
 import model_zoo
 from laplace_passes.tools.cli import _parser, available_benchmarks, main
 from tests import processes
-from tests.readme_blocks import README, dangling_markers, readme_blocks
+from tests.readme_blocks import PAGES, README, ROOT, all_blocks, dangling_markers
 
-BLOCKS = readme_blocks()
+BLOCKS = all_blocks()
 
 
 def test_every_block_is_marked():
@@ -33,7 +33,8 @@ def test_every_block_is_marked():
         f"code blocks without a readme-test marker: {unmarked}; put `<!-- readme-test: run -->` (or "
         "`<!-- readme-test: skip: reason -->`) on the line before each (tests/README.md)"
     )
-    assert dangling_markers() == [], "markers must sit on the line right before their block"
+    for page in PAGES:
+        assert dangling_markers(page) == [], f"{page.name}: markers must sit on the line right before their block"
     assert any(b.kind == "python" for b in BLOCKS) and any(b.kind == "shell" for b in BLOCKS)
 
 
@@ -122,9 +123,9 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
 # -- the tables ----------------------------------------------------------------------------------
 
 
-def _table_rows(section: str) -> list[list[str]]:
-    """The cells of the first table under the `## section` heading."""
-    text = README.read_text()
+def _table_rows(section: str, page: str) -> list[list[str]]:
+    """The cells of the first table under the `## section` heading of `page`."""
+    text = (ROOT / page).read_text()
     body = text[text.index(f"## {section}\n"):]
     body = body[: body.index("\n## ", 1)] if "\n## " in body[1:] else body
     rows = [line for line in body.splitlines() if line.startswith("| ")]
@@ -141,7 +142,7 @@ def _resolve(dotted: str):
 
 
 SIGNATURE_CELL = re.compile(r"^`(?P<name>(laplace_passes|model_zoo)\.[\w.]+)\((?P<params>.*)\)( -> \w+)?`$")
-DOCUMENTED_CALLS = [m for row in _table_rows("Public API") if (m := SIGNATURE_CELL.match(row[0]))]
+DOCUMENTED_CALLS = [m for row in _table_rows("Public API", "docs/api.md") if (m := SIGNATURE_CELL.match(row[0]))]
 
 
 @pytest.mark.parametrize("row", DOCUMENTED_CALLS, ids=[m["name"] for m in DOCUMENTED_CALLS])
@@ -201,7 +202,7 @@ def _as_written(value: int, written: str) -> str:
     return f"{text} {unit}".strip()
 
 
-@pytest.mark.parametrize("row", _table_rows("Model zoo"), ids=lambda row: row[0].split("`")[1])
+@pytest.mark.parametrize("row", _table_rows("Model zoo", "docs/model_zoo.md"), ids=lambda row: row[0].split("`")[1])
 def test_model_zoo_table_matches_the_models(row):
     name = row[0].split("`")[1]
     if name.startswith("fla-"):

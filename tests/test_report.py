@@ -48,7 +48,7 @@ def test_text_summary(report):
 
 
 def test_the_readme_example_of_the_rewrite_is_tiny_at_2048(report):
-    """README, "What the re-tiling pass does": the scale is K ** -0.5 for tiny's K = 16, chunks of 128 and 16."""
+    """docs/passes.md, "What the re-tiling pass does": the scale is K ** -0.5 for tiny's K = 16, chunks of 128 and 16."""
     K = report.sites[0].shape["K"]
     assert K**-0.5 == 0.25
     before, after = report.graph("before").code, report.graph("after").code

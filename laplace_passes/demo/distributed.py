@@ -17,7 +17,7 @@ launcher (torchelastic):
   process would spend seconds of CPU importing them, W times over on a
   machine with fewer cores than ranks.
 
-The process group is gloo (CPU). See the README, "More than one machine".
+The process group is gloo (CPU). See `docs/usage.md`, "More than one machine".
 """
 
 from __future__ import annotations

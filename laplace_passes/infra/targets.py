@@ -104,7 +104,7 @@ class HardwareTarget:
     recurrent_readout: how the recurrent form reads each output out of the state
         (`laplace_passes.ops.gla.gla_recurrence`): "matmul" (the trn2 estimate's choice for fla's
         1.3B heads) or "reduce" (fuses with the state update on a CPU: the compiled decode step
-        of the tiny model ran 1.20x faster at 1280 sequences; README, "Short sites and decode").
+        of the tiny model ran 1.20x faster at 1280 sequences; `docs/passes.md`, "Short sites and decode").
     static_shapes: the target's compiler takes static shapes only (neuronx-cc): a graph with
         symbolic sizes is compiled once per concrete shape (`laplace_passes.driver.shapes`).
     control_flow: the target's compiler takes control flow (`cond`, `while_loop`; StableHLO `case`,
