@@ -2,14 +2,17 @@
 
 import ast
 import json
+import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 import model_zoo
 from laplace_passes.tools.cli import available_benchmarks, main
-from laplace_passes.demo.train import DemoConfig
+from laplace_passes.demo.train import DemoConfig, run_demo
 from tests import processes
 
 
@@ -25,7 +28,8 @@ def test_demo_lowers_the_loss(capsys):
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2
     # MQAR's keys and values are disjoint halves of the vocabulary after the padding token 0: chance is one in
-    # the value tokens. 30 steps leave the accuracy near chance (the README quotes a 300-step run's, measured).
+    # the value tokens. 30 steps leave the accuracy near chance (the README quotes the full run's, a benchmark:
+    # benchmarks/bench_demo.py).
     vocab = model_zoo.config("tiny").vocab_size
     assert result["chance"] == pytest.approx(1 / (vocab - 1 - (vocab - 1) // 2))
     recalls = DemoConfig().eval_batch * DemoConfig().num_pairs  # the evaluation batch's recall positions
@@ -40,6 +44,83 @@ def test_demo_subprocess_prints_progress_report_and_summary():
     assert "train [" in done.stderr and "3/3" in done.stderr
     assert done.stderr.index("compiling") < done.stderr.index("1/3")  # said before the first step
     assert "retile_gla" in done.stdout and "recall accuracy" in done.stdout
+
+
+DEMO_SETTINGS = ("num_pairs", "seq_len", "batch", "steps", "muon_lr", "adamw_lr", "seed")
+
+
+def test_the_readme_writes_out_the_demo_defaults():
+    """The README quotes the recall of `demo` with no arguments from a benchmark: its settings must be the defaults."""
+    from laplace_passes.tools.cli import _parser
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (written,) = re.findall(r"`laplace-passes demo (--num-pairs [^`]*)`", readme)
+    args = _parser().parse_args(["demo", *written.split()])
+    assert {name: getattr(args, name) for name in DEMO_SETTINGS} == \
+        {name: getattr(DemoConfig(), name) for name in DEMO_SETTINGS}
+    assert all(f"--{name.replace('_', '-')} " in written + " " for name in DEMO_SETTINGS), written
+
+
+SHORT_DEMO = ["demo", "--steps", "4", "--batch", "4", "--seq-len", "32", "--num-pairs", "2", "--no-progress", "--json"]
+
+
+def test_the_recall_curve_leaves_the_training_as_it_is(capsys):
+    """Evaluations every 2 steps (what --plot draws) change no training loss; the curve ends at the result's recall."""
+    assert main(SHORT_DEMO) == 0
+    plain = json.loads(capsys.readouterr().out)
+    result = run_demo(DemoConfig(steps=4, batch=4, seq_len=32, num_pairs=2, progress=False, recall_every=2))
+    assert result.losses == plain["losses"] and plain["recalls"] == []
+    assert [step for step, _ in result.recalls] == [2, 4] and result.recalls[-1][1] == result.accuracy
+    assert result.accuracy == plain["accuracy"]
+
+
+def test_plot_without_matplotlib_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr("laplace_passes.demo.train._train", no_work)
+    assert main(["demo", "--plot", str(tmp_path / "curves.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("laplace-passes demo: error: --plot needs matplotlib, which is not installed: "
+                   "pip install 'laplace_passes[plot]' (or pip install matplotlib)\n")
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_plot_draws_the_curves(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the 'plot' extra), not installed here")
+    path = tmp_path / "curves.png"
+    assert main([*SHORT_DEMO, "--plot", str(path)]) == 0
+    assert path.read_bytes().startswith(b"\x89PNG") and f"drew the loss and recall curves into {path}" in \
+        capsys.readouterr().err
+
+
+@pytest.fixture
+def busy_machine(monkeypatch):
+    """A load average of twice the cores, OMP_NUM_THREADS unset, PyTorch on 2 threads: the demo must say the fix."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0 * cores, 1.0, 1.0))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr("laplace_passes.demo.train._train", no_work)
+    return cores
+
+
+def test_a_busy_machine_is_told_the_thread_fix(busy_machine, capsys):
+    with pytest.raises(AssertionError, match="the work started"):  # the line comes before the training
+        main(["demo"])
+    assert capsys.readouterr().err == (
+        f"the load average ({2.0 * busy_machine:.1f}) is above this machine's {busy_machine} cores: PyTorch's "
+        "threads spin against the other work and training can run 35-40x slower; set OMP_NUM_THREADS=1 "
+        "(`OMP_NUM_THREADS=1 laplace-passes demo ...`)\n")
+
+
+@pytest.mark.parametrize("quiet", ["threads set", "load at the cores"])
+def test_no_thread_line_when_the_threads_are_set_or_the_cores_free(busy_machine, quiet, monkeypatch, capsys):
+    if quiet == "threads set":
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    else:
+        monkeypatch.setattr(os, "getloadavg", lambda: (float(busy_machine), 1.0, 1.0))
+    with pytest.raises(AssertionError, match="the work started"):
+        main(["demo"])
+    assert capsys.readouterr().err == ""
 
 
 def test_inspect_json_has_the_documented_fields():

@@ -258,3 +258,40 @@ def test_a_restartable_run_sharing_the_agents_store_is_warned_about(monkeypatch,
         assert "pytorch/pytorch#135712" in warning and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning
     else:  # a c10d rendezvous that does not share the store: nothing to warn about
         assert warning == ""
+
+
+def test_more_steps_trains_past_the_checkpoint(reference, tmp_path, capsys):
+    """`--more-steps 2` from the checkpoint at step 4 trains steps 5 and 6: the uninterrupted run's losses."""
+    losses, saved = reference
+    copy_checkpoint(saved, 4, tmp_path)
+    assert main(["demo", *SMALL, "--more-steps", "2", "--checkpoint-dir", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["resumed_from"] == 4
+    assert_close(result["losses"], losses)
+    assert demo_checkpoint.newest_step(str(tmp_path)) == 6  # saved at the new end
+
+
+def test_a_checkpoint_at_the_steps_says_there_is_nothing_to_train(reference, tmp_path, capsys, no_training):
+    """Running the same command again resumes at its last step: one line says so, and how to train on."""
+    _, saved = reference
+    copy_checkpoint(saved, 6, tmp_path)
+    with pytest.raises(AssertionError, match="went past the checkpoint's checks"):  # the note comes first
+        main(["demo", *SMALL, "--steps", "6", "--checkpoint-dir", str(tmp_path)])
+    assert capsys.readouterr().err == (f"the checkpoint in {tmp_path} is at step 6 = --steps: nothing to train "
+                                       "(evaluating it); pass --more-steps N or a larger --steps to train on\n")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--more-steps", "2"], "more_steps counts from a checkpoint: it needs checkpoint_dir"),
+    (["--more-steps", "2", "--steps", "6", "--checkpoint-dir", "ck"], "--steps and --more-steps: give one"),
+    (["--more-steps", "0", "--checkpoint-dir", "ck"], "more_steps must be a positive int, got 0"),
+])
+def test_more_steps_is_refused_without_its_checkpoint_or_beside_steps(args, message, capsys, no_training):
+    assert message in refusal([*SMALL, *args], capsys)
+
+
+def test_more_steps_under_restarts_is_refused(tmp_path, monkeypatch, capsys, no_training):
+    """A restart runs the command again, which would count the steps again from the newer checkpoint."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    err = refusal([*SMALL, "--more-steps", "2", "--checkpoint-dir", str(tmp_path)], capsys)
+    assert "--more-steps under torchrun --max-restarts" in err and "give the total as --steps" in err

@@ -1,6 +1,6 @@
 """The main job: train the `tiny` GLA model on MQAR through backend="laplace".
 
-    laplace-passes demo                    # defaults: under 2 minutes on 2 CPU cores
+    laplace-passes demo                    # defaults: about a minute of training on 2 CPU cores
     laplace-passes demo --world-size 4     # data-parallel over 4 local gloo processes
     torchrun --standalone --nproc-per-node 4 --no-python laplace-passes demo   # the same, started by torchrun
     laplace-passes demo --model fla-gla-tiny   # flash-linear-attention's own GLAForCausalLM
@@ -32,7 +32,9 @@ size, and its result lists the losses of every step since step 1.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -64,10 +66,12 @@ _ONE_LINE_ERRORS = ("ValueError", "CheckpointError", "OutputDirError", "OutOfMem
 @dataclass
 class DemoConfig:
     model: str = "tiny"  # one of DEMO_MODELS
-    steps: int = 300
+    # The defaults: the settings of benchmarks/bench_demo.py's sweep on which `tiny` clearly learns MQAR in
+    # about a minute of 2 cores (the README quotes the recall band it measured over threads and seeds).
+    steps: int = 1200
     batch: int = 32  # the global batch: split over the ranks
-    seq_len: int = 64
-    num_pairs: int = 8
+    seq_len: int = 16
+    num_pairs: int = 4
     target: str = "trn2"
     inner: str = "eager"
     world_size: int = 1  # local processes to start (1 under torchrun: torchrun decides)
@@ -78,6 +82,8 @@ class DemoConfig:
     progress: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None  # steps between checkpoints; None: only at the end
+    more_steps: int | None = None  # train this many steps past checkpoint_dir's newest checkpoint (`steps` unused)
+    recall_every: int | None = None  # steps between evaluations of the recall during training (DemoResult.recalls)
 
     def __post_init__(self):
         if self.model not in DEMO_MODELS:
@@ -91,6 +97,12 @@ class DemoConfig:
                 raise ValueError(f"checkpoint_every must be a positive int, got {self.checkpoint_every!r}")
             if self.checkpoint_dir is None:
                 raise ValueError("checkpoint_every needs checkpoint_dir")
+        for name in ("more_steps", "recall_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.more_steps is not None and self.checkpoint_dir is None:
+            raise ValueError("more_steps counts from a checkpoint: it needs checkpoint_dir")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
 
@@ -113,6 +125,7 @@ class DemoResult:
     muon_ns_work_ratio: float | None = None  # the busiest rank's Newton-Schulz FLOPs, before / after the rewrite
     world_size: int = 1
     resumed_from: int | None = None  # the checkpoint's step this run started from
+    recalls: list[tuple[int, float]] = field(default_factory=list)  # (step, recall accuracy): config.recall_every
 
     def summary(self) -> str:
         muon = ""
@@ -133,7 +146,7 @@ class DemoResult:
 
 def run_demo(config: DemoConfig) -> DemoResult | None:
     """Train; the result on rank 0, None on the other ranks of a torchrun job."""
-    _check_settings(config)
+    config = _with_total_steps(config, _check_settings(config))
     if under_torchrun():
         _, world = launcher_rank_and_world()
         if config.world_size not in (1, world):
@@ -143,6 +156,7 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
         return _launched_rank(config)
     config.check_world_size(config.world_size)
     if config.world_size == 1:
+        _warn_if_threads_contend()
         return _train(0, 1, config)
     try:
         return launch_local(config.world_size, _launched_rank, config)[0]
@@ -154,9 +168,10 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
         raise ValueError(refusal) from None
 
 
-def _check_settings(config: DemoConfig) -> None:
+def _check_settings(config: DemoConfig) -> int | None:
     """What every rank would refuse after its start (a minute each) or after training (the checkpoint
-    directory, written at the first save), refused once before any starts."""
+    directory, written at the first save), refused once before any starts; returns the step of the
+    checkpoint the run resumes from (None: none)."""
     import model_zoo
     from laplace_passes.driver.backend import compile_config
     from model_zoo.mqar import MQARTask
@@ -165,9 +180,59 @@ def _check_settings(config: DemoConfig) -> None:
     MQARTask(vocab_size=vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
     _check_memory(config, vocab_size)
     compile_config({"target": config.target, "inner": config.inner})
-    if config.checkpoint_dir is not None:
-        check_writable_dir(config.checkpoint_dir, "checkpoint directory")
-        demo_checkpoint.check_resumable(config.checkpoint_dir, config.steps, _settings(config))
+    if config.checkpoint_dir is None:
+        return None
+    check_writable_dir(config.checkpoint_dir, "checkpoint directory")
+    if config.more_steps is not None:
+        _check_no_restarts_for_more_steps()
+    up_to = config.steps if config.more_steps is None else sys.maxsize  # more_steps: any checkpoint resumes
+    return demo_checkpoint.check_resumable(config.checkpoint_dir, up_to, _settings(config))
+
+
+def _check_no_restarts_for_more_steps() -> None:
+    """A torchrun restart runs the command again: more_steps would count again from the newer checkpoint."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ValueError("--more-steps under torchrun --max-restarts: a restarted rank would count the steps again "
+                         "from its newer checkpoint; give the total as --steps")
+
+
+def _with_total_steps(config: DemoConfig, resume_step: int | None) -> DemoConfig:
+    """`config` with `steps` the total to train to: the checkpoint's step plus more_steps, when given.
+
+    Without more_steps, a checkpoint already at `steps` leaves nothing to train: said in one line
+    (the run still evaluates the checkpoint)."""
+    if config.more_steps is not None:
+        return dataclasses.replace(config, steps=(resume_step or 0) + config.more_steps, more_steps=None)
+    if resume_step == config.steps and launcher_rank_and_world()[0] == 0:
+        print(f"the checkpoint in {config.checkpoint_dir} is at step {resume_step} = --steps: nothing to train "
+              "(evaluating it); pass --more-steps N or a larger --steps to train on", file=sys.stderr)
+    return config
+
+
+def _warn_if_threads_contend() -> None:
+    """One line on stderr when other work already fills the cores and OpenMP picks its own thread count."""
+    warning = thread_contention_warning()
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def thread_contention_warning() -> str | None:
+    """The fix for training under load, or None.
+
+    With more runnable processes than cores, each of PyTorch's OpenMP threads spins waiting for the
+    others at every parallel region while they wait for a core: the demo measured 35-40x slower
+    (22 min instead of 42 s with 5-8 other runnable processes on 2 cores), and one thread per
+    process 5.5x faster than the default under the same load.
+    """
+    if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == 1 or not hasattr(os, "getloadavg"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if load <= cores:
+        return None
+    return (f"the load average ({load:.1f}) is above this machine's {cores} cores: PyTorch's threads spin against "
+            "the other work and training can run 35-40x slower; set OMP_NUM_THREADS=1 "
+            "(`OMP_NUM_THREADS=1 laplace-passes demo ...`)")
 
 
 def _check_memory(config: DemoConfig, vocab_size: int) -> None:
@@ -237,9 +302,11 @@ def _train_and_evaluate(rank: int, world_size: int, config: DemoConfig) -> DemoR
     start_step, losses = _resume(config, trainer)
     progress = _progress_bar(config.steps, start_step, enabled=config.progress and rank == 0)
     progress.set_postfix_str("compiling (the first step compiles the forward and backward graphs) ...")
-    start = time.perf_counter()
+    start, recalls = time.perf_counter(), []
     for step in range(start_step + 1, config.steps + 1):
         losses.append(_train_step(config, trainer, step, rank, world_size))
+        if rank == 0 and _recall_due(config, step - start_step) and step < config.steps:
+            recalls.append((step, _recall(config, trainer)))
         elapsed = time.perf_counter() - start
         tokens_per_s = (step - start_step) * config.batch * config.seq_len / elapsed  # the global batch
         progress.set_postfix_str(progress_postfix(losses[-1], tokens_per_s), refresh=False)
@@ -252,7 +319,9 @@ def _train_and_evaluate(rank: int, world_size: int, config: DemoConfig) -> DemoR
     seconds = time.perf_counter() - start
     if rank != 0:  # every rank holds the same model: one evaluation (its own compile) is enough
         return None
-    return _result(config, trainer, losses, seconds, world_size, resumed_from=start_step or None)
+    result = _result(config, trainer, losses, seconds, world_size, resumed_from=start_step or None)
+    result.recalls = [*recalls, (config.steps, result.accuracy)] if config.recall_every else []
+    return result
 
 
 def _train_step(config: DemoConfig, trainer: _Trainer, step: int, rank: int, world_size: int) -> float:
@@ -288,6 +357,22 @@ def _global_mean(value: torch.Tensor, world_size: int) -> float:
     return (total / world_size).item()
 
 
+def _recall_due(config: DemoConfig, trained: int) -> bool:
+    return config.recall_every is not None and trained % config.recall_every == 0
+
+
+def _recall(config: DemoConfig, trainer: _Trainer) -> float:
+    """Recall accuracy on the evaluation batch (the same batch at every step: the curve compares like with like).
+
+    The model is in the same mode as for training and no random state is drawn: the training that
+    follows is the one without evaluations."""
+    from model_zoo.mqar import recall_accuracy
+
+    eval_ids, eval_targets = trainer.task.batch(config.eval_batch, torch.Generator().manual_seed(10_000 + config.seed))
+    with torch.no_grad():
+        return recall_accuracy(_logits(trainer.compiled(eval_ids)), eval_targets)
+
+
 def _checkpoint_due(config: DemoConfig, step: int) -> bool:
     if config.checkpoint_dir is None:
         return False
@@ -315,11 +400,7 @@ def _resume(config: DemoConfig, trainer: _Trainer) -> tuple[int, list[float]]:
 
 def _result(config: DemoConfig, trainer: _Trainer, losses: list[float], seconds: float, world_size: int,
             resumed_from: int | None) -> DemoResult:
-    from model_zoo.mqar import recall_accuracy
-
-    eval_ids, eval_targets = trainer.task.batch(config.eval_batch, torch.Generator().manual_seed(10_000 + config.seed))
-    with torch.no_grad():
-        accuracy = recall_accuracy(_logits(trainer.compiled(eval_ids)), eval_targets)
+    accuracy = _recall(config, trainer)
     report = trainer.compiled.laplace_report
     report_text, report_dict, muon_ratio, ns_ratio = str(report), report.to_dict(), None, None
     if world_size > 1:

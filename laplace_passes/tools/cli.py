@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+PLOT_POINTS = 20  # recall measurements along the curve of `demo --plot`
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +113,11 @@ def _add_demo(commands) -> None:
     demo.add_argument("--model", default=defaults.model, choices=DEMO_MODELS,
                       help="model_zoo's GLA LM (tiny; plain-tiny: its recurrence in plain PyTorch), or one of "
                       "flash-linear-attention's GLA-family models")
-    demo.add_argument("--steps", type=int, default=defaults.steps)
+    demo.add_argument("--steps", type=int, metavar="N",
+                      help=f"steps to train to, in all (default {defaults.steps}): a run resuming from a checkpoint "
+                           "trains the steps past its step")
+    demo.add_argument("--more-steps", type=int, metavar="N",
+                      help="train N steps past the newest checkpoint in --checkpoint-dir (instead of --steps)")
     demo.add_argument("--batch", type=int, default=defaults.batch,
                       help="sequences per step, the global batch: split over the ranks (must divide), so the "
                            "same command trains the same way at any world size")
@@ -124,26 +129,44 @@ def _add_demo(commands) -> None:
                       help="data-parallel ranks: local gloo processes started through torch.distributed's "
                            "elastic launcher (under torchrun leave it out: torchrun starts the processes)")
     demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument("--muon-lr", type=float, default=defaults.muon_lr,
+                      help="ShardedMuon's learning rate for the hidden matrices")
+    demo.add_argument("--adamw-lr", type=float, default=defaults.adamw_lr,
+                      help="AdamW's learning rate for the embeddings, the output head and the norms")
     demo.add_argument("--checkpoint-dir", metavar="DIR",
                       help="save checkpoints (torch.distributed.checkpoint) to DIR; if DIR holds one, resume from "
                            "the newest, at any world size")
     demo.add_argument("--checkpoint-every", type=int, metavar="N",
                       help="steps between checkpoints (default: one at the end)")
+    demo.add_argument("--plot", metavar="FILE",
+                      help="draw the loss and recall curves into FILE (.png, .svg, .pdf; the 'plot' extra: matplotlib)")
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.set_defaults(run=_run_demo)
 
 
 def _run_demo(args) -> int:
+    from laplace_passes.demo.plot import check_can_plot, plot_curves
     from laplace_passes.demo.train import DemoConfig, run_demo
 
-    config = DemoConfig(model=args.model, steps=args.steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
+    if args.steps is not None and args.more_steps is not None:
+        raise ValueError("--steps and --more-steps: give one (--steps is the total to train to, --more-steps the "
+                         "steps past the checkpoint)")
+    if args.plot:
+        check_can_plot(args.plot)  # before the training, which takes a minute
+    steps = DemoConfig.steps if args.steps is None else args.steps
+    config = DemoConfig(model=args.model, steps=steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
                         target=args.target, inner=args.inner, world_size=args.world_size, seed=args.seed,
+                        muon_lr=args.muon_lr, adamw_lr=args.adamw_lr,
                         progress=not args.no_progress, checkpoint_dir=args.checkpoint_dir,
-                        checkpoint_every=args.checkpoint_every)
+                        checkpoint_every=args.checkpoint_every, more_steps=args.more_steps,
+                        recall_every=max(1, (args.more_steps or steps) // PLOT_POINTS) if args.plot else None)
     result = run_demo(config)
     if result is None:  # a rank other than 0 of a torchrun job: rank 0 prints the result
         return 0
+    if args.plot:
+        plot_curves(result, args.plot)
+        print(f"drew the loss and recall curves into {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
