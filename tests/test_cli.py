@@ -322,7 +322,7 @@ def test_help_shows_defaults_and_the_choices_of_target_and_inner(capsys):
     targets = f"hardware target: {', '.join(sorted(TARGETS))} (default: trn2)"
     inners = f"inner compiler: {', '.join(INNER_COMPILERS)}"
     demo = help_text(capsys, "demo")
-    assert f"--steps STEPS (default: {DemoConfig().steps})" in demo and f"(default: {DemoConfig().batch})" in demo
+    assert f"past its step (default: {DemoConfig().steps})" in demo and f"(default: {DemoConfig().batch})" in demo
     assert targets in demo and inners in demo
     inspect = help_text(capsys, "inspect")
     assert "--seq-len SEQ_LEN (default: 2048)" in inspect and targets in inspect and inners in inspect

@@ -114,8 +114,8 @@ def _add_demo(commands) -> None:
                       help="model_zoo's GLA LM (tiny; plain-tiny: its recurrence in plain PyTorch), or one of "
                       "flash-linear-attention's GLA-family models")
     demo.add_argument("--steps", type=int, metavar="N",
-                      help=f"steps to train to, in all (default {defaults.steps}): a run resuming from a checkpoint "
-                           "trains the steps past its step")
+                      help=f"steps to train to, in all; a run resuming from a checkpoint trains the steps past "
+                           f"its step (default: {defaults.steps})")
     demo.add_argument("--more-steps", type=int, metavar="N",
                       help="train N steps past the newest checkpoint in --checkpoint-dir (instead of --steps)")
     demo.add_argument("--batch", type=int, default=defaults.batch,
