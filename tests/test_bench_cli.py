@@ -1,4 +1,4 @@
-"""`laplace-passes bench unroll|muon|decode|recognise` run with their smallest arguments, and their figures agree.
+"""`laplace-passes bench unroll|muon|decode|recognise|compile` run with their smallest arguments, and their figures agree.
 
 Performance is never asserted: each check is that a printed figure is what
 the other printed figures (or a formula written here) make it, so a ratio
@@ -211,3 +211,24 @@ def test_interleaved_rounds_are_said_on_stderr_as_they_end(capsys):
     assert re.findall(r"round (\d)/2: a [\d.]+ ms, b [\d.]+ ms", err) == ["1", "2"]
     assert "warming up a (a first call compiles) ..." in err and "warming up b" in err
     assert [len(times) for times in samples.values()] == [2, 2]
+
+
+def test_bench_compile_splits_the_first_call_into_stages_within_its_total(capfd):
+    """Inner eager, T = 64: seconds. Each stage one row; the named stages never add up past the first call."""
+    from benchmarks.bench_compile import STAGES
+
+    out = bench(capfd, "compile", "--seq-len", "64", "--targets", "cpu", "--inner", "eager")
+    total = float(re.search(r"^target cpu: first call ([\d.]+) s", out, re.M).group(1))
+    seconds = {}
+    for stage in STAGES:
+        rows = re.findall(rf"^  {re.escape(stage)} +(-?[\d.]+) s +(-?[\d.]+)%$", out, re.M)
+        assert len(rows) == 1, (stage, out)
+        seconds[stage], share = map(float, rows[0])
+        assert share == pytest.approx(100 * seconds[stage] / total, abs=0.2), stage
+    # "other" is what the named stages leave of the total: never negative, and the rows add up to the total.
+    assert seconds["other"] >= 0, out
+    assert sum(seconds.values()) == pytest.approx(total, abs=0.05)
+    assert seconds["our passes"] > 0 and seconds["Dynamo trace"] > 0 and seconds["AOT Autograd"] > 0
+    assert seconds["Inductor codegen"] == seconds["C++ compile (waited)"] == 0  # no Inductor with inner eager
+    graphs = dict(re.findall(r"^  graph (\w+) +\d+ -> +(\d+) nodes$", out, re.M))
+    assert set(graphs) == {"dynamo_0", "forward_0", "backward_0"}, out

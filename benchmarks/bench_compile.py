@@ -1,0 +1,195 @@
+"""Where the first call of `tiny`'s training step spends its time: Dynamo, AOT Autograd, our passes, Inductor, C++.
+
+    python -m benchmarks.bench_compile                          # T = 2048, targets cpu and trn2, inner inductor
+    python -m benchmarks.bench_compile --seq-len 512 --targets cpu
+    python -m benchmarks.bench_compile --seq-len 64 --inner eager --json   # seconds: no Inductor
+
+Each target compiles in a fresh Python process with an empty Inductor cache
+(TORCHINDUCTOR_CACHE_DIR a new temporary folder, the FX graph and AOT
+Autograd caches off), as a user's first compile does. The step is
+`cross_entropy(model(ids), ids)` compiled with `laplace_passes.compile`,
+then `.backward()`: its first forward and backward are timed (the total),
+and split into stages that do not overlap, in wall-clock seconds:
+
+  * Dynamo trace: Dynamo's compile less the backend it calls;
+  * our passes: `run_passes` on every graph (Dynamo, forward, backward), from
+    the seconds the "laplace.progress" logger reports per graph;
+  * AOT Autograd: the backend call and the backward's compile, less our
+    passes and the inner compiler (joint trace, partition, functionalisation);
+  * Inductor codegen: Inductor's compile of each graph less its wait for the
+    C++ compiler (lowering, scheduling, code generation; the compiler runs in
+    `compile_threads` threads meanwhile);
+  * C++ compile (waited): the time Inductor waited for the compiled kernels;
+  * other: the rest (guards, running the step, lazy imports).
+
+Stage seconds come from torch's own compile-time counters
+(`torch._dynamo.utils.compilation_time_metrics`: `_compile.compile_inner`,
+`OutputGraph.call_user_compiler`, `backward._backward_impl`,
+`compile_fx_inner`, `async_compile.wait`). Below the stages: the g++ runs
+and their seconds summed over the compile threads (they overlap each other
+and the codegen, so they are not a stage), and each graph's nodes before
+and after the passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import print_row, say
+
+STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "Inductor codegen", "C++ compile (waited)", "other")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--targets", nargs="+", default=["cpu", "trn2"])
+    parser.add_argument("--inner", default="inductor", help="the inner compiler (eager: no Inductor, seconds)")
+    parser.add_argument("--compile-threads", type=int, default=None,
+                        help="Inductor's compile_threads (default: Inductor's own choice)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one-target", help=argparse.SUPPRESS)  # the fresh process measuring one target
+    args = parser.parse_args(argv)
+    if args.one_target:
+        result = measure_first_call(args.one_target, args.seq_len, args.inner, args.compile_threads)
+        print(json.dumps(result), flush=True)
+        return result
+    if not args.json:
+        print_row(f"first call of tiny's training step (forward + backward), T = {args.seq_len}, inner "
+                  f"{args.inner}, empty Inductor cache, one fresh process per target; wall-clock seconds")
+    results = {}
+    for target in args.targets:
+        results[target] = in_fresh_process(target, args)
+        if not args.json:
+            for row in rows(target, results[target]):
+                print_row(row)
+    summary = {"seq_len": args.seq_len, "inner": args.inner, "targets": results}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    return summary
+
+
+def in_fresh_process(target: str, args) -> dict:
+    """Run `measure_first_call` for one target in a new Python process with an empty Inductor cache."""
+    say(f"compiling for target {target} in a fresh process ...")
+    with tempfile.TemporaryDirectory(prefix="bench_compile_") as cache_dir:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+               "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+        command = [sys.executable, "-m", "benchmarks.bench_compile", "--one-target", target,
+                   "--seq-len", str(args.seq_len), "--inner", args.inner]
+        if args.compile_threads is not None:
+            command += ["--compile-threads", str(args.compile_threads)]
+        # stderr (the progress lines) goes straight through; stdout is the JSON result.
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rows(target: str, result: dict) -> list[str]:
+    total = result["total_s"]
+    lines = [f"target {target}: first call {total:.1f} s (a later call {result['second_call_s'] * 1e3:.0f} ms)"]
+    for stage in STAGES:
+        seconds = result["stages"][stage]
+        lines.append(f"  {stage:<22} {seconds:8.2f} s  {seconds / total:6.1%}")
+    cxx = result["cxx"]
+    lines.append(f"  g++ runs: {cxx['runs']}, {cxx['summed_s']:.1f} s summed over {result['compile_threads']} "
+                 f"compile threads (overlapping the codegen and each other)")
+    for name, graph in result["graphs"].items():
+        lines.append(f"  graph {name:<12} {graph['nodes_before']:6d} -> {graph['nodes_after']:6d} nodes")
+    return lines
+
+
+def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: int | None) -> dict:
+    """Compile and run the training step once (forward and backward), timed by stage; then once more."""
+    import torch
+    import torch.nn.functional as F
+
+    if compile_threads is not None:
+        torch._inductor.config.compile_threads = compile_threads
+    import laplace_passes
+    import model_zoo
+    from torch._dynamo.utils import compilation_time_metrics
+
+    passes = PassSeconds.listening()
+    torch.manual_seed(0)
+    model = model_zoo.build("tiny")
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
+
+    def loss_of(ids):
+        return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+    step = laplace_passes.compile(loss_of, target=target, inner=inner)
+    start = time.perf_counter()
+    step(ids).backward()
+    total = time.perf_counter() - start
+    start = time.perf_counter()
+    step(ids).backward()
+    second = time.perf_counter() - start
+    timed = {key: sum(times) for key, times in compilation_time_metrics.items()}
+    return {
+        "target": target, "seq_len": seq_len, "inner": inner, "total_s": total, "second_call_s": second,
+        "compile_threads": torch._inductor.config.compile_threads,
+        "stages": stages(timed, passes.seconds, total),
+        "passes_per_graph_s": passes.per_graph,
+        "cxx": {"runs": len(compilation_time_metrics.get("compile_file", [])), "summed_s": timed.get("compile_file", 0.0)},
+        "graphs": {g.name: {"nodes_before": len(g.before.graph.nodes), "nodes_after": len(g.after.graph.nodes)}
+                   for g in step.laplace_report.graphs},
+    }
+
+
+def stages(timed: dict[str, float], passes_s: float, total_s: float) -> dict[str, float]:
+    """Non-overlapping wall-clock stages from torch's nested compile-time counters and our passes' seconds."""
+    dynamo = timed.get("_compile.compile_inner", 0.0)
+    backend = timed.get("OutputGraph.call_user_compiler", 0.0)
+    backward = timed.get("backward._backward_impl", 0.0)  # a backward compiled at its first call
+    inductor = timed.get("compile_fx_inner", 0.0)
+    waited = timed.get("async_compile.wait", 0.0)
+    result = {
+        "Dynamo trace": dynamo - backend,
+        "AOT Autograd": backend + backward - passes_s - inductor,
+        "our passes": passes_s,
+        "Inductor codegen": inductor - waited,
+        "C++ compile (waited)": waited,
+    }
+    result["other"] = total_s - sum(result.values())
+    return result
+
+
+class PassSeconds(logging.Handler):
+    """Adds up the seconds of "NAME: the passes" from the laplace.progress logger (`laplace_passes.infra.logs`)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.per_graph: dict[str, float] = {}
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.per_graph.values())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        what = getattr(record, "laplace_what", "")
+        if what.endswith(": the passes"):
+            graph = what.removesuffix(": the passes")
+            self.per_graph[graph] = self.per_graph.get(graph, 0.0) + record.laplace_seconds
+
+    @classmethod
+    def listening(cls) -> "PassSeconds":
+        handler = cls()
+        progress = logging.getLogger("laplace.progress")
+        progress.setLevel(logging.INFO)
+        progress.addHandler(handler)
+        shown = logging.StreamHandler(sys.stderr)  # the progress lines, for a compile of minutes
+        shown.setFormatter(logging.Formatter("  %(message)s"))
+        progress.addHandler(shown)
+        return handler
+
+
+if __name__ == "__main__":
+    main()
