@@ -7,10 +7,11 @@ A GLA model's memory of the context is one fixed-size state per layer
 Prefill (``prefill=``):
 - "compiled": the model's `model_zoo.prefill.CompiledPrefill`
   (``model.compiled_prefill``): the forward compiled through
-  ``backend="laplace"`` (target "cpu", Inductor) with the prompt length
-  dynamic, so the GLA sites run the chunked form and one graph serves every
-  prompt length longer than one chunk (shorter prompts run the model's own
-  forward). Kept on the model, like the decode step.
+  ``backend="laplace"`` (target "cpu", Inductor), chunked GLA, over
+  256-token segments of the prompt (one static graph per batch size) and
+  the rest (one graph with the length dynamic): not compiled per prompt
+  length.
+  Kept on the model, like the decode step.
 - "eager": the model's forward, the reference op per layer (the token
   recurrence).
 - "auto" (default; also None): "compiled" under the same conditions as

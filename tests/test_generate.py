@@ -6,6 +6,7 @@ import torch
 import laplace_passes
 import model_zoo
 from model_zoo.generate import generate
+import model_zoo.prefill
 from model_zoo.prefill import CompiledPrefill
 
 
@@ -60,21 +61,50 @@ def test_bucketed_prefill_at_a_bucket_equals_eager_and_refuses_a_padded_prompt(m
 
 
 def test_default_prefill_is_compiled_once_for_every_length_and_gives_the_eager_tokens(model):
-    """The default prefill runs chunked GLA compiled with a dynamic prompt length: eager's tokens, one graph."""
+    """Static 256-token segments, then the rest through a dynamic-length graph: eager's tokens, no recompile."""
     generator = torch.Generator().manual_seed(2)
-    for length in (128, 150):  # two chunks of 64; three, the last padded inside the op
+    prefill = model.compiled_prefill
+    graphs = []
+    for length in (640, 700):  # two segments, then 128 tokens (two chunks); then 188 (the last chunk padded)
         prompt = torch.randint(1, 128, (2, length), generator=generator)
         default = model.generate(prompt, 6, return_logits=True, decode="eager")
         reference = model.generate(prompt, 6, return_logits=True, decode="eager", prefill="eager")
         assert torch.equal(default.tokens, reference.tokens)
         torch.testing.assert_close(default.logits, reference.logits)
-        with torch.no_grad():  # the states decode continues from, not only the logits
-            _, states = model.compiled_prefill(prompt)
-            _, expected_states = model(prompt, output_final_states=True)
+        with torch.no_grad():  # every position's logits, and the states decode continues from
+            logits, states = prefill(prompt)
+            expected_logits, expected_states = model(prompt, output_final_states=True)
+        torch.testing.assert_close(logits, expected_logits)
         torch.testing.assert_close(states, expected_states)
-    prefill = model.compiled_prefill
-    assert prefill.graphs_compiled() == 1, prefill.report.graphs  # the second length did not recompile
-    assert prefill.report.sites and all("runtime loop" in site.form for site in prefill.report.sites)
+        graphs.append(prefill.graphs_compiled())
+    assert graphs == [2, 2], prefill.report.graphs  # the segment's graph and the rest's; the second length: none
+    forms = {site.form for site in prefill.report.sites}
+    assert forms == {"chunked: T = 256 > 64", "chunked, kept as a runtime loop: T is dynamic (chunks of 64 counted, "
+                     "and the last one padded, at run time)"}, forms
+
+
+def test_batch_sizes_past_the_bound_run_the_dynamic_graph_whole(model, monkeypatch):
+    """Each batch size costs the static segment graph a compile: past the bound, the rest's graph takes the prompt."""
+    monkeypatch.setattr(model_zoo.prefill, "SEGMENT_BATCH_SIZES", 1)
+    prefill = CompiledPrefill(model)
+    generator = torch.Generator().manual_seed(5)
+    graphs = []
+    for batch, length in ((2, 300), (3, 300), (4, 400)):  # a segment + 44 tokens eagerly; then whole: 300, 400
+        prompt = torch.randint(1, 128, (batch, length), generator=generator)
+        logits, states = prefill(prompt)
+        with torch.no_grad():
+            expected_logits, expected_states = model(prompt, output_final_states=True)
+        torch.testing.assert_close(logits, expected_logits)
+        torch.testing.assert_close(states, expected_states)
+        graphs.append(prefill.graphs_compiled())
+    assert graphs == [1, 2, 2] and prefill.segment_batch_sizes == {2}
+
+
+@pytest.mark.parametrize("bad", [0, 100, 64.0, True])
+def test_segment_tokens_must_be_a_multiple_of_the_chunk_size(model, bad):
+    with pytest.raises(ValueError, match=rf"segment_tokens must be a positive multiple of the chunk size 64, "
+                                         rf"got {bad!r}"):
+        CompiledPrefill(model, segment_tokens=bad)
 
 
 def test_a_prompt_of_one_chunk_runs_the_models_forward(model):
