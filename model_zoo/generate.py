@@ -4,11 +4,23 @@ A GLA model's memory of the context is one fixed-size state per layer
 (``[B, H, K, V]`` fp32), so decoding costs the same at token 10 and token
 100,000, and many sequences decode side by side as one batch.
 
-Prefill may run through any callable with the model's signature, e.g. the
-model compiled with ``backend="laplace"`` (chunked GLA); decode then
-continues from the states it returns. A prefill compiled with
-``seq_buckets`` refuses a prompt it would pad (its final states would
-include the padding) and is exact at a prompt length that is a bucket.
+Prefill (``prefill=``):
+- "compiled": the model's `model_zoo.prefill.CompiledPrefill`
+  (``model.compiled_prefill``): the forward compiled through
+  ``backend="laplace"`` (target "cpu", Inductor), chunked GLA, over
+  256-token segments of the prompt (one static graph per batch size) and
+  the rest (one graph with the length dynamic): not compiled per prompt
+  length.
+  Kept on the model, like the decode step.
+- "eager": the model's forward, the reference op per layer (the token
+  recurrence).
+- "auto" (default; also None): "compiled" under the same conditions as
+  decode's "auto" below; else "eager".
+- any callable with the model's signature, e.g. the model compiled with
+  ``backend="laplace"``; decode then continues from the states it returns.
+  A prefill compiled with ``seq_buckets`` refuses a prompt it would pad
+  (its final states would include the padding) and is exact at a prompt
+  length that is a bucket.
 
 Decode (``decode=``):
 - "compiled": each step is one call of a `model_zoo.decode.DecodeStep`,
@@ -46,7 +58,7 @@ def generate(
     input_ids: Tensor,
     max_new_tokens: int,
     *,
-    prefill: Callable | None = None,
+    prefill: Callable | str | None = "auto",
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     return_logits: bool = False,
@@ -55,8 +67,7 @@ def generate(
     """Greedy (temperature 0) or sampled continuation of every sequence in `input_ids`."""
     _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits)
     step = _decode_step(model, decode, input_ids.device, _dtype(model))
-    run_prefill = prefill if prefill is not None else model
-    logits, states = run_prefill(input_ids, output_final_states=True)
+    logits, states = _prefill(model, prefill, input_ids)
     state_bytes = sum(s[0].numel() * s.element_size() for s in states)
     if step is not None:
         states = step.state_buffer(states)
@@ -82,6 +93,7 @@ def generate(
 
 
 DECODE_MODES = ("auto", "compiled", "eager")
+PREFILL_MODES = DECODE_MODES
 
 
 def _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits) -> None:
@@ -100,9 +112,9 @@ def _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator,
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if not isinstance(return_logits, bool):
         raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
-    if prefill is not None and not callable(prefill):
-        raise ValueError(f"prefill must be a callable with the model's signature or None, got "
-                         f"{type(prefill).__name__}")
+    if not (prefill is None or callable(prefill) or (isinstance(prefill, str) and prefill in PREFILL_MODES)):
+        raise ValueError(f"prefill must be one of {PREFILL_MODES} or a callable with the model's signature, got "
+                         f"{prefill!r}")
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype | None:
@@ -120,9 +132,28 @@ def _decode_step(model: torch.nn.Module, decode: str, device: torch.device, dtyp
                          f"{type(model).__name__} has none: use decode='eager'")
     if decode == "eager" or not has_step:
         return None
-    if decode == "auto" and (device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling()):
+    if decode == "auto" and not _auto_compiles(device, dtype):
         return None
     return model.decode_step
+
+
+def _prefill(model: torch.nn.Module, prefill, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Logits and final states of the prompt, through the prefill `prefill` names (see the module docstring)."""
+    if callable(prefill):
+        return prefill(input_ids, output_final_states=True)
+    mode = "auto" if prefill is None else prefill
+    has_prefill = hasattr(type(model), "compiled_prefill")
+    if mode == "compiled" and not has_prefill:
+        raise ValueError(f"prefill='compiled' needs a model with a compiled_prefill (model_zoo.GLALM); "
+                         f"{type(model).__name__} has none: use prefill='eager'")
+    if mode == "eager" or not has_prefill or (mode == "auto" and not _auto_compiles(input_ids.device, _dtype(model))):
+        return model(input_ids, output_final_states=True)
+    return model.compiled_prefill(input_ids)
+
+
+def _auto_compiles(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Where "auto" compiles: fp32 on the CPU, outside another compile (see the module docstring)."""
+    return device.type == "cpu" and dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
 def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:

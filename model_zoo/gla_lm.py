@@ -24,6 +24,8 @@ from laplace_passes.ops.gla import gla
 from model_zoo.inputs import check_hidden_states, check_token_ids
 
 FP32_BYTES = 4
+# Compiled callables kept on a model that hold the model itself: a copy must not call the original.
+_COMPILED_HELPERS = ("_decode_step", "_compiled_prefill")
 
 
 @dataclass(frozen=True)
@@ -277,10 +279,21 @@ class GLALM(nn.Module):
             self.__dict__["_decode_step"] = step
         return step
 
+    @property
+    def compiled_prefill(self):
+        """This model's compiled prefill (`model_zoo.prefill.CompiledPrefill`), made at first use and kept."""
+        prefill = self.__dict__.get("_compiled_prefill")
+        if prefill is None:
+            from model_zoo.prefill import CompiledPrefill  # imports laplace_passes' compile stack: only when used
+
+            prefill = CompiledPrefill(self)
+            self.__dict__["_compiled_prefill"] = prefill
+        return prefill
+
     def __getstate__(self):
-        """Copies and pickles leave the compiled decode step behind (it holds this model); they make their own."""
+        """Copies and pickles leave the compiled step and prefill behind (they hold this model); they make their own."""
         state = super().__getstate__()
-        return {k: v for k, v in state.items() if k != "_decode_step"}
+        return {k: v for k, v in state.items() if k not in _COMPILED_HELPERS}
 
     def num_parameters(self) -> int:
         """Counts the tied embedding / head weight once."""

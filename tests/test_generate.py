@@ -5,6 +5,9 @@ import torch
 
 import laplace_passes
 import model_zoo
+from model_zoo.generate import generate
+import model_zoo.prefill
+from model_zoo.prefill import CompiledPrefill
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +51,98 @@ def test_bucketed_prefill_at_a_bucket_equals_eager_and_refuses_a_padded_prompt(m
     prefill = laplace_passes.compile(model, target="cpu", seq_buckets=[16, 32])
     prompt = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     out = model.generate(prompt, 5, prefill=prefill, return_logits=True, decode="eager")
-    expected = model.generate(prompt, 5, return_logits=True, decode="eager")  # unbucketed eager prefill
+    expected = model.generate(prompt, 5, return_logits=True, decode="eager", prefill="eager")
     assert torch.equal(out.tokens, expected.tokens)
     torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"seq_buckets: output_final_states=True would return recurrent states that "
                                          r"include 6 padding positions \(length 10, bucket 16\); prefill with the "
                                          r"model compiled without seq_buckets"):
         model.generate(prompt[:, :10], 5, prefill=prefill)
+
+
+def test_default_prefill_is_compiled_once_for_every_length_and_gives_the_eager_tokens(model):
+    """Static 256-token segments, then the rest through a dynamic-length graph: eager's tokens, no recompile."""
+    generator = torch.Generator().manual_seed(2)
+    prefill = model.compiled_prefill
+    graphs = []
+    for length in (640, 700):  # two segments, then 128 tokens (two chunks); then 188 (the last chunk padded)
+        prompt = torch.randint(1, 128, (2, length), generator=generator)
+        default = model.generate(prompt, 6, return_logits=True, decode="eager")
+        reference = model.generate(prompt, 6, return_logits=True, decode="eager", prefill="eager")
+        assert torch.equal(default.tokens, reference.tokens)
+        torch.testing.assert_close(default.logits, reference.logits)
+        with torch.no_grad():  # every position's logits, and the states decode continues from
+            logits, states = prefill(prompt)
+            expected_logits, expected_states = model(prompt, output_final_states=True)
+        torch.testing.assert_close(logits, expected_logits)
+        torch.testing.assert_close(states, expected_states)
+        graphs.append(prefill.graphs_compiled())
+    assert graphs == [2, 2], prefill.report.graphs  # the segment's graph and the rest's; the second length: none
+    forms = {site.form for site in prefill.report.sites}
+    assert forms == {"chunked: T = 256 > 64", "chunked, kept as a runtime loop: T is dynamic (chunks of 64 counted, "
+                     "and the last one padded, at run time)"}, forms
+
+
+def test_batch_sizes_past_the_bound_run_the_dynamic_graph_whole(model, monkeypatch):
+    """Each batch size costs the static segment graph a compile: past the bound, the rest's graph takes the prompt."""
+    monkeypatch.setattr(model_zoo.prefill, "SEGMENT_BATCH_SIZES", 1)
+    prefill = CompiledPrefill(model)
+    generator = torch.Generator().manual_seed(5)
+    graphs = []
+    for batch, length in ((2, 300), (3, 300), (4, 400)):  # a segment + 44 tokens eagerly; then whole: 300, 400
+        prompt = torch.randint(1, 128, (batch, length), generator=generator)
+        logits, states = prefill(prompt)
+        with torch.no_grad():
+            expected_logits, expected_states = model(prompt, output_final_states=True)
+        torch.testing.assert_close(logits, expected_logits)
+        torch.testing.assert_close(states, expected_states)
+        graphs.append(prefill.graphs_compiled())
+    assert graphs == [1, 2, 2] and prefill.segment_batch_sizes == {2}
+
+
+@pytest.mark.parametrize("bad", [0, 100, 64.0, True])
+def test_segment_tokens_must_be_a_multiple_of_the_chunk_size(model, bad):
+    with pytest.raises(ValueError, match=rf"segment_tokens must be a positive multiple of the chunk size 64, "
+                                         rf"got {bad!r}"):
+        CompiledPrefill(model, segment_tokens=bad)
+
+
+def test_a_prompt_of_one_chunk_runs_the_models_forward(model):
+    """At most one chunk: the token recurrence costs what one chunk does; no compile for it."""
+    prefill = CompiledPrefill(model)
+    prompt = torch.randint(1, 128, (2, prefill.chunk_size), generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt, 3, prefill=prefill, return_logits=True, decode="eager")
+    expected = model.generate(prompt, 3, prefill="eager", return_logits=True, decode="eager")
+    assert torch.equal(out.tokens, expected.tokens) and torch.equal(out.logits, expected.logits)
+    assert prefill.graphs_compiled() == 0
+
+
+def test_a_prefill_that_fails_to_compile_runs_the_forward_and_says_why(model):
+    """A compile failure falls back to the model's forward with a warning; the caller's own errors propagate."""
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("no kernels here")
+
+    prefill = CompiledPrefill(model, inner=failing_backend)
+    with pytest.raises(IndexError, match="index out of range"):  # the caller's error, not the compile's
+        prefill(torch.full((2, 70), 500))
+    assert prefill.declined is None
+    prompt = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(UserWarning, match=r"^the compiled prefill failed \(.*no kernels here.*\); prefill runs the "
+                                         r"model's own forward from now on: pass prefill='eager' to skip the compile"):
+        logits, states = prefill(prompt)
+    expected_logits, expected_states = model(prompt, output_final_states=True)
+    assert torch.equal(logits, expected_logits) and all(map(torch.equal, states, expected_states))
+    assert prefill.report.notes == [prefill.declined]
+
+
+def test_prefill_compiled_needs_a_model_that_has_one():
+    class NoPrefill(torch.nn.Module):
+        def forward(self, input_ids, *, initial_states=None, output_final_states=False):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ValueError, match=r"prefill='compiled' needs a model with a compiled_prefill "
+                                         r"\(model_zoo.GLALM\); NoPrefill has none: use prefill='eager'"):
+        generate(NoPrefill(), torch.ones(1, 3, dtype=torch.long), 1, prefill="compiled", decode="eager")
 
 
 BAD_ARGUMENTS = [
@@ -66,7 +154,8 @@ BAD_ARGUMENTS = [
       for bad in (-1.0, float("nan"), float("inf"), "1.0", True, None)],
     ({"max_new_tokens": 2, "generator": 7}, "generator must be a torch.Generator or None"),
     ({"max_new_tokens": 2, "return_logits": "yes"}, "return_logits must be a bool"),
-    ({"max_new_tokens": 2, "prefill": "compiled"}, "prefill must be a callable"),
+    ({"max_new_tokens": 2, "prefill": "chunked"}, r"prefill must be one of \('auto', 'compiled', 'eager'\) or a "
+                                                   r"callable with the model's signature, got 'chunked'"),
     ({"max_new_tokens": 2, "decode": "fast"}, "decode must be one of"),
 ]
 
