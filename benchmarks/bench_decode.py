@@ -39,13 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import model_zoo
-from benchmarks.common import self_time_by_part
+from benchmarks.common import self_time_by_part, spread, stats
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
@@ -186,13 +185,13 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
 
 
 def _summary(samples: dict) -> dict:
-    out = {k: _stats(v) for k, v in samples.items()}
+    out = {k: stats(v) for k, v in samples.items()}
     for form in FORMS:  # shares per repeat: the roofline measured beside the decode
         for roof in ("memory_roofline", "matmul_roofline"):
-            out[f"{form}_share_of_{roof}"] = _stats([a / r for a, r in zip(samples[form], samples[roof])])
-    out["compiled_over_eager"] = _stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
+            out[f"{form}_share_of_{roof}"] = stats([a / r for a, r in zip(samples[form], samples[roof])])
+    out["compiled_over_eager"] = stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
     if CHECKED in samples:  # per repeat: leaving the gate check out, against keeping it
-        out["compiled_over_checked"] = _stats([c / g for c, g in zip(samples["compiled"], samples[CHECKED])])
+        out["compiled_over_checked"] = stats([c / g for c, g in zip(samples["compiled"], samples[CHECKED])])
     return out
 
 
@@ -242,9 +241,6 @@ def main(argv=None) -> dict:
     return results
 
 
-def _spread(cell: dict, fmt: str) -> str:
-    return f"{format(cell['median'], fmt)} [{format(cell['min'], fmt)}-{format(cell['max'], fmt)}]"
-
 
 def _text(results: dict) -> str:
     load = lambda avg: " ".join(f"{x:.2f}" for x in avg)  # noqa: E731
@@ -252,8 +248,8 @@ def _text(results: dict) -> str:
         f"decode, tiny model (greedy, fp32 state, CPU, {results['threads']} threads, {results['steps']} steps, "
         f"median [min-max] of {results['repeats']} interleaved repeats)",
         f"  load average before {load(results['load_average_before'])}, after {load(results['load_average_after'])}",
-        f"  copy bandwidth {_spread(_stats(results['copy_GB_per_s']), '.1f')} GB/s; "
-        f"dense fp32 matmul {_spread(_stats(results['matmul_GFLOP_per_s']), '.1f')} GFLOP/s",
+        f"  copy bandwidth {spread(stats(results['copy_GB_per_s']), '.1f')} GB/s; "
+        f"dense fp32 matmul {spread(stats(results['matmul_GFLOP_per_s']), '.1f')} GFLOP/s",
         f"  per step: weights {results['bytes_per_step']['weights'] / 1e3:,.0f} kB, state read+written "
         f"{results['bytes_per_step']['state_read_and_written_per_sequence']:,} B per sequence; "
         f"{results['flops_per_token']:,} FLOPs per token",
@@ -264,13 +260,13 @@ def _text(results: dict) -> str:
         lines.append(f"  {batch:5d} sequences: memory roofline {memory:12,.0f} tokens/s, "
                      f"matmul roofline {matmul:12,.0f} tokens/s ({binding} binds)")
         for form in FORMS:
-            lines.append(f"        {form:<8} {_spread(row[form], '11,.0f')} tokens/s = "
-                         f"{_spread(row[f'{form}_share_of_memory_roofline'], '.2%')} of memory roofline, "
-                         f"{_spread(row[f'{form}_share_of_matmul_roofline'], '.2%')} of matmul roofline")
-        lines.append(f"        compiled / eager {_spread(row['compiled_over_eager'], '.2f')}x")
+            lines.append(f"        {form:<8} {spread(row[form], '11,.0f')} tokens/s = "
+                         f"{spread(row[f'{form}_share_of_memory_roofline'], '.2%')} of memory roofline, "
+                         f"{spread(row[f'{form}_share_of_matmul_roofline'], '.2%')} of matmul roofline")
+        lines.append(f"        compiled / eager {spread(row['compiled_over_eager'], '.2f')}x")
         if "compiled_over_checked" in row:
-            lines.append(f"        {CHECKED:<8} {_spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "
-                         f"compiled / checked {_spread(row['compiled_over_checked'], '.2f')}x")
+            lines.append(f"        {CHECKED:<8} {spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "
+                         f"compiled / checked {spread(row['compiled_over_checked'], '.2f')}x")
     lines.append("state per sequence vs softmax KV cache (bf16) of the same depth and width:")
     for row in results["state"]:
         kv = ", ".join(f"{c // 1024}k: {row[f'kv_bytes_{c}'] / 1e6:,.1f} MB (x{row[f'kv_over_state_{c}']:,.0f})"
@@ -278,9 +274,6 @@ def _text(results: dict) -> str:
         lines.append(f"  {row['model']:<10} state {row['state_bytes'] / 1e6:.3f} MB; KV cache {kv}")
     return "\n".join(lines)
 
-
-def _stats(values: list) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 if __name__ == "__main__":

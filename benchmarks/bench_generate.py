@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -37,6 +36,7 @@ import torch
 import laplace_passes
 import model_zoo
 from benchmarks.bench_decode import copy_bytes_per_s, matmul_flops_per_s
+from benchmarks.common import spread, stats
 
 FORMS = ("default", "eager", "compiled")
 
@@ -72,11 +72,11 @@ def measure(model, batch: int, length: int, repeats: int) -> dict:
     ratios = {f"{form}_over_compiled": [a / c for a, c in zip(seconds[form], seconds["compiled"])]
               for form in ("default", "eager")}
     return {
-        "seconds": {form: _stats(s) for form, s in seconds.items()},
-        "ratios": {name: _stats(r) for name, r in ratios.items()},
+        "seconds": {form: stats(s) for form, s in seconds.items()},
+        "ratios": {name: stats(r) for name, r in ratios.items()},
         "default_prefill_graphs_compiled": model.compiled_prefill.graphs_compiled(),
-        "copy_GB_per_s": _stats([b / 1e9 for b in bandwidths]),
-        "matmul_GFLOP_per_s": _stats([r / 1e9 for r in rates]),
+        "copy_GB_per_s": stats([b / 1e9 for b in bandwidths]),
+        "matmul_GFLOP_per_s": stats([r / 1e9 for r in rates]),
     }
 
 
@@ -100,9 +100,6 @@ def main(argv=None) -> dict:
     return results
 
 
-def _spread(cell: dict, fmt: str) -> str:
-    return f"{format(cell['median'], fmt)} [{format(cell['min'], fmt)}-{format(cell['max'], fmt)}]"
-
 
 def _text(results: dict) -> str:
     load = lambda avg: " ".join(f"{x:.2f}" for x in avg)  # noqa: E731
@@ -110,22 +107,19 @@ def _text(results: dict) -> str:
         f"generate's prefill, tiny, {results['batch']} x {results['length']} tokens (CPU, {results['threads']} "
         f"threads, median [min-max] of {results['repeats']} interleaved repeats)",
         f"  load average before {load(results['load_average_before'])}, after {load(results['load_average_after'])}",
-        f"  copy bandwidth {_spread(results['copy_GB_per_s'], '.1f')} GB/s; "
-        f"dense fp32 matmul {_spread(results['matmul_GFLOP_per_s'], '.1f')} GFLOP/s",
+        f"  copy bandwidth {spread(results['copy_GB_per_s'], '.1f')} GB/s; "
+        f"dense fp32 matmul {spread(results['matmul_GFLOP_per_s'], '.1f')} GFLOP/s",
     ]
     for form in FORMS:
-        lines.append(f"  {form:<8} {_spread(results['seconds'][form], '.4f')} s")
+        lines.append(f"  {form:<8} {spread(results['seconds'][form], '.4f')} s")
     ratios = results["ratios"]
     lines += [
-        f"  generate default prefill vs compiled model forward: {_spread(ratios['default_over_compiled'], '.2f')}x",
-        f"  generate eager prefill vs compiled model forward:   {_spread(ratios['eager_over_compiled'], '.2f')}x",
+        f"  generate default prefill vs compiled model forward: {spread(ratios['default_over_compiled'], '.2f')}x",
+        f"  generate eager prefill vs compiled model forward:   {spread(ratios['eager_over_compiled'], '.2f')}x",
         f"  graphs the default prefill compiled for three prompt lengths: {results['default_prefill_graphs_compiled']}",
     ]
     return "\n".join(lines)
 
-
-def _stats(values: list) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 if __name__ == "__main__":

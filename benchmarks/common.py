@@ -70,3 +70,13 @@ def self_time_by_part(prof, parts: Mapping[str, Callable[[str], bool]], rest: st
         if part is not None:
             seconds[part] += event.self_cpu_time_total / 1e6
     return seconds
+
+
+def stats(values: list) -> dict:
+    """The median and the range of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def spread(cell: dict, fmt: str) -> str:
+    """`median [min-max]` of a `stats` cell."""
+    return f"{format(cell['median'], fmt)} [{format(cell['min'], fmt)}-{format(cell['max'], fmt)}]"

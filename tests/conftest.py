@@ -16,6 +16,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads at import)
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -23,6 +24,14 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Strict mode: a failure inside a laplace pass raises instead of skipping the pass (NOTE [a failing pass
 # declines]), so that the tests find it; tests of the skipping set strict=False or the variable to 0.
 os.environ.setdefault("LAPLACE_PASSES_STRICT", "1")
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo_per_module():
+    """Each test module starts from an empty Dynamo cache: compiles of the same model code in earlier modules
+    of a worker count towards Dynamo's recompile limit, past which a compile silently runs eagerly."""
+    torch._dynamo.reset()
+    yield
+
 
 # The Neuron runtime's logical core config changes the neuronx-cc commands and the HBM budget
 # the tests check (laplace_passes.infra.targets.runtime_target); tests that need it set it themselves.

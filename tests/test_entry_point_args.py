@@ -64,7 +64,7 @@ def test_compile_flags_are_checked():
 @pytest.mark.parametrize("args,message", [
     (["--target", "tpu"], "unknown target 'tpu'"),
     (["--inner", "nope"], "unknown inner compiler 'nope'"),
-    (["--seq-len", "8"], "seq_len must be >= 4 * num_pairs = 32, got 8"),
+    (["--seq-len", "8", "--num-pairs", "8"], "seq_len must be >= 4 * num_pairs = 32, got 8"),
 ])
 def test_demo_settings_are_checked_before_any_rank_starts(args, message, monkeypatch, capsys):
     from laplace_passes.demo import train as demo
