@@ -235,7 +235,7 @@ def lightnet(q, k, v, scale=None, initial_state=None, output_final_state=False, 
     def run(tensors, state):
         q_, k_, v_ = tensors
         h, z = state if state is not None else (None, None)
-        keys, gates, z_final = _additive_gate(k_.float(), z)
+        keys, gates, z_final = additive_gate(k_.float(), z)
         o, final = naive_recurrent_gla(q_, keys.to(q_.dtype), v_, gates.to(q_.dtype), initial_state=h,
                                        output_final_state=True)
         return o, (final, z_final)
@@ -245,7 +245,8 @@ def lightnet(q, k, v, scale=None, initial_state=None, output_final_state=False, 
     return o, ((_gla_state_first(final, state_v_first) if output_final_state else None), z)
 
 
-def _additive_gate(x, z0):
+def additive_gate(x, z0=None):
+    """z_t = log(exp(z_{t-1}) + exp(x_t)), k_t = exp(x_t - z_t), g_t = z_{t-1} - z_t (0 with nothing before)."""
     z = torch.full_like(x[:, 0], -math.inf) if z0 is None else z0[:, 0].float()
     keys, gates = [], []
     for t in range(x.shape[1]):

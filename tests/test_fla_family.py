@@ -6,7 +6,6 @@ reached fla's Triton code would be a graph break and fail. The references are fl
 written here token by token from the paper's equations. fp32 to 1e-5 relative; gradients too.
 """
 
-import math
 
 import pytest
 import torch
@@ -29,6 +28,8 @@ from fla.ops.rwkv6.recurrent_naive import naive_recurrent_rwkv6  # noqa: E402
 from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla  # noqa: E402
 from fla.ops.simple_gla.naive import naive_recurrent_simple_gla  # noqa: E402
 from fla.ops.utils.cumsum import chunk_local_cumsum  # noqa: E402
+
+from tests.fla_family_oracle import additive_gate  # noqa: E402  (the recurrence written from the formula)
 
 TOLERANCE = 1e-5
 B, T, H, K, V = 2, 40, 2, 8, 6
@@ -105,24 +106,12 @@ def test_chunk_local_cumsum_sums_inside_chunks_of_each_sequence(reverse):
     torch.testing.assert_close(found, expected)
 
 
-def additive_gate_reference(x, z0=None):
-    """z_t = log(exp(z_{t-1}) + exp(x_t)), k_t = exp(x_t - z_t), g_t = z_{t-1} - z_t (0 with nothing before)."""
-    z = torch.full_like(x[:, 0], -math.inf) if z0 is None else z0[:, 0]
-    keys, gates = [], []
-    for t in range(x.shape[1]):
-        new = torch.logaddexp(z, x[:, t])
-        keys.append(torch.exp(x[:, t] - new))
-        gates.append(torch.where(torch.isneginf(z), torch.zeros_like(z), z - new))
-        z = new
-    return torch.stack(keys, 1), torch.stack(gates, 1), z[:, None]
-
-
 def test_fused_additive_gate_against_the_recurrence_dense_and_packed():
     x, z0 = randn(B, T, H, K), randn(B, 1, H, K, seed=1)
-    assert_same(compiled(lambda x, z0: fused_additive_gate(x, z0))(x, z0), additive_gate_reference(x, z0), [x, z0])
+    assert_same(compiled(lambda x, z0: fused_additive_gate(x, z0))(x, z0), additive_gate(x, z0), [x, z0])
     packed, cu_seqlens = randn(1, T, H, K, seed=2), torch.tensor([0, 13, 13, T])
     found = compiled(lambda x: fused_additive_gate(x, cu_seqlens=cu_seqlens))(packed)
-    pieces = [additive_gate_reference(packed[:, a:b]) for a, b in ((0, 13), (13, T))]
+    pieces = [additive_gate(packed[:, a:b]) for a, b in ((0, 13), (13, T))]
     expected = [torch.cat([p[i] for p in pieces], 1) for i in range(2)]
     assert_same(found[:2], expected, [packed])
     assert torch.isneginf(found[2][1]).all()  # the empty sequence: nothing summed
@@ -163,7 +152,7 @@ def test_retention_against_fla_s_naive_recurrence_with_its_fixed_decays(op):
 
 def lightnet_reference(q, k, v, h0, z0):
     """LightNet from its equations: keys and gates from the additive gate, then GLA, token by token."""
-    keys, gates, z = additive_gate_reference(k, z0)
+    keys, gates, z = additive_gate(k, z0)
     S, outs = h0, []
     for t in range(T):
         S = S * gates[:, t].exp()[..., None] + keys[:, t, :, :, None] * v[:, t, :, None, :]
