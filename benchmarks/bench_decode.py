@@ -44,7 +44,7 @@ import time
 import torch
 
 import model_zoo
-from benchmarks.common import self_time_by_part, spread, stats
+from benchmarks.common import machine_lines, self_time_by_part, spread, stats
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
@@ -241,15 +241,12 @@ def main(argv=None) -> dict:
     return results
 
 
-
 def _text(results: dict) -> str:
-    load = lambda avg: " ".join(f"{x:.2f}" for x in avg)  # noqa: E731
     lines = [
         f"decode, tiny model (greedy, fp32 state, CPU, {results['threads']} threads, {results['steps']} steps, "
         f"median [min-max] of {results['repeats']} interleaved repeats)",
-        f"  load average before {load(results['load_average_before'])}, after {load(results['load_average_after'])}",
-        f"  copy bandwidth {spread(stats(results['copy_GB_per_s']), '.1f')} GB/s; "
-        f"dense fp32 matmul {spread(stats(results['matmul_GFLOP_per_s']), '.1f')} GFLOP/s",
+        *machine_lines(results["load_average_before"], results["load_average_after"],
+                       stats(results["copy_GB_per_s"]), stats(results["matmul_GFLOP_per_s"])),
         f"  per step: weights {results['bytes_per_step']['weights'] / 1e3:,.0f} kB, state read+written "
         f"{results['bytes_per_step']['state_read_and_written_per_sequence']:,} B per sequence; "
         f"{results['flops_per_token']:,} FLOPs per token",

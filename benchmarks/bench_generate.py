@@ -36,7 +36,7 @@ import torch
 import laplace_passes
 import model_zoo
 from benchmarks.bench_decode import copy_bytes_per_s, matmul_flops_per_s
-from benchmarks.common import spread, stats
+from benchmarks.common import machine_lines, spread, stats
 
 FORMS = ("default", "eager", "compiled")
 
@@ -100,15 +100,12 @@ def main(argv=None) -> dict:
     return results
 
 
-
 def _text(results: dict) -> str:
-    load = lambda avg: " ".join(f"{x:.2f}" for x in avg)  # noqa: E731
     lines = [
         f"generate's prefill, tiny, {results['batch']} x {results['length']} tokens (CPU, {results['threads']} "
         f"threads, median [min-max] of {results['repeats']} interleaved repeats)",
-        f"  load average before {load(results['load_average_before'])}, after {load(results['load_average_after'])}",
-        f"  copy bandwidth {spread(results['copy_GB_per_s'], '.1f')} GB/s; "
-        f"dense fp32 matmul {spread(results['matmul_GFLOP_per_s'], '.1f')} GFLOP/s",
+        *machine_lines(results["load_average_before"], results["load_average_after"], results["copy_GB_per_s"],
+                       results["matmul_GFLOP_per_s"]),
     ]
     for form in FORMS:
         lines.append(f"  {form:<8} {spread(results['seconds'][form], '.4f')} s")

@@ -80,3 +80,14 @@ def stats(values: list) -> dict:
 def spread(cell: dict, fmt: str) -> str:
     """`median [min-max]` of a `stats` cell."""
     return f"{format(cell['median'], fmt)} [{format(cell['min'], fmt)}-{format(cell['max'], fmt)}]"
+
+
+def machine_lines(load_before, load_after, copy_GB_per_s: dict, matmul_GFLOP_per_s: dict) -> list[str]:
+    """The lines a benchmark prints about the machine it ran on: its load, copy bandwidth and matmul rate
+    (`stats` cells), against which its figures are read."""
+    load = lambda average: " ".join(f"{x:.2f}" for x in average)  # noqa: E731
+    return [
+        f"  load average before {load(load_before)}, after {load(load_after)}",
+        f"  copy bandwidth {spread(copy_GB_per_s, '.1f')} GB/s; "
+        f"dense fp32 matmul {spread(matmul_GFLOP_per_s, '.1f')} GFLOP/s",
+    ]
