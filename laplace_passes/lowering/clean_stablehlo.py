@@ -78,6 +78,11 @@ def _simplify(module) -> None:
 
 def _ops_named(module, name: str, accept: Callable = lambda op: True) -> list:
     """Every op called `name` in `module`, nested regions included, that `accept` takes."""
+    return walk_ops(module, lambda op: op.name == name and accept(op))
+
+
+def walk_ops(module, accept: Callable) -> list:
+    """Every op of `module`, nested regions included, that `accept` takes, in the order they appear."""
     found = []
 
     def visit(region_holder):
@@ -85,7 +90,7 @@ def _ops_named(module, name: str, accept: Callable = lambda op: True) -> list:
             for block in region.blocks:
                 for op in block.operations:
                     op = op.operation
-                    if op.name == name and accept(op):
+                    if accept(op):
                         found.append(op)
                     visit(op)
 

@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from laplace_passes.infra.fx_helpers import is_collective, resolve_process_group
+from laplace_passes.lowering.clean_stablehlo import walk_ops
 
 PREFIXES = ("torch._c10d_functional.", "torch._c10d_functional_autograd.")
 LOWERED = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor")
@@ -231,31 +232,15 @@ def _operator_name(op) -> str:
     return ir.StringAttr(op.attributes["name"]).value
 
 
-def _walk(module, accept) -> list:
-    found = []
-
-    def visit(holder):
-        for region in holder.regions:
-            for block in region.blocks:
-                for op in block.operations:
-                    op = op.operation
-                    if accept(op):
-                        found.append(op)
-                    visit(op)
-
-    visit(module.operation)
-    return found
-
-
 def _collective_ops(module) -> list:
-    return _walk(module, lambda op: op.name == "torch.operator" and _operator_name(op).startswith(PREFIXES))
+    return walk_ops(module, lambda op: op.name == "torch.operator" and _operator_name(op).startswith(PREFIXES))
 
 
 def _erase_dead_constants(module) -> None:
     """The constants and lists that fed only the rewritten collectives."""
     names = {"torch.constant.int", "torch.constant.str", "torch.prim.ListConstruct", "torch.constant.none"}
     while True:
-        dead = [op for op in _walk(module, lambda op: op.name in names) if all(not list(r.uses) for r in op.results)]
+        dead = [op for op in walk_ops(module, lambda op: op.name in names) if all(not list(r.uses) for r in op.results)]
         if not dead:
             return
         for op in dead:
