@@ -168,6 +168,8 @@ def test_an_internal_error_declines_instead_of_breaking_the_compile(monkeypatch)
     def broken(self, *args, **kwargs):
         raise IndexError("planted")
 
+    monkeypatch.setenv("LAPLACE_PASSES_STRICT", "0")  # what a user gets; strict mode raises it (below)
+
     monkeypatch.setattr(GlaBuilder, "gla_inputs", broken)
     args = case_inputs("elementwise")
     expected_out, _ = outputs_and_grads(cases.elementwise, args)
@@ -176,6 +178,9 @@ def test_an_internal_error_declines_instead_of_breaking_the_compile(monkeypatch)
     assert_close(out, expected_out, rtol=0, atol=0)
     (row,) = model.laplace_report.recurrences
     assert "left alone after an internal error while rewriting it: IndexError: planted" in row.reason
+    monkeypatch.setenv("LAPLACE_PASSES_STRICT", "1")
+    with pytest.raises(Exception, match="planted"):
+        outputs_and_grads(compiled(cases.elementwise), args)
 
 
 def test_bfloat16_loops_are_recognised_within_bf16_rounding():

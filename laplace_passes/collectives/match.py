@@ -78,6 +78,7 @@ from laplace_passes.infra.fx_helpers import (
 )
 from laplace_passes.infra.op_facts import is_view
 from laplace_passes.infra.pass_base import Declined
+from laplace_passes.infra.strict import strict_mode
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -161,6 +162,8 @@ def find_buckets(gm: torch.fx.GraphModule, world_size: int) -> tuple[list[Gather
             except Declined as reason:
                 declined.append(f"{node.name}: {reason}")
             except Exception as error:  # noqa: BLE001 - a spelling not foreseen: keep the user's graph
+                if strict_mode():  # NOTE [a failing pass declines]: the suite finds such failures
+                    raise
                 declined.append(f"{node.name}: {type(error).__name__} while matching this gather ({error}); "
                                 "the rewrite does not know this spelling, the gather is kept")
     return buckets, declined, folded
@@ -181,6 +184,8 @@ def _owner_only_conds(gm: torch.fx.GraphModule, live: set[Node], declined: list[
             declined.append(f"{node.name}: {reason}")
             continue
         except Exception as error:  # noqa: BLE001 - a spelling not foreseen: keep the user's graph
+            if strict_mode():
+                raise
             declined.append(f"{node.name}: {type(error).__name__} while matching this cond ({error})")
             continue
         if info is not None:
