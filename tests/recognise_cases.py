@@ -355,3 +355,22 @@ def chunked_gla(q, k, v, g):
         outs.append((q_i * G_i.exp()) @ S + intra)
         S = S * G_i[:, :, -1, :, None].exp() + (k_i * (G_i[:, :, -1:] - G_i).exp()).transpose(-1, -2) @ v_i
     return torch.stack(outs, 2).reshape(B, H, T, V).transpose(1, 2), S
+
+
+def chunked_gla_without_s0(q, k, v, g):
+    """chunked_gla with no S_0: the first chunk's output is its intra-chunk part and its state its own product."""
+    C = 5
+    q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
+    n = T // C
+    q, k, v, g = (x.reshape(B, H, n, C, -1) for x in (q, k, v, g))
+    G = g.cumsum(-2)
+    S, outs = None, []
+    causal = torch.ones(C, C).tril()
+    for i in range(n):
+        q_i, k_i, v_i, G_i = q[:, :, i], k[:, :, i], v[:, :, i], G[:, :, i]
+        scores = torch.einsum("bhik,bhjk,bhijk->bhij", q_i, k_i, (G_i[:, :, :, None] - G_i[:, :, None]).exp())
+        intra = (scores * causal) @ v_i
+        outs.append(intra if S is None else (q_i * G_i.exp()) @ S + intra)
+        update = (k_i * (G_i[:, :, -1:] - G_i).exp()).transpose(-1, -2) @ v_i
+        S = update if S is None else S * G_i[:, :, -1, :, None].exp() + update
+    return torch.stack(outs, 2).reshape(B, H, T, V).transpose(1, 2), S

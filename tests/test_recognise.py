@@ -316,6 +316,20 @@ def test_a_user_s_own_chunked_algorithm_is_retiled_at_the_target_s_chunk(name):
     assert len(report.graph("after", "dynamo_0").graph.nodes) < 60
 
 
+def test_a_chunked_algorithm_whose_first_chunk_makes_its_own_state_is_declined_with_unchanged_numbers():
+    """No S_0 (neither zeros nor an initial state): the first chunk's output reads no state to read the form from."""
+    args = [a.clone().requires_grad_() for a in cases.inputs("bthk", "key")]
+    expected_out, expected_grads = outputs_and_grads(cases.chunked_gla_without_s0, args)
+    model = compiled(cases.chunked_gla_without_s0)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    rows = model.laplace_report.recurrences
+    (row,) = [r for r in rows if r.steps == 4]  # besides, each chunk's intra-chunk part is a declined quadratic form
+    assert row.status == "declined" and "its first chunk starts without a state" in row.reason, row.reason
+    assert all(r.status == "declined" for r in rows) and not model.laplace_report.sites
+
+
 def test_a_counter_as_long_as_a_long_loop_is_read_without_recursion():
     """An unrolled while_loop's counter is a chain of one add per trip: read in graph order, not recursively."""
     from laplace_passes.fx.per_step import constant_value, pattern

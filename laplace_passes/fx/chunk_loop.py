@@ -94,6 +94,10 @@ def plan_chunk_loop(chain: Chain, memo: dict) -> ChunkLoop:
     first = chain.first
     rows = first.rows.size
     key_axis, value_axis = first.key_axis % len(first.shape), first.value_axis % len(first.shape)
+    if first.prev is None:
+        # The first chunk's state is its own product (no S_0 and no zeros): its output reads no state, so the
+        # form of o_n = q_n . S_{n-1} + ... cannot be read off it.
+        raise Declined("its first chunk starts without a state (no S_0 = 0 or initial state to read o_1 against)")
     entering = [first.prev] + [s.node for s in chain.steps[:-1]]
     outputs = [_chunk_output(state, step.node) for state, step in zip(entering, chain.steps)]
     if any(o is None for o in outputs):

@@ -271,7 +271,9 @@ def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
     if found is None:
         return None
     cumsum, mapped = found
-    return "log", _cumsum_source(cumsum), mapped
+    gates = _cumsum_source(cumsum)
+    # A slice of a cumsum (G[:, :, i] of a chunked G) reads as a leaf of its own: not the cumsum itself.
+    return None if gates is None else ("log", gates, mapped)
 
 
 def _cumsum_source(node: Node) -> Node | None:
