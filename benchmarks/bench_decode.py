@@ -1,6 +1,6 @@
 """Recurrent decode throughput against this machine's memory roofline, and state bytes against a KV cache.
 
-    python -m benchmarks.bench_decode [--steps 16] [--repeats 3] [--json]
+    python -m benchmarks.bench_decode [--steps 16] [--generate-steps 64] [--repeats 3] [--json]
     python -m benchmarks.bench_decode --profile [--steps 8]     # where a step's time goes
     python -m benchmarks.bench_decode --gate-checks             # and the step that checks its gates, side by side
     python -m benchmarks.bench_decode --sequences 1 4 --steps 1 --repeats 1   # seconds: a smoke run
@@ -14,6 +14,11 @@ each timed over `--steps` greedy steps exactly as `model.generate` runs them:
   call per step, every layer in one graph through ``backend="laplace"``, the states
   in a buffer per layer updated in place. tiny's gates are logsigmoid(x) / 16, <= 0 by
   construction, so the step has no run-time gate check (NOTE [gates proven <= 0]);
+- generate: ``model.generate`` itself, steps only: the time of
+  ``generate(prompt, N + 2)`` less that of ``generate(prompt, 2)``, over N
+  (``--generate-steps``, default 64): the prefill, the first step and the
+  set-up cancel, so this is a step as a user's generate call runs it, with
+  everything generate does around the step object;
 - checked (with ``--gate-checks``): the same compiled step with ``gate_checks="always"``,
   which checks every layer's gates at run time; the speed-up of leaving the check out
   is printed per repeat.
@@ -26,6 +31,9 @@ Beside each, in the same repeat:
 - matmul roofline: tokens/s if a step cost only its FLOPs (2 per weight per token,
   plus the state update and readout), at the rate of a dense fp32 matmul measured
   in this run.
+
+The lower of the two binds, and each form's share of it is printed: the figure
+to read at 1280 sequences is generate's.
 
 Measurements are interleaved (each repeat runs the copy, the matmul and every
 batch size once per form) and the spread over repeats is printed; the load
@@ -48,7 +56,9 @@ from benchmarks.common import machine_lines, self_time_by_part, spread, stats
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
-FORMS = ("eager", "compiled")
+FORMS = ("eager", "compiled", "generate")
+PROFILED_FORMS = ("eager", "compiled")  # a step of each, profiled alone (generate's would include its prefill)
+GENERATE = "generate"  # model.generate's steps: generate(N + 2) less generate(2), over N
 CHECKED = "checked"  # the compiled step with gate_checks="always" (--gate-checks)
 COPY_ELEMENTS = 32 * 1024 * 1024  # 128 MB per side: well past the last-level cache
 MATMUL_SIZE = 1024
@@ -79,16 +89,22 @@ class Decoder:
         self.steps = {"eager": None, "compiled": model.decode_step}
         if checked_step is not None:
             self.steps[CHECKED] = checked_step
-        prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
-                               generator=torch.Generator().manual_seed(batch))
+        self.prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
+                                    generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
-            logits, self.states = model(prompt, output_final_states=True)
+            logits, self.states = model(self.prompt, output_final_states=True)
         self.first_token = logits[:, -1].argmax(-1)
-        for form in self.steps:  # compile and warm up
+        for form in (*self.steps, GENERATE):  # compile and warm up
             self.seconds(form, 2)
 
-    @torch.no_grad()
     def seconds(self, form: str, steps: int) -> float:
+        """Wall time of `steps` greedy decode steps in `form`."""
+        if form == GENERATE:
+            return self.generate_seconds(steps)
+        return self.loop_seconds(form, steps)
+
+    @torch.no_grad()
+    def loop_seconds(self, form: str, steps: int) -> float:
         """Wall time of `steps` greedy decode steps, as generate() runs them."""
         token, states = self.first_token, self.states
         step = self.steps[form]
@@ -103,6 +119,19 @@ class Decoder:
                 logits = logits[:, -1]
             token = logits.argmax(-1)
         return time.perf_counter() - start
+
+    def generate_seconds(self, steps: int) -> float:
+        """`model.generate`'s time for `steps` decode steps: generate(steps + 2) less generate(2).
+
+        Both prefill the same prompt and take one step after it; the difference
+        is `steps` further steps with everything generate does around each.
+        """
+        def timed(new_tokens: int) -> float:
+            start = time.perf_counter()
+            self.model.generate(self.prompt, new_tokens, decode="compiled")
+            return time.perf_counter() - start
+
+        return timed(steps + 2) - timed(2)
 
 
 # torch.profiler event names -> where the time of a step goes (self CPU time; the rest is "other").
@@ -132,7 +161,7 @@ def profiles(model, steps: int, sequences=CONCURRENCY) -> dict:
     out = {}
     for batch in sequences:
         decoder = Decoder(model, batch)
-        out[batch] = {form: profile_step(decoder, form, steps) for form in FORMS}
+        out[batch] = {form: profile_step(decoder, form, steps) for form in PROFILED_FORMS}
     return out
 
 
@@ -157,7 +186,8 @@ def step_costs(model) -> tuple[int, int, int]:
     return weight_bytes, state_elements * 4, flops
 
 
-def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_checks: bool = False) -> dict:
+def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_checks: bool = False,
+            generate_steps: int = 64) -> dict:
     from model_zoo.decode import DecodeStep
 
     checked_step = DecodeStep(model, gate_checks="always") if gate_checks else None
@@ -171,7 +201,8 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
         rates.append(matmul_flops_per_s())
         for batch, decoder in decoders.items():
             for form in forms:
-                samples[batch][form].append(batch * steps / decoder.seconds(form, steps))
+                n = generate_steps if form == GENERATE else steps
+                samples[batch][form].append(batch * n / decoder.seconds(form, n))
             step_bytes = weight_bytes + 2 * batch * state_bytes
             samples[batch]["memory_roofline"].append(batch * bandwidths[-1] / step_bytes)
             samples[batch]["matmul_roofline"].append(rates[-1] / flops)
@@ -186,9 +217,11 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
 
 def _summary(samples: dict) -> dict:
     out = {k: stats(v) for k, v in samples.items()}
+    binding = [min(m, f) for m, f in zip(samples["memory_roofline"], samples["matmul_roofline"])]
     for form in FORMS:  # shares per repeat: the roofline measured beside the decode
         for roof in ("memory_roofline", "matmul_roofline"):
             out[f"{form}_share_of_{roof}"] = stats([a / r for a, r in zip(samples[form], samples[roof])])
+        out[f"{form}_share_of_binding_roofline"] = stats([a / r for a, r in zip(samples[form], binding)])
     out["compiled_over_eager"] = stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
     if CHECKED in samples:  # per repeat: leaving the gate check out, against keeping it
         out["compiled_over_checked"] = stats([c / g for c, g in zip(samples["compiled"], samples[CHECKED])])
@@ -212,6 +245,8 @@ def state_table() -> list[dict]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
+    parser.add_argument("--generate-steps", type=int, default=64,
+                        help="steps of the generate form: generate(N + 2) less generate(2), over N")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every measurement")
     parser.add_argument("--sequences", type=int, nargs="+", default=list(CONCURRENCY),
                         help="concurrent sequences, one measurement each (default: %(default)s)")
@@ -231,8 +266,8 @@ def main(argv=None) -> dict:
         print(json.dumps(table, indent=2) if args.json else _profile_text(table))
         return table
     load_before = os.getloadavg()
-    results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks)
-    results.update(load_average_before=load_before, load_average_after=os.getloadavg(),
+    results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks, args.generate_steps)
+    results.update(generate_steps=args.generate_steps, load_average_before=load_before, load_average_after=os.getloadavg(),
                    threads=torch.get_num_threads(), steps=args.steps, repeats=args.repeats, state=state_table())
     if args.json:
         print(json.dumps(results, indent=2))
@@ -243,8 +278,8 @@ def main(argv=None) -> dict:
 
 def _text(results: dict) -> str:
     lines = [
-        f"decode, tiny model (greedy, fp32 state, CPU, {results['threads']} threads, {results['steps']} steps, "
-        f"median [min-max] of {results['repeats']} interleaved repeats)",
+        f"decode, tiny model (greedy, fp32 state, CPU, {results['threads']} threads, {results['steps']} steps "
+        f"(generate: {results['generate_steps']}), median [min-max] of {results['repeats']} interleaved repeats)",
         *machine_lines(results["load_average_before"], results["load_average_after"],
                        stats(results["copy_GB_per_s"]), stats(results["matmul_GFLOP_per_s"])),
         f"  per step: weights {results['bytes_per_step']['weights'] / 1e3:,.0f} kB, state read+written "
@@ -258,8 +293,9 @@ def _text(results: dict) -> str:
                      f"matmul roofline {matmul:12,.0f} tokens/s ({binding} binds)")
         for form in FORMS:
             lines.append(f"        {form:<8} {spread(row[form], '11,.0f')} tokens/s = "
-                         f"{spread(row[f'{form}_share_of_memory_roofline'], '.2%')} of memory roofline, "
-                         f"{spread(row[f'{form}_share_of_matmul_roofline'], '.2%')} of matmul roofline")
+                         f"{spread(row[f'{form}_share_of_binding_roofline'], '.2%')} of the binding roofline "
+                         f"(memory {spread(row[f'{form}_share_of_memory_roofline'], '.2%')}, "
+                         f"matmul {spread(row[f'{form}_share_of_matmul_roofline'], '.2%')})")
         lines.append(f"        compiled / eager {spread(row['compiled_over_eager'], '.2f')}x")
         if "compiled_over_checked" in row:
             lines.append(f"        {CHECKED:<8} {spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "
