@@ -3,6 +3,7 @@
     step = DecodeStep(model)                      # compiled on first call: backend="laplace", target "cpu"
     states = step.state_buffer(prefill_states)    # one [B, H, K, V] fp32 buffer per layer, allocated once
     logits = step(next_tokens, states)            # [B, vocab]; each buffer now holds its layer's next state
+    logits, greedy = step.logits_and_greedy(next_tokens, states)   # and the argmax of those logits, [B]
 
 The step is the model's own forward on one token per sequence, traced by
 Dynamo into one graph. Its GLA sites are T = 1 without gradient, so the
@@ -11,6 +12,12 @@ re-tiling pass gives them the recurrent form (NOTE [short sites] in
 Each layer's new state is written back into that layer's buffer (a
 trailing ``copy_`` per layer), so a decode loop allocates no state after
 its first step and calls Python once per step, not once per layer.
+
+The graph also takes the greedy choice, ``logits.argmax(-1)``, as one more
+kernel over the logits it has just written: greedy decode
+(`model_zoo.generate`) feeds it back as the next step's tokens without an
+eager op between steps. It is the argmax of the same logits, so the same
+token (ties go to the lower index in both).
 
 NOTE [one buffer per layer]: the buffers are separate tensors, not slices
 of one ``[layers, B, H, K, V]`` tensor. With one tensor, Inductor writes
@@ -66,21 +73,28 @@ class DecodeStep:
             fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report, **options
         )
 
-    def _step(self, tokens: Tensor, states: list[Tensor]) -> Tensor:
-        """What the graph computes: logits of the next token, and each buffer replaced by its next state."""
+    def _step(self, tokens: Tensor, states: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """What the graph computes: logits of the next token and their argmax; each buffer replaced by its
+        next state."""
         logits, new_states = self.model(tokens[:, None], initial_states=list(states), output_final_states=True)
         for buffer, new_state in zip(states, new_states, strict=True):
             buffer.copy_(new_state)
-        return logits[:, -1]
+        logits = logits[:, -1]
+        return logits, logits.argmax(-1)
 
     @staticmethod
     def state_buffer(states: Sequence[Tensor]) -> list[Tensor]:
         """The per-layer states (a prefill's) copied into fresh fp32 buffers, one per layer."""
         return [s.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for s in states]
 
-    @torch.no_grad()
     def __call__(self, tokens: Tensor, states: Sequence[Tensor]) -> Tensor:
         """Logits ``[B, vocab]`` for `tokens` ``[B]``; each buffer of `states` (`state_buffer`) is advanced in place."""
+        return self.logits_and_greedy(tokens, states)[0]
+
+    @torch.no_grad()
+    def logits_and_greedy(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """Logits ``[B, vocab]`` and the greedy next tokens ``[B]`` (their argmax, taken in the graph);
+        each buffer of `states` is advanced in place."""
         _check_step_inputs(tokens, states)
         tokens = tokens.contiguous()  # a column of a [B, T] batch would recompile for its strides
         states = list(states)

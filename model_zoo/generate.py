@@ -25,7 +25,8 @@ Prefill (``prefill=``):
 Decode (``decode=``):
 - "compiled": each step is one call of a `model_zoo.decode.DecodeStep`,
   the whole model compiled through ``backend="laplace"`` (target "cpu",
-  Inductor), each layer's state in a buffer of its own updated in place. The step is
+  Inductor), each layer's state in a buffer of its own updated in place, the
+  greedy choice (argmax) taken in the same graph. The step is
   kept on the model (``model.decode_step``), so later calls reuse its
   graphs: one for a single sequence, one for every larger batch.
 - "eager": the model's forward per step, the reference op per layer.
@@ -71,17 +72,19 @@ def generate(
     state_bytes = sum(s[0].numel() * s.element_size() for s in states)
     if step is not None:
         states = step.state_buffer(states)
-    step_logits = logits[:, -1]
+    step_logits, greedy = logits[:, -1], None
     tokens, chosen_from = [input_ids], []
     for _ in range(max_new_tokens):
-        next_token = _choose(step_logits, temperature, generator)
+        # A compiled step took the greedy choice in its graph; the prefill's logits and sampling choose here.
+        next_token = greedy if greedy is not None and temperature == 0 else _choose(step_logits, temperature,
+                                                                                   generator)
         tokens.append(next_token[:, None])
         if return_logits:
             chosen_from.append(step_logits)
         if len(tokens) - 1 == max_new_tokens:
             break
         if step is not None:
-            step_logits = step(next_token, states)  # states advanced in place
+            step_logits, greedy = step.logits_and_greedy(next_token, states)  # states advanced in place
         else:
             logits, states = model(next_token[:, None], initial_states=states, output_final_states=True)
             step_logits = logits[:, -1]
