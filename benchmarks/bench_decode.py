@@ -6,12 +6,14 @@
     python -m benchmarks.bench_decode --sequences 1 4 --steps 1 --repeats 1   # seconds: a smoke run
 
 Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
-each step feeds one token per sequence and carries the fp32 state), two ways,
-each timed over `--steps` greedy steps exactly as `model.generate` runs them:
+each step feeds one token per sequence and carries the fp32 state), three ways,
+the first two timed over `--steps` greedy steps as `model.generate` runs them:
 
 - eager:    ``decode="eager"``, the model's forward per step (the reference op per layer);
-- compiled: ``decode="compiled"`` (the default on CPU), one `model_zoo.decode.DecodeStep`
-  call per step, every layer in one graph through ``backend="laplace"``, the states
+- compiled: ``decode="compiled"`` (the default on CPU), one call per step of a
+  `model_zoo.decode.DecodeStep`'s loop (``step.loop(buffers)``, as generate runs it:
+  the greedy choice in the graph, Dynamo's guards evaluated at the first step only),
+  every layer in one graph through ``backend="laplace"``, the states
   in a buffer per layer updated in place. tiny's gates are logsigmoid(x) / 16, <= 0 by
   construction, so the step has no run-time gate check (NOTE [gates proven <= 0]);
 - generate: ``model.generate`` itself, steps only: the time of
@@ -108,16 +110,15 @@ class Decoder:
         """Wall time of `steps` greedy decode steps, as generate() runs them."""
         token, states = self.first_token, self.states
         step = self.steps[form]
-        if step is not None:
-            states = step.state_buffer(states)  # generate() makes it once per call, before the loop
+        if step is not None:  # generate() makes the buffers and the loop once per call, before the steps
+            decode_loop = step.loop(step.state_buffer(states))
         start = time.perf_counter()
         for _ in range(steps):
             if step is not None:
-                logits = step(token, states)
+                _, token = decode_loop(token)  # the greedy choice, taken in the step's graph
             else:
                 logits, states = self.model(token[:, None], initial_states=states, output_final_states=True)
-                logits = logits[:, -1]
-            token = logits.argmax(-1)
+                token = logits[:, -1].argmax(-1)
         return time.perf_counter() - start
 
     def generate_seconds(self, steps: int) -> float:

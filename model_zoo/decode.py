@@ -5,6 +5,9 @@
     logits = step(next_tokens, states)            # [B, vocab]; each buffer now holds its layer's next state
     logits, greedy = step.logits_and_greedy(next_tokens, states)   # and the argmax of those logits, [B]
 
+    loop = step.loop(states)                      # one decode loop over these buffers (what generate runs)
+    logits, greedy = loop(next_tokens)            # as logits_and_greedy; checks and guards once per loop
+
 The step is the model's own forward on one token per sequence, traced by
 Dynamo into one graph. Its GLA sites are T = 1 without gradient, so the
 re-tiling pass gives them the recurrent form (NOTE [short sites] in
@@ -30,6 +33,21 @@ its state once, writes the next state into the same buffer and computes
 the readout from it in the same loop (`tests/test_decode_step.py` checks
 that no state-sized temporary is allocated; `benchmarks/bench_decode.py`
 measures the step).
+
+NOTE [guards once per loop]: a step is a call of a Dynamo-compiled
+function, and each call evaluates Dynamo's guards on everything the graph
+was specialised for (every parameter's dtype, shape and strides, the
+modules, the buffers, grad mode) before it runs the graph: at one sequence
+about a sixth of the step. Within one decode loop none of that can change:
+the buffers are the same tensors, each step's tokens are the previous
+step's argmax (or a sample) of the same shape and dtype, and the loop runs
+under no_grad with the model untouched. So `DecodeStep.loop` checks the
+buffers once, runs its first call with every guard (compiling if no graph
+fits), and its later calls under ``torch.compiler.set_stance(
+skip_guard_eval_unsafe=True)``, which evaluates only the guards that tell
+the step's graphs apart (one sequence or more). A new loop, e.g. the next
+`generate` call, starts with every guard again: a model changed between
+calls (another dtype, a replaced weight) is seen there and recompiles.
 
 Batch sizes: the batch dimension is marked dynamic for B >= 2, so every
 batch of two or more sequences shares one graph; B = 1 gets a graph of its
@@ -104,9 +122,41 @@ class DecodeStep:
                 torch._dynamo.mark_dynamic(buffer, BATCH_DIM)
         return self._compiled(tokens, states)
 
+    def loop(self, states: Sequence[Tensor]) -> DecodeLoop:
+        """One decode loop over the buffers `states` (`state_buffer`); see NOTE [guards once per loop]."""
+        return DecodeLoop(self, states)
+
     def graphs_compiled(self) -> int:
         """Dynamo graphs compiled so far (each batch-size class and each recompile adds one)."""
         return sum(1 for g in self.report.graphs if g.kind == "dynamo")
+
+
+class DecodeLoop:
+    """Steps of one decode loop over one set of buffers: each call is `DecodeStep.logits_and_greedy`.
+
+    The first call checks the tokens and buffers and evaluates every Dynamo
+    guard; later calls check that the tokens have the first call's shape and
+    dtype and evaluate only the guards that choose between the step's graphs
+    (NOTE [guards once per loop]).
+    """
+
+    def __init__(self, step: DecodeStep, states: Sequence[Tensor]) -> None:
+        self.step = step
+        self.states = list(states) if isinstance(states, (list, tuple)) else states  # checked at the first call
+        self.tokens_like: tuple | None = None  # (shape, dtype) of the first call's tokens
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        if self.tokens_like is None:
+            out = self.step.logits_and_greedy(tokens, self.states)  # every check and every guard
+            self.tokens_like = (tokens.shape, tokens.dtype)
+            return out
+        if (tokens.shape, tokens.dtype) != self.tokens_like:
+            shape, dtype = self.tokens_like
+            raise ValueError(f"a decode loop's tokens keep the first step's shape and dtype, {tuple(shape)} "
+                             f"{dtype}; got {tuple(tokens.shape)} {tokens.dtype}: start a new loop (step.loop)")
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self.step._compiled(tokens.contiguous(), self.states)
 
 
 def _check_step_inputs(tokens: Tensor, states: Sequence[Tensor]) -> None:

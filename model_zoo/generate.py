@@ -26,7 +26,9 @@ Decode (``decode=``):
 - "compiled": each step is one call of a `model_zoo.decode.DecodeStep`,
   the whole model compiled through ``backend="laplace"`` (target "cpu",
   Inductor), each layer's state in a buffer of its own updated in place, the
-  greedy choice (argmax) taken in the same graph. The step is
+  greedy choice (argmax) taken in the same graph; the step's buffers are
+  checked, and Dynamo's guards evaluated, at the first step of each call,
+  not at every step. The step is
   kept on the model (``model.decode_step``), so later calls reuse its
   graphs: one for a single sequence, one for every larger batch.
 - "eager": the model's forward per step, the reference op per layer.
@@ -71,7 +73,7 @@ def generate(
     logits, states = _prefill(model, prefill, input_ids)
     state_bytes = sum(s[0].numel() * s.element_size() for s in states)
     if step is not None:
-        states = step.state_buffer(states)
+        decode_loop = step.loop(step.state_buffer(states))  # NOTE [guards once per loop] in model_zoo.decode
     step_logits, greedy = logits[:, -1], None
     tokens, chosen_from = [input_ids], []
     for _ in range(max_new_tokens):
@@ -84,7 +86,7 @@ def generate(
         if len(tokens) - 1 == max_new_tokens:
             break
         if step is not None:
-            step_logits, greedy = step.logits_and_greedy(next_token, states)  # states advanced in place
+            step_logits, greedy = decode_loop(next_token)  # its state buffers advanced in place
         else:
             logits, states = model(next_token[:, None], initial_states=states, output_final_states=True)
             step_logits = logits[:, -1]

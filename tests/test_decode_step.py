@@ -101,6 +101,47 @@ def test_in_graph_argmax_breaks_ties_as_eager_does():
     assert torch.equal(compiled.tokens[:, 4:], torch.zeros(3, 4, dtype=torch.long))
 
 
+def test_a_loop_gives_the_guarded_steps_tokens_logits_and_states_and_skips_guards_after_its_first(
+        model, monkeypatch):
+    """NOTE [guards once per loop]: every call after the first runs under skip_guard_eval_unsafe, and computes
+    what the step called with every guard computes."""
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    ids = prompt(3, 6, seed=6)
+    step = model.decode_step
+    with torch.no_grad():
+        _, states = model(ids[:, :2], output_final_states=True)
+    guarded, looped = step.state_buffer(states), step.state_buffer(states)
+    decode_loop = step.loop(looped)
+    for t in range(2, 6):
+        expected = step.logits_and_greedy(ids[:, t], guarded)
+        got = decode_loop(ids[:, t])
+        assert torch.equal(got[1], expected[1])
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    assert all(map(torch.equal, looped, guarded))
+    assert stances == [{"skip_guard_eval_unsafe": True}] * 3  # the first call evaluated every guard
+
+
+def test_each_loop_starts_with_every_guard():
+    """A loop's first call compiles when no graph fits (one sequence after a batch); a change of tokens inside a
+    loop is refused, not run on a graph made for other inputs."""
+    torch.manual_seed(4)
+    tiny = model_zoo.build("tiny", num_layers=1).eval()
+    step = DecodeStep(tiny, inner="eager")
+    for batch, graphs in ((3, 1), (1, 2)):
+        with torch.no_grad():
+            buffers = step.state_buffer(tiny(prompt(batch, 3), output_final_states=True)[1])
+        decode_loop = step.loop(buffers)
+        tokens = torch.ones(batch, dtype=torch.long)
+        for _ in range(3):
+            _, tokens = decode_loop(tokens)
+        assert step.graphs_compiled() == graphs
+    with pytest.raises(ValueError, match=r"^a decode loop's tokens keep the first step's shape and dtype, \(1,\) "
+                                         r"torch.int64; got \(1,\) torch.int32: start a new loop"):
+        decode_loop(tokens.int())
+
+
 def test_decode_steps_leave_the_callers_prefill_states_unchanged(model):
     """The buffers a step advances in place are copies: the prefill's own states keep their values."""
     ids = prompt(3, 5, seed=2)
