@@ -35,7 +35,17 @@ Beside each, in the same repeat:
   in this run.
 
 The lower of the two binds, and each form's share of it is printed: the figure
-to read at 1280 sequences is generate's.
+to read at 1280 sequences is generate's. Beside them, what the binding roofline
+leaves out, in the same repeats:
+
+- matmuls alone: the step's own matrix products (one per `nn.Linear`, the output
+  head included, at its shape: ``[B, in] @ [in, out]``), one after another, nothing
+  else: the most a step whose matmuls run at their shapes' rate can reach. At
+  1280 sequences of `tiny` they are narrow (inner dimension 64 or 256, 16 to 256
+  columns) and run below the dense rate;
+- and sequential: those matmuls followed by the state's traffic at copy bandwidth,
+  not overlapped (the step's kernels run one after another): a step that wastes
+  nothing else reaches this.
 
 Measurements are interleaved (each repeat runs the copy, the matmul and every
 batch size once per form) and the spread over repeats is printed; the load
@@ -61,6 +71,7 @@ CONTEXTS = (2048, 8192, 32768)
 FORMS = ("eager", "compiled", "generate")
 PROFILED_FORMS = ("eager", "compiled")  # a step of each, profiled alone (generate's would include its prefill)
 GENERATE = "generate"  # model.generate's steps: generate(N + 2) less generate(2), over N
+MATMULS = "matmuls_alone"  # the step's matrix products alone, at their shapes
 CHECKED = "checked"  # the compiled step with gate_checks="always" (--gate-checks)
 COPY_ELEMENTS = 32 * 1024 * 1024  # 128 MB per side: well past the last-level cache
 MATMUL_SIZE = 1024
@@ -83,6 +94,21 @@ def matmul_flops_per_s() -> float:
     return 2 * MATMUL_SIZE**3 / (time.perf_counter() - start)
 
 
+def step_matmuls(model, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, weight) of each matrix product a decode step runs: every `nn.Linear` (the head too), `batch` rows."""
+    return [(torch.randn(batch, m.in_features), torch.randn(m.out_features, m.in_features))
+            for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def matmuls_seconds(matmuls: list, steps: int) -> float:
+    """Wall time of `steps` rounds of the step's matmuls alone, weights transposed as the compiled step reads them."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        for x, weight in matmuls:
+            torch.mm(x, weight.t())
+    return time.perf_counter() - start
+
+
 class Decoder:
     """One batch size: a prompt prefilled once, then `steps` greedy steps timed in each form."""
 
@@ -96,13 +122,16 @@ class Decoder:
         with torch.no_grad():
             logits, self.states = model(self.prompt, output_final_states=True)
         self.first_token = logits[:, -1].argmax(-1)
-        for form in (*self.steps, GENERATE):  # compile and warm up
+        self.matmuls = step_matmuls(model, batch)
+        for form in (*self.steps, GENERATE, MATMULS):  # compile and warm up
             self.seconds(form, 2)
 
     def seconds(self, form: str, steps: int) -> float:
-        """Wall time of `steps` greedy decode steps in `form`."""
+        """Wall time of `steps` greedy decode steps in `form` (MATMULS: the step's matmuls alone)."""
         if form == GENERATE:
             return self.generate_seconds(steps)
+        if form == MATMULS:
+            return matmuls_seconds(self.matmuls, steps)
         return self.loop_seconds(form, steps)
 
     @torch.no_grad()
@@ -193,9 +222,10 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
 
     checked_step = DecodeStep(model, gate_checks="always") if gate_checks else None
     decoders = {b: Decoder(model, b, checked_step=checked_step) for b in concurrency}
-    forms = (*FORMS, CHECKED) if gate_checks else FORMS
+    forms = (*FORMS, MATMULS, CHECKED) if gate_checks else (*FORMS, MATMULS)
     weight_bytes, state_bytes, flops = step_costs(model)
-    samples = {b: {k: [] for k in (*forms, "memory_roofline", "matmul_roofline")} for b in concurrency}
+    samples = {b: {k: [] for k in (*forms, "memory_roofline", "matmul_roofline", "state_traffic")}
+               for b in concurrency}
     bandwidths, rates = [], []
     for _ in range(repeats):
         bandwidths.append(copy_bytes_per_s())
@@ -207,6 +237,7 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
             step_bytes = weight_bytes + 2 * batch * state_bytes
             samples[batch]["memory_roofline"].append(batch * bandwidths[-1] / step_bytes)
             samples[batch]["matmul_roofline"].append(rates[-1] / flops)
+            samples[batch]["state_traffic"].append(bandwidths[-1] / (2 * state_bytes))  # tokens/s, state alone
     return {
         "copy_GB_per_s": [b / 1e9 for b in bandwidths],
         "matmul_GFLOP_per_s": [r / 1e9 for r in rates],
@@ -223,6 +254,10 @@ def _summary(samples: dict) -> dict:
         for roof in ("memory_roofline", "matmul_roofline"):
             out[f"{form}_share_of_{roof}"] = stats([a / r for a, r in zip(samples[form], samples[roof])])
         out[f"{form}_share_of_binding_roofline"] = stats([a / r for a, r in zip(samples[form], binding)])
+    # The matmuls, then the state's traffic: their times add (tokens/s are rates of one token each).
+    sequential = [1 / (1 / m + 1 / t) for m, t in zip(samples[MATMULS], samples["state_traffic"])]
+    out[f"{MATMULS}_share_of_binding_roofline"] = stats([m / r for m, r in zip(samples[MATMULS], binding)])
+    out["sequential_share_of_binding_roofline"] = stats([q / r for q, r in zip(sequential, binding)])
     out["compiled_over_eager"] = stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
     if CHECKED in samples:  # per repeat: leaving the gate check out, against keeping it
         out["compiled_over_checked"] = stats([c / g for c, g in zip(samples["compiled"], samples[CHECKED])])
@@ -297,6 +332,10 @@ def _text(results: dict) -> str:
                          f"{spread(row[f'{form}_share_of_binding_roofline'], '.2%')} of the binding roofline "
                          f"(memory {spread(row[f'{form}_share_of_memory_roofline'], '.2%')}, "
                          f"matmul {spread(row[f'{form}_share_of_matmul_roofline'], '.2%')})")
+        lines.append(f"        the step's matmuls alone {spread(row[MATMULS], '11,.0f')} tokens/s = "
+                     f"{spread(row[f'{MATMULS}_share_of_binding_roofline'], '.2%')} of the binding roofline; "
+                     f"then the state's traffic, not overlapped: "
+                     f"{spread(row['sequential_share_of_binding_roofline'], '.2%')}")
         lines.append(f"        compiled / eager {spread(row['compiled_over_eager'], '.2f')}x")
         if "compiled_over_checked" in row:
             lines.append(f"        {CHECKED:<8} {spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "
