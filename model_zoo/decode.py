@@ -48,6 +48,11 @@ skip_guard_eval_unsafe=True)``, which evaluates only the guards that tell
 the step's graphs apart (one sequence or more). A new loop, e.g. the next
 `generate` call, starts with every guard again: a model changed between
 calls (another dtype, a replaced weight) is seen there and recompiles.
+The stance is Dynamo's, process-wide: while such a step runs, a compiled
+function that another thread enters evaluates only its own differentiating
+guards too. A program that runs compiled code in other threads while a
+model decodes sets ``model.decode_step.guards_once_per_loop = False`` (or
+builds the step with it): every step then evaluates every guard.
 
 Batch sizes: the batch dimension is marked dynamic for B >= 2, so every
 batch of two or more sequences shares one graph; B = 1 gets a graph of its
@@ -79,11 +84,17 @@ class DecodeStep:
     and `options` (e.g. ``gate_checks="always"``) are the laplace backend's
     options (Inductor by default: the fused kernels are the point; "eager"
     runs the same graph op by op).
+
+    `guards_once_per_loop` (default True): a loop's later steps skip the guards
+    that do not choose between its graphs (NOTE [guards once per loop]); False
+    evaluates every guard at every step, for a program whose other threads call
+    compiled functions while this model decodes.
     """
 
     def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", inner: Any = "inductor",
-                 **options: Any) -> None:
+                 guards_once_per_loop: bool = True, **options: Any) -> None:
         self.model = model
+        self.guards_once_per_loop = guards_once_per_loop
         self.report = laplace_passes.Report()
         # A code object of its own: Dynamo's cache and its limit of 8 compiles per code object
         # would otherwise be shared by the steps of every model (the 9th would run uncompiled).
@@ -137,7 +148,8 @@ class DecodeLoop:
     The first call checks the tokens and buffers and evaluates every Dynamo
     guard; later calls check that the tokens have the first call's shape and
     dtype and evaluate only the guards that choose between the step's graphs
-    (NOTE [guards once per loop]).
+    (NOTE [guards once per loop]); with the step's ``guards_once_per_loop``
+    False, every call is a fully checked and guarded step.
     """
 
     def __init__(self, step: DecodeStep, states: Sequence[Tensor]) -> None:
@@ -147,7 +159,7 @@ class DecodeLoop:
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        if self.tokens_like is None:
+        if self.tokens_like is None or not self.step.guards_once_per_loop:
             out = self.step.logits_and_greedy(tokens, self.states)  # every check and every guard
             self.tokens_like = (tokens.shape, tokens.dtype)
             return out

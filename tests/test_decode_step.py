@@ -142,6 +142,20 @@ def test_each_loop_starts_with_every_guard():
         decode_loop(tokens.int())
 
 
+def test_a_step_built_to_guard_every_step_never_skips_guards(monkeypatch):
+    """guards_once_per_loop=False (other threads run compiled code): no call of a loop changes Dynamo's stance."""
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    torch.manual_seed(5)
+    tiny = model_zoo.build("tiny", num_layers=1).eval()
+    ids = prompt(2, 3, seed=7)
+    reference = tiny.generate(ids, 4, decode="eager").tokens
+    tiny.__dict__["_decode_step"] = DecodeStep(tiny, inner="eager", guards_once_per_loop=False)
+    assert torch.equal(tiny.generate(ids, 4, decode="compiled").tokens, reference)
+    assert stances == []
+
+
 def test_decode_steps_leave_the_callers_prefill_states_unchanged(model):
     """The buffers a step advances in place are copies: the prefill's own states keep their values."""
     ids = prompt(3, 5, seed=2)
