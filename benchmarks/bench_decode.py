@@ -1,19 +1,26 @@
 """Recurrent decode throughput against this machine's memory roofline, and state bytes against a KV cache.
 
-    python -m benchmarks.bench_decode [--steps 16] [--repeats 3] [--json]
+    python -m benchmarks.bench_decode [--steps 16] [--generate-steps 64] [--repeats 3] [--json]
     python -m benchmarks.bench_decode --profile [--steps 8]     # where a step's time goes
     python -m benchmarks.bench_decode --gate-checks             # and the step that checks its gates, side by side
     python -m benchmarks.bench_decode --sequences 1 4 --steps 1 --repeats 1   # seconds: a smoke run
 
 Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
-each step feeds one token per sequence and carries the fp32 state), two ways,
-each timed over `--steps` greedy steps exactly as `model.generate` runs them:
+each step feeds one token per sequence and carries the fp32 state), three ways,
+the first two timed over `--steps` greedy steps as `model.generate` runs them:
 
 - eager:    ``decode="eager"``, the model's forward per step (the reference op per layer);
-- compiled: ``decode="compiled"`` (the default on CPU), one `model_zoo.decode.DecodeStep`
-  call per step, every layer in one graph through ``backend="laplace"``, the states
+- compiled: ``decode="compiled"`` (the default on CPU), one call per step of a
+  `model_zoo.decode.DecodeStep`'s loop (``step.loop(buffers)``, as generate runs it:
+  the greedy choice in the graph, Dynamo's guards evaluated at the first step only),
+  every layer in one graph through ``backend="laplace"``, the states
   in a buffer per layer updated in place. tiny's gates are logsigmoid(x) / 16, <= 0 by
   construction, so the step has no run-time gate check (NOTE [gates proven <= 0]);
+- generate: ``model.generate`` itself, steps only: the time of
+  ``generate(prompt, N + 2)`` less that of ``generate(prompt, 2)``, over N
+  (``--generate-steps``, default 64): the prefill, the first step and the
+  set-up cancel, so this is a step as a user's generate call runs it, with
+  everything generate does around the step object;
 - checked (with ``--gate-checks``): the same compiled step with ``gate_checks="always"``,
   which checks every layer's gates at run time; the speed-up of leaving the check out
   is printed per repeat.
@@ -26,6 +33,19 @@ Beside each, in the same repeat:
 - matmul roofline: tokens/s if a step cost only its FLOPs (2 per weight per token,
   plus the state update and readout), at the rate of a dense fp32 matmul measured
   in this run.
+
+The lower of the two binds, and each form's share of it is printed: the figure
+to read at 1280 sequences is generate's. Beside them, what the binding roofline
+leaves out, in the same repeats:
+
+- matmuls alone: the step's own matrix products (one per `nn.Linear`, the output
+  head included, at its shape: ``[B, in] @ [in, out]``), one after another, nothing
+  else: the most a step whose matmuls run at their shapes' rate can reach. At
+  1280 sequences of `tiny` they are narrow (inner dimension 64 or 256, 16 to 256
+  columns) and run below the dense rate;
+- and sequential: those matmuls followed by the state's traffic at copy bandwidth,
+  not overlapped (the step's kernels run one after another): a step that wastes
+  nothing else reaches this.
 
 Measurements are interleaved (each repeat runs the copy, the matmul and every
 batch size once per form) and the spread over repeats is printed; the load
@@ -48,7 +68,10 @@ from benchmarks.common import machine_lines, self_time_by_part, spread, stats
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
-FORMS = ("eager", "compiled")
+FORMS = ("eager", "compiled", "generate")
+PROFILED_FORMS = ("eager", "compiled")  # a step of each, profiled alone (generate's would include its prefill)
+GENERATE = "generate"  # model.generate's steps: generate(N + 2) less generate(2), over N
+MATMULS = "matmuls_alone"  # the step's matrix products alone, at their shapes
 CHECKED = "checked"  # the compiled step with gate_checks="always" (--gate-checks)
 COPY_ELEMENTS = 32 * 1024 * 1024  # 128 MB per side: well past the last-level cache
 MATMUL_SIZE = 1024
@@ -71,6 +94,21 @@ def matmul_flops_per_s() -> float:
     return 2 * MATMUL_SIZE**3 / (time.perf_counter() - start)
 
 
+def step_matmuls(model, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, weight) of each matrix product a decode step runs: every `nn.Linear` (the head too), `batch` rows."""
+    return [(torch.randn(batch, m.in_features), torch.randn(m.out_features, m.in_features))
+            for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def matmuls_seconds(matmuls: list, steps: int) -> float:
+    """Wall time of `steps` rounds of the step's matmuls alone, weights transposed as the compiled step reads them."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        for x, weight in matmuls:
+            torch.mm(x, weight.t())
+    return time.perf_counter() - start
+
+
 class Decoder:
     """One batch size: a prompt prefilled once, then `steps` greedy steps timed in each form."""
 
@@ -79,30 +117,51 @@ class Decoder:
         self.steps = {"eager": None, "compiled": model.decode_step}
         if checked_step is not None:
             self.steps[CHECKED] = checked_step
-        prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
-                               generator=torch.Generator().manual_seed(batch))
+        self.prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
+                                    generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
-            logits, self.states = model(prompt, output_final_states=True)
+            logits, self.states = model(self.prompt, output_final_states=True)
         self.first_token = logits[:, -1].argmax(-1)
-        for form in self.steps:  # compile and warm up
+        self.matmuls = step_matmuls(model, batch)
+        for form in (*self.steps, GENERATE, MATMULS):  # compile and warm up
             self.seconds(form, 2)
 
-    @torch.no_grad()
     def seconds(self, form: str, steps: int) -> float:
+        """Wall time of `steps` greedy decode steps in `form` (MATMULS: the step's matmuls alone)."""
+        if form == GENERATE:
+            return self.generate_seconds(steps)
+        if form == MATMULS:
+            return matmuls_seconds(self.matmuls, steps)
+        return self.loop_seconds(form, steps)
+
+    @torch.no_grad()
+    def loop_seconds(self, form: str, steps: int) -> float:
         """Wall time of `steps` greedy decode steps, as generate() runs them."""
         token, states = self.first_token, self.states
         step = self.steps[form]
-        if step is not None:
-            states = step.state_buffer(states)  # generate() makes it once per call, before the loop
+        if step is not None:  # generate() makes the buffers and the loop once per call, before the steps
+            decode_loop = step.loop(step.state_buffer(states))
         start = time.perf_counter()
         for _ in range(steps):
             if step is not None:
-                logits = step(token, states)
+                _, token = decode_loop(token)  # the greedy choice, taken in the step's graph
             else:
                 logits, states = self.model(token[:, None], initial_states=states, output_final_states=True)
-                logits = logits[:, -1]
-            token = logits.argmax(-1)
+                token = logits[:, -1].argmax(-1)
         return time.perf_counter() - start
+
+    def generate_seconds(self, steps: int) -> float:
+        """`model.generate`'s time for `steps` decode steps: generate(steps + 2) less generate(2).
+
+        Both prefill the same prompt and take one step after it; the difference
+        is `steps` further steps with everything generate does around each.
+        """
+        def timed(new_tokens: int) -> float:
+            start = time.perf_counter()
+            self.model.generate(self.prompt, new_tokens, decode="compiled")
+            return time.perf_counter() - start
+
+        return timed(steps + 2) - timed(2)
 
 
 # torch.profiler event names -> where the time of a step goes (self CPU time; the rest is "other").
@@ -132,7 +191,7 @@ def profiles(model, steps: int, sequences=CONCURRENCY) -> dict:
     out = {}
     for batch in sequences:
         decoder = Decoder(model, batch)
-        out[batch] = {form: profile_step(decoder, form, steps) for form in FORMS}
+        out[batch] = {form: profile_step(decoder, form, steps) for form in PROFILED_FORMS}
     return out
 
 
@@ -157,24 +216,28 @@ def step_costs(model) -> tuple[int, int, int]:
     return weight_bytes, state_elements * 4, flops
 
 
-def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_checks: bool = False) -> dict:
+def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_checks: bool = False,
+            generate_steps: int = 64) -> dict:
     from model_zoo.decode import DecodeStep
 
     checked_step = DecodeStep(model, gate_checks="always") if gate_checks else None
     decoders = {b: Decoder(model, b, checked_step=checked_step) for b in concurrency}
-    forms = (*FORMS, CHECKED) if gate_checks else FORMS
+    forms = (*FORMS, MATMULS, CHECKED) if gate_checks else (*FORMS, MATMULS)
     weight_bytes, state_bytes, flops = step_costs(model)
-    samples = {b: {k: [] for k in (*forms, "memory_roofline", "matmul_roofline")} for b in concurrency}
+    samples = {b: {k: [] for k in (*forms, "memory_roofline", "matmul_roofline", "state_traffic")}
+               for b in concurrency}
     bandwidths, rates = [], []
     for _ in range(repeats):
         bandwidths.append(copy_bytes_per_s())
         rates.append(matmul_flops_per_s())
         for batch, decoder in decoders.items():
             for form in forms:
-                samples[batch][form].append(batch * steps / decoder.seconds(form, steps))
+                n = generate_steps if form == GENERATE else steps
+                samples[batch][form].append(batch * n / decoder.seconds(form, n))
             step_bytes = weight_bytes + 2 * batch * state_bytes
             samples[batch]["memory_roofline"].append(batch * bandwidths[-1] / step_bytes)
             samples[batch]["matmul_roofline"].append(rates[-1] / flops)
+            samples[batch]["state_traffic"].append(bandwidths[-1] / (2 * state_bytes))  # tokens/s, state alone
     return {
         "copy_GB_per_s": [b / 1e9 for b in bandwidths],
         "matmul_GFLOP_per_s": [r / 1e9 for r in rates],
@@ -186,9 +249,15 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
 
 def _summary(samples: dict) -> dict:
     out = {k: stats(v) for k, v in samples.items()}
+    binding = [min(m, f) for m, f in zip(samples["memory_roofline"], samples["matmul_roofline"])]
     for form in FORMS:  # shares per repeat: the roofline measured beside the decode
         for roof in ("memory_roofline", "matmul_roofline"):
             out[f"{form}_share_of_{roof}"] = stats([a / r for a, r in zip(samples[form], samples[roof])])
+        out[f"{form}_share_of_binding_roofline"] = stats([a / r for a, r in zip(samples[form], binding)])
+    # The matmuls, then the state's traffic: their times add (tokens/s are rates of one token each).
+    sequential = [1 / (1 / m + 1 / t) for m, t in zip(samples[MATMULS], samples["state_traffic"])]
+    out[f"{MATMULS}_share_of_binding_roofline"] = stats([m / r for m, r in zip(samples[MATMULS], binding)])
+    out["sequential_share_of_binding_roofline"] = stats([q / r for q, r in zip(sequential, binding)])
     out["compiled_over_eager"] = stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
     if CHECKED in samples:  # per repeat: leaving the gate check out, against keeping it
         out["compiled_over_checked"] = stats([c / g for c, g in zip(samples["compiled"], samples[CHECKED])])
@@ -212,6 +281,8 @@ def state_table() -> list[dict]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
+    parser.add_argument("--generate-steps", type=int, default=64,
+                        help="steps of the generate form: generate(N + 2) less generate(2), over N")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every measurement")
     parser.add_argument("--sequences", type=int, nargs="+", default=list(CONCURRENCY),
                         help="concurrent sequences, one measurement each (default: %(default)s)")
@@ -231,8 +302,8 @@ def main(argv=None) -> dict:
         print(json.dumps(table, indent=2) if args.json else _profile_text(table))
         return table
     load_before = os.getloadavg()
-    results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks)
-    results.update(load_average_before=load_before, load_average_after=os.getloadavg(),
+    results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks, args.generate_steps)
+    results.update(generate_steps=args.generate_steps, load_average_before=load_before, load_average_after=os.getloadavg(),
                    threads=torch.get_num_threads(), steps=args.steps, repeats=args.repeats, state=state_table())
     if args.json:
         print(json.dumps(results, indent=2))
@@ -243,8 +314,8 @@ def main(argv=None) -> dict:
 
 def _text(results: dict) -> str:
     lines = [
-        f"decode, tiny model (greedy, fp32 state, CPU, {results['threads']} threads, {results['steps']} steps, "
-        f"median [min-max] of {results['repeats']} interleaved repeats)",
+        f"decode, tiny model (greedy, fp32 state, CPU, {results['threads']} threads, {results['steps']} steps "
+        f"(generate: {results['generate_steps']}), median [min-max] of {results['repeats']} interleaved repeats)",
         *machine_lines(results["load_average_before"], results["load_average_after"],
                        stats(results["copy_GB_per_s"]), stats(results["matmul_GFLOP_per_s"])),
         f"  per step: weights {results['bytes_per_step']['weights'] / 1e3:,.0f} kB, state read+written "
@@ -258,8 +329,13 @@ def _text(results: dict) -> str:
                      f"matmul roofline {matmul:12,.0f} tokens/s ({binding} binds)")
         for form in FORMS:
             lines.append(f"        {form:<8} {spread(row[form], '11,.0f')} tokens/s = "
-                         f"{spread(row[f'{form}_share_of_memory_roofline'], '.2%')} of memory roofline, "
-                         f"{spread(row[f'{form}_share_of_matmul_roofline'], '.2%')} of matmul roofline")
+                         f"{spread(row[f'{form}_share_of_binding_roofline'], '.2%')} of the binding roofline "
+                         f"(memory {spread(row[f'{form}_share_of_memory_roofline'], '.2%')}, "
+                         f"matmul {spread(row[f'{form}_share_of_matmul_roofline'], '.2%')})")
+        lines.append(f"        the step's matmuls alone {spread(row[MATMULS], '11,.0f')} tokens/s = "
+                     f"{spread(row[f'{MATMULS}_share_of_binding_roofline'], '.2%')} of the binding roofline; "
+                     f"then the state's traffic, not overlapped: "
+                     f"{spread(row['sequential_share_of_binding_roofline'], '.2%')}")
         lines.append(f"        compiled / eager {spread(row['compiled_over_eager'], '.2f')}x")
         if "compiled_over_checked" in row:
             lines.append(f"        {CHECKED:<8} {spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "

@@ -3,6 +3,10 @@
     step = DecodeStep(model)                      # compiled on first call: backend="laplace", target "cpu"
     states = step.state_buffer(prefill_states)    # one [B, H, K, V] fp32 buffer per layer, allocated once
     logits = step(next_tokens, states)            # [B, vocab]; each buffer now holds its layer's next state
+    logits, greedy = step.logits_and_greedy(next_tokens, states)   # and the argmax of those logits, [B]
+
+    loop = step.loop(states)                      # one decode loop over these buffers (what generate runs)
+    logits, greedy = loop(next_tokens)            # as logits_and_greedy; checks and guards once per loop
 
 The step is the model's own forward on one token per sequence, traced by
 Dynamo into one graph. Its GLA sites are T = 1 without gradient, so the
@@ -11,6 +15,12 @@ re-tiling pass gives them the recurrent form (NOTE [short sites] in
 Each layer's new state is written back into that layer's buffer (a
 trailing ``copy_`` per layer), so a decode loop allocates no state after
 its first step and calls Python once per step, not once per layer.
+
+The graph also takes the greedy choice, ``logits.argmax(-1)``, as one more
+kernel over the logits it has just written: greedy decode
+(`model_zoo.generate`) feeds it back as the next step's tokens without an
+eager op between steps. It is the argmax of the same logits, so the same
+token (ties go to the lower index in both).
 
 NOTE [one buffer per layer]: the buffers are separate tensors, not slices
 of one ``[layers, B, H, K, V]`` tensor. With one tensor, Inductor writes
@@ -23,6 +33,26 @@ its state once, writes the next state into the same buffer and computes
 the readout from it in the same loop (`tests/test_decode_step.py` checks
 that no state-sized temporary is allocated; `benchmarks/bench_decode.py`
 measures the step).
+
+NOTE [guards once per loop]: a step is a call of a Dynamo-compiled
+function, and each call evaluates Dynamo's guards on everything the graph
+was specialised for (every parameter's dtype, shape and strides, the
+modules, the buffers, grad mode) before it runs the graph: at one sequence
+about a sixth of the step. Within one decode loop none of that can change:
+the buffers are the same tensors, each step's tokens are the previous
+step's argmax (or a sample) of the same shape and dtype, and the loop runs
+under no_grad with the model untouched. So `DecodeStep.loop` checks the
+buffers once, runs its first call with every guard (compiling if no graph
+fits), and its later calls under ``torch.compiler.set_stance(
+skip_guard_eval_unsafe=True)``, which evaluates only the guards that tell
+the step's graphs apart (one sequence or more). A new loop, e.g. the next
+`generate` call, starts with every guard again: a model changed between
+calls (another dtype, a replaced weight) is seen there and recompiles.
+The stance is Dynamo's, process-wide: while such a step runs, a compiled
+function that another thread enters evaluates only its own differentiating
+guards too. A program that runs compiled code in other threads while a
+model decodes sets ``model.decode_step.guards_once_per_loop = False`` (or
+builds the step with it): every step then evaluates every guard.
 
 Batch sizes: the batch dimension is marked dynamic for B >= 2, so every
 batch of two or more sequences shares one graph; B = 1 gets a graph of its
@@ -54,11 +84,17 @@ class DecodeStep:
     and `options` (e.g. ``gate_checks="always"``) are the laplace backend's
     options (Inductor by default: the fused kernels are the point; "eager"
     runs the same graph op by op).
+
+    `guards_once_per_loop` (default True): a loop's later steps skip the guards
+    that do not choose between its graphs (NOTE [guards once per loop]); False
+    evaluates every guard at every step, for a program whose other threads call
+    compiled functions while this model decodes.
     """
 
     def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", inner: Any = "inductor",
-                 **options: Any) -> None:
+                 guards_once_per_loop: bool = True, **options: Any) -> None:
         self.model = model
+        self.guards_once_per_loop = guards_once_per_loop
         self.report = laplace_passes.Report()
         # A code object of its own: Dynamo's cache and its limit of 8 compiles per code object
         # would otherwise be shared by the steps of every model (the 9th would run uncompiled).
@@ -66,21 +102,28 @@ class DecodeStep:
             fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report, **options
         )
 
-    def _step(self, tokens: Tensor, states: list[Tensor]) -> Tensor:
-        """What the graph computes: logits of the next token, and each buffer replaced by its next state."""
+    def _step(self, tokens: Tensor, states: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """What the graph computes: logits of the next token and their argmax; each buffer replaced by its
+        next state."""
         logits, new_states = self.model(tokens[:, None], initial_states=list(states), output_final_states=True)
         for buffer, new_state in zip(states, new_states, strict=True):
             buffer.copy_(new_state)
-        return logits[:, -1]
+        logits = logits[:, -1]
+        return logits, logits.argmax(-1)
 
     @staticmethod
     def state_buffer(states: Sequence[Tensor]) -> list[Tensor]:
         """The per-layer states (a prefill's) copied into fresh fp32 buffers, one per layer."""
         return [s.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for s in states]
 
-    @torch.no_grad()
     def __call__(self, tokens: Tensor, states: Sequence[Tensor]) -> Tensor:
         """Logits ``[B, vocab]`` for `tokens` ``[B]``; each buffer of `states` (`state_buffer`) is advanced in place."""
+        return self.logits_and_greedy(tokens, states)[0]
+
+    @torch.no_grad()
+    def logits_and_greedy(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """Logits ``[B, vocab]`` and the greedy next tokens ``[B]`` (their argmax, taken in the graph);
+        each buffer of `states` is advanced in place."""
         _check_step_inputs(tokens, states)
         tokens = tokens.contiguous()  # a column of a [B, T] batch would recompile for its strides
         states = list(states)
@@ -90,9 +133,42 @@ class DecodeStep:
                 torch._dynamo.mark_dynamic(buffer, BATCH_DIM)
         return self._compiled(tokens, states)
 
+    def loop(self, states: Sequence[Tensor]) -> DecodeLoop:
+        """One decode loop over the buffers `states` (`state_buffer`); see NOTE [guards once per loop]."""
+        return DecodeLoop(self, states)
+
     def graphs_compiled(self) -> int:
         """Dynamo graphs compiled so far (each batch-size class and each recompile adds one)."""
         return sum(1 for g in self.report.graphs if g.kind == "dynamo")
+
+
+class DecodeLoop:
+    """Steps of one decode loop over one set of buffers: each call is `DecodeStep.logits_and_greedy`.
+
+    The first call checks the tokens and buffers and evaluates every Dynamo
+    guard; later calls check that the tokens have the first call's shape and
+    dtype and evaluate only the guards that choose between the step's graphs
+    (NOTE [guards once per loop]); with the step's ``guards_once_per_loop``
+    False, every call is a fully checked and guarded step.
+    """
+
+    def __init__(self, step: DecodeStep, states: Sequence[Tensor]) -> None:
+        self.step = step
+        self.states = list(states) if isinstance(states, (list, tuple)) else states  # checked at the first call
+        self.tokens_like: tuple | None = None  # (shape, dtype) of the first call's tokens
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        if self.tokens_like is None or not self.step.guards_once_per_loop:
+            out = self.step.logits_and_greedy(tokens, self.states)  # every check and every guard
+            self.tokens_like = (tokens.shape, tokens.dtype)
+            return out
+        if (tokens.shape, tokens.dtype) != self.tokens_like:
+            shape, dtype = self.tokens_like
+            raise ValueError(f"a decode loop's tokens keep the first step's shape and dtype, {tuple(shape)} "
+                             f"{dtype}; got {tuple(tokens.shape)} {tokens.dtype}: start a new loop (step.loop)")
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self.step._compiled(tokens.contiguous(), self.states)
 
 
 def _check_step_inputs(tokens: Tensor, states: Sequence[Tensor]) -> None:

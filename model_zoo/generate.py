@@ -25,7 +25,10 @@ Prefill (``prefill=``):
 Decode (``decode=``):
 - "compiled": each step is one call of a `model_zoo.decode.DecodeStep`,
   the whole model compiled through ``backend="laplace"`` (target "cpu",
-  Inductor), each layer's state in a buffer of its own updated in place. The step is
+  Inductor), each layer's state in a buffer of its own updated in place, the
+  greedy choice (argmax) taken in the same graph; the step's buffers are
+  checked, and Dynamo's guards evaluated, at the first step of each call,
+  not at every step. The step is
   kept on the model (``model.decode_step``), so later calls reuse its
   graphs: one for a single sequence, one for every larger batch.
 - "eager": the model's forward per step, the reference op per layer.
@@ -70,18 +73,20 @@ def generate(
     logits, states = _prefill(model, prefill, input_ids)
     state_bytes = sum(s[0].numel() * s.element_size() for s in states)
     if step is not None:
-        states = step.state_buffer(states)
-    step_logits = logits[:, -1]
+        decode_loop = step.loop(step.state_buffer(states))  # NOTE [guards once per loop] in model_zoo.decode
+    step_logits, greedy = logits[:, -1], None
     tokens, chosen_from = [input_ids], []
     for _ in range(max_new_tokens):
-        next_token = _choose(step_logits, temperature, generator)
+        # A compiled step took the greedy choice in its graph; the prefill's logits and sampling choose here.
+        next_token = greedy if greedy is not None and temperature == 0 else _choose(step_logits, temperature,
+                                                                                   generator)
         tokens.append(next_token[:, None])
         if return_logits:
             chosen_from.append(step_logits)
         if len(tokens) - 1 == max_new_tokens:
             break
         if step is not None:
-            step_logits = step(next_token, states)  # states advanced in place
+            step_logits, greedy = decode_loop(next_token)  # its state buffers advanced in place
         else:
             logits, states = model(next_token[:, None], initial_states=states, output_final_states=True)
             step_logits = logits[:, -1]

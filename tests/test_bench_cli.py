@@ -57,7 +57,7 @@ def test_bench_decode_rates_rooflines_and_state_agree(capfd):
     With --gate-checks, the step compiled with gate_checks="always" is timed in the same repeat.
     """
     result = json.loads(bench(capfd, "decode", "--sequences", "2", "3", "--steps", "1", "--repeats", "1",
-                              "--gate-checks", "--json"))
+                              "--generate-steps", "2", "--gate-checks", "--json"))
     (bandwidth,), (matmul_rate,) = result["copy_GB_per_s"], result["matmul_GFLOP_per_s"]
     weights = result["bytes_per_step"]["weights"]
     state_rw = result["bytes_per_step"]["state_read_and_written_per_sequence"]
@@ -67,11 +67,18 @@ def test_bench_decode_rates_rooflines_and_state_agree(capfd):
         # Memory roofline: every step reads the weights once and each sequence's state twice (read, write).
         assert row["memory_roofline"]["median"] == pytest.approx(batch * bandwidth * 1e9 / (weights + batch * state_rw))
         assert row["matmul_roofline"]["median"] == pytest.approx(matmul_rate * 1e9 / result["flops_per_token"])
-        for form in ("eager", "compiled"):
-            rate = row[form]["median"]
-            assert 0 < rate < math.inf
+        binding = min(row["memory_roofline"]["median"], row["matmul_roofline"]["median"])
+        for form in ("eager", "compiled", "generate"):
+            rate = row[form]["median"]  # generate's is a difference of two times: its sign is not checked
+            assert form == "generate" or 0 < rate < math.inf
             for roof in ("memory_roofline", "matmul_roofline"):
                 assert row[f"{form}_share_of_{roof}"]["median"] == pytest.approx(rate / row[roof]["median"])
+            assert row[f"{form}_share_of_binding_roofline"]["median"] == pytest.approx(rate / binding)
+        matmuls = row["matmuls_alone"]["median"]
+        assert row["matmuls_alone_share_of_binding_roofline"]["median"] == pytest.approx(matmuls / binding)
+        state_traffic = bandwidth * 1e9 / state_rw  # tokens/s if a step only read and wrote the states
+        assert row["sequential_share_of_binding_roofline"]["median"] == pytest.approx(
+            1 / (1 / matmuls + 1 / state_traffic) / binding)
         assert row["compiled_over_eager"]["median"] == pytest.approx(row["compiled"]["median"] / row["eager"]["median"])
         assert 0 < row["checked"]["median"] < math.inf
         assert row["compiled_over_checked"]["median"] == pytest.approx(

@@ -54,6 +54,108 @@ def test_state_after_n_steps_is_the_token_recurrence_updated_in_place(model):
     torch.testing.assert_close(step_logits, full_logits[:, -1], **TIGHT)
 
 
+def test_the_greedy_choice_is_taken_in_the_graph(model):
+    """The step's graph ends in argmax over the logits it returns: greedy decode runs no eager op between steps."""
+    ids = prompt(3, 5, seed=3)
+    step = model.decode_step
+    with torch.no_grad():
+        buffers = step.state_buffer(model(ids, output_final_states=True)[1])
+        logits, greedy = step.logits_and_greedy(ids[:, -1], buffers)
+    assert torch.equal(greedy, logits.argmax(-1))
+    (graph,) = [g for g in step.report.graphs if g.kind == "inference"][:1]
+    (output,) = graph.after.graph.find_nodes(op="output")
+    returned = [node for node in output.args[0] if isinstance(node, torch.fx.Node)]
+    argmaxes = [node for node in returned if node.target == torch.ops.aten.argmax.default]
+    assert len(argmaxes) == 1, [node.target for node in returned]
+    assert argmaxes[0].args[0] in returned  # the argmax of the logits the step returns (a view of them)
+    assert step.graphs_compiled() == 1  # the same graph as the logits-only call: no compile of its own
+
+
+def test_greedy_generate_chooses_only_the_prefills_token_outside_the_graph(model, monkeypatch):
+    """Every later greedy token comes from the step's argmax; sampling still chooses each token from the logits."""
+    import model_zoo.generate
+
+    calls = []
+    choose = model_zoo.generate._choose
+    monkeypatch.setattr(model_zoo.generate, "_choose", lambda *a: calls.append(1) or choose(*a))
+    ids = prompt(2, 4, seed=4)
+    greedy = model.generate(ids, 6)
+    assert len(calls) == 1
+    assert torch.equal(greedy.tokens, model.generate(ids, 6, decode="eager").tokens)
+    calls.clear()
+    model.generate(ids, 6, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert len(calls) == 6
+
+
+def test_in_graph_argmax_breaks_ties_as_eager_does():
+    """All logits equal (a zero embedding, tied to the head): both argmaxes take the lowest index, 0."""
+    torch.manual_seed(3)
+    tiny = model_zoo.build("tiny", num_layers=1).eval()
+    with torch.no_grad():
+        tiny.embeddings.weight.zero_()
+    ids = prompt(3, 4, seed=5)
+    compiled = tiny.generate(ids, 4, return_logits=True, decode="compiled")
+    eager = tiny.generate(ids, 4, return_logits=True, decode="eager")
+    assert torch.equal(compiled.logits, torch.zeros_like(compiled.logits))
+    assert torch.equal(compiled.tokens, eager.tokens)
+    assert torch.equal(compiled.tokens[:, 4:], torch.zeros(3, 4, dtype=torch.long))
+
+
+def test_a_loop_gives_the_guarded_steps_tokens_logits_and_states_and_skips_guards_after_its_first(
+        model, monkeypatch):
+    """NOTE [guards once per loop]: every call after the first runs under skip_guard_eval_unsafe, and computes
+    what the step called with every guard computes."""
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    ids = prompt(3, 6, seed=6)
+    step = model.decode_step
+    with torch.no_grad():
+        _, states = model(ids[:, :2], output_final_states=True)
+    guarded, looped = step.state_buffer(states), step.state_buffer(states)
+    decode_loop = step.loop(looped)
+    for t in range(2, 6):
+        expected = step.logits_and_greedy(ids[:, t], guarded)
+        got = decode_loop(ids[:, t])
+        assert torch.equal(got[1], expected[1])
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    assert all(map(torch.equal, looped, guarded))
+    assert stances == [{"skip_guard_eval_unsafe": True}] * 3  # the first call evaluated every guard
+
+
+def test_each_loop_starts_with_every_guard():
+    """A loop's first call compiles when no graph fits (one sequence after a batch); a change of tokens inside a
+    loop is refused, not run on a graph made for other inputs."""
+    torch.manual_seed(4)
+    tiny = model_zoo.build("tiny", num_layers=1).eval()
+    step = DecodeStep(tiny, inner="eager")
+    for batch, graphs in ((3, 1), (1, 2)):
+        with torch.no_grad():
+            buffers = step.state_buffer(tiny(prompt(batch, 3), output_final_states=True)[1])
+        decode_loop = step.loop(buffers)
+        tokens = torch.ones(batch, dtype=torch.long)
+        for _ in range(3):
+            _, tokens = decode_loop(tokens)
+        assert step.graphs_compiled() == graphs
+    with pytest.raises(ValueError, match=r"^a decode loop's tokens keep the first step's shape and dtype, \(1,\) "
+                                         r"torch.int64; got \(1,\) torch.int32: start a new loop"):
+        decode_loop(tokens.int())
+
+
+def test_a_step_built_to_guard_every_step_never_skips_guards(monkeypatch):
+    """guards_once_per_loop=False (other threads run compiled code): no call of a loop changes Dynamo's stance."""
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    torch.manual_seed(5)
+    tiny = model_zoo.build("tiny", num_layers=1).eval()
+    ids = prompt(2, 3, seed=7)
+    reference = tiny.generate(ids, 4, decode="eager").tokens
+    tiny.__dict__["_decode_step"] = DecodeStep(tiny, inner="eager", guards_once_per_loop=False)
+    assert torch.equal(tiny.generate(ids, 4, decode="compiled").tokens, reference)
+    assert stances == []
+
+
 def test_decode_steps_leave_the_callers_prefill_states_unchanged(model):
     """The buffers a step advances in place are copies: the prefill's own states keep their values."""
     ids = prompt(3, 5, seed=2)

@@ -46,6 +46,18 @@ def test_sampling_is_reproducible_with_a_generator(model):
     assert torch.equal(runs[0], runs[1])
 
 
+def test_compiled_decode_gives_eager_decodes_tokens_greedy_and_sampled(model):
+    """Greedy tokens come from the step's in-graph argmax, sampled ones from its logits: both as eager decode's,
+    and two calls in a row (each one decode loop) agree."""
+    prompt = torch.randint(1, 128, (5, 7), generator=torch.Generator().manual_seed(8))
+    for temperature in (0.0, 0.7):
+        runs = {decode: [model.generate(prompt, 9, temperature=temperature, decode=decode,
+                                        generator=torch.Generator().manual_seed(9)).tokens for _ in range(2)]
+                for decode in ("compiled", "eager")}
+        assert torch.equal(runs["compiled"][0], runs["eager"][0]), temperature
+        assert torch.equal(runs["compiled"][1], runs["compiled"][0]), temperature
+
+
 def test_bucketed_prefill_at_a_bucket_equals_eager_and_refuses_a_padded_prompt(model):
     """A prefill behind seq_buckets is exact only where nothing is padded: its final states would hold the padding."""
     prefill = laplace_passes.compile(model, target="cpu", seq_buckets=[16, 32])
