@@ -49,10 +49,13 @@ the step's graphs apart (one sequence or more). A new loop, e.g. the next
 `generate` call, starts with every guard again: a model changed between
 calls (another dtype, a replaced weight) is seen there and recompiles.
 The stance is Dynamo's, process-wide: while such a step runs, a compiled
-function that another thread enters evaluates only its own differentiating
-guards too. A program that runs compiled code in other threads while a
-model decodes sets ``model.decode_step.guards_once_per_loop = False`` (or
-builds the step with it): every step then evaluates every guard.
+function that another thread entered would evaluate only its own
+differentiating guards too, and could run a graph made for other inputs.
+So a step skips guards only while its thread is the process's only Python
+thread (checked at every step; tqdm's monitor of progress bars aside); with
+another thread alive, every step
+evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
+(or a step built with it) never skips them.
 
 Batch sizes: the batch dimension is marked dynamic for B >= 2, so every
 batch of two or more sequences shares one graph; B = 1 gets a graph of its
@@ -61,6 +64,8 @@ whatever the batch sizes and the number of steps.
 """
 
 from __future__ import annotations
+
+import threading
 
 from typing import Any, Sequence
 
@@ -167,8 +172,18 @@ class DecodeLoop:
             shape, dtype = self.tokens_like
             raise ValueError(f"a decode loop's tokens keep the first step's shape and dtype, {tuple(shape)} "
                              f"{dtype}; got {tuple(tokens.shape)} {tokens.dtype}: start a new loop (step.loop)")
+        if not _only_thread():  # another thread may enter compiled code (NOTE [guards once per loop])
+            return self.step.logits_and_greedy(tokens, self.states)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self.step._compiled(tokens.contiguous(), self.states)
+
+
+def _only_thread() -> bool:
+    """No Python thread but this one, besides tqdm's monitor (which only refreshes progress bars)."""
+    from tqdm._monitor import TMonitor
+
+    current = threading.current_thread()
+    return all(t is current or isinstance(t, TMonitor) for t in threading.enumerate())
 
 
 def _check_step_inputs(tokens: Tensor, states: Sequence[Tensor]) -> None:

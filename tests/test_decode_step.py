@@ -156,6 +156,26 @@ def test_a_step_built_to_guard_every_step_never_skips_guards(monkeypatch):
     assert stances == []
 
 
+def test_a_loop_evaluates_every_guard_while_another_thread_is_alive(model, monkeypatch):
+    """Dynamo's stance is process-wide: with another Python thread alive, no step skips guards."""
+    import threading
+
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    ids = prompt(3, 5, seed=8)
+    reference = model.generate(ids, 3, decode="eager").tokens
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert torch.equal(model.generate(ids, 3, decode="compiled").tokens, reference)
+    finally:
+        release.set()
+        other.join()
+    assert stances == []
+
+
 def test_decode_steps_leave_the_callers_prefill_states_unchanged(model):
     """The buffers a step advances in place are copies: the prefill's own states keep their values."""
     ids = prompt(3, 5, seed=2)
