@@ -105,9 +105,12 @@ def main(argv=None) -> dict:
             rows.append(measured)
             if not args.json:
                 print_row(row_text(measured))
-    results = {"machine": machine, "quick": args.quick, "rows": [asdict(r) for r in rows]}
+    load_end = os.getloadavg()  # the rows take minutes: the load they ran under
+    results = {"machine": machine, "quick": args.quick, "rows": [asdict(r) for r in rows], "load_average_end": load_end}
     if args.json:
         print(json.dumps(results, indent=2))
+    else:
+        print_row("load average at the end " + " ".join(f"{x:.2f}" for x in load_end))
     return results
 
 
