@@ -4,6 +4,7 @@
     python -m benchmarks.bench_paths --rows prefill decode
     python -m benchmarks.bench_paths --quick            # small shapes, inner eager: seconds per row (a smoke run)
     python -m benchmarks.bench_paths --json
+    python -m benchmarks.bench_paths --threads 1        # on a machine shared with other work (see below)
 
 Above the table, the machine the figures are read against: its CPU, cores,
 vector and matrix extensions, load average, the bandwidth of a large copy
@@ -31,6 +32,13 @@ measured, the goal, and whether it is met. Rows (`--rows`):
 `--quick` shrinks every shape and compiles with inner "eager" (no Inductor),
 so each row takes seconds; its figures say nothing about the goals, which
 are for the full shapes. Progress goes to stderr, the table to stdout.
+
+On a machine whose cores other work also uses, torch's default threads
+(one per core) wait on each other in every parallel kernel: a prefill of
+0.27 s with one thread took 3 to 12 s with two on 2 loaded cores. Every
+row's figure is a ratio to a rate measured with the same threads, so
+`--threads 1` keeps them comparable there; the compile row's processes
+use torch's default.
 """
 
 from __future__ import annotations
@@ -91,8 +99,12 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="rows to measure, in order")
     parser.add_argument("--quick", action="store_true", help="small shapes, inner eager: seconds per row")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's; 1 on a machine shared with other work)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the table")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else FULL
     machine = measure_machine()
     if not args.json:
