@@ -34,8 +34,9 @@ so each row takes seconds; its figures say nothing about the goals, which
 are for the full shapes. Progress goes to stderr, the table to stdout.
 
 On a machine whose cores other work also uses, torch's default threads
-(one per core) wait on each other in every parallel kernel: a prefill of
-0.27 s with one thread took 3 to 12 s with two on 2 loaded cores. Every
+(one per core) wait on each other in every parallel kernel: generate's
+prefill of 8 x 1000 tokens took 0.25 to 0.33 s with one thread and 6 to
+13 s with two, on 2 cores at load average 6 to 9. Every
 row's figure is a ratio to a rate measured with the same threads, so
 `--threads 1` keeps them comparable there; the compile row's processes
 use torch's default.
