@@ -29,7 +29,8 @@ over chunks (NOTE [dynamic T] in `laplace_passes.fx.retile`; about 1.6x
 the static graph's time per token: the chunk-loop op runs its body op by
 op, outside Inductor's kernels): compiled once for every batch of two or
 more sequences and once for a single sequence (torch specialises size 1).
-So at most ten compiles per object, whatever the prompt lengths.
+So, with 256-token segments, at most ten compiles per object, whatever the
+prompt lengths.
 
 A compile that fails (e.g. a GLA written in plain PyTorch as a scan, which
 the passes do not recognise at a dynamic T and Inductor does not compile
