@@ -259,7 +259,7 @@ def measure_gla(sizes: dict) -> list[Row]:
     s = sizes["gla"]
     result = bench_gla.measure(s["shape"], s["chunk_size"], s["repeats"], baselines=False, inner=sizes["inner"])
     shares = result["compiled_fraction_per_round"]
-    shape = ", ".join(f"{k}={v}" for k, v in s["shape"].items())
+    shape = " ".join(f"{k}={v}" for k, v in s["shape"].items())
     path = f"GLA fwd+bwd {shape}, chunk {s['chunk_size']} / dense matmul"
     figure = f"{_figure(stats(shares), '.1%')} ({result['compiled_gflops']:.0f} GFLOP/s)"
     return [row(path, result["compiled_fraction_of_matmul"], figure, ">=", 0.50, "%")]
