@@ -159,17 +159,23 @@ class GatedLinearAttention(nn.Module):
         q = self.q_proj(x).unflatten(-1, (H, K))
         k = self.k_proj(x).unflatten(-1, (H, K))
         v = self.v_proj(x).unflatten(-1, (H, V))
-        gate_logits = self.gk_proj(x).unflatten(-1, (H, K))
-        if token_mask is not None:
-            # A masked token is the identity update of the state: k = 0 adds nothing, and logsigmoid(+inf) = 0
-            # is decay 1. Masking before logsigmoid keeps the gates provably <= 0 (NOTE [gates proven <= 0]).
-            masked = ~token_mask[:, :, None, None]
-            k = k.masked_fill(masked, 0.0)
-            gate_logits = gate_logits.masked_fill(masked, math.inf)
+        k, gate_logits = masked_keys_and_gates(k, self.gk_proj(x).unflatten(-1, (H, K)), token_mask)
         gk = F.logsigmoid(gate_logits) / self.gate_logit_normalizer
         o, state = gla(q, k, v, gk, initial_state=initial_state, output_final_state=output_final_state)
         o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
         return self.o_proj(o.flatten(-2)), state
+
+
+def masked_keys_and_gates(k: Tensor, gate_logits: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """k and the gate logits ([B, T, H, K]) with every masked token made the identity update of the state.
+
+    k = 0 adds nothing, and logsigmoid(+inf) = 0 is decay 1. Masking before logsigmoid keeps the gates
+    provably <= 0 (NOTE [gates proven <= 0]), so a masked graph keeps no run-time gate check.
+    """
+    if token_mask is None:
+        return k, gate_logits
+    masked = ~token_mask[:, :, None, None]
+    return k.masked_fill(masked, 0.0), gate_logits.masked_fill(masked, math.inf)
 
 
 class SwiGLU(nn.Module):

@@ -32,9 +32,9 @@ more sequences and once for a single sequence (torch specialises size 1).
 So, with 256-token segments, at most ten compiles per object, whatever the
 prompt lengths.
 
-A compile that fails (e.g. a GLA written in plain PyTorch as a scan, which
-the passes do not recognise at a dynamic T and Inductor does not compile
-there) does not fail the prefill: the model's own forward runs instead,
+A compile that fails (e.g. the graph of dynamic length of a GLA written in
+plain PyTorch as a scan, which the passes do not recognise at a dynamic T
+and Inductor does not compile there) does not fail the prefill: the model's own forward runs instead,
 now and at every later call, and a warning (kept in the report's notes)
 says why. An error the model's own forward raises too (bad token ids) is
 the caller's, and propagates.

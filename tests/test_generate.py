@@ -85,8 +85,12 @@ def test_default_prefill_is_compiled_once_per_bucket_and_gives_the_eager_tokens(
     assert forms == {"chunked: T = 256 > 64", "chunked: T = 128 > 64"}, forms
 
 
-def test_masked_tokens_leave_the_states_as_they_were(model):
-    """Padding at the end under token_mask: the unpadded prompt's states and logits (the eager forward, no compile)."""
+@pytest.mark.parametrize("name", ["tiny", "plain-tiny"])
+def test_masked_tokens_leave_the_states_as_they_were(name):
+    """Padding at the end under token_mask: the unpadded prompt's states and logits (the eager forward, no compile;
+    plain-tiny's recurrence is its own scan)."""
+    torch.manual_seed(0)
+    model = model_zoo.build(name).eval()
     prompt = torch.randint(1, 128, (2, 37), generator=torch.Generator().manual_seed(6))
     padded = torch.cat([prompt, torch.randint(0, 128, (2, 27), generator=torch.Generator().manual_seed(7))], dim=1)
     token_mask = torch.arange(64) < 37
