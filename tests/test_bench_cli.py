@@ -1,4 +1,4 @@
-"""`laplace-passes bench unroll|muon|decode|recognise|compile` run with their smallest arguments, and their figures agree.
+"""`laplace-passes bench unroll|muon|decode|recognise|compile|paths` run with their smallest arguments, and their figures agree.
 
 Performance is never asserted: each check is that a printed figure is what
 the other printed figures (or a formula written here) make it, so a ratio
