@@ -8,8 +8,9 @@ tokens of `tiny`, interleaved in every repeat:
 
 - default:  ``model.generate(prompt, 1)``: the default prefill,
   `model.compiled_prefill` (chunked GLA over 256-token segments through one
-  static graph, the rest through one graph of dynamic length; see
-  `model_zoo.prefill`), plus choosing the one new token;
+  static graph, the rest padded to a bucket of 128 or 256 tokens through
+  that bucket's static graph, the padding masked; see `model_zoo.prefill`),
+  plus choosing the one new token;
 - eager:    ``model.generate(prompt, 1, prefill="eager")``: the model's forward,
   the reference op (the token recurrence) per layer;
 - compiled: ``laplace_passes.compile(model, target="cpu", inner="inductor")``
@@ -19,8 +20,8 @@ tokens of `tiny`, interleaved in every repeat:
 Printed: each one's wall time (median [min-max] over repeats), and per
 repeat the ratios default / compiled and eager / compiled; the graphs the
 default prefill compiled after warm-ups at three lengths (`--length`,
-7 and 100 tokens shorter): at most two for a batch, the segment's and the
-rest's, whatever the lengths; the machine's copy bandwidth and dense fp32
+7 and 100 tokens shorter): at most two for a batch, the 256 bucket's (the
+segment's) and the 128 bucket's, whatever the lengths; the machine's copy bandwidth and dense fp32
 matmul rate measured in the same run; the load average before and after.
 """
 
@@ -36,41 +37,49 @@ import torch
 import laplace_passes
 import model_zoo
 from benchmarks.bench_decode import copy_bytes_per_s, matmul_flops_per_s
-from benchmarks.common import machine_lines, spread, stats
+from benchmarks.common import machine_lines, once, say, spread, stats
 
 FORMS = ("default", "eager", "compiled")
 
 
-def runners(model, batch: int, length: int) -> dict:
+def runners(model, batch: int, length: int, inner: str = "inductor", forms=FORMS) -> dict:
+    """The calls of each form in `forms`, each compiled and called once; the default prefill also at two shorter
+    lengths. `inner` is the compiled forward's inner compiler (the default prefill's is the model's own)."""
     prompt = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
-    compiled = laplace_passes.compile(model, target="cpu", inner="inductor")
-    forms = {
+    every = {
         "default": lambda: model.generate(prompt, 1),
         "eager": lambda: model.generate(prompt, 1, prefill="eager"),
-        "compiled": lambda: compiled(prompt),
     }
+    if "compiled" in forms:
+        compiled = laplace_passes.compile(model, target="cpu", inner=inner)
+        every["compiled"] = lambda: compiled(prompt)
+    chosen = {form: every[form] for form in forms}
     with torch.no_grad():
-        for run in forms.values():  # compiles, and a first call of each
-            run()
-        for shorter in (7, 100):  # two more lengths: the rest's graph is compiled once, then reused
-            model.generate(prompt[:, : max(1, length - shorter)], 1)
-    return forms
+        for form, run in chosen.items():  # compiles, and a first call of each
+            say(f"prefill: first call of {form} (a compile for default and compiled) ...")
+            say(f"  {once(run):.1f} s")
+        if "default" in forms:
+            for shorter in (7, 100):  # two more lengths: no compile when they fall in the same buckets
+                model.generate(prompt[:, : max(1, length - shorter)], 1)
+    return chosen
 
 
-def measure(model, batch: int, length: int, repeats: int) -> dict:
-    forms = runners(model, batch, length)
-    seconds = {form: [] for form in FORMS}
+def measure(model, batch: int, length: int, repeats: int, inner: str = "inductor", forms=FORMS) -> dict:
+    """Seconds of each form in `forms` (with "compiled"), interleaved with the machine's copy and matmul, and
+    each form's ratio to the compiled forward per repeat."""
+    chosen = runners(model, batch, length, inner, forms)
+    seconds = {form: [] for form in chosen}
     bandwidths, rates = [], []
     with torch.no_grad():
         for _ in range(repeats):
             bandwidths.append(copy_bytes_per_s())
             rates.append(matmul_flops_per_s())
-            for form, run in forms.items():
+            for form, run in chosen.items():
                 start = time.perf_counter()
                 run()
                 seconds[form].append(time.perf_counter() - start)
     ratios = {f"{form}_over_compiled": [a / c for a, c in zip(seconds[form], seconds["compiled"])]
-              for form in ("default", "eager")}
+              for form in chosen if form != "compiled"}
     return {
         "seconds": {form: stats(s) for form, s in seconds.items()},
         "ratios": {name: stats(r) for name, r in ratios.items()},

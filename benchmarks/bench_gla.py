@@ -65,12 +65,12 @@ def forward_backward(fn, inputs, **kwargs):
     return run
 
 
-def compiled_gla(chunk_size: int, save_residuals: bool = True):
+def compiled_gla(chunk_size: int, save_residuals: bool = True, inner: str = "inductor"):
     def call_gla(q, k, v, gk):
         return gla(q, k, v, gk)
 
     target = CPU.with_overrides(save_residuals=save_residuals)
-    return laplace_passes.compile(call_gla, target=target, chunk_size=chunk_size, inner="inductor")
+    return laplace_passes.compile(call_gla, target=target, chunk_size=chunk_size, inner=inner)
 
 
 def main(argv=None) -> dict:
@@ -87,42 +87,47 @@ def main(argv=None) -> dict:
                         help="also time each version with a backward that recomputes the chunk states and tril(A)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    results = measure({k: getattr(args, k) for k in ("B", "T", "H", "K", "V")}, args.chunk_size, args.repeats,
+                      compiled=not args.no_compiled, recompute_residuals=args.recompute_residuals)
+    print(json.dumps(results, indent=2) if args.json else _text(results))
+    return results
 
-    inputs = make_inputs(args.B, args.T, args.H, args.K, args.V)
+
+def measure(shape: dict, chunk_size: int, repeats: int, *, compiled: bool = True, recompute_residuals: bool = False,
+            baselines: bool = True, inner: str = "inductor") -> dict:
+    """Forward + backward of each path at `shape` (B, T, H, K, V), interleaved with a dense matmul; `baselines`:
+    also the token recurrence and fla's naive_recurrent_gla, once each (seconds at T = 2048)."""
+    inputs = make_inputs(*(shape[k] for k in ("B", "T", "H", "K", "V")))
     a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
     candidates = {
-        "chunked": forward_backward(chunked_gla, inputs, chunk_size=args.chunk_size),
+        "chunked": forward_backward(chunked_gla, inputs, chunk_size=chunk_size),
         "matmul": lambda: a @ b,
     }
-    if args.recompute_residuals:
+    if recompute_residuals:
         candidates["chunked_recomputing"] = forward_backward(
-            chunked_gla, inputs, chunk_size=args.chunk_size, save_residuals=False)
-    if not args.no_compiled:
-        candidates["compiled"] = forward_backward(compiled_gla(args.chunk_size), inputs)
-        if args.recompute_residuals:
-            candidates["compiled_recomputing"] = forward_backward(compiled_gla(args.chunk_size, False), inputs)
+            chunked_gla, inputs, chunk_size=chunk_size, save_residuals=False)
+    if compiled:
+        candidates["compiled"] = forward_backward(compiled_gla(chunk_size, inner=inner), inputs)
+        if recompute_residuals:
+            candidates["compiled_recomputing"] = forward_backward(compiled_gla(chunk_size, False, inner), inputs)
     load_before = os.getloadavg()[0]
-    samples = interleaved_samples(candidates, repeats=args.repeats)
+    samples = interleaved_samples(candidates, repeats=repeats)
     timed = {name: statistics.median(times) for name, times in samples.items()}
     results = {
-        "shape": {k: getattr(args, k) for k in ("B", "T", "H", "K", "V")},
-        "chunk_size": args.chunk_size,
+        "shape": dict(shape),
+        "chunk_size": chunk_size,
         "threads": torch.get_num_threads(),
         "chunked_s": timed["chunked"],
         "compiled_s": timed.get("compiled"),
         "chunked_recomputing_s": timed.get("chunked_recomputing"),
         "compiled_recomputing_s": timed.get("compiled_recomputing"),
-        "recurrence_s": _timed_once("the token recurrence (laplace::gla)", forward_backward(gla, inputs)),
+        "recurrence_s": (_timed_once("the token recurrence (laplace::gla)", forward_backward(gla, inputs))
+                         if baselines else None),
         "matmul_gflops": MATMUL_FLOPS / timed["matmul"] / 1e9,
         "load_average": [load_before, os.getloadavg()[0]],
+        "fla_naive_s": _fla_naive_seconds(inputs) if baselines else None,
     }
-    try:
-        from fla.ops.gla.naive import naive_recurrent_gla
-    except ImportError:
-        results["fla_naive_s"] = None
-    else:
-        results["fla_naive_s"] = _timed_once("fla's naive_recurrent_gla", forward_backward(naive_recurrent_gla, inputs))
-    flops = gla_flops(args.B, args.T, args.H, args.K, args.V, args.chunk_size)
+    flops = gla_flops(*(shape[k] for k in ("B", "T", "H", "K", "V")), chunk_size)
     for name in ("chunked", "compiled", "chunked_recomputing", "compiled_recomputing"):
         seconds = results[f"{name}_s"]
         if seconds is None:
@@ -133,7 +138,8 @@ def main(argv=None) -> dict:
         results[f"{name}_fraction_per_round"] = [
             (flops / t) / (MATMUL_FLOPS / m) for t, m in zip(samples[name], samples["matmul"])
         ]
-        results[f"{name}_speedup_vs_recurrence"] = results["recurrence_s"] / seconds
+        if results["recurrence_s"] is not None:
+            results[f"{name}_speedup_vs_recurrence"] = results["recurrence_s"] / seconds
         if results["fla_naive_s"] is not None:
             results[f"{name}_speedup_vs_fla_naive"] = results["fla_naive_s"] / seconds
     for name in ("chunked", "compiled"):
@@ -142,8 +148,15 @@ def main(argv=None) -> dict:
             ratios = [r / k for r, k in zip(samples[f"{name}_recomputing"], samples[name])]
             results[f"{name}_keeping_residuals_speedup_per_round"] = ratios
             results[f"{name}_keeping_residuals_speedup"] = statistics.median(ratios)
-    print(json.dumps(results, indent=2) if args.json else _text(results))
     return results
+
+
+def _fla_naive_seconds(inputs) -> float | None:
+    try:
+        from fla.ops.gla.naive import naive_recurrent_gla
+    except ImportError:
+        return None
+    return _timed_once("fla's naive_recurrent_gla", forward_backward(naive_recurrent_gla, inputs))
 
 
 def _timed_once(what: str, fn) -> float:

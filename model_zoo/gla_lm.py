@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from laplace_passes.ops.gla import gla
-from model_zoo.inputs import check_hidden_states, check_token_ids
+from model_zoo.inputs import check_hidden_states, check_token_ids, check_token_mask
 
 FP32_BYTES = 4
 # Compiled callables kept on a model that hold the model itself: a copy must not call the original.
@@ -151,17 +151,31 @@ class GatedLinearAttention(nn.Module):
         self.o_proj = nn.Linear(value_dim, d, bias=False)
 
     def forward(
-        self, x: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False
+        self, x: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False,
+        token_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         check_hidden_states(x, self.q_proj.in_features)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         q = self.q_proj(x).unflatten(-1, (H, K))
         k = self.k_proj(x).unflatten(-1, (H, K))
         v = self.v_proj(x).unflatten(-1, (H, V))
-        gk = F.logsigmoid(self.gk_proj(x).unflatten(-1, (H, K))) / self.gate_logit_normalizer
+        k, gate_logits = masked_keys_and_gates(k, self.gk_proj(x).unflatten(-1, (H, K)), token_mask)
+        gk = F.logsigmoid(gate_logits) / self.gate_logit_normalizer
         o, state = gla(q, k, v, gk, initial_state=initial_state, output_final_state=output_final_state)
         o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
         return self.o_proj(o.flatten(-2)), state
+
+
+def masked_keys_and_gates(k: Tensor, gate_logits: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """k and the gate logits ([B, T, H, K]) with every masked token made the identity update of the state.
+
+    k = 0 adds nothing, and logsigmoid(+inf) = 0 is decay 1. Masking before logsigmoid keeps the gates
+    provably <= 0 (NOTE [gates proven <= 0]), so a masked graph keeps no run-time gate check.
+    """
+    if token_mask is None:
+        return k, gate_logits
+    masked = ~token_mask[:, :, None, None]
+    return k.masked_fill(masked, 0.0), gate_logits.masked_fill(masked, math.inf)
 
 
 class SwiGLU(nn.Module):
@@ -188,9 +202,10 @@ class GLABlock(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.mlp_size)
 
     def forward(
-        self, x: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False
+        self, x: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False,
+        token_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        h, state = self.attn(self.attn_norm(x), initial_state, output_final_state)
+        h, state = self.attn(self.attn_norm(x), initial_state, output_final_state, token_mask)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state
 
@@ -243,13 +258,19 @@ class GLALM(nn.Module):
         *,
         initial_states: list[Tensor] | None = None,
         output_final_states: bool = False,
+        token_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Logits ``[B, T, vocab]``; with `output_final_states`, also one fp32 state per layer.
 
         Passing those states back as `initial_states` continues the sequence, so
         prefill in pieces and token-by-token decode equal one full forward.
+        `token_mask` (bool ``[B, T]``, False for padding) leaves the states as they
+        were at every masked token, so a prompt padded at its end to a fixed length
+        returns its own final states (`model_zoo.prefill`); the logits at masked
+        positions mean nothing.
         """
         check_token_ids(input_ids)
+        check_token_mask(token_mask, input_ids)
         if initial_states is not None and len(initial_states) != len(self.layers):
             raise ValueError(
                 f"initial_states has {len(initial_states)} entries; the model has {len(self.layers)} layers"
@@ -257,7 +278,7 @@ class GLALM(nn.Module):
         x = self.embeddings(input_ids)
         states = []
         for i, layer in enumerate(self.layers):
-            x, state = layer(x, None if initial_states is None else initial_states[i], output_final_states)
+            x, state = layer(x, None if initial_states is None else initial_states[i], output_final_states, token_mask)
             states.append(state)
         logits = self.lm_head(self.norm(x))
         return (logits, states) if output_final_states else logits

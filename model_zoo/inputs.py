@@ -26,6 +26,18 @@ def check_token_ids(input_ids: object, name: str = "input_ids") -> None:
                         f"cast them with {name}.long()")
 
 
+def check_token_mask(token_mask: object, input_ids: torch.Tensor) -> None:
+    """`token_mask`, when given, must be a bool tensor of `input_ids`' shape (True: a real token)."""
+    if token_mask is None:
+        return
+    if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool \
+            or token_mask.shape != input_ids.shape:
+        got = (f"dtype {token_mask.dtype}, shape {list(token_mask.shape)}" if isinstance(token_mask, torch.Tensor)
+               else type(token_mask).__name__)
+        raise ValueError(f"token_mask must be a bool tensor of input_ids' shape {list(input_ids.shape)} (True for a "
+                         f"real token), got {got}: pass input_ids != pad_id")
+
+
 def _rank_hint(name: str, shape: list[int]) -> str:
     if len(shape) == 1:
         return f": for one sequence pass {name}[None] (shape [1, {shape[0]}])"

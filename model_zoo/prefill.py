@@ -9,26 +9,32 @@ the same recurrence (segments end on chunk boundaries). Whole segments run
 one graph compiled for that static length: re-tiled and unrolled over its
 chunks, as fast per token as the model compiled for the whole prompt
 (`benchmarks/bench_generate.py`). The rest of the prompt, shorter than a
-segment, runs one graph compiled with the length dynamic, whose GLA sites
-keep the chunked form as a runtime loop over chunks (NOTE [dynamic T] in
-`laplace_passes.fx.retile`; about 1.6x the static graph's time per token:
-the chunk-loop op runs its body op by op, outside Inductor's kernels). A
-rest of at most one chunk runs the model's own forward (the reference op):
-at most `chunk_size` steps of the token recurrence, where the two forms cost
-about the same (why `recurrent_max_tokens` of target "cpu" is 64).
+segment, is padded at its end to a bucket (`bucket`: 128 or 256 tokens, two
+chunks doubled until it fits, at most a segment) and runs that bucket's
+static graph, the padding masked: `GLALM.forward`'s ``token_mask`` makes a
+masked token the identity update of every state (k = 0, gate 0: decay 1),
+so the states returned are the prompt's own, and the padding's logits are
+dropped. A rest of at most one chunk runs the model's own forward (the
+reference op): at most `chunk_size` steps of the token recurrence, where
+the two forms cost about the same (why `recurrent_max_tokens` of target
+"cpu" is 64). (A ``seq_buckets`` compile pads the prompt too, but without
+a mask, and refuses to return states.)
 
-Nothing is padded, so the final states are the prompt's own (a
-``seq_buckets`` compile pads the prompt, and refuses to return states).
-Graphs: the static segment graph once per batch size (an op with any
-symbolic size, the batch's too, is not unrolled), for the first
-`SEGMENT_BATCH_SIZES` (4) batch sizes; a prompt of a further batch size
-runs the rest's graph whole. The rest's graph once for every batch of two
-or more sequences and once for a single sequence (torch specialises size
-1). So at most six compiles per object, whatever the prompt lengths.
+Graphs: one static graph per bucket length (the segment is the largest
+bucket) and batch size (an op with any symbolic size, the batch's too, is
+not unrolled), for the first `SEGMENT_BATCH_SIZES` (4) batch sizes. A
+prompt of a further batch size runs one graph compiled with the length
+dynamic, whole, whose GLA sites keep the chunked form as a runtime loop
+over chunks (NOTE [dynamic T] in `laplace_passes.fx.retile`; about 1.6x
+the static graph's time per token: the chunk-loop op runs its body op by
+op, outside Inductor's kernels): compiled once for every batch of two or
+more sequences and once for a single sequence (torch specialises size 1).
+So, with 256-token segments, at most ten compiles per object, whatever the
+prompt lengths.
 
-A compile that fails (e.g. a GLA written in plain PyTorch as a scan, which
-the passes do not recognise at a dynamic T and Inductor does not compile
-there) does not fail the prefill: the model's own forward runs instead,
+A compile that fails (e.g. the graph of dynamic length of a GLA written in
+plain PyTorch as a scan, which the passes do not recognise at a dynamic T
+and Inductor does not compile there) does not fail the prefill: the model's own forward runs instead,
 now and at every later call, and a warning (kept in the report's notes)
 says why. An error the model's own forward raises too (bad token ids) is
 the caller's, and propagates.
@@ -73,18 +79,19 @@ class CompiledPrefill:
         self.segment_tokens = segment_tokens
         self.report = laplace_passes.Report()
         self.declined: str | None = None  # why the compiled forward is not used, once it failed
-        self.segment_batch_sizes: set[int] = set()  # the batch sizes the static segment graph was compiled for
+        self.segment_batch_sizes: set[int] = set()  # the batch sizes the static graphs were compiled for
+        self._options = dict(target=target, inner=inner, report=self.report, **options)
+        # One static graph per bucket length, made at its first use (`_bucket_graph`).
+        self._bucket_graphs: dict[int, Any] = {}
         # Code objects of their own: Dynamo's cache and its recompile limit are kept per code object.
-        # Static: an op with any symbolic size (the batch too) is not unrolled (laplace_passes.unroll.chunk_loops).
-        self._segment_graph = laplace_passes.compile(
-            fresh_code(self._forward), target=target, inner=inner, dynamic=False, report=self.report, **options
-        )
-        self._rest_graph = laplace_passes.compile(
-            fresh_code(self._forward), target=target, inner=inner, dynamic=None, report=self.report, **options
-        )
+        self._rest_graph = laplace_passes.compile(fresh_code(self._forward), dynamic=None, **self._options)
 
     def _forward(self, input_ids: Tensor, states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         return self.model(input_ids, initial_states=states, output_final_states=True)
+
+    def _masked_forward(self, input_ids: Tensor, token_mask: Tensor,
+                        states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        return self.model(input_ids, initial_states=states, output_final_states=True, token_mask=token_mask)
 
     def __call__(self, input_ids: Tensor, *, output_final_states: bool = True):
         """Logits ``[B, T, vocab]`` and each layer's final state, as ``model(input_ids, output_final_states=True)``.
@@ -106,22 +113,52 @@ class CompiledPrefill:
             return result
 
     def _segments(self, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """Whole segments through the static graph, the rest through the dynamic one (or the forward)."""
+        """Whole segments and the rest through static graphs (the rest padded to its bucket), or the dynamic one."""
         states = self._zero_states(input_ids)
         pieces = []
         T, B = input_ids.shape[TIME_DIM], input_ids.shape[BATCH_DIM]
-        with_segments = self._segment_graph_takes(B)
-        segment = self.segment_tokens if with_segments else T
+        static = self._static_graphs_take(B)
+        segment = self.segment_tokens if static else T
         for start in range(0, T, segment):
             piece = input_ids[:, start:start + segment]
-            if with_segments and piece.shape[TIME_DIM] == segment:
-                logits, states = self._segment_graph(piece.clone(memory_format=torch.contiguous_format), states)
-            elif piece.shape[TIME_DIM] > self.chunk_size:
-                logits, states = self._rest_graph(*self._marked(piece, states))
-            else:
+            if piece.shape[TIME_DIM] <= self.chunk_size:
                 logits, states = self.model(piece, initial_states=states, output_final_states=True)
+            elif static:
+                logits, states = self._padded(piece, states)
+            else:
+                logits, states = self._rest_graph(*self._marked(piece, states))
             pieces.append(logits)
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=TIME_DIM)), states
+
+    def bucket(self, tokens: int) -> int:
+        """The static length a piece of `tokens` runs at: two chunks, doubled until it fits, at most a segment."""
+        size = 2 * self.chunk_size
+        while size < tokens:
+            size *= 2
+        return min(size, self.segment_tokens)
+
+    def _padded(self, piece: Tensor, states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """`piece` padded at its end to its bucket, through that bucket's graph, the padding masked.
+
+        A masked token leaves every state as it was (`GLALM.forward`'s token_mask), so the states
+        returned are those at the piece's last real token; the padding's logits are dropped.
+        """
+        B, tokens = piece.shape
+        length = self.bucket(tokens)
+        padded = piece.new_zeros(B, length)  # token id 0 as padding: any valid id will do
+        padded[:, :tokens] = piece
+        token_mask = torch.zeros(B, length, dtype=torch.bool, device=piece.device)
+        token_mask[:, :tokens] = True
+        logits, states = self._bucket_graph(length)(padded, token_mask, states)
+        return logits[:, :tokens], states
+
+    def _bucket_graph(self, length: int):
+        graph = self._bucket_graphs.get(length)
+        if graph is None:
+            # Static: an op with any symbolic size (the batch too) is not unrolled (laplace_passes.unroll.chunk_loops).
+            graph = laplace_passes.compile(fresh_code(self._masked_forward), dynamic=False, **self._options)
+            self._bucket_graphs[length] = graph
+        return graph
 
     def _zero_states(self, input_ids: Tensor) -> list[Tensor]:
         """Zero states (the forward's own start): one graph signature for the first segment and the later ones."""
@@ -129,8 +166,8 @@ class CompiledPrefill:
         shape = (input_ids.shape[BATCH_DIM], c.num_heads, c.head_k_dim, c.head_v_dim)
         return [torch.zeros(shape, dtype=torch.float32, device=input_ids.device) for _ in range(c.num_layers)]
 
-    def _segment_graph_takes(self, batch: int) -> bool:
-        """Whether the segment graph runs this batch size: each new one costs a compile, up to a bound."""
+    def _static_graphs_take(self, batch: int) -> bool:
+        """Whether the static graphs run this batch size: each new one costs a compile per bucket, up to a bound."""
         if batch not in self.segment_batch_sizes and len(self.segment_batch_sizes) >= SEGMENT_BATCH_SIZES:
             return False
         self.segment_batch_sizes.add(batch)

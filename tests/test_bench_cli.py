@@ -1,4 +1,4 @@
-"""`laplace-passes bench unroll|muon|decode|recognise|compile` run with their smallest arguments, and their figures agree.
+"""`laplace-passes bench unroll|muon|decode|recognise|compile|paths` run with their smallest arguments, and their figures agree.
 
 Performance is never asserted: each check is that a printed figure is what
 the other printed figures (or a formula written here) make it, so a ratio
@@ -240,3 +240,25 @@ def test_bench_compile_splits_the_first_call_into_stages_within_its_total(capfd)
     assert seconds["Inductor codegen"] == seconds["C++ compile (waited)"] == 0  # no Inductor with inner eager
     graphs = dict(re.findall(r"^  graph (\w+) +\d+ -> +(\d+) nodes$", out, re.M))
     assert set(graphs) == {"dynamo_0", "forward_0", "backward_0"}, out
+
+
+PATH_ROW = re.compile(r"^(?P<path>(?:prefill|decode|GLA|compile)\S*.*?)  +(?P<median>-?[\d.,]+)(?P<unit>x|%| s)(?![\w.])"
+                      r".*?  (?P<comparison><=|>=) (?P<goal>[\d.]+)(?P<goal_unit>x|%| s)  +(?P<met>yes|no)$", re.M)
+
+
+def test_bench_paths_quick_prints_every_row_of_the_table_with_a_figure(capfd):
+    """Every path of the goal table, one row each, under the machine's figures; met agrees with figure and goal."""
+    out = bench(capfd, "paths", "--quick")
+    assert re.search(r"^machine: .+, \d+ cores, torch .+ with \d+ threads$", out, re.M), out
+    assert re.search(r"^  copy bandwidth [\d.]+ \[[\d.]+-[\d.]+\] GB/s; dense fp32 matmul [\d.]+ \[[\d.]+-[\d.]+\] "
+                     r"GFLOP/s$", out, re.M), out
+    rows = [m.groupdict() for m in PATH_ROW.finditer(out)]
+    assert [(r["path"].split(":")[0].split()[0], r["comparison"], r["goal"], r["goal_unit"]) for r in rows] == [
+        ("prefill", "<=", "1.25", "x"), ("decode", ">=", "60", "%"), ("GLA", ">=", "50", "%"),
+        ("compile", "<=", "25", " s"), ("compile", "<=", "40", " s")], out
+    assert rows[3]["path"].endswith("cpu") and rows[4]["path"].endswith("trn2")
+    for r in rows:
+        value, goal = float(r["median"].replace(",", "")), float(r["goal"])
+        assert r["unit"].strip() == r["goal_unit"].strip(), r
+        met = value <= goal if r["comparison"] == "<=" else value >= goal
+        assert r["met"] == ("yes" if met else "no"), r

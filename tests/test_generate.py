@@ -72,16 +72,18 @@ def test_bucketed_prefill_at_a_bucket_equals_eager_and_refuses_a_padded_prompt(m
         model.generate(prompt[:, :10], 5, prefill=prefill)
 
 
-def test_default_prefill_is_compiled_once_for_every_length_and_gives_the_eager_tokens(model):
-    """Static 256-token segments, then the rest through a dynamic-length graph: eager's tokens, no recompile."""
+def test_default_prefill_is_compiled_once_per_bucket_and_gives_the_eager_tokens(model):
+    """Static 256-token segments, then the rest padded to its bucket (128 or 256): eager's tokens, no recompile
+    for a second length in a bucket."""
     generator = torch.Generator().manual_seed(2)
     prefill = model.compiled_prefill
     graphs = []
-    for length in (640, 700):  # two segments, then 128 tokens (two chunks); then 188 (the last chunk padded)
+    # Rests: 128 (bucket 128), 188 and 232 (bucket 256, the segment's graph), none, 20 (the model's forward).
+    for length in (640, 700, 1000, 1024, 1300):
         prompt = torch.randint(1, 128, (2, length), generator=generator)
         default = model.generate(prompt, 6, return_logits=True, decode="eager")
         reference = model.generate(prompt, 6, return_logits=True, decode="eager", prefill="eager")
-        assert torch.equal(default.tokens, reference.tokens)
+        assert torch.equal(default.tokens, reference.tokens), length
         torch.testing.assert_close(default.logits, reference.logits)
         with torch.no_grad():  # every position's logits, and the states decode continues from
             logits, states = prefill(prompt)
@@ -89,10 +91,35 @@ def test_default_prefill_is_compiled_once_for_every_length_and_gives_the_eager_t
         torch.testing.assert_close(logits, expected_logits)
         torch.testing.assert_close(states, expected_states)
         graphs.append(prefill.graphs_compiled())
-    assert graphs == [2, 2], prefill.report.graphs  # the segment's graph and the rest's; the second length: none
+    assert graphs == [2, 2, 2, 2, 2], prefill.report.graphs  # the 256 bucket's graph and the 128's; then none
+    assert sorted(prefill._bucket_graphs) == [128, 256]
     forms = {site.form for site in prefill.report.sites}
-    assert forms == {"chunked: T = 256 > 64", "chunked, kept as a runtime loop: T is dynamic (chunks of 64 counted, "
-                     "and the last one padded, at run time)"}, forms
+    assert forms == {"chunked: T = 256 > 64", "chunked: T = 128 > 64"}, forms
+
+
+@pytest.mark.parametrize("name", ["tiny", "plain-tiny"])
+def test_masked_tokens_leave_the_states_as_they_were(name):
+    """Padding at the end under token_mask: the unpadded prompt's states and logits (the eager forward, no compile;
+    plain-tiny's recurrence is its own scan)."""
+    torch.manual_seed(0)
+    model = model_zoo.build(name).eval()
+    prompt = torch.randint(1, 128, (2, 37), generator=torch.Generator().manual_seed(6))
+    padded = torch.cat([prompt, torch.randint(0, 128, (2, 27), generator=torch.Generator().manual_seed(7))], dim=1)
+    token_mask = torch.arange(64) < 37
+    with torch.no_grad():
+        logits, states = model(padded, output_final_states=True, token_mask=token_mask.expand(2, 64))
+        expected_logits, expected_states = model(prompt, output_final_states=True)
+        _, unmasked_states = model(padded, output_final_states=True)
+    torch.testing.assert_close(logits[:, :37], expected_logits)
+    torch.testing.assert_close(states, expected_states)
+    assert not torch.allclose(unmasked_states[0], expected_states[0])  # the padding would change them unmasked
+
+
+def test_a_token_mask_of_the_wrong_shape_says_what_it_must_be(model):
+    with pytest.raises(ValueError, match=r"^token_mask must be a bool tensor of input_ids' shape \[2, 5\] \(True "
+                                         r"for a real token\), got dtype torch.bool, shape \[5\]: pass "
+                                         r"input_ids != pad_id$"):
+        model(torch.ones(2, 5, dtype=torch.long), token_mask=torch.ones(5, dtype=torch.bool))
 
 
 def test_batch_sizes_past_the_bound_run_the_dynamic_graph_whole(model, monkeypatch):

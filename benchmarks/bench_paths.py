@@ -1,0 +1,281 @@
+"""Every path of the project's goal table in one command, each row printed as soon as it is measured.
+
+    python -m benchmarks.bench_paths                    # every row at its full shape (a quarter of an hour on 2 cores)
+    python -m benchmarks.bench_paths --rows prefill decode
+    python -m benchmarks.bench_paths --quick            # small shapes, inner eager: seconds per row (a smoke run)
+    python -m benchmarks.bench_paths --json
+    python -m benchmarks.bench_paths --threads 1        # on a machine shared with other work (see below)
+
+Above the table, the machine the figures are read against: its CPU, cores,
+vector and matrix extensions, load average, the bandwidth of a large copy
+and the rate of a dense fp32 matmul. Each row: the path, the figure
+measured, the goal, and whether it is met. Rows (`--rows`):
+
+- prefill: ``model.generate(prompt, 1)``'s default prefill of `tiny`,
+  8 x 1024 tokens, over the same model compiled with backend="laplace"
+  (target cpu, Inductor) for the prompt's shape; median of the per-repeat
+  ratios (`benchmarks.bench_generate.measure`); goal <= 1.25x.
+- decode: `tiny` at 1,280 sequences through ``model.generate``, the steps
+  only: (generate of 66 tokens - generate of 2) / 64 per step, as tokens/s
+  over the binding roofline (the lower of memory: weights and states at the
+  copy bandwidth, and matmul: FLOPs at the dense rate, both measured in the
+  same repeat; `benchmarks.bench_decode`'s); goal >= 60%.
+- gla: GLA forward + backward, B=1, T=2048, H=4, K=128, V=256, chunk 128,
+  backend="laplace" with inner inductor, its FLOPs (the chunked algorithm's)
+  per second over the dense matmul rate measured in the same rounds
+  (`benchmarks.bench_gla.measure`); goal >= 50%.
+- compile: the first call (forward + backward) of `tiny`'s training step at
+  T = 2048, inner inductor, empty Inductor cache, in a fresh process per
+  target (`benchmarks.bench_compile.in_fresh_process`); goals cpu <= 25 s,
+  trn2 <= 40 s.
+
+`--quick` shrinks every shape and compiles with inner "eager" (no Inductor),
+so each row takes seconds; its figures say nothing about the goals, which
+are for the full shapes. Progress goes to stderr, the table to stdout.
+
+On a machine whose cores other work also uses, torch's default threads
+(one per core) wait on each other in every parallel kernel: generate's
+prefill of 8 x 1000 tokens took 0.25 to 0.33 s with one thread and 6 to
+13 s with two, on 2 cores at load average 6 to 9. Every
+row's figure is a ratio to a rate measured with the same threads, so
+`--threads 1` keeps them comparable there; the compile row's processes
+use torch's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Callable, Iterator
+
+import torch
+
+import model_zoo
+from benchmarks import bench_compile, bench_gla, bench_generate
+from benchmarks.bench_decode import copy_bytes_per_s, matmul_flops_per_s, step_costs
+from benchmarks.common import machine_lines, print_row, say, stats
+
+ROWS = ("prefill", "decode", "gla", "compile")
+# Shapes per row: the goal table's, and --quick's.
+FULL = {
+    "prefill": {"batch": 8, "length": 1024, "repeats": 5},
+    "decode": {"sequences": 1280, "steps": 64, "prompt": 16, "repeats": 3},
+    "gla": {"shape": {"B": 1, "T": 2048, "H": 4, "K": 128, "V": 256}, "chunk_size": 128, "repeats": 5},
+    "compile": {"seq_len": 2048},
+    "inner": "inductor",
+}
+QUICK = {
+    "prefill": {"batch": 2, "length": 100, "repeats": 1},
+    "decode": {"sequences": 4, "steps": 8, "prompt": 8, "repeats": 1},
+    "gla": {"shape": {"B": 1, "T": 128, "H": 1, "K": 16, "V": 32}, "chunk_size": 64, "repeats": 1},
+    "compile": {"seq_len": 64},
+    "inner": "eager",
+}
+COMPILE_GOALS = {"cpu": 25.0, "trn2": 40.0}  # seconds
+COMPARE = {"<=": operator.le, ">=": operator.ge}
+
+
+@dataclass
+class Row:
+    path: str
+    figure: str  # the measured value, as printed, with its spread
+    value: float
+    goal: str  # "<= 1.25x"
+    met: bool
+
+
+def row(path: str, value: float, figure: str, comparison: str, goal: float, unit: str) -> Row:
+    goal_text = f"{comparison} {goal:.0%}" if unit == "%" else f"{comparison} {goal:g}{unit}"
+    return Row(path, figure, value, goal_text, COMPARE[comparison](value, goal))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="rows to measure, in order")
+    parser.add_argument("--quick", action="store_true", help="small shapes, inner eager: seconds per row")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's; 1 on a machine shared with other work)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the table")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else FULL
+    machine = measure_machine()
+    if not args.json:
+        for line in machine_text(machine, args.quick):
+            print_row(line)
+    rows = []
+    for name in args.rows:
+        say(f"measuring {name} ...")
+        for measured in MEASURE[name](sizes):
+            rows.append(measured)
+            if not args.json:
+                print_row(row_text(measured))
+    load_end = os.getloadavg()  # the rows take minutes: the load they ran under
+    results = {"machine": machine, "quick": args.quick, "rows": [asdict(r) for r in rows], "load_average_end": load_end}
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_row("load average at the end " + " ".join(f"{x:.2f}" for x in load_end))
+    return results
+
+
+def measure_machine(repeats: int = 3) -> dict:
+    """The CPU (model, cores, extensions) and, measured now, its load, copy bandwidth and matmul rate."""
+    load_before = os.getloadavg()
+    bandwidths, rates = [], []
+    for _ in range(repeats):
+        bandwidths.append(copy_bytes_per_s() / 1e9)
+        rates.append(matmul_flops_per_s() / 1e9)
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "extensions": cpu_extensions(), "load_average_before": load_before,
+            "load_average_after": os.getloadavg(), "copy_GB_per_s": stats(bandwidths),
+            "matmul_GFLOP_per_s": stats(rates), "torch": torch.__version__}
+
+
+def cpu_model() -> str:
+    for line in _cpuinfo_lines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_extensions() -> list[str]:
+    """The AVX-512 and AMX flags the CPU reports (Linux's /proc/cpuinfo; none where it is absent)."""
+    for line in _cpuinfo_lines():
+        if line.startswith("flags"):
+            flags = line.split(":", 1)[1].split()
+            return sorted(f for f in flags if f.startswith(("avx512", "amx")))
+    return []
+
+
+def _cpuinfo_lines() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def machine_text(machine: dict, quick: bool) -> list[str]:
+    extensions = " ".join(machine["extensions"]) or "no AVX-512, no AMX"
+    lines = [
+        f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} with "
+        f"{machine['threads']} threads",
+        f"  {extensions}",
+        *machine_lines(machine["load_average_before"], machine["load_average_after"], machine["copy_GB_per_s"],
+                       machine["matmul_GFLOP_per_s"]),
+    ]
+    if quick:
+        lines.append("--quick: small shapes, inner eager; the goals are for the full shapes")
+    lines.append(f"{'path':<64}  {'measured: median [min-max]':<36}  {'goal':<10}  met")
+    return lines
+
+
+def row_text(measured: Row) -> str:
+    return f"{measured.path:<64}  {measured.figure:<36}  {measured.goal:<10}  {'yes' if measured.met else 'no'}"
+
+
+def _figure(cell: dict, fmt: str, unit: str = "") -> str:
+    """`median [min-max]` of a `stats` cell, the unit after each number."""
+    median, low, high = (format(cell[k], fmt) + unit for k in ("median", "min", "max"))
+    return f"{median} [{low}-{high}]"
+
+
+def _with_inner(model, inner: str):
+    """`model` whose generate() compiles its default prefill and decode step with `inner` (kept on the model)."""
+    if inner != "inductor":
+        from model_zoo.decode import DecodeStep
+        from model_zoo.prefill import CompiledPrefill
+
+        model.__dict__["_compiled_prefill"] = CompiledPrefill(model, inner=inner)
+        model.__dict__["_decode_step"] = DecodeStep(model, inner=inner)
+    return model
+
+
+def tiny(inner: str):
+    torch.manual_seed(0)
+    return _with_inner(model_zoo.build("tiny").eval(), inner)
+
+
+def measure_prefill(sizes: dict) -> list[Row]:
+    s = sizes["prefill"]
+    result = bench_generate.measure(tiny(sizes["inner"]), s["batch"], s["length"], s["repeats"], sizes["inner"],
+                                    forms=("default", "compiled"))
+    ratio = result["ratios"]["default_over_compiled"]
+    path = f"prefill: generate default / compiled forward, tiny {s['batch']} x {s['length']}"
+    return [row(path, ratio["median"], _figure(ratio, ".2f", "x"), "<=", 1.25, "x")]
+
+
+def measure_decode(sizes: dict) -> list[Row]:
+    s = sizes["decode"]
+    model = tiny(sizes["inner"])
+    result = decode_steps_through_generate(model, s["sequences"], s["steps"], s["prompt"], s["repeats"])
+    share = result["share_of_binding_roofline"]
+    path = (f"decode: tiny {s['sequences']} sequences, generate's steps / {result['binding']} roofline")
+    figure = f"{_figure(stats(share), '.1%')} ({statistics.median(result['tokens_per_s']):,.0f} tok/s)"
+    return [row(path, statistics.median(share), figure, ">=", 0.60, "%")]
+
+
+def decode_steps_through_generate(model, sequences: int, steps: int, prompt_len: int, repeats: int) -> dict:
+    """Tokens/s of generate's decode steps: (generate of steps + 2 tokens - generate of 2) / steps per step
+    (generate of n tokens runs n - 1 steps; the prefill cancels), beside both rooflines measured in each repeat."""
+    prompt = torch.randint(1, model.config.vocab_size, (sequences, prompt_len),
+                           generator=torch.Generator().manual_seed(sequences))
+    short, long = (lambda: model.generate(prompt, 2)), (lambda: model.generate(prompt, steps + 2))
+    say("decode: first calls of generate (the decode step compiles) ...")
+    short(), long()
+    weight_bytes, state_bytes, flops = step_costs(model)
+    out = {key: [] for key in ("tokens_per_s", "memory_roofline", "matmul_roofline", "share_of_binding_roofline")}
+    for repeat in range(repeats):
+        bandwidth, rate = copy_bytes_per_s(), matmul_flops_per_s()
+        seconds_short, seconds_long = _seconds(short), _seconds(long)
+        tokens_per_s = sequences * steps / (seconds_long - seconds_short)
+        memory = sequences * bandwidth / (weight_bytes + 2 * sequences * state_bytes)
+        matmul = rate / flops
+        for key, value in (("tokens_per_s", tokens_per_s), ("memory_roofline", memory), ("matmul_roofline", matmul),
+                           ("share_of_binding_roofline", tokens_per_s / min(memory, matmul))):
+            out[key].append(value)
+        say(f"  repeat {repeat + 1}/{repeats}: {tokens_per_s:,.0f} tokens/s")
+    out["binding"] = ("memory" if statistics.median(out["memory_roofline"]) < statistics.median(out["matmul_roofline"])
+                      else "matmul")
+    return out
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_gla(sizes: dict) -> list[Row]:
+    s = sizes["gla"]
+    result = bench_gla.measure(s["shape"], s["chunk_size"], s["repeats"], baselines=False, inner=sizes["inner"])
+    shares = result["compiled_fraction_per_round"]
+    shape = " ".join(f"{k}={v}" for k, v in s["shape"].items())
+    path = f"GLA fwd+bwd {shape}, chunk {s['chunk_size']} / dense matmul"
+    figure = f"{_figure(stats(shares), '.1%')} ({result['compiled_gflops']:.0f} GFLOP/s)"
+    return [row(path, result["compiled_fraction_of_matmul"], figure, ">=", 0.50, "%")]
+
+
+def measure_compile(sizes: dict) -> Iterator[Row]:
+    seq_len, inner = sizes["compile"]["seq_len"], sizes["inner"]
+    for target, goal in COMPILE_GOALS.items():  # each target's row as soon as its process is done
+        options = SimpleNamespace(seq_len=seq_len, inner=inner, compile_threads=None)
+        result = bench_compile.in_fresh_process(target, options)
+        path = f"compile: first call of tiny's training step, T={seq_len}, {target}"
+        yield row(path, result["total_s"], f"{result['total_s']:.1f} s", "<=", goal, " s")
+
+
+MEASURE = {"prefill": measure_prefill, "decode": measure_decode, "gla": measure_gla, "compile": measure_compile}
+
+
+if __name__ == "__main__":
+    main()
