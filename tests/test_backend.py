@@ -137,7 +137,7 @@ def test_dynamic_value_dimension_keeps_the_chunk_loop_as_a_runtime_loop():
     (site,) = report.sites
     assert site.status == "retiled" and site.shape["V"].startswith("s")
     (loop,) = report.graph_record("inference_0").loops
-    assert loop.reason.startswith("kept as a runtime loop: a dynamic size (s")
+    assert loop.reason.startswith("kept as a runtime loop: a dynamic size other than the batch (s")
 
 
 def test_default_scale_of_a_dynamic_head_size_is_declined_with_a_reason():
