@@ -93,6 +93,19 @@ def test_cpu_keeps_the_state_recurrence_one_op_so_its_graphs_do_not_grow_with_T(
     assert node_counts[0] == node_counts[1]
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("start", [None, "fp32", "bf16"])
+def test_chunk_recurrence_op_is_the_python_loop_bit_for_bit(reverse, start):
+    from laplace_passes.ops.chunked import chunk_recurrence_op
+    from laplace_passes.ops.chunked_forward import chunk_recurrence
+
+    gen = torch.Generator().manual_seed(1)
+    terms, decay = torch.randn(2, 3, 5, 4, 6, generator=gen), torch.rand(2, 3, 5, 4, 1, generator=gen)
+    h0 = None if start is None else torch.randn(2, 3, 4, 6, generator=gen).to(getattr(torch, {"fp32": "float32"}.get(start, "bfloat16")))
+    for got, expected in zip(chunk_recurrence_op(terms, decay, h0, reverse), chunk_recurrence(terms, decay, h0, reverse)):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
 def test_compilers_that_lower_and_the_neuron_targets_get_the_recurrence_unrolled():
     from laplace_passes.driver.config import CompileConfig
     from laplace_passes.driver.pipeline import Build, _unroll, graph_context

@@ -119,7 +119,7 @@ def chunk_recurrence_op(terms: Tensor, decay: Tensor, start: Tensor | None, reve
     autograd, and has no autograd formula of its own.
     """
     entering, final = chunk_recurrence(terms, decay, start, reverse)
-    return entering, (final.clone() if final is start else final)  # no chunks: an op's output may not alias its input
+    return entering, (final.clone() if final is start else final)  # no chunks: no output may alias an input
 
 
 @chunk_recurrence_op.register_fake
