@@ -121,9 +121,10 @@ class HardwareTarget:
     chunk_recurrence: how the unroll pass leaves chunked GLA's state recurrence over chunks (the
         only part whose size grows with T; `laplace_passes.unroll.chunk_loops`): "unrolled", one
         state update per chunk (what neuronx-cc takes), or "op", one `laplace::chunk_recurrence`
-        node running the same loop at run time, so the graph's size does not depend on T (on a
-        CPU Inductor then compiles a T = 2048 training step of `tiny` in about half the time:
-        `benchmarks/bench_compile.py`). Inner compilers that lower to StableHLO get it unrolled.
+        node running the same loop at run time, so the graph's size does not depend on T (with
+        Inductor's faster index analysis, the first call of `tiny`'s training step at T = 2048
+        took 0.69x the CPU seconds: `benchmarks/bench_compile.py`, docs/benchmarks.md). Inner
+        compilers that lower to StableHLO get it unrolled.
     """
 
     name: str
