@@ -300,3 +300,26 @@ def test_a_graph_specialised_past_the_recompile_limit_warns_once():
     assert "compiled for 3 shapes" in many[0] and "recompile_limit (2)" in many[0]
     assert "target trn2 compiles static shapes only" in many[0] and "seq_buckets" in many[0]
     assert len(report.specialised) == 4 and many[0] in report.notes and many[0] in str(report)
+
+
+def test_symbolic_batch_with_static_length_unrolls_one_graph_for_every_batch():
+    """cpu, batch marked dynamic, T static: the chunk loops are traced with a symbolic batch, not kept as loops."""
+    model = one_layer_tiny()
+    inner, seen = capture_inner()
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", options={"target": "cpu", "inner": inner, "report": report})
+    for B in (2, 3, 5):
+        ids = tokens(130, batch=B, seed=B)  # 3 chunks of 64, the last padded
+        torch._dynamo.mark_dynamic(ids, 0)
+        expected_logits, expected_grads = loss_and_grads(model, ids)
+        logits, grads = loss_and_grads(model, ids, compiled)
+        torch.testing.assert_close(logits, expected_logits, **TOL)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=name)
+
+    assert len(seen) == 2  # one forward and one backward graph for the three batches
+    assert not ops_of(seen) & set(CHUNK_LOOPS + TOKEN_RECURRENCE)
+    loops = [loop for g in report.graphs for loop in g.loops]
+    assert [(loop.kind, loop.trip_count, loop.status) for loop in loops] == [
+        ("laplace.chunked_gla", 3, "unrolled"), ("laplace.chunked_gla_backward", 3, "unrolled")]
+    assert any(not is_static(n.meta["val"]) for n in seen[0].graph.find_nodes(op="placeholder"))

@@ -160,6 +160,7 @@ def test_flag_scale_and_state_device_are_checked(fn, good):
     ("sub_chunk_size", 4.0, "HardwareTarget.sub_chunk_size must be a positive int, got 4.0"),
     ("recurrent_max_tokens", -1, "HardwareTarget.recurrent_max_tokens must be an int >= 0, got -1"),
     ("recurrent_readout", "dot", "HardwareTarget.recurrent_readout must be one of ('matmul', 'reduce'), got 'dot'"),
+    ("chunk_recurrence", "scan", "HardwareTarget.chunk_recurrence must be one of ('unrolled', 'op'), got 'scan'"),
     ("matmul_tile", (0, 512), "HardwareTarget.matmul_tile must be two positive ints (partition rows, free columns), "
                               "got (0, 512)"),
 ])

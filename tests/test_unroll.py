@@ -66,6 +66,64 @@ def test_unrolled_gla_at_2048_tokens_matches_eager_with_gradients():
     assert stacked == [[16], [16, 16]]
 
 
+def test_cpu_keeps_the_state_recurrence_one_op_so_its_graphs_do_not_grow_with_T():
+    """cpu: laplace::chunk_recurrence in place of one state update per chunk; same nodes at 4 and 11 chunks; eager's numbers."""
+    def f(q, k, v, gk, h0):
+        return laplace_passes.gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+
+    node_counts = []
+    for T in (200, 700):  # 4 and 11 chunks of 64
+        q, k, v, gk, h0 = make_inputs(1, T, 2, 8, 6, gate_divisor=0.5)
+        do, dstate = output_cotangents(1, T, 2, 8, 6)
+
+        def run(fn):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v, gk, h0)]
+            o, state = fn(*leaves)
+            return [o, state, *torch.autograd.grad((o * do).sum() + (state * dstate).sum(), leaves)]
+
+        capture, seen = capture_inner()
+        compiled = laplace_passes.compile(f, target="cpu", inner=capture)
+        for name, a, e in zip(["o", "state", "dq", "dk", "dv", "dgk", "dh0"], run(compiled), run(f)):
+            assert relative_rmse(a, e) < 1e-5, name
+        assert [n for gm in seen for n in gm.graph.nodes
+                if n.target == torch.ops.laplace.chunk_recurrence.default] != []
+        for gm in seen:
+            assert_straight_line(gm.code)
+        node_counts.append([len(gm.graph.nodes) for gm in seen])
+    assert node_counts[0] == node_counts[1]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("start", [None, "fp32", "bf16"])
+def test_chunk_recurrence_op_is_the_python_loop_bit_for_bit(reverse, start):
+    from laplace_passes.ops.chunked import chunk_recurrence_op
+    from laplace_passes.ops.chunked_forward import chunk_recurrence
+
+    gen = torch.Generator().manual_seed(1)
+    terms, decay = torch.randn(2, 3, 5, 4, 6, generator=gen), torch.rand(2, 3, 5, 4, 1, generator=gen)
+    h0 = None if start is None else torch.randn(2, 3, 4, 6, generator=gen).to(getattr(torch, {"fp32": "float32"}.get(start, "bfloat16")))
+    for got, expected in zip(chunk_recurrence_op(terms, decay, h0, reverse), chunk_recurrence(terms, decay, h0, reverse)):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_compilers_that_lower_and_the_neuron_targets_get_the_recurrence_unrolled():
+    from laplace_passes.driver.config import CompileConfig
+    from laplace_passes.driver.pipeline import Build, _unroll, graph_context
+    from laplace_passes.infra.inner import InnerCompiler
+
+    class Lowering(InnerCompiler):  # what stablehlo, iree and neuron declare
+        legalizes = True
+
+    def recurrence(target, inner):
+        config = CompileConfig.from_options({"target": target, "inner": inner})
+        build = Build(config, graph_context(config, "forward_0", "forward"), torch.fx.GraphModule({}, torch.fx.Graph()))
+        return _unroll(build).chunk_loops.recurrence
+
+    assert recurrence("cpu", "eager") == recurrence("cpu", "inductor") == "op"
+    assert recurrence("cpu", Lowering()) == "unrolled"
+    assert recurrence("trn2", "inductor") == recurrence("trn1", "eager") == "unrolled"
+
+
 def test_chunk_loop_op_pass_level():
     """UnrollLoops on a graph holding the op: same numbers, linted, the trip count recorded."""
     q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)

@@ -99,13 +99,19 @@ def _budget(build: Build) -> GraphPass:
                             forward_graphs=build.forward_graphs)
 
 
+def _unroll(build: Build) -> GraphPass:
+    config = build.config
+    # A compiler that lowers to StableHLO takes ATen ops only: the recurrence reaches it unrolled.
+    recurrence = "unrolled" if config.inner.legalizes else config.target.chunk_recurrence
+    return UnrollLoops("aten", decompositions=config.decompositions(), chunk_recurrence=recurrence)
+
+
 ATEN = (
     Step("muon_all_to_all", "option muon_all_to_all (default on), inference graphs holding a gather or Newton-Schulz",
          lambda c: c.muon_all_to_all, lambda b: RewriteMuonStep(target=b.config.target), _muon_graph),
     # GLA chunk-loop ops (and any scan / while_loop left) -> straight-line code, decomposed like the rest of
     # the graph for the inner compiler.
-    Step("unroll_loops", "always: GLA chunk-loop ops, scan / while_loop left", _always,
-         lambda b: UnrollLoops("aten", decompositions=b.config.decompositions())),
+    Step("unroll_loops", "always: GLA chunk-loop ops, scan / while_loop left", _always, _unroll),
     # What makes our graphs lowerable by torch-mlir (lowering/legalize.py, lowering/fold_constants.py).
     Step("clamp_gate_checks", "inner compilers that lower (stablehlo, iree, neuron)", _legalizes,
          lambda b: ClampGateChecks()),

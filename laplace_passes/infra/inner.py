@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping
 import torch.fx
 from functorch.compile import make_boxed_func
 
+from laplace_passes.infra.inductor_fast import fast_index_simplify
+
 
 class InnerCompiler:
     """The base of every inner compiler; subclasses set `name` and implement `compile`."""
@@ -92,7 +94,9 @@ class InductorCompiler(InnerCompiler):
         from torch._inductor.compile_fx import compile_fx_inner
 
         gm = _decomposed_for_inductor(gm, example_inputs)
-        return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+        with fast_index_simplify():  # the same kernels (NOTE [index strides without sympy.simplify])
+            return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
+                                    is_inference=kind == "inference")
 
     @staticmethod
     def partition_fn(*args, **kwargs):

@@ -68,6 +68,7 @@ class CollectiveConstraints:
 
 # How the recurrent form reads o_t = q_t S out of the state (`laplace_passes.ops.gla.gla_recurrence`).
 RECURRENT_READOUTS = ("matmul", "reduce")
+CHUNK_RECURRENCES = ("unrolled", "op")
 
 
 def _is_int(value: object) -> bool:
@@ -117,6 +118,13 @@ class HardwareTarget:
         form their graphs were sized and HBM-checked with: for laplace-3b at T = 2048 on trn2,
         keeping them would take 6% off the backward's estimated instructions per layer and
         add 5% to the activations saved for it, a trade to settle on the device.
+    chunk_recurrence: how the unroll pass leaves chunked GLA's state recurrence over chunks (the
+        only part whose size grows with T; `laplace_passes.unroll.chunk_loops`): "unrolled", one
+        state update per chunk (what neuronx-cc takes), or "op", one `laplace::chunk_recurrence`
+        node running the same loop at run time, so the graph's size does not depend on T (with
+        Inductor's faster index analysis, the first call of `tiny`'s training step at T = 2048
+        took 0.69x the CPU seconds: `benchmarks/bench_compile.py`, docs/benchmarks.md). Inner
+        compilers that lower to StableHLO get it unrolled.
     """
 
     name: str
@@ -131,6 +139,7 @@ class HardwareTarget:
     static_shapes: bool = False
     control_flow: bool = True
     save_residuals: bool = False
+    chunk_recurrence: str = "unrolled"
     collectives: CollectiveConstraints = field(default_factory=CollectiveConstraints)
     hbm_bytes_per_core: int | None = None
     logical_cores: int | None = None
@@ -147,6 +156,9 @@ class HardwareTarget:
         if self.recurrent_readout not in RECURRENT_READOUTS:
             raise ValueError(f"HardwareTarget.recurrent_readout must be one of {RECURRENT_READOUTS}, "
                              f"got {self.recurrent_readout!r}")
+        if self.chunk_recurrence not in CHUNK_RECURRENCES:
+            raise ValueError(f"HardwareTarget.chunk_recurrence must be one of {CHUNK_RECURRENCES}, "
+                             f"got {self.chunk_recurrence!r}")
         tile = self.matmul_tile
         if not (isinstance(tile, tuple) and len(tile) == 2 and all(_is_int(n) and n > 0 for n in tile)):
             raise ValueError(f"HardwareTarget.matmul_tile must be two positive ints (partition rows, free columns), "
@@ -232,6 +244,7 @@ CPU = HardwareTarget(
     recurrent_max_tokens=64,
     recurrent_readout="reduce",
     save_residuals=True,  # the backward's recomputation was about a tenth of a step (bench_gla.py)
+    chunk_recurrence="op",  # Inductor compiles one graph for any T (bench_compile.py)
 )
 
 TARGETS: dict[str, HardwareTarget] = {t.name: t for t in (TRN2, TRN1, CPU)}

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from laplace_passes.infra.checks import check_chunk_size, check_flag, check_gla_args, resolve_scale
-from laplace_passes.ops.chunked_forward import DEFAULT_SUB_CHUNK, ChunkLayout, chunk_plan, chunked_forward
+from laplace_passes.ops.chunked_forward import DEFAULT_SUB_CHUNK, ChunkLayout, chunk_plan, chunk_recurrence, chunked_forward
 from laplace_passes.ops.chunked_backward import chunked_backward
 from laplace_passes.infra.fx_helpers import tensor_bytes
 from laplace_passes.ops.gla import check_gates, refuse_double_backward
@@ -106,6 +106,26 @@ chunked_gla_op.register_autograd(_backward, setup_context=_setup_context)
 chunked_gla_backward_op.register_autograd(refuse_double_backward("laplace_passes.chunked_gla"))
 
 CHUNK_LOOP_OPS = (torch.ops.laplace.chunked_gla.default, torch.ops.laplace.chunked_gla_backward.default)
+
+
+@torch.library.custom_op("laplace::chunk_recurrence", mutates_args=())
+def chunk_recurrence_op(terms: Tensor, decay: Tensor, start: Tensor | None, reverse: bool) -> tuple[Tensor, Tensor]:
+    """`chunk_recurrence` as one op: (the state entering each chunk [B, H, N, K, V], the state after the last).
+
+    What the unroll pass leaves in place of the unrolled recurrence where the
+    target keeps it whole (`HardwareTarget.chunk_recurrence`, the cpu target):
+    one node whatever the number of chunks, running the same Python loop, so
+    the same values bit for bit. It appears in ATen graphs only, after
+    autograd, and has no autograd formula of its own.
+    """
+    entering, final = chunk_recurrence(terms, decay, start, reverse)
+    return entering, (final.clone() if final is start else final)  # no chunks: no output may alias an input
+
+
+@chunk_recurrence_op.register_fake
+def _chunk_recurrence_fake(terms, decay, start, reverse):
+    B, H, N, K, V = terms.shape
+    return terms.new_empty(B, H, N, K, V), terms.new_empty(B, H, K, V)
 
 
 def chunked_gla_saved_bytes(q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,

@@ -49,6 +49,7 @@ from laplace_passes.ops.chunked_forward import (
     FLUSH_BELOW,
     ChunkedInputs,
     IntraChunk,
+    Recurrence,
     causal_matmul,
     chunk_recurrence,
     entering_states,
@@ -56,13 +57,14 @@ from laplace_passes.ops.chunked_forward import (
 
 
 def leaving_state_gradients(
-    q_decayed: Tensor, grad_o: Tensor, chunk_decay: Tensor, grad_final_state: Tensor | None
+    q_decayed: Tensor, grad_o: Tensor, chunk_decay: Tensor, grad_final_state: Tensor | None,
+    recurrence: Recurrence = chunk_recurrence,
 ) -> tuple[Tensor, Tensor]:
     """dh_n, the gradient of the state leaving chunk n ([B, H, N, K, V]), and dh0.
 
     The forward's recurrence in reverse: dS_n = exp(G_last) * dS_{n+1} + Qd^T dO.
     """
-    return chunk_recurrence(q_decayed.transpose(-1, -2) @ grad_o, chunk_decay, grad_final_state, reverse=True)
+    return recurrence(q_decayed.transpose(-1, -2) @ grad_o, chunk_decay, grad_final_state, True)
 
 
 def chunked_backward(
@@ -78,11 +80,13 @@ def chunked_backward(
     scale: float,
     chunk_size: int,
     sub_chunk_size: int,
+    recurrence: Recurrence = chunk_recurrence,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, dgk in the inputs' dtypes; dh0 in fp32) of `chunked_forward`.
 
     `grad_final_state=None` means the final state was not used. `states` and
-    `scores` are the forward's residuals when it kept them, None to recompute them.
+    `scores` are the forward's residuals when it kept them, None to recompute them. `recurrence`
+    runs the recurrences over chunks, as in `chunked_forward`.
     """
     x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)
     do = x.layout.to_chunks(grad_o)
@@ -90,10 +94,10 @@ def chunked_backward(
     q_decay, k_decay, chunk_decay = intra.chunk_decays()
     q_decayed, k_to_end = x.q * q_decay, x.k * k_decay
     if states is None:
-        states, _ = entering_states(k_to_end, x.v, chunk_decay, initial_state)
+        states, _ = entering_states(k_to_end, x.v, chunk_decay, initial_state, recurrence)
     if scores is None:
         scores = intra.scores()
-    leaving, dh0 = leaving_state_gradients(q_decayed, do, chunk_decay, grad_final_state)
+    leaving, dh0 = leaving_state_gradients(q_decayed, do, chunk_decay, grad_final_state, recurrence)
 
     dq_intra, dk_intra = intra.gradients(do @ x.v.transpose(-1, -2))
     dv = causal_matmul(scores, do, reverse=True) + k_to_end @ leaving

@@ -113,6 +113,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -413,12 +414,18 @@ def chunk_recurrence(
     return torch.stack(entering, dim=2), h
 
 
-def entering_states(k_to_end: Tensor, v: Tensor, chunk_decay: Tensor, initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+# What runs the recurrence over chunks: `chunk_recurrence` (a Python loop: unrolled when traced) or a
+# function of the same signature, e.g. the `laplace::chunk_recurrence` op that a trace keeps as one node.
+Recurrence = Callable[[Tensor, Tensor, "Tensor | None", bool], "tuple[Tensor, Tensor]"]
+
+
+def entering_states(k_to_end: Tensor, v: Tensor, chunk_decay: Tensor, initial_state: Tensor | None,
+                    recurrence: Recurrence = chunk_recurrence) -> tuple[Tensor, Tensor]:
     """The state entering every chunk, [B, H, N, K, V], and the final state.
 
     S_{n+1} = exp(G_last) * S_n + (K exp(G_last - G))^T V, every chunk's update computed at once.
     """
-    return chunk_recurrence(k_to_end.transpose(-1, -2) @ v, chunk_decay, initial_state)
+    return recurrence(k_to_end.transpose(-1, -2) @ v, chunk_decay, initial_state, False)
 
 
 def chunked_forward(
@@ -430,6 +437,7 @@ def chunked_forward(
     scale: float,
     chunk_size: int,
     sub_chunk_size: int,
+    recurrence: Recurrence = chunk_recurrence,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """GLA chunk by chunk: o in q's dtype [B, T, H, V], then in fp32 the final state [B, H, K, V] and the residuals.
 
@@ -437,12 +445,13 @@ def chunked_forward(
     (NOTE [explicit chunked backward]): the states entering each chunk
     [B, H, N, K, V] and tril(A) [B, H, N, C', C'] (scaled, padded rows and all).
     Arguments are not checked here (see `laplace_passes.ops.chunked.chunked_gla`); this is
-    the body of the `laplace::chunked_gla` op, differentiable by autograd too.
+    the body of the `laplace::chunked_gla` op, differentiable by autograd too. `recurrence` runs the
+    states' recurrence over chunks (`chunk_recurrence`, or the op a trace keeps whole).
     """
     x = ChunkedInputs.build(q, k, v, gk, scale, chunk_size, sub_chunk_size)
     intra = IntraChunk(x.q, x.k, x.steps, x.layout.sub)
     scores = intra.scores()  # [B, H, N, C', C'], causal
     q_decay, k_decay, chunk_decay = intra.chunk_decays()
-    states, final_state = entering_states(x.k * k_decay, x.v, chunk_decay, initial_state)
+    states, final_state = entering_states(x.k * k_decay, x.v, chunk_decay, initial_state, recurrence)
     o = causal_matmul(scores, x.v) + (x.q * q_decay) @ states
     return x.layout.from_chunks(o, q.dtype), final_state, states, scores

@@ -17,9 +17,18 @@ state update, and copied in place of the node:
     ...                                                                        # chunks 1..15
     getitem_3 = the traced output
 
+Where the target keeps the state recurrence whole (`HardwareTarget.chunk_recurrence`
+"op", the cpu target, with an inner compiler that runs torch ops), the trace
+calls `laplace::chunk_recurrence` instead of unrolling it: the 16 copies above
+are one node, and the graph has the same nodes at any T:
+
+    chunk_recurrence = torch.ops.laplace.chunk_recurrence.default(bmm, unsqueeze_3, None, False)
+
 Traces are cached per signature, so the layers of a model share one trace.
-An op with a symbolic size (T or the batch) is declined: it stays in the
-graph as a runtime loop, which takes any size (NOTE [dynamic T] in
+A symbolic batch size is traced as it is: the body's shapes read it from
+its inputs (`sym_size` nodes), so one graph takes every batch. Any other
+symbolic size (T, heads, head dims) declines the op: it stays in the graph
+as a runtime loop, which takes any size (NOTE [dynamic T] in
 `laplace_passes.fx.retile`).
 The trace runs in the host graph's fake mode, so every new node carries a
 fake value in `meta["val"]` like the rest of an AOT graph.
@@ -27,24 +36,30 @@ fake value in `meta["val"]` like the rest of an AOT graph.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from laplace_passes.ops.chunked import CHUNK_LOOP_OPS
+from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunk_recurrence_op
 from laplace_passes.ops.chunked_backward import chunked_backward
-from laplace_passes.ops.chunked_forward import ChunkLayout, chunked_forward
+from laplace_passes.ops.chunked_forward import ChunkLayout, chunk_recurrence, chunked_forward
 from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, has_fake_value, provenance_of
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
-# The body each chunk-loop op runs, and the name the report gives its loop.
+# The body each chunk-loop op runs (given what runs its recurrence), and the name the report gives its loop.
 _BODIES: dict = {
-    CHUNK_LOOP_OPS[0]: ("laplace.chunked_gla", lambda *args: chunked_forward(*args[:-1])),  # all but save_residuals
-    CHUNK_LOOP_OPS[1]: ("laplace.chunked_gla_backward", chunked_backward),
+    CHUNK_LOOP_OPS[0]: ("laplace.chunked_gla",
+                        lambda *args, recurrence: chunked_forward(*args[:-1], recurrence=recurrence)),  # no save_residuals
+    CHUNK_LOOP_OPS[1]: ("laplace.chunked_gla_backward",
+                        lambda *args, recurrence: chunked_backward(*args, recurrence=recurrence)),
 }
+# What the traced body's recurrence over chunks becomes (`HardwareTarget.chunk_recurrence`).
+_RECURRENCES = {"unrolled": chunk_recurrence, "op": chunk_recurrence_op}
 # Where each op's (scale, chunk_size, sub_chunk_size) arguments begin: after its tensors
 # (q, k, v, gk, initial_state; the backward's grad_o, grad_final_state, states, scores).
 _SETTINGS_AT = {CHUNK_LOOP_OPS[0]: 5, CHUNK_LOOP_OPS[1]: 9}
@@ -66,21 +81,33 @@ def chunk_count(node: torch.fx.Node) -> int:
     T = q.shape[1]
     if not isinstance(T, int):
         raise Declined(f"kept as a runtime loop: T is dynamic ({T}); the op counts its chunks at run time")
-    dynamic = [f"{s}" for a in node.args for s in getattr(fake_tensor(a), "shape", ()) if not isinstance(s, int)]
+    dynamic = [f"{s}" for s in _sizes_beyond_batch(node) if not isinstance(s, int)]
     if dynamic:
-        # The trace is static (one copy of the body per chunk); the op itself takes any size.
-        raise Declined(f"kept as a runtime loop: a dynamic size ({dynamic[0]}); the body is traced at static "
-                       "shapes only")
+        # One copy of the body per chunk needs the chunk count; the op itself takes any size.
+        raise Declined(f"kept as a runtime loop: a dynamic size other than the batch ({dynamic[0]}); the body "
+                       "is traced with a symbolic batch only")
     at = _SETTINGS_AT[node.target]
     scale, chunk_size, sub_chunk_size = node.args[at : at + 3]
     return ChunkLayout.plan(T, chunk_size, sub_chunk_size).n_chunks
 
 
-class ChunkLoopExpander:
-    """Traces each chunk-loop op's body once per signature and inlines it."""
+def _sizes_beyond_batch(node: torch.fx.Node) -> list:
+    """Every size of the op's tensor arguments but the leading batch dimension (the only one traced symbolically)."""
+    return [size for a in node.args for size in getattr(fake_tensor(a), "shape", ())[1:]]
 
-    def __init__(self, decompositions: dict | None = None) -> None:
+
+class ChunkLoopExpander:
+    """Traces each chunk-loop op's body once per signature and inlines it.
+
+    `recurrence`: "unrolled" (one state update per chunk) or "op" (the
+    recurrence kept as one `laplace::chunk_recurrence` node).
+    """
+
+    def __init__(self, decompositions: dict | None = None, recurrence: str = "unrolled") -> None:
+        if recurrence not in _RECURRENCES:
+            raise ValueError(f"recurrence must be one of {tuple(_RECURRENCES)}, got {recurrence!r}")
         self.decompositions = decompositions or {}
+        self.recurrence = recurrence
         self._traces: dict[tuple, torch.fx.GraphModule] = {}
 
     def expand(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
@@ -97,17 +124,28 @@ class ChunkLoopExpander:
         fakes = [fake_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
         key = (node.target, tuple(_signature(f) for f in fakes))
         if key not in self._traces:
-            body = _bind_constants(_BODIES[node.target][1], node.args)
+            body = _bind_constants(functools.partial(_BODIES[node.target][1], recurrence=_RECURRENCES[self.recurrence]),
+                                   node.args)
             tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
-            # The inputs are the host graph's fake tensors: make_fx traces in
-            # their fake mode, with their static shapes.
-            self._traces[key] = make_fx(body, decomposition_table=self.decompositions, tracing_mode="fake")(*tensors)
+            self._traces[key] = self._traced(body, tensors)
         return self._traces[key]
+
+    def _traced(self, body: Callable, tensors: list[torch.Tensor]) -> torch.fx.GraphModule:
+        """`body` traced on the host graph's fake tensors, in their fake mode.
+
+        Static shapes: make_fx's fake tracing. A symbolic batch: traced as
+        real tensors inside the host's fake mode, so the sizes come from the
+        inputs (`sym_size` nodes) with the host's own symbols.
+        """
+        if all(isinstance(size, int) for t in tensors for size in t.shape):
+            return make_fx(body, decomposition_table=self.decompositions, tracing_mode="fake")(*tensors)
+        with detect_fake_mode(tensors):
+            return make_fx(body, decomposition_table=self.decompositions, tracing_mode="real")(*tensors)
 
 
 def _signature(value) -> tuple:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, str(value.device))
+    if isinstance(value, torch.Tensor):  # a symbolic size by its name: SymInts do not hash
+        return ("tensor", tuple(map(str, value.shape)), value.dtype, str(value.device))
     return ("value", value)
 
 

@@ -37,11 +37,12 @@ class UnrollLoops(GraphPass):
 
     name = "unroll_loops"
 
-    def __init__(self, level: str, decompositions: dict | None = None) -> None:
+    def __init__(self, level: str, decompositions: dict | None = None, chunk_recurrence: str = "unrolled") -> None:
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         self.level = level
-        self.chunk_loops = ChunkLoopExpander(decompositions)
+        # chunk_recurrence: "op" keeps a GLA chunk loop's state recurrence as one node (ChunkLoopExpander).
+        self.chunk_loops = ChunkLoopExpander(decompositions, chunk_recurrence)
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records: list[LoopRecord] = []
