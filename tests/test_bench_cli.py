@@ -261,5 +261,7 @@ def test_bench_paths_quick_prints_every_row_of_the_table_with_a_figure(capfd):
     for r in rows:
         value, goal = float(r["median"].replace(",", "")), float(r["goal"])
         assert r["unit"].strip() == r["goal_unit"].strip(), r
+        if value == goal:  # printed rounded: a figure that rounds to its goal may lie on either side of it
+            continue
         met = value <= goal if r["comparison"] == "<=" else value >= goal
         assert r["met"] == ("yes" if met else "no"), r
