@@ -53,8 +53,7 @@ function that another thread entered would evaluate only its own
 differentiating guards too, and could run a graph made for other inputs.
 So a step skips guards only while its thread is the process's only Python
 thread (checked at every step; tqdm's monitor of progress bars aside); with
-another thread alive, every step
-evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
+another thread alive, every step evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
 (or a step built with it) never skips them.
 
 Batch sizes: the batch dimension is marked dynamic for B >= 2, so every

@@ -21,9 +21,8 @@ the two forms cost about the same (why `recurrent_max_tokens` of target
 a mask, and refuses to return states.)
 
 Graphs: one static graph per bucket length (the segment is the largest
-bucket) and batch size (an op with any symbolic size, the batch's too, is
-not unrolled), for the first `SEGMENT_BATCH_SIZES` (4) batch sizes. A
-prompt of a further batch size runs one graph compiled with the length
+bucket) and batch size (compiled with every size static), for the first
+`SEGMENT_BATCH_SIZES` (4) batch sizes. A prompt of a further batch size runs one graph compiled with the length
 dynamic, whole, whose GLA sites keep the chunked form as a runtime loop
 over chunks (NOTE [dynamic T] in `laplace_passes.fx.retile`; about 1.6x
 the static graph's time per token: the chunk-loop op runs its body op by
@@ -155,7 +154,7 @@ class CompiledPrefill:
     def _bucket_graph(self, length: int):
         graph = self._bucket_graphs.get(length)
         if graph is None:
-            # Static: an op with any symbolic size (the batch too) is not unrolled (laplace_passes.unroll.chunk_loops).
+            # Every size static: one graph per bucket length and batch size (`_static_graphs_take` bounds them).
             graph = laplace_passes.compile(fresh_code(self._masked_forward), dynamic=False, **self._options)
             self._bucket_graphs[length] = graph
         return graph
