@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_demo                                   # the defaults: threads 1, 2 x seeds 0, 1
     python -m benchmarks.bench_demo --num-pairs 4 8 --muon-lr 0.02 0.05 --steps 600 --threads 1
+    python -m benchmarks.bench_demo --shift-keys on off --seed 0 --threads 1   # tiny with and without shifted keys
     laplace-passes bench demo --seq-len 32 64 --jobs 2
 
 Every combination of the listed values is one `run_demo` in its own process (a fresh interpreter,
@@ -35,8 +36,8 @@ from laplace_passes.demo.train import DemoConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 # (command-line option, DemoConfig field): the settings a sweep may vary, in the row's column order.
-AXES = (("--num-pairs", "num_pairs"), ("--seq-len", "seq_len"), ("--batch", "batch"), ("--steps", "steps"),
-        ("--muon-lr", "muon_lr"), ("--adamw-lr", "adamw_lr"), ("--seed", "seed"))
+AXES = (("--shift-keys", "shift_keys"), ("--num-pairs", "num_pairs"), ("--seq-len", "seq_len"), ("--batch", "batch"),
+        ("--steps", "steps"), ("--muon-lr", "muon_lr"), ("--adamw-lr", "adamw_lr"), ("--seed", "seed"))
 MEAN_OF = 10  # steps averaged for the first and the final loss
 QUARTERS = 4  # recall measurements per run
 
@@ -74,10 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=defaults.model)
     for option, field in AXES:
-        kind = float if field.endswith("_lr") else int
+        kind = _on_off if field == "shift_keys" else float if field.endswith("_lr") else int
         default = [0, 1] if field == "seed" else [getattr(defaults, field)]
         parser.add_argument(option, dest=field, type=kind, nargs="+", default=default,
-                            help=f"values to run (default {' '.join(map(str, default))})")
+                            help=f"values to run (default {' '.join(_shown(value) for value in default)})")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                         help="OMP_NUM_THREADS values to run (default 1 2)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -86,6 +87,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--save", metavar="FILE",
                         help="append each run's settings, losses (every step), recall and seconds to FILE, a JSON line each")
     return parser
+
+
+def _shown(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
 
 
 def run_one(model: str, run: dict) -> tuple[dict, dict]:
@@ -113,12 +124,12 @@ def _train_one(settings: str) -> None:
 
 
 def _header() -> str:
-    return (f"{'pairs':>5} {'T':>4} {'batch':>5} {'steps':>5} {'muon_lr':>7} {'adamw_lr':>8} {'seed':>4} {'thr':>3} | "
+    return (f"{'shift':>5} {'pairs':>5} {'T':>4} {'batch':>5} {'steps':>5} {'muon_lr':>7} {'adamw_lr':>8} {'seed':>4} {'thr':>3} | "
             f"{'loss first':>10} {'final':>6} | {'recall after each quarter':>27} | {'train s':>7} {'wall s':>6}")
 
 
 def _row(run: dict, result: dict) -> str:
-    settings = (f"{run['num_pairs']:>5} {run['seq_len']:>4} {run['batch']:>5} {run['steps']:>5} "
+    settings = (f"{_shown(run['shift_keys']):>5} {run['num_pairs']:>5} {run['seq_len']:>4} {run['batch']:>5} {run['steps']:>5} "
                 f"{run['muon_lr']:>7g} {run['adamw_lr']:>8g} {run['seed']:>4} {run['threads']:>3}")
     if "error" in result:
         return f"{settings} | failed after {result['wall']:.0f} s: {result['error']}"

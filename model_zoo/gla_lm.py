@@ -48,12 +48,16 @@ class GLAConfig:
     hidden_ratio: int = 4
     norm_eps: float = 1e-6
     initializer_range: float = 0.02
+    # Keys from the previous token's input (see `shift_one_token`): off in every named config.
+    shift_keys: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "gate_low_rank_dim", "hidden_ratio"):
             _require_positive_int(name, getattr(self, name))
         if self.intermediate_size is not None:
             _require_positive_int("intermediate_size", self.intermediate_size)
+        if not isinstance(self.shift_keys, bool):
+            raise ValueError(f"shift_keys must be True or False, got {self.shift_keys!r}")
         # A non-positive normalizer would turn logsigmoid's gates positive (growing decay).
         for name in ("expand_k", "expand_v", "gate_logit_normalizer", "norm_eps", "initializer_range"):
             value = getattr(self, name)
@@ -129,6 +133,13 @@ class GatedLinearAttention(nn.Module):
     ``logsigmoid(.) / gate_logit_normalizer``: always <= 0 (the op requires
     it), and the normalizer keeps decays close to 1 at initialisation so that
     memory is long from the start.
+
+    With ``config.shift_keys`` the keys are projected from the previous
+    token's input (`shift_one_token`), so each token writes "previous token ->
+    this token" into the state: the one-token mixing that short convolutions
+    give fla's models, and what associative recall needs (a value is stored
+    under the key listed just before it). Without it the model must learn that
+    shift from its decay gates, which `tiny` does not within the demo's budget.
     """
 
     def __init__(self, config: GLAConfig):
@@ -138,6 +149,7 @@ class GatedLinearAttention(nn.Module):
         self.head_k_dim = config.head_k_dim
         self.head_v_dim = config.head_v_dim
         self.gate_logit_normalizer = config.gate_logit_normalizer
+        self.shift_keys = config.shift_keys
 
         self.q_proj = nn.Linear(d, key_dim, bias=False)
         self.k_proj = nn.Linear(d, key_dim, bias=False)
@@ -157,13 +169,18 @@ class GatedLinearAttention(nn.Module):
         check_hidden_states(x, self.q_proj.in_features)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         q = self.q_proj(x).unflatten(-1, (H, K))
-        k = self.k_proj(x).unflatten(-1, (H, K))
+        k = self.k_proj(shift_one_token(x) if self.shift_keys else x).unflatten(-1, (H, K))
         v = self.v_proj(x).unflatten(-1, (H, V))
         k, gate_logits = masked_keys_and_gates(k, self.gk_proj(x).unflatten(-1, (H, K)), token_mask)
         gk = F.logsigmoid(gate_logits) / self.gate_logit_normalizer
         o, state = gla(q, k, v, gk, initial_state=initial_state, output_final_state=output_final_state)
         o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
         return self.o_proj(o.flatten(-2)), state
+
+
+def shift_one_token(x: Tensor) -> Tensor:
+    """``x`` ([B, T, d]) one token later: position t holds x[t - 1], position 0 zeros."""
+    return F.pad(x, (0, 0, 1, 0))[:, :-1]
 
 
 def masked_keys_and_gates(k: Tensor, gate_logits: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -271,6 +288,11 @@ class GLALM(nn.Module):
         """
         check_token_ids(input_ids)
         check_token_mask(token_mask, input_ids)
+        if initial_states is not None and self.config.shift_keys:
+            raise ValueError(
+                "initial_states: a model with shift_keys cannot continue a sequence from its states (the first "
+                "token's key needs the previous token's input, which the states do not hold); run the whole sequence"
+            )
         if initial_states is not None and len(initial_states) != len(self.layers):
             raise ValueError(
                 f"initial_states has {len(initial_states)} entries; the model has {len(self.layers)} layers"
@@ -287,13 +309,23 @@ class GLALM(nn.Module):
         """Prefill then recurrent decode; see `model_zoo.generate.generate`."""
         from model_zoo.generate import generate
 
+        self._require_no_shift_keys("generate")
         return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def _require_no_shift_keys(self, what: str) -> None:
+        """Prefill and decode carry the states only; a shifted key also needs the previous token's input."""
+        if self.config.shift_keys:
+            raise ValueError(
+                f"{what}: not available for a model with shift_keys (prefill and decode carry the recurrent states "
+                "only, not the previous token's input its keys need); build the model without shift_keys to generate"
+            )
 
     @property
     def decode_step(self):
         """This model's compiled decode step (`model_zoo.decode.DecodeStep`), made at first use and kept."""
         step = self.__dict__.get("_decode_step")
         if step is None:
+            self._require_no_shift_keys("decode_step")
             from model_zoo.decode import DecodeStep  # imports laplace_passes' compile stack: only when decoding
 
             step = DecodeStep(self)
@@ -305,6 +337,7 @@ class GLALM(nn.Module):
         """This model's compiled prefill (`model_zoo.prefill.CompiledPrefill`), made at first use and kept."""
         prefill = self.__dict__.get("_compiled_prefill")
         if prefill is None:
+            self._require_no_shift_keys("compiled_prefill")
             from model_zoo.prefill import CompiledPrefill  # imports laplace_passes' compile stack: only when used
 
             prefill = CompiledPrefill(self)

@@ -1,13 +1,21 @@
 """Multi-query associative recall (MQAR), generated on the fly.
 
 The standard probe of how well a linear-attention model recalls: a sequence
-first lists key-value pairs, then asks for some keys again; after each asked
-key the model must produce that key's value.
+first lists key-value pairs, then asks for each key again in a random order;
+at each asked key the model must predict that key's value (next-token
+prediction: the target of an asked key's position is its value).
 
-    k3 v7 k1 v2 k9 v4 ... | k1 [v2] k9 [v4] k3 [v7] ... (pad)
+    k3 v7 k1 v2 k9 v4 ... | k1 _ k9 _ k3 _ ... (pad)      targets at the asked keys: v2 v4 v7 ...
 
 Keys and values use disjoint halves of the vocabulary (token 0 is padding), so
 chance accuracy is 1 / number of value tokens.
+
+The position after an asked key holds padding (``_``), not the value: with the
+answers in the input, a model could answer by elimination instead of recall
+(the last query's value is the one listed value not yet answered, the one
+before it one of two), which gives 52% accuracy at 4 pairs with no key-value
+association at all; the demo's model learned exactly that shortcut when the
+answers were shown.
 """
 
 from __future__ import annotations
@@ -41,6 +49,14 @@ class MQARTask:
     def chance(self) -> float:
         return 1.0 / (self.vocab_size - 1 - self.num_keys)
 
+    @property
+    def listed_chance(self) -> float:
+        """The accuracy of answering each asked key with one of the sequence's listed values at random.
+
+        What a model gets that remembers which values were listed but not which key each belongs to:
+        recall above it is key-value association."""
+        return 1.0 / self.num_pairs
+
     def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, T] and targets [B, T] (IGNORE except where a value must be recalled)."""
         B, P, T = batch_size, self.num_pairs, self.seq_len
@@ -53,8 +69,7 @@ class MQARTask:
         order = torch.rand(B, P, generator=generator).argsort(-1)
         asked_keys = keys.gather(1, order)
         asked_values = values.gather(1, order)
-        ids[:, 2 * P : 4 * P : 2] = asked_keys
-        ids[:, 2 * P + 1 : 4 * P : 2] = asked_values
+        ids[:, 2 * P : 4 * P : 2] = asked_keys  # the slots after them stay padding: no answer is shown
         targets = torch.full((B, T), IGNORE, dtype=torch.long)
         # Predict the value at the position of the asked key (next-token prediction).
         targets[:, 2 * P : 4 * P : 2] = asked_values

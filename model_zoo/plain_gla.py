@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan
 
-from model_zoo.gla_lm import GatedLinearAttention, GLAConfig, GLALM, masked_keys_and_gates
+from model_zoo.gla_lm import GatedLinearAttention, GLAConfig, GLALM, masked_keys_and_gates, shift_one_token
 from model_zoo.inputs import check_hidden_states
 
 
@@ -44,7 +44,7 @@ class PlainGatedLinearAttention(GatedLinearAttention):
         check_hidden_states(x, self.q_proj.in_features)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         q = self.q_proj(x).unflatten(-1, (H, K))
-        k = self.k_proj(x).unflatten(-1, (H, K))
+        k = self.k_proj(shift_one_token(x) if self.shift_keys else x).unflatten(-1, (H, K))
         v = self.v_proj(x).unflatten(-1, (H, V))
         k, gate_logits = masked_keys_and_gates(k, self.gk_proj(x).unflatten(-1, (H, K)), token_mask)
         g = F.logsigmoid(gate_logits) / self.gate_logit_normalizer

@@ -32,6 +32,8 @@ def test_demo_lowers_the_loss(capsys):
     # benchmarks/bench_demo.py).
     vocab = model_zoo.config("tiny").vocab_size
     assert result["chance"] == pytest.approx(1 / (vocab - 1 - (vocab - 1) // 2))
+    # One of the sequence's listed values at random: what recall without key-value association reaches.
+    assert result["listed_chance"] == pytest.approx(1 / DemoConfig().num_pairs)
     recalls = DemoConfig().eval_batch * DemoConfig().num_pairs  # the evaluation batch's recall positions
     correct = result["accuracy"] * recalls
     assert 0 <= result["accuracy"] <= 1 and correct == pytest.approx(round(correct))
@@ -46,7 +48,7 @@ def test_demo_subprocess_prints_progress_report_and_summary():
     assert "retile_gla" in done.stdout and "recall accuracy" in done.stdout
 
 
-DEMO_SETTINGS = ("num_pairs", "seq_len", "batch", "steps", "muon_lr", "adamw_lr", "seed")
+DEMO_SETTINGS = ("num_pairs", "shift_keys", "seq_len", "batch", "steps", "muon_lr", "adamw_lr", "seed")
 
 
 def test_the_readme_writes_out_the_demo_defaults():

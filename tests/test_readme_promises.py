@@ -216,9 +216,11 @@ def test_mqar_asks_each_listed_key_once_for_its_value():
         assert len(listed) == 8 and all(1 <= key <= 63 and 64 <= value <= 127 for key, value in listed.items())
         asked = [(pos, seq[pos]) for pos, t in enumerate(target) if t != IGNORE]
         assert sorted(key for _, key in asked) == sorted(listed)
-        assert all(target[pos] == listed[key] == seq[pos + 1] for pos, key in asked)
+        assert all(target[pos] == listed[key] and seq[pos + 1] == 0 for pos, key in asked)
+        # No value after the listing: an answer in the input would allow answering by elimination.
+        assert all(token < 64 for token in seq[16:])
         assert seq[32:] == [0] * 32  # padding
-    assert task.chance == 1 / 64
+    assert task.chance == 1 / 64 and task.listed_chance == 1 / 8
     # recall_accuracy counts the asked positions only: right everywhere there, wrong everywhere else.
     logits = torch.nn.functional.one_hot(targets.clamp_min(0), 128).float()
     logits[targets == IGNORE] = torch.nn.functional.one_hot(torch.tensor(5), 128).float()

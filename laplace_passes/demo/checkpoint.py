@@ -22,7 +22,7 @@ from typing import Any
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 # Settings that make a different training run: resuming across them would be silently wrong.
-RUN_SETTINGS = ("model", "batch", "seq_len", "num_pairs", "seed", "muon_lr", "adamw_lr")
+RUN_SETTINGS = ("model", "shift_keys", "batch", "seq_len", "num_pairs", "seed", "muon_lr", "adamw_lr")
 
 
 def newest_step(directory: str) -> int | None:

@@ -38,6 +38,9 @@ def plot_curves(result, path: str) -> None:
     loss_axes.set_title(f"MQAR: recall {result.accuracy:.1%} after {steps[-1]} steps")
     recall_axes.plot([step for step, _ in result.recalls], [accuracy for _, accuracy in result.recalls], marker="o")
     recall_axes.axhline(result.chance, linestyle="--", color="gray", label=f"chance {result.chance:.1%}")
+    if result.listed_chance is not None:  # above this line the model associates keys with values
+        recall_axes.axhline(result.listed_chance, linestyle=":", color="gray",
+                            label=f"a random listed value {result.listed_chance:.1%}")
     recall_axes.set_ylim(0, 1)
     recall_axes.set_ylabel("recall accuracy")
     recall_axes.set_xlabel("step")

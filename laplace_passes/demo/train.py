@@ -8,7 +8,11 @@
 Each step: the compiled model (GLA re-tiled into chunks of the target's size)
 predicts the recalled values, and ShardedMuon updates the hidden matrices
 (AdamW the embeddings and norms). At the end: recall accuracy on a fresh
-batch against chance, and the pass report.
+batch against chance and against a random one of the sequence's listed
+values (what recall without key-value association reaches), and the pass
+report. model_zoo's models are built with `shift_keys` (keys from the
+previous token, `model_zoo.gla_lm.GatedLinearAttention`) unless
+`shift_keys=False`: without it `tiny` stays at a random listed value's recall.
 
 Data-parallel: under torchrun (one node or several) every process joins the
 launcher's gloo group; `--world-size` W > 1 without torchrun starts W local
@@ -56,6 +60,10 @@ from laplace_passes.tools.memory import allocation_failures_as_errors, check_fit
 DEMO_MODELS = ("tiny", "plain-tiny", "fla-gla-tiny", "fla-hgrn2-tiny", "fla-retnet-tiny", "fla-rwkv6-tiny",
                "fla-gsa-tiny", "fla-lightnet-tiny")
 
+# model_zoo's own GLA models, which have GLAConfig.shift_keys; fla's models mix tokens their own way
+# (short convolutions, token shift) when their configs ask for it.
+SHIFTABLE_MODELS = ("tiny", "plain-tiny")
+
 MEMORY_FIX = "use a smaller --seq-len or --batch"
 
 # What a rank raises about the user's input or files (the settings, a checkpoint, memory): at W > 1 it is
@@ -68,10 +76,10 @@ class DemoConfig:
     model: str = "tiny"  # one of DEMO_MODELS
     # The defaults: the settings of benchmarks/bench_demo.py's sweep on which `tiny` clearly learns MQAR in
     # about a minute of 2 cores (the README quotes the recall band it measured over threads and seeds).
-    steps: int = 1200
+    steps: int = 200
     batch: int = 32  # the global batch: split over the ranks
-    seq_len: int = 16
-    num_pairs: int = 4
+    seq_len: int = 32
+    num_pairs: int = 8
     target: str = "trn2"
     inner: str = "eager"
     world_size: int = 1  # local processes to start (1 under torchrun: torchrun decides)
@@ -84,10 +92,20 @@ class DemoConfig:
     checkpoint_every: int | None = None  # steps between checkpoints; None: only at the end
     more_steps: int | None = None  # train this many steps past checkpoint_dir's newest checkpoint (`steps` unused)
     recall_every: int | None = None  # steps between evaluations of the recall during training (DemoResult.recalls)
+    # Keys from the previous token (GLAConfig.shift_keys). None: on for SHIFTABLE_MODELS. Without it `tiny`
+    # recalls no better than a random listed value within the demo's steps (README: the main job).
+    shift_keys: bool | None = None
 
     def __post_init__(self):
         if self.model not in DEMO_MODELS:
             raise ValueError(f"model must be one of {', '.join(DEMO_MODELS)}, got {self.model!r}")
+        if self.shift_keys is None:
+            self.shift_keys = self.model in SHIFTABLE_MODELS
+        if not isinstance(self.shift_keys, bool):
+            raise ValueError(f"shift_keys must be True, False or None, got {self.shift_keys!r}")
+        if self.shift_keys and self.model not in SHIFTABLE_MODELS:
+            raise ValueError(f"shift_keys is an option of model_zoo's models ({', '.join(SHIFTABLE_MODELS)}), "
+                             f"not of {self.model}: leave it unset for fla's models")
         for name in ("steps", "batch", "seq_len", "num_pairs", "world_size", "eval_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -126,15 +144,17 @@ class DemoResult:
     world_size: int = 1
     resumed_from: int | None = None  # the checkpoint's step this run started from
     recalls: list[tuple[int, float]] = field(default_factory=list)  # (step, recall accuracy): config.recall_every
+    listed_chance: float | None = None  # MQARTask.listed_chance: a random one of the sequence's listed values
 
     def summary(self) -> str:
         muon = ""
         if self.muon_received_ratio is not None:
             muon = f"; Muon step {muon_saving(self.muon_received_ratio, self.muon_ns_work_ratio)} after the rewrite"
         resumed = f" (resumed from step {self.resumed_from})" if self.resumed_from is not None else ""
+        listed = f"; a random listed value {self.listed_chance:.1%}" if self.listed_chance is not None else ""
         return (
             f"loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f} over {len(self.losses)} steps{resumed}; "
-            f"recall accuracy {self.accuracy:.1%} (chance {self.chance:.1%}); "
+            f"recall accuracy {self.accuracy:.1%} (chance {self.chance:.1%}{listed}); "
             f"{self.tokens_per_s:,.0f} training tokens/s; {self.seconds:.1f}s on {self.world_size} rank(s){muon}"
         )
 
@@ -280,7 +300,7 @@ def _build(config: DemoConfig, world_size: int) -> _Trainer:
     from model_zoo.muon import ShardedMuon
 
     torch.manual_seed(config.seed)  # same initial weights on every rank
-    model = model_zoo.build(config.model)
+    model = model_zoo.build(config.model, **({"shift_keys": True} if config.shift_keys else {}))
     task = MQARTask(vocab_size=model.config.vocab_size, num_pairs=config.num_pairs, seq_len=config.seq_len)
     compiled = laplace_passes.compile(model, target=config.target, inner=config.inner)
     muon_report = laplace_passes.Report()
@@ -416,6 +436,7 @@ def _result(config: DemoConfig, trainer: _Trainer, losses: list[float], seconds:
         losses=losses,
         accuracy=accuracy,
         chance=trainer.task.chance,
+        listed_chance=trainer.task.listed_chance,
         tokens_per_s=trained * config.batch * config.seq_len / seconds if trained else 0.0,
         seconds=seconds,
         report=report_text,

@@ -123,6 +123,9 @@ def _add_demo(commands) -> None:
                            "same command trains the same way at any world size")
     demo.add_argument("--seq-len", type=int, default=defaults.seq_len)
     demo.add_argument("--num-pairs", type=int, default=defaults.num_pairs, help="key-value pairs to recall")
+    demo.add_argument("--shift-keys", action=argparse.BooleanOptionalAction, default=None,
+                      help="keys from the previous token (GLAConfig.shift_keys; default: on for tiny and plain-tiny, "
+                           "whose recall stays at a random listed value's without it; fla's models: not available)")
     demo.add_argument("--target", default=defaults.target)
     demo.add_argument("--inner", default=defaults.inner)
     demo.add_argument("--world-size", type=int, default=defaults.world_size,
@@ -156,6 +159,7 @@ def _run_demo(args) -> int:
         check_can_plot(args.plot)  # before the training, which takes a minute
     steps = DemoConfig.steps if args.steps is None else args.steps
     config = DemoConfig(model=args.model, steps=steps, batch=args.batch, seq_len=args.seq_len, num_pairs=args.num_pairs,
+                        shift_keys=args.shift_keys,
                         target=args.target, inner=args.inner, world_size=args.world_size, seed=args.seed,
                         muon_lr=args.muon_lr, adamw_lr=args.adamw_lr,
                         progress=not args.no_progress, checkpoint_dir=args.checkpoint_dir,
