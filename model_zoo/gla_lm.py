@@ -293,6 +293,11 @@ class GLALM(nn.Module):
                 "initial_states: a model with shift_keys cannot continue a sequence from its states (the first "
                 "token's key needs the previous token's input, which the states do not hold); run the whole sequence"
             )
+        if token_mask is not None and self.config.shift_keys:
+            raise ValueError(
+                "token_mask: not available for a model with shift_keys (a token after padding would take its key "
+                "from the padding's input); run the sequences unpadded"
+            )
         if initial_states is not None and len(initial_states) != len(self.layers):
             raise ValueError(
                 f"initial_states has {len(initial_states)} entries; the model has {len(self.layers)} layers"

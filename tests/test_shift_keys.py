@@ -94,6 +94,8 @@ def test_paths_that_carry_only_the_states_refuse_a_model_with_shifted_keys():
     _, states = model(ids, output_final_states=True)
     with pytest.raises(ValueError, match=r"^initial_states: a model with shift_keys cannot continue a sequence"):
         model(ids, initial_states=states)
+    with pytest.raises(ValueError, match=r"^token_mask: not available for a model with shift_keys"):
+        model(ids, token_mask=torch.ones_like(ids, dtype=torch.bool))
     for what, call in (("generate", lambda: model.generate(ids, 2)), ("decode_step", lambda: model.decode_step),
                        ("compiled_prefill", lambda: model.compiled_prefill)):
         with pytest.raises(ValueError, match=rf"^{what}: not available for a model with shift_keys"):
