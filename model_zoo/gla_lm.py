@@ -173,9 +173,14 @@ class GatedLinearAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (H, V))
         k, gate_logits = masked_keys_and_gates(k, self.gk_proj(x).unflatten(-1, (H, K)), token_mask)
         gk = F.logsigmoid(gate_logits) / self.gate_logit_normalizer
-        o, state = gla(q, k, v, gk, initial_state=initial_state, output_final_state=output_final_state)
+        o, state = self.recurrence(q, k, v, gk, initial_state, output_final_state)
         o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
         return self.o_proj(o.flatten(-2)), state
+
+    def recurrence(self, q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,
+                   output_final_state: bool) -> tuple[Tensor, Tensor | None]:
+        """The GLA recurrence over the projected inputs: the project's `gla` op (a subclass may write its own)."""
+        return gla(q, k, v, gk, initial_state=initial_state, output_final_state=output_final_state)
 
 
 def shift_one_token(x: Tensor) -> Tensor:

@@ -13,12 +13,10 @@ computes and makes it a GLA site (docs/DESIGN.md section 3.8).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan
 
-from model_zoo.gla_lm import GatedLinearAttention, GLAConfig, GLALM, masked_keys_and_gates, shift_one_token
-from model_zoo.inputs import check_hidden_states
+from model_zoo.gla_lm import GatedLinearAttention, GLAConfig, GLALM
 
 
 def scanned_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None = None):
@@ -39,18 +37,10 @@ def scanned_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Tenso
 class PlainGatedLinearAttention(GatedLinearAttention):
     """`GatedLinearAttention` whose recurrence is `scanned_gla`: the same layer in plain PyTorch."""
 
-    def forward(self, x: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False,
-                token_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        check_hidden_states(x, self.q_proj.in_features)
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        q = self.q_proj(x).unflatten(-1, (H, K))
-        k = self.k_proj(shift_one_token(x) if self.shift_keys else x).unflatten(-1, (H, K))
-        v = self.v_proj(x).unflatten(-1, (H, V))
-        k, gate_logits = masked_keys_and_gates(k, self.gk_proj(x).unflatten(-1, (H, K)), token_mask)
-        g = F.logsigmoid(gate_logits) / self.gate_logit_normalizer
-        o, state = scanned_gla(q, k, v, g, initial_state)
-        o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
-        return self.o_proj(o.flatten(-2)), (state if output_final_state else None)
+    def recurrence(self, q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,
+                   output_final_state: bool) -> tuple[Tensor, Tensor | None]:
+        o, state = scanned_gla(q, k, v, gk, initial_state)
+        return o, (state if output_final_state else None)
 
 
 class PlainGLALM(GLALM):
