@@ -89,7 +89,8 @@ class HardwareTarget:
     sub_chunk_size: rows of the leaves of chunked GLA's intra-chunk halving, whose scores
         are computed elementwise (NOTE [stable intra-chunk scores] in
         `laplace_passes.ops.chunked_forward`): the fewest estimated instructions on trn2 at 16,
-        the fastest on a CPU at 4 (timed at `benchmarks/bench_gla.py`'s shape).
+        the fastest on a CPU compiled by Inductor at 8 (eagerly at 4; timed at
+        `benchmarks/bench_gla.py`'s shape).
     max_graph_instructions: the compiler's limit on one graph (None: no limit).
     matmul_tile: (partition rows, free columns) of one matmul instruction.
     hbm_bytes_per_core: device memory of one (logical) core: the preflight's bound on a graph's
@@ -238,7 +239,9 @@ CPU = HardwareTarget(
     name="cpu",
     description="Host CPU: fla's default chunk of 64 tokens, no graph-size limit",
     partitions=64,
-    sub_chunk_size=4,
+    # Inductor-compiled GLA forward+backward 1.06-1.08x faster than with 4-row leaves at chunks of 64
+    # and 128 (one level of small matmuls fewer, T=2048, H=4, K=128, V=256, 2 threads).
+    sub_chunk_size=8,
     # Measured on a CPU (one thread, the tiny model's heads): the forms cost about the same at T = 64,
     # one chunk (benchmarks/bench_fla.py --part crossover); fla switches to its recurrent kernel at T <= 64 too.
     recurrent_max_tokens=64,

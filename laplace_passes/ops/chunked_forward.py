@@ -49,8 +49,9 @@ of every leaf against row c - d,
 over [.., Cs - d, K] slices, so only the lower triangle is computed:
 (Cs + 1) / 2 products per token and channel, and no [.., Cs, Cs, K] tensor.
 The leaf size trades that elementwise work against more, smaller matmuls:
-on trn2's size model 16-row leaves give the fewest instructions, on a CPU
-4-row leaves run fastest (`HardwareTarget.sub_chunk_size`).
+on trn2's size model 16-row leaves give the fewest instructions; on a CPU
+4-row leaves run fastest eagerly and 8-row ones compiled by Inductor
+(`HardwareTarget.sub_chunk_size`).
 
 NOTE [decays as products]
 G itself is never formed. Every decay above is exp of a sum of gates over a
@@ -127,7 +128,7 @@ from torch import Tensor
 from laplace_passes.infra.checks import check_chunk_size
 
 # Leaf rows of the intra-chunk halving for a direct call (eager, on the host CPU, where
-# 4-row leaves run fastest: benchmarks/bench_gla.py); targets set their own.
+# 4-row leaves run fastest: benchmarks/bench_gla.py); targets set their own (the cpu target 8, for Inductor).
 DEFAULT_SUB_CHUNK = 4
 FLUSH_BELOW = 30.0  # see NOTE [flushing tiny decays]
 FLUSH_FACTOR = math.exp(-FLUSH_BELOW)
