@@ -153,7 +153,8 @@ def causal_matmul(scores: Tensor, x: Tensor, reverse: bool = False) -> Tensor:
     # where isfinite and nan_to_num become a scalar loop in its C++ (6 ms of a 100 ms step).
     finite = x * 0.0 == 0.0
     product = (scores.transpose(-1, -2) if reverse else scores) @ torch.where(finite, x, 0.0)
-    rows = torch.arange(x.shape[-2], device=x.device).unsqueeze(-1)  # [C, 1]
+    # Row numbers in x's float dtype (exact up to 2^24): no integer constant for a Neuron export.
+    rows = torch.arange(x.shape[-2], dtype=x.dtype, device=x.device).unsqueeze(-1)  # [C, 1]
     # Per channel, the first (last, with `reverse`) non-finite row: a reduction, where a running
     # sum of x * 0 along the rows is a scan Inductor leaves to an eager cumsum on a CPU.
     if reverse:
