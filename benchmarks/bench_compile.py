@@ -17,8 +17,11 @@ and split into stages that do not overlap, in wall-clock seconds:
   * AOT Autograd: the backend call and the backward's compile, less our
     passes and the inner compiler (joint trace, partition, functionalisation);
   * Inductor codegen: Inductor's compile of each graph less its wait for the
-    C++ compiler (lowering, scheduling, code generation; the compiler runs in
-    `compile_threads` threads meanwhile);
+    C++ compiler and its ISA probes (lowering, scheduling, code generation;
+    the compiler runs in `compile_threads` threads meanwhile);
+  * Inductor's ISA probes: Inductor building and loading a test library per
+    vector instruction set the CPU reports, once per Inductor cache (an empty
+    cache here, as on a machine's first compile; later compiles skip them);
   * C++ compile (waited): the time Inductor waited for the compiled kernels;
   * other: the rest (guards, running the step, lazy imports).
 
@@ -50,7 +53,8 @@ import time
 
 from benchmarks.common import print_row, say
 
-STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "Inductor codegen", "C++ compile (waited)", "other")
+STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "Inductor codegen", "Inductor's ISA probes",
+          "C++ compile (waited)", "other")
 
 
 def main(argv=None) -> dict:
@@ -125,6 +129,7 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     from torch._dynamo.utils import compilation_time_metrics
 
     passes = PassSeconds.listening()
+    isa_probes = IsaProbeSeconds.timing()
     torch.manual_seed(0)
     model = model_zoo.build("tiny")
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
@@ -145,7 +150,7 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     return {
         "target": target, "seq_len": seq_len, "inner": inner, "total_s": total, "cpu_s": cpu, "second_call_s": second,
         "compile_threads": torch._inductor.config.compile_threads,
-        "stages": stages(timed, passes.seconds, total),
+        "stages": stages(timed, passes.seconds, total, isa_probes.seconds),
         "passes_per_graph_s": passes.per_graph,
         "cxx": {"runs": len(compilation_time_metrics.get("compile_file", [])), "summed_s": timed.get("compile_file", 0.0)},
         "graphs": {g.name: {"nodes_before": len(g.before.graph.nodes), "nodes_after": len(g.after.graph.nodes)}
@@ -198,8 +203,8 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def stages(timed: dict[str, float], passes_s: float, total_s: float) -> dict[str, float]:
-    """Non-overlapping wall-clock stages from torch's nested compile-time counters and our passes' seconds."""
+def stages(timed: dict[str, float], passes_s: float, total_s: float, isa_probes_s: float = 0.0) -> dict[str, float]:
+    """Non-overlapping wall-clock stages from torch's nested compile-time counters, our passes' and the ISA probes' seconds."""
     dynamo = timed.get("_compile.compile_inner", 0.0)
     backend = timed.get("OutputGraph.call_user_compiler", 0.0)
     backward = timed.get("backward._backward_impl", 0.0)  # a backward compiled at its first call
@@ -209,11 +214,41 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float) -> dict[str
         "Dynamo trace": dynamo - backend,
         "AOT Autograd": backend + backward - passes_s - inductor,
         "our passes": passes_s,
-        "Inductor codegen": inductor - waited,
+        "Inductor codegen": inductor - waited - isa_probes_s,
+        "Inductor's ISA probes": isa_probes_s,
         "C++ compile (waited)": waited,
     }
     result["other"] = total_s - sum(result.values())
     return result
+
+
+class IsaProbeSeconds:
+    """Adds up the seconds Inductor spends probing vector instruction sets (`VecISA.check_build`).
+
+    A probe compiles a test library with g++ and loads it in a child
+    process, for each instruction set the CPU reports, inside Inductor's
+    codegen of the first graph; its result is kept in the Inductor cache.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    @classmethod
+    def timing(cls) -> "IsaProbeSeconds":
+        from torch._inductor import cpu_vec_isa
+
+        probes = cls()
+        check_build = cpu_vec_isa.VecISA.check_build
+
+        def timed_check_build(isa, code):
+            start = time.perf_counter()
+            try:
+                return check_build(isa, code)
+            finally:
+                probes.seconds += time.perf_counter() - start
+
+        cpu_vec_isa.VecISA.check_build = timed_check_build  # this benchmark's own process only
+        return probes
 
 
 class PassSeconds(logging.Handler):
