@@ -439,6 +439,23 @@ def test_a_non_finite_output_gradient_never_reaches_later_inputs():
         torch.testing.assert_close(got[:, 4:], expected[:, 4:], rtol=1e-4, atol=1e-5, msg=f"d{label}")
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 24, 64, 128, 200])
+def test_reverse_cumsum_rows_is_the_running_sum_from_each_row_to_the_last(rows):
+    """Blocked adds (8-row blocks, recursively; a running sum where rows are not a multiple of 8) against
+    flip-cumsum-flip in float64, and a NaN and an inf at row j reach rows <= j of their channel only."""
+    from laplace_passes.ops.chunked_backward import reverse_cumsum_rows
+
+    x = torch.randn(2, 3, rows, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(reverse_cumsum_rows(x), x.flip(-2).cumsum(-2).flip(-2), rtol=1e-12, atol=1e-12)
+    j = rows // 2
+    x[1, 2, j, 0], x[0, 1, j, 3] = math.nan, math.inf
+    got = reverse_cumsum_rows(x)
+    assert got[1, 2, : j + 1, 0].isnan().all() and got[0, 1, : j + 1, 3].isinf().all()
+    others = torch.ones_like(got, dtype=torch.bool)
+    others[1, 2, : j + 1, 0] = others[0, 1, : j + 1, 3] = False
+    assert got[others].isfinite().all()
+
+
 def test_non_finite_values_take_the_same_rows_through_inductor_as_eagerly():
     """An inf and a NaN in v and an inf in grad_o: Inductor's code marks exactly the entries eager marks.
 
