@@ -79,9 +79,9 @@ def reverse_cumsum_rows(x: Tensor, block: int = 8) -> Tensor:
     as in the running sum.
     """
     rows = x.shape[-2]
-    if rows <= block or rows % block:
-        if rows > block:  # a chunk not a multiple of the block (chunk sizes are any positive int)
-            return x.flip(-2).cumsum(-2).flip(-2)
+    if rows > block and rows % block:  # a chunk not a multiple of the block (chunk sizes are any positive int)
+        return x.flip(-2).cumsum(-2).flip(-2)
+    if rows <= block:
         sums = [x[..., rows - 1 :, :]]
         for r in reversed(range(rows - 1)):
             sums.append(sums[-1] + x[..., r : r + 1, :])
