@@ -19,9 +19,14 @@ and split into stages that do not overlap, in wall-clock seconds:
   * Inductor codegen: Inductor's compile of each graph less its wait for the
     C++ compiler and its ISA probes (lowering, scheduling, code generation;
     the compiler runs in `compile_threads` threads meanwhile);
-  * Inductor's ISA probes: Inductor building and loading a test library per
-    vector instruction set the CPU reports, once per Inductor cache (an empty
-    cache here, as on a machine's first compile; later compiles skip them);
+  * Inductor's ISA probes: the wait for Inductor's test libraries, one built
+    and loaded per vector instruction set the CPU reports, once per process
+    (their builds once per Inductor cache: an empty cache here, as on a
+    machine's first compile). The backend starts them in the background as
+    it receives its first graph (NOTE [vector-ISA probes ahead of the
+    codegen] in `laplace_passes/infra/inductor_fast.py`); this stage is what
+    they had left when Inductor's compile began, plus any probe Inductor ran
+    itself. Below the stages: their seconds in the background;
   * C++ compile (waited): the time Inductor waited for the compiled kernels;
   * other: the rest (guards, running the step, lazy imports).
 
@@ -112,6 +117,9 @@ def rows(target: str, result: dict) -> list[str]:
     cxx = result["cxx"]
     lines.append(f"  g++ runs: {cxx['runs']}, {cxx['summed_s']:.1f} s summed over {result['compile_threads']} "
                  f"compile threads (overlapping the codegen and each other)")
+    probes = result["isa_probes"]
+    lines.append(f"  ISA probes: {probes['builds']} test libraries, {probes['background_s']:.1f} s summed in the "
+                 f"background (two at a time, overlapping Dynamo, AOT Autograd and the passes)")
     for name, graph in result["graphs"].items():
         lines.append(f"  graph {name:<12} {graph['nodes_before']:6d} -> {graph['nodes_after']:6d} nodes")
     return lines
@@ -150,7 +158,8 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     return {
         "target": target, "seq_len": seq_len, "inner": inner, "total_s": total, "cpu_s": cpu, "second_call_s": second,
         "compile_threads": torch._inductor.config.compile_threads,
-        "stages": stages(timed, passes.seconds, total, isa_probes.seconds),
+        "stages": stages(timed, passes.seconds, total, isa_probes.in_codegen, isa_probes.waited),
+        "isa_probes": {"builds": isa_probes.builds, "background_s": isa_probes.background},
         "passes_per_graph_s": passes.per_graph,
         "cxx": {"runs": len(compilation_time_metrics.get("compile_file", [])), "summed_s": timed.get("compile_file", 0.0)},
         "graphs": {g.name: {"nodes_before": len(g.before.graph.nodes), "nodes_after": len(g.after.graph.nodes)}
@@ -203,8 +212,14 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def stages(timed: dict[str, float], passes_s: float, total_s: float, isa_probes_s: float = 0.0) -> dict[str, float]:
-    """Non-overlapping wall-clock stages from torch's nested compile-time counters, our passes' and the ISA probes' seconds."""
+def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_codegen_s: float = 0.0,
+           probes_waited_s: float = 0.0) -> dict[str, float]:
+    """Non-overlapping wall-clock stages from torch's nested compile-time counters, our passes' and the ISA probes' seconds.
+
+    `probes_in_codegen_s`: probes Inductor ran itself, inside its compile;
+    `probes_waited_s`: the backend's wait for its background probes, before
+    Inductor's compile (inside the backend call, outside Inductor's).
+    """
     dynamo = timed.get("_compile.compile_inner", 0.0)
     backend = timed.get("OutputGraph.call_user_compiler", 0.0)
     backward = timed.get("backward._backward_impl", 0.0)  # a backward compiled at its first call
@@ -212,10 +227,10 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float, isa_probes_
     waited = timed.get("async_compile.wait", 0.0)
     result = {
         "Dynamo trace": dynamo - backend,
-        "AOT Autograd": backend + backward - passes_s - inductor,
+        "AOT Autograd": backend + backward - passes_s - inductor - probes_waited_s,
         "our passes": passes_s,
-        "Inductor codegen": inductor - waited - isa_probes_s,
-        "Inductor's ISA probes": isa_probes_s,
+        "Inductor codegen": inductor - waited - probes_in_codegen_s,
+        "Inductor's ISA probes": probes_in_codegen_s + probes_waited_s,
         "C++ compile (waited)": waited,
     }
     result["other"] = total_s - sum(result.values())
@@ -223,31 +238,51 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float, isa_probes_
 
 
 class IsaProbeSeconds:
-    """Adds up the seconds Inductor spends probing vector instruction sets (`VecISA.check_build`).
+    """Seconds of Inductor's vector-ISA probes (`VecISA.check_build`), and of the backend's wait for them.
 
-    A probe compiles a test library with g++ and loads it in a child
-    process, for each instruction set the CPU reports, inside Inductor's
-    codegen of the first graph; its result is kept in the Inductor cache.
+    A probe builds a test library with g++ and loads it in a child process,
+    for each instruction set the CPU reports. `in_codegen`: probes run on
+    the main thread, inside Inductor's compile; `background`: probes the
+    backend started in its own threads, summed; `waited`: the main thread's
+    wait for those (`laplace_passes.infra.inner.wait_for_isa_probes`).
     """
 
     def __init__(self):
-        self.seconds = 0.0
+        self.in_codegen = self.background = self.waited = 0.0
+        self.builds = 0
 
     @classmethod
     def timing(cls) -> "IsaProbeSeconds":
+        import threading
+
         from torch._inductor import cpu_vec_isa
 
+        from laplace_passes.infra import inner
+
         probes = cls()
-        check_build = cpu_vec_isa.VecISA.check_build
+        check_build, wait = cpu_vec_isa.VecISA.check_build, inner.wait_for_isa_probes
 
         def timed_check_build(isa, code):
             start = time.perf_counter()
             try:
                 return check_build(isa, code)
             finally:
-                probes.seconds += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                probes.builds += 1
+                if threading.current_thread() is threading.main_thread():
+                    probes.in_codegen += seconds
+                else:
+                    probes.background += seconds
+
+        def timed_wait():
+            start = time.perf_counter()
+            try:
+                return wait()
+            finally:
+                probes.waited += time.perf_counter() - start
 
         cpu_vec_isa.VecISA.check_build = timed_check_build  # this benchmark's own process only
+        inner.wait_for_isa_probes = timed_wait
         return probes
 
 

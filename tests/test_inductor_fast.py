@@ -1,13 +1,21 @@
-"""Inductor's stride analysis with polynomial indices expanded (laplace_passes.infra.inductor_fast): same kernels.
+"""Inductor's first compile sooner (laplace_passes.infra.inductor_fast): the same kernels, the same instruction set.
 
 NOTE [index strides without sympy.simplify]: the patch may only make
 Inductor faster, never change what it writes; checked by compiling the
 chunked GLA forward (pads, chunk reshapes, transposes, concatenations:
 indices with FloorDiv and ModularIndexing as well as plain polynomials)
 with and without it and comparing the generated code.
+
+NOTE [vector-ISA probes ahead of the codegen]: the backend's background
+probes must leave Inductor with the instruction sets its own probes find,
+and leave none for Inductor to run on the main thread; checked in fresh
+processes, whose probe caches start empty.
 """
 
 import functools
+import json
+import subprocess
+import sys
 
 import sympy
 import torch
@@ -62,3 +70,63 @@ def test_only_plain_polynomials_are_expanded():
     assert inductor_fast.is_plain_polynomial(index)
     for other in (FloorDiv(x0, 4) + x1, ModularIndexing(x0, 1, 16), x0 ** 2, sympy.Lt(x0, 4)):
         assert not inductor_fast.is_plain_polynomial(other)
+
+
+# Each run is a fresh process: Inductor's probe results are cached per process (their libraries on disk).
+_PROBES_IN_A_FRESH_PROCESS = """
+import json, threading, torch
+from torch._inductor import cpu_vec_isa
+from laplace_passes.infra import inductor_fast
+
+main_thread_probes = []
+check_build = cpu_vec_isa.VecISA.check_build
+def counted(isa, code):
+    if threading.current_thread() is threading.main_thread():
+        main_thread_probes.append(str(isa))
+    return check_build(isa, code)
+cpu_vec_isa.VecISA.check_build = counted
+if BACKGROUND:
+    inductor_fast.start_isa_probes()
+    inductor_fast.start_isa_probes()  # once per process
+    inductor_fast.wait_for_isa_probes()
+print(json.dumps({"valid": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()],
+                  "picked": str(cpu_vec_isa.pick_vec_isa()), "main_thread_probes": main_thread_probes,
+                  "probe_threads": sum(t.name == "laplace-isa-probes" for t in threading.enumerate())}))
+"""
+
+
+def _probes(background: bool) -> dict:
+    code = _PROBES_IN_A_FRESH_PROCESS.replace("BACKGROUND", str(background))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_background_isa_probes_leave_inductor_the_instruction_sets_its_own_probes_find():
+    inductor_alone, ahead = _probes(background=False), _probes(background=True)
+    assert ahead["valid"] == inductor_alone["valid"] and ahead["picked"] == inductor_alone["picked"]
+    assert ahead["main_thread_probes"] == [] and ahead["probe_threads"] == 0  # done, and nothing left to Inductor
+    if sys.platform == "linux" and inductor_alone["valid"]:
+        assert inductor_alone["main_thread_probes"], inductor_alone  # the counting saw Inductor's own probes
+
+
+def test_wait_for_isa_probes_returns_at_once_when_none_were_started(monkeypatch):
+    monkeypatch.setattr(inductor_fast, "_probes", None)
+    inductor_fast.wait_for_isa_probes()
+
+
+def test_the_inductor_inner_compiler_starts_the_probes_and_waits_for_them(monkeypatch):
+    from laplace_passes.infra.inner import EagerCompiler, InductorCompiler
+
+    calls = []
+    monkeypatch.setattr("laplace_passes.infra.inner.start_isa_probes", lambda: calls.append("start"))
+    monkeypatch.setattr("laplace_passes.infra.inner.wait_for_isa_probes", lambda: calls.append("wait"))
+    EagerCompiler().start()
+    assert calls == []
+    InductorCompiler().start()
+    assert calls == ["start"]
+    gm = torch.fx.symbolic_trace(lambda x: (x.sin() + 1,))  # Inductor takes graphs returning a tuple
+    compiled = InductorCompiler().compile(gm, [torch.randn(8)], "inference")
+    assert calls == ["start", "wait"]
+    x = torch.randn(8)
+    torch.testing.assert_close(compiled([x])[0], x.sin() + 1)

@@ -44,6 +44,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileCo
     compiled once per concrete shape, at its first call (`laplace_passes.driver.shapes`).
     """
     remember(config.report)
+    config.inner.start()
     if report_dynamic_dims(gm, config) and static_shapes_reason(config):
         return PerShapeCompiler(gm, functools.partial(_compile_graph, config=config), config)
     return _compile_graph(gm, example_inputs, config)

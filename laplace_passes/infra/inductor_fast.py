@@ -1,4 +1,8 @@
-"""Inductor's index analysis without sympy.simplify on plain polynomials: the same kernels, compiled sooner.
+"""Inductor's first compile, sooner: the same kernels, the same instruction set.
+
+    fast_index_simplify()    index strides by expanding plain polynomials, not sympy.simplify
+    start_isa_probes()       Inductor's vector-ISA probes in the background, ahead of its codegen
+    wait_for_isa_probes()
 
 NOTE [index strides without sympy.simplify]
 Inductor's C++ backend asks, for every load and store of every kernel, the
@@ -23,7 +27,9 @@ lru-cached by Inductor, and equal to the unpatched ones.
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 from unittest import mock
 
@@ -67,3 +73,61 @@ def fast_index_simplify() -> Iterator[None]:
         return
     with mock.patch.object(sizevars, "sympy", _SYMPY):
         yield
+
+
+# NOTE [vector-ISA probes ahead of the codegen]
+# The first Inductor compile of a process on a CPU asks which vector
+# instruction sets work (`torch._inductor.cpu_vec_isa.valid_vec_isa_list`):
+# for each one the CPU reports, it builds a test library with g++ and loads
+# it in a child process, one after the other, inside the codegen of the
+# first graph. On a 2-core AVX-512 machine that was 7 to 10 s of the first
+# call of `tiny`'s training step (benchmarks/bench_compile.py), while the
+# second core sat idle through Dynamo, AOT Autograd and the passes before
+# it. The laplace backend starts the same probes when it receives its first
+# graph for Inductor (`start_isa_probes`), two at a time in a background
+# thread, and waits for them just before Inductor's compile
+# (`wait_for_isa_probes`); Inductor then finds their results in its caches.
+# The probes are Inductor's own, unchanged: the same instruction set is
+# picked. Anything unexpected in that module leaves the probes to Inductor.
+
+_probes_lock = threading.Lock()
+_probes: threading.Thread | None = None
+
+
+def start_isa_probes() -> None:
+    """Start Inductor's vector-ISA probes in the background, once per process (NOTE above)."""
+    global _probes
+    with _probes_lock:
+        if _probes is None:
+            _probes = threading.Thread(target=_run_isa_probes, name="laplace-isa-probes", daemon=True)
+            _probes.start()
+
+
+def wait_for_isa_probes() -> None:
+    """Return once the background probes are done (at once when none were started)."""
+    probes = _probes
+    if probes is not None and probes is not threading.current_thread():
+        probes.join()
+
+
+def _run_isa_probes() -> None:
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        candidates = _isas_the_cpu_reports(cpu_vec_isa)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="laplace-isa-probe") as pool:
+            list(pool.map(bool, candidates))  # each probe's result is cached on its VecISA
+        cpu_vec_isa.valid_vec_isa_list()  # cached: what Inductor reads, built from the results above
+    except Exception:  # noqa: BLE001 - a probe that fails here is run again, by Inductor, where it needs it
+        return
+
+
+def _isas_the_cpu_reports(cpu_vec_isa: types.ModuleType) -> list:
+    """The instruction sets `valid_vec_isa_list` would probe on this x86 CPU (none elsewhere: left to Inductor)."""
+    import platform
+    import sys
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]

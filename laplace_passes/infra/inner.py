@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import torch.fx
 from functorch.compile import make_boxed_func
 
-from laplace_passes.infra.inductor_fast import fast_index_simplify
+from laplace_passes.infra.inductor_fast import fast_index_simplify, start_isa_probes, wait_for_isa_probes
 
 
 class InnerCompiler:
@@ -47,6 +47,9 @@ class InnerCompiler:
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         """A boxed callable running `gm`; `kind` is "forward", "backward" or "inference"."""
         raise NotImplementedError
+
+    def start(self) -> None:
+        """Called as the backend receives a Dynamo graph, before the passes and AOT Autograd: work to start early."""
 
     def decompositions(self) -> dict | None:
         """What AOT Autograd should decompose before handing graphs over (None: its defaults).
@@ -90,10 +93,15 @@ class InductorCompiler(InnerCompiler):
     # the kernel that computes it, not copied back from a new output after the graph.
     keep_inference_input_mutations = True
 
+    def start(self) -> None:
+        # Overlaps Dynamo's graph with Inductor's g++ probes (NOTE [vector-ISA probes ahead of the codegen]).
+        start_isa_probes()
+
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         from torch._inductor.compile_fx import compile_fx_inner
 
         gm = _decomposed_for_inductor(gm, example_inputs)
+        wait_for_isa_probes()
         with fast_index_simplify():  # the same kernels (NOTE [index strides without sympy.simplify])
             return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
                                     is_inference=kind == "inference")
