@@ -13,7 +13,11 @@ and split into stages that do not overlap, in wall-clock seconds:
 
   * Dynamo trace: Dynamo's compile less the backend it calls;
   * our passes: `run_passes` on every graph (Dynamo, forward, backward), from
-    the seconds the "laplace.progress" logger reports per graph;
+    the seconds the "laplace.progress" logger reports per graph, and the
+    traces of the GLA chunk-loop bodies Inductor compiles once per shape at
+    their first call (NOTE [chunk-loop bodies compiled once] in
+    `laplace_passes/unroll/compiled_bodies.py`; their Inductor seconds are
+    Inductor's stages);
   * AOT Autograd: the backend call and the backward's compile, less our
     passes and the inner compiler (joint trace, partition, functionalisation);
   * Inductor codegen: Inductor's compile of each graph less its wait for the
@@ -69,11 +73,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--inner", default="inductor", help="the inner compiler (eager: no Inductor, seconds)")
     parser.add_argument("--compile-threads", type=int, default=None,
                         help="Inductor's compile_threads (default: Inductor's own choice)")
+    parser.add_argument("--inline-loop-bodies", action="store_true",
+                        help="inline every GLA chunk-loop body, none compiled once for its layers "
+                             "(NOTE [chunk-loop bodies compiled once]); benchmarks/bench_loop_bodies.py compares both")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one-target", help=argparse.SUPPRESS)  # the fresh process measuring one target
     args = parser.parse_args(argv)
     if args.one_target:
-        result = measure_first_call(args.one_target, args.seq_len, args.inner, args.compile_threads)
+        result = measure_first_call(args.one_target, args.seq_len, args.inner, args.compile_threads,
+                                    args.inline_loop_bodies)
         print(json.dumps(result), flush=True)
         return result
     if not args.json:
@@ -101,6 +109,8 @@ def in_fresh_process(target: str, args) -> dict:
                    "--seq-len", str(args.seq_len), "--inner", args.inner]
         if args.compile_threads is not None:
             command += ["--compile-threads", str(args.compile_threads)]
+        if getattr(args, "inline_loop_bodies", False):
+            command.append("--inline-loop-bodies")
         # stderr (the progress lines) goes straight through; stdout is the JSON result.
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -117,6 +127,10 @@ def rows(target: str, result: dict) -> list[str]:
     cxx = result["cxx"]
     lines.append(f"  g++ runs: {cxx['runs']}, {cxx['summed_s']:.1f} s summed over {result['compile_threads']} "
                  f"compile threads (overlapping the codegen and each other)")
+    bodies = result["loop_bodies"]
+    if bodies["compiled"]:
+        lines.append(f"  GLA loop bodies compiled once per shape: {bodies['compiled']}, {bodies['seconds']:.1f} s "
+                     f"({bodies['inductor_s']:.1f} s of it Inductor's, in its stages; the traces in our passes)")
     probes = result["isa_probes"]
     lines.append(f"  ISA probes: {probes['builds']} test libraries, {probes['background_s']:.1f} s summed in the "
                  f"background (two at a time, overlapping Dynamo, AOT Autograd and the passes)")
@@ -125,7 +139,8 @@ def rows(target: str, result: dict) -> list[str]:
     return lines
 
 
-def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: int | None) -> dict:
+def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: int | None,
+                       inline_loop_bodies: bool = False) -> dict:
     """Compile and run the training step once (forward and backward), timed by stage; then once more."""
     import torch
     import torch.nn.functional as F
@@ -134,10 +149,14 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
         torch._inductor.config.compile_threads = compile_threads
     import laplace_passes
     import model_zoo
+    from laplace_passes.infra.inner import InductorCompiler
+
+    InductorCompiler.compiles_loop_bodies = not inline_loop_bodies  # this fresh process only
     from torch._dynamo.utils import compilation_time_metrics
 
     passes = PassSeconds.listening()
     isa_probes = IsaProbeSeconds.timing()
+    bodies = BodySeconds.timing()
     torch.manual_seed(0)
     model = model_zoo.build("tiny")
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
@@ -158,7 +177,9 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     return {
         "target": target, "seq_len": seq_len, "inner": inner, "total_s": total, "cpu_s": cpu, "second_call_s": second,
         "compile_threads": torch._inductor.config.compile_threads,
-        "stages": stages(timed, passes.seconds, total, isa_probes.in_codegen, isa_probes.waited),
+        "stages": stages(timed, passes.seconds, total, isa_probes.in_codegen, isa_probes.waited, bodies.total,
+                         bodies.inductor),
+        "loop_bodies": {"compiled": bodies.count, "seconds": bodies.total, "inductor_s": bodies.inductor},
         "isa_probes": {"builds": isa_probes.builds, "background_s": isa_probes.background},
         "passes_per_graph_s": passes.per_graph,
         "cxx": {"runs": len(compilation_time_metrics.get("compile_file", [])), "summed_s": timed.get("compile_file", 0.0)},
@@ -213,12 +234,14 @@ def _descendants(root: int) -> list[int]:
 
 
 def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_codegen_s: float = 0.0,
-           probes_waited_s: float = 0.0) -> dict[str, float]:
+           probes_waited_s: float = 0.0, bodies_s: float = 0.0, bodies_inductor_s: float = 0.0) -> dict[str, float]:
     """Non-overlapping wall-clock stages from torch's nested compile-time counters, our passes' and the ISA probes' seconds.
 
     `probes_in_codegen_s`: probes Inductor ran itself, inside its compile;
     `probes_waited_s`: the backend's wait for its background probes, before
-    Inductor's compile (inside the backend call, outside Inductor's).
+    Inductor's compile (inside the backend call, outside Inductor's);
+    `bodies_s`: the chunk-loop bodies compiled at their first call (outside
+    the backend call), `bodies_inductor_s` of it in Inductor's compile.
     """
     dynamo = timed.get("_compile.compile_inner", 0.0)
     backend = timed.get("OutputGraph.call_user_compiler", 0.0)
@@ -227,8 +250,8 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_c
     waited = timed.get("async_compile.wait", 0.0)
     result = {
         "Dynamo trace": dynamo - backend,
-        "AOT Autograd": backend + backward - passes_s - inductor - probes_waited_s,
-        "our passes": passes_s,
+        "AOT Autograd": backend + backward - passes_s - (inductor - bodies_inductor_s) - probes_waited_s,
+        "our passes": passes_s + bodies_s - bodies_inductor_s,
         "Inductor codegen": inductor - waited - probes_in_codegen_s,
         "Inductor's ISA probes": probes_in_codegen_s + probes_waited_s,
         "C++ compile (waited)": waited,
@@ -284,6 +307,41 @@ class IsaProbeSeconds:
         cpu_vec_isa.VecISA.check_build = timed_check_build  # this benchmark's own process only
         inner.wait_for_isa_probes = timed_wait
         return probes
+
+
+class BodySeconds:
+    """Seconds of the chunk-loop bodies compiled at their first call, and Inductor's share of them.
+
+    Inductor's share: its `compile_fx_inner` counter's growth during each
+    body's compile (the counter also holds the graphs the backend compiled).
+    """
+
+    def __init__(self):
+        self.count, self.total, self.inductor = 0, 0.0, 0.0
+
+    @classmethod
+    def timing(cls) -> "BodySeconds":
+        from torch._dynamo.utils import compilation_time_metrics
+
+        from laplace_passes.unroll.compiled_bodies import BODIES
+
+        seconds = cls()
+        compiled = BODIES._compiled
+
+        def inductor_so_far() -> float:
+            return sum(compilation_time_metrics.get("compile_fx_inner", []))
+
+        def timed_compiled(op, args, key):
+            start, inductor_start = time.perf_counter(), inductor_so_far()
+            try:
+                return compiled(op, args, key)
+            finally:
+                seconds.count += 1
+                seconds.total += time.perf_counter() - start
+                seconds.inductor += inductor_so_far() - inductor_start
+
+        BODIES._compiled = timed_compiled  # this benchmark's own process only
+        return seconds
 
 
 class PassSeconds(logging.Handler):

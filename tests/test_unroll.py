@@ -114,14 +114,22 @@ def test_compilers_that_lower_and_the_neuron_targets_get_the_recurrence_unrolled
     class Lowering(InnerCompiler):  # what stablehlo, iree and neuron declare
         legalizes = True
 
-    def recurrence(target, inner):
+    def unroll(target, inner):
         config = CompileConfig.from_options({"target": target, "inner": inner})
         build = Build(config, graph_context(config, "forward_0", "forward"), torch.fx.GraphModule({}, torch.fx.Graph()))
-        return _unroll(build).chunk_loops.recurrence
+        return _unroll(build)
+
+    def recurrence(target, inner):
+        return unroll(target, inner).chunk_loops.recurrence
 
     assert recurrence("cpu", "eager") == recurrence("cpu", "inductor") == "op"
     assert recurrence("cpu", Lowering()) == "unrolled"
     assert recurrence("trn2", "inductor") == recurrence("trn1", "eager") == "unrolled"
+    # Only Inductor on a target keeping the recurrence whole compiles each chunk-loop body once (compiled_bodies).
+    assert unroll("cpu", "inductor").compile_bodies
+    assert not any(unroll(t, i).compile_bodies for t, i in (("cpu", "eager"), ("cpu", Lowering()), ("trn2", "inductor")))
+    with pytest.raises(ValueError, match="compile_bodies needs chunk_recurrence='op'"):
+        UnrollLoops("aten", compile_bodies=True)
 
 
 def test_chunk_loop_op_pass_level():

@@ -43,6 +43,9 @@ class InnerCompiler:
     # AOT Autograd's keep_inference_input_mutations: an in-place update of an input (a buffer) stays
     # in the graph as a trailing copy_ into it, instead of a new output AOT Autograd copies back.
     keep_inference_input_mutations: bool = False
+    # True: where the target keeps GLA's state recurrence whole, each GLA chunk-loop op stays one node whose
+    # body this compiler's Inductor compiles once per signature, for every site (laplace_passes.unroll.compiled_bodies).
+    compiles_loop_bodies = False
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         """A boxed callable running `gm`; `kind` is "forward", "backward" or "inference"."""
@@ -92,6 +95,7 @@ class InductorCompiler(InnerCompiler):
     # As torch.compile's own Inductor path: a buffer updated in place (a decode state) is written by
     # the kernel that computes it, not copied back from a new output after the graph.
     keep_inference_input_mutations = True
+    compiles_loop_bodies = True
 
     def start(self) -> None:
         # Overlaps Dynamo's graph with Inductor's g++ probes (NOTE [vector-ISA probes ahead of the codegen]).

@@ -105,7 +105,7 @@ class LoopRecord:
     node: str
     kind: str  # "laplace.chunked_gla", "laplace.chunked_gla_backward", "scan" or "while_loop"
     trip_count: int | None
-    status: str  # "unrolled" or "declined"
+    status: str  # "unrolled", "compiled" (a chunk-loop op kept whole, its body compiled once per shape) or "declined"
     reason: str | None = None
 
 

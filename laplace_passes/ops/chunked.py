@@ -79,7 +79,8 @@ def _chunked_gla_backward_fake(q, k, v, gk, initial_state, grad_o, grad_final_st
                                scale, chunk_size, sub_chunk_size):
     B, _, H, K = q.shape
     dh0 = q.new_empty(B, H, K, v.shape[-1], dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gk), dh0
+    # Contiguous, as the body returns them whatever the inputs' strides (empty_like would keep a transposed q's).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), gk.new_empty(gk.shape), dh0
 
 
 def _setup_context(ctx, inputs, output) -> None:

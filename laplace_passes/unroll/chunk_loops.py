@@ -37,7 +37,7 @@ fake value in `meta["val"]` like the rest of an AOT graph.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.fx
@@ -70,7 +70,20 @@ def is_chunk_loop(node: torch.fx.Node) -> bool:
 
 
 def loop_kind(node: torch.fx.Node) -> str:
-    return _BODIES[node.target][0]
+    return loop_name(node.target)
+
+
+def loop_name(op) -> str:
+    """What the report calls a chunk-loop op's loop: "laplace.chunked_gla", "laplace.chunked_gla_backward"."""
+    return _BODIES[op][0]
+
+
+def body_of(op, args: Sequence, is_tensor: Sequence[bool], recurrence: str) -> Callable:
+    """The op's body as a function of its tensor arguments (`is_tensor`), the other `args` bound.
+
+    `recurrence`: "unrolled" (one state update per chunk) or "op" (one `laplace::chunk_recurrence`).
+    """
+    return _bind_constants(functools.partial(_BODIES[op][1], recurrence=_RECURRENCES[recurrence]), args, is_tensor)
 
 
 def chunk_count(node: torch.fx.Node) -> int:
@@ -124,8 +137,7 @@ class ChunkLoopExpander:
         fakes = [fake_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
         key = (node.target, tuple(_signature(f) for f in fakes))
         if key not in self._traces:
-            body = _bind_constants(functools.partial(_BODIES[node.target][1], recurrence=_RECURRENCES[self.recurrence]),
-                                   node.args)
+            body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args], self.recurrence)
             tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
             self._traces[key] = self._traced(body, tensors)
         return self._traces[key]
@@ -149,9 +161,8 @@ def _signature(value) -> tuple:
     return ("value", value)
 
 
-def _bind_constants(body: Callable, args: tuple) -> Callable:
+def _bind_constants(body: Callable, args: Sequence, is_tensor: Sequence[bool]) -> Callable:
     """`body` as a function of the op's tensor arguments only (None and numbers bound)."""
-    is_tensor = [isinstance(a, torch.fx.Node) for a in args]
     constants = [None if t else a for a, t in zip(args, is_tensor)]
 
     def traced_body(*tensors):

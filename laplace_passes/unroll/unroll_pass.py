@@ -8,6 +8,9 @@ Runs twice in the pipeline (`laplace_passes.driver.pipeline`):
     (`laplace::chunked_gla` forward, `laplace::chunked_gla_backward` backward)
     and any scan / while_loop still present.
 See `chunk_loops` and `hop_loops` for each loop's graph before and after.
+With `compile_bodies` (inner inductor on the cpu target), chunk-loop ops that
+share a signature with another site of their graph are left whole instead,
+each calling a body Inductor compiles once (`compiled_bodies`).
 
 A loop whose trip count is not static (a while_loop bounded by an input, a
 dynamic shape) is declined with the reason and left as it is: it still runs,
@@ -23,7 +26,8 @@ import torch.fx
 
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import LoopRecord
-from laplace_passes.unroll import chunk_loops, hop_loops
+from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.unroll import chunk_loops, compiled_bodies, hop_loops
 from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
 from laplace_passes.unroll.inline import erase_unused, getitem_users
 
@@ -37,15 +41,23 @@ class UnrollLoops(GraphPass):
 
     name = "unroll_loops"
 
-    def __init__(self, level: str, decompositions: dict | None = None, chunk_recurrence: str = "unrolled") -> None:
+    def __init__(self, level: str, decompositions: dict | None = None, chunk_recurrence: str = "unrolled",
+                 compile_bodies: bool = False) -> None:
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        if compile_bodies and chunk_recurrence != "op":
+            raise ValueError("compile_bodies needs chunk_recurrence='op': a compiled body keeps its recurrence whole")
         self.level = level
         # chunk_recurrence: "op" keeps a GLA chunk loop's state recurrence as one node (ChunkLoopExpander).
         self.chunk_loops = ChunkLoopExpander(decompositions, chunk_recurrence)
+        # compile_bodies: a chunk-loop op with static sizes stays one node whose body Inductor compiles once
+        # per signature (NOTE [chunk-loop bodies compiled once] in `laplace_passes.unroll.compiled_bodies`).
+        self.compile_bodies = compile_bodies
+        self._sites_per_signature: dict[tuple, int] = {}  # this graph's chunk-loop sites, counted as `call` begins
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records: list[LoopRecord] = []
+        self._sites_per_signature = _sites_per_signature(gm) if self.compile_bodies else {}
         declined_nodes: set[torch.fx.Node] = set()
         while True:  # inlining a body can bring nested loops into the graph
             pending = [n for n in gm.graph.nodes if self._is_loop(n) and n not in declined_nodes]
@@ -65,7 +77,8 @@ class UnrollLoops(GraphPass):
         if unrolled:
             gm.delete_all_unused_submodules()
         declined = [f"{r.node} ({r.kind}): {r.reason}" for r in records if r.status == "declined"]
-        return PassResult(gm, modified=bool(unrolled), summary=_summary(records), declined=declined, loops=records)
+        modified = any(r.status != "declined" for r in records)
+        return PassResult(gm, modified=modified, summary=_summary(records), declined=declined, loops=records)
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         # Only declined loops may remain; anything else means a rewrite was skipped.
@@ -82,6 +95,10 @@ class UnrollLoops(GraphPass):
         record = LoopRecord(node=node.name, kind=kind, trip_count=None, status="declined")
         try:
             record.trip_count, unroll = self._count(gm, node)
+            if self._compiles_body(node):
+                node.target = compiled_bodies.TWINS[node.target]  # same arguments, same outputs
+                record.status = "compiled"
+                return record
             # Every kind of loop is replaced through its getitem users (inline.replace_tuple_result).
             if getitem_users(node) is None:
                 raise Declined("its result is used as a whole, not through indexing")
@@ -91,6 +108,16 @@ class UnrollLoops(GraphPass):
             return record
         record.status = "unrolled"
         return record
+
+    def _compiles_body(self, node: torch.fx.Node) -> bool:
+        """A chunk-loop op left whole for its compiled body: one of several sites of a signature in this graph.
+
+        Static sizes only (a symbolic one gets the inlined body, which takes
+        it). A site alone in its graph is inlined: its body would be
+        compiled once either way, and inlined it ran faster (NOTE [chunk-loop
+        bodies compiled once]).
+        """
+        return self._sites_per_signature.get(_site_signature(node), 0) >= 2
 
     def _count(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, Callable[[], None]]:
         """The loop's trip count, and what unrolls it; Declined when the count is not static."""
@@ -103,20 +130,55 @@ class UnrollLoops(GraphPass):
         return trips, lambda: hop_loops.unroll_while(gm, node, trips, history)
 
 
+def _site_signature(node: torch.fx.Node) -> tuple | None:
+    """A chunk-loop op's signature from its arguments' fake values (`compiled_bodies.signature`); None if not static."""
+    if not chunk_loops.is_chunk_loop(node):
+        return None
+    args = tuple(fake_tensor(a) if isinstance(a, torch.fx.Node) else a for a in node.args)
+    if any(a is None and isinstance(n, torch.fx.Node) for a, n in zip(args, node.args)):
+        return None
+    sizes = [size for a in args if isinstance(a, torch.Tensor) for size in a.shape]
+    if not all(isinstance(size, int) for size in sizes):
+        return None
+    return compiled_bodies.signature(node.target, args)
+
+
+def _sites_per_signature(gm: torch.fx.GraphModule) -> dict[tuple, int]:
+    counts: dict[tuple, int] = {}
+    for node in gm.graph.nodes:
+        key = _site_signature(node)
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def _summary(records: list[LoopRecord]) -> str:
-    """e.g. 'unrolled 2 loops (2 x laplace.chunked_gla, 16 trips); declined 1'."""
+    """e.g. 'unrolled 2 loops (2 x laplace.chunked_gla, 16 trips); declined 1', or with compiled bodies
+    'unrolled 0 loops; 2 loops kept whole, their bodies compiled once per shape (2 x laplace.chunked_gla, 32 trips)'."""
     if not records:
         return "no sequential loop"
+    text = f"unrolled {_plural(_count_of(records, 'unrolled'), 'loop')}{_groups(records, 'unrolled')}"
+    compiled = _count_of(records, "compiled")
+    if compiled:
+        text += (f"; {_plural(compiled, 'loop')} kept whole, their bodies compiled once per shape"
+                 f"{_groups(records, 'compiled')}")
+    declined = _count_of(records, "declined")
+    return text + (f"; declined {declined}" if declined else "")
+
+
+def _count_of(records: list[LoopRecord], status: str) -> int:
+    return sum(r.status == status for r in records)
+
+
+def _groups(records: list[LoopRecord], status: str) -> str:
+    """' (2 x laplace.chunked_gla, 16 trips)': the loops with `status`, by kind and trip count."""
     groups: dict[tuple, int] = {}
     for r in records:
-        if r.status == "unrolled":
+        if r.status == status:
             groups[(r.kind, r.trip_count)] = groups.get((r.kind, r.trip_count), 0) + 1
-    unrolled = sum(groups.values())
-    text = f"unrolled {_plural(unrolled, 'loop')}"
-    if groups:
-        text += " (" + ", ".join(f"{n} x {kind}, {_plural(trips, 'trip')}" for (kind, trips), n in groups.items()) + ")"
-    declined = len(records) - unrolled
-    return text + (f"; declined {declined}" if declined else "")
+    if not groups:
+        return ""
+    return " (" + ", ".join(f"{n} x {kind}, {_plural(trips, 'trip')}" for (kind, trips), n in groups.items()) + ")"
 
 
 def _plural(count: int, noun: str) -> str:

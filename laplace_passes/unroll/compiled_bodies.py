@@ -1,0 +1,165 @@
+"""GLA chunk-loop ops whose bodies Inductor compiles once per signature, for every site of that signature.
+
+NOTE [chunk-loop bodies compiled once]
+Inlined, each GLA site's chunked body (`chunk_loops`) is several hundred
+ATen nodes of the host graph, and Inductor compiles the sites of a model's
+layers one by one although they are the same code at the same shapes: for
+`tiny`'s training step, two thirds of the graphs' nodes were its two
+layers' bodies. With an inner compiler that runs Python-callable ops
+(Inductor) and a target that keeps the state recurrence whole (the cpu
+target, `HardwareTarget.chunk_recurrence` "op"), the unroll pass leaves a
+chunk-loop op that shares its signature with another site of its graph as
+its twin below, same arguments:
+
+Before (an AOT forward graph, two layers):
+
+    chunked_gla = torch.ops.laplace.chunked_gla.default(view_1, view_3, getitem_2, None, None, 0.177, 64, 8, True)
+    chunked_gla_1 = torch.ops.laplace.chunked_gla.default(view_9, view_11, getitem_7, None, None, 0.177, 64, 8, True)
+
+After:
+
+    chunked_gla = torch.ops.laplace.chunked_gla_inductor.default(view_1, view_3, getitem_2, None, None, 0.177, 64, 8, True)
+    chunked_gla_1 = torch.ops.laplace.chunked_gla_inductor.default(view_9, view_11, getitem_7, None, None, 0.177, 64, 8, True)
+
+Inductor compiles the host graph around them (an opaque call each), and the
+twin, at its first call with a signature (op, every tensor's shape, strides,
+dtype and device, the constant arguments), traces the same body the unroll
+pass would inline (`chunk_loops.body_of`, the recurrence one
+`laplace::chunk_recurrence`) and compiles it with Inductor, once; every
+later call with that signature, from any site, graph or compile in the
+process, runs that compiled body. The values are those of the inlined body
+compiled by Inductor: the same trace, cut at the op's boundary. The twin's
+outputs have the strides the op's fake kernel gives (the host graph was
+traced with them).
+
+The trade, measured side by side (`benchmarks/bench_loop_bodies.py`,
+docs/benchmarks.md): the first call of `tiny`'s training step at T = 2048
+took about 0.7x to 0.8x the seconds (one body compiled instead of one per
+layer, and smaller host graphs); a step afterwards took about 1.02x. One
+compiled body alone ran slower than the same body inlined in its host
+graph (GLA forward at B=1, T=2048, H=4, K=128, V=256: about 1.1x, most of
+it in the bmm calls, whose shapes and strides are the same in both), so a
+site alone in its graph, whose body is compiled once either way, is
+inlined.
+
+A body Inductor fails to compile runs op by op, with a warning naming the
+error (the numbers stay right). Only sites whose every size is static get
+the twin; a symbolic size keeps the inlined body, which takes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from laplace_passes.infra import logs
+from laplace_passes.infra.inner import InductorCompiler
+from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, _chunked_gla_backward_fake, _chunked_gla_fake
+from laplace_passes.unroll.chunk_loops import body_of, loop_name
+
+
+@torch.library.custom_op("laplace::chunked_gla_inductor", mutates_args=())
+def chunked_gla_inductor(
+    q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,
+    scale: float, chunk_size: int, sub_chunk_size: int, save_residuals: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`laplace::chunked_gla`, its body compiled by Inductor once per signature (NOTE above)."""
+    return BODIES.run(CHUNK_LOOP_OPS[0], (q, k, v, gk, initial_state, scale, chunk_size, sub_chunk_size,
+                                          save_residuals))
+
+
+@torch.library.custom_op("laplace::chunked_gla_backward_inductor", mutates_args=())
+def chunked_gla_backward_inductor(
+    q: Tensor, k: Tensor, v: Tensor, gk: Tensor, initial_state: Tensor | None,
+    grad_o: Tensor, grad_final_state: Tensor | None, states: Tensor | None, scores: Tensor | None,
+    scale: float, chunk_size: int, sub_chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`laplace::chunked_gla_backward`, its body compiled by Inductor once per signature (NOTE above)."""
+    return BODIES.run(CHUNK_LOOP_OPS[1], (q, k, v, gk, initial_state, grad_o, grad_final_state, states, scores,
+                                          scale, chunk_size, sub_chunk_size))
+
+
+chunked_gla_inductor.register_fake(_chunked_gla_fake)
+chunked_gla_backward_inductor.register_fake(_chunked_gla_backward_fake)
+
+# Each chunk-loop op's twin, and the fake kernel both share (the strides the host graph was traced with).
+TWINS = {CHUNK_LOOP_OPS[0]: torch.ops.laplace.chunked_gla_inductor.default,
+         CHUNK_LOOP_OPS[1]: torch.ops.laplace.chunked_gla_backward_inductor.default}
+_FAKES = {CHUNK_LOOP_OPS[0]: _chunked_gla_fake, CHUNK_LOOP_OPS[1]: _chunked_gla_backward_fake}
+
+
+def signature(op, args: Sequence) -> tuple:
+    """What one compiled body serves: the op, each tensor's layout, every other argument."""
+    return (op,) + tuple(
+        ("tensor", tuple(a.shape), a.stride(), a.dtype, a.device.type) if isinstance(a, Tensor) else ("value", a)
+        for a in args
+    )
+
+
+class CompiledBodies:
+    """The process's compiled chunk-loop bodies, one per signature; compiles a missing one on first use."""
+
+    def __init__(self, compile_body: Callable[[torch.fx.GraphModule, list], Callable] | None = None) -> None:
+        self._compile_body = compile_body or (lambda gm, fakes: InductorCompiler().compile(gm, fakes, "inference"))
+        self._lock = threading.Lock()
+        self._bodies: dict[tuple, Callable[[list], Sequence[Tensor]]] = {}
+        self.graphs: dict[tuple, torch.fx.GraphModule] = {}  # each signature's traced body, to inspect
+
+    def __len__(self) -> int:
+        return len(self._bodies)
+
+    def run(self, op, args: tuple) -> tuple[Tensor, ...]:
+        key = signature(op, args)
+        with self._lock:  # one compile per signature, also when threads call at once
+            if key not in self._bodies:
+                self._bodies[key] = self._compiled(op, args, key)
+            body = self._bodies[key]
+        return tuple(body([a for a in args if isinstance(a, Tensor)]))
+
+    def _compiled(self, op, args: tuple, key: tuple) -> Callable[[list], Sequence[Tensor]]:
+        gm, fakes, body = _traced_body(op, args)
+        self.graphs[key] = gm
+        shapes = ", ".join(str(list(a.shape)) for a in args if isinstance(a, Tensor))
+        try:
+            with logs.progress(f"compiling the body of {loop_name(op)} at {shapes} with inductor"):
+                return self._compile_body(gm, fakes)
+        except Exception as error:  # noqa: BLE001 - the traced body still computes the same numbers
+            warnings.warn(f"laplace_passes: Inductor could not compile the body of {loop_name(op)} at {shapes} "
+                          f"({type(error).__name__}: {error}); it runs op by op instead", stacklevel=2)
+            return lambda tensors: body(*tensors)
+
+
+BODIES = CompiledBodies()
+
+
+def _traced_body(op, args: tuple) -> tuple[torch.fx.GraphModule, list[Tensor], Callable]:
+    """The op's body traced on fakes of `args`, its outputs laid out as the op's fake kernel lays them out.
+
+    Also the fakes it was traced on, and the body itself (a function of the tensors).
+    """
+    is_tensor = [isinstance(a, Tensor) for a in args]
+    body = body_of(op, args, is_tensor, recurrence="op")
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(a) for a in args if isinstance(a, Tensor)]
+    with mode:
+        supplied = iter(fakes)
+        expected = _FAKES[op](*(next(supplied) if t else a for a, t in zip(args, is_tensor)))
+
+        def body_with_expected_layout(*tensors):
+            return tuple(_laid_out_as(out, like) for out, like in zip(body(*tensors), expected))
+
+        return make_fx(body_with_expected_layout, tracing_mode="real")(*fakes), fakes, body
+
+
+def _laid_out_as(value: Tensor, like: Tensor) -> Tensor:
+    """`value` with `like`'s strides (a copy only where they differ)."""
+    if value.stride() == like.stride():
+        return value
+    return torch.ops.aten.copy.default(torch.empty_strided(like.shape, like.stride(), dtype=value.dtype,
+                                                           device=value.device), value)
