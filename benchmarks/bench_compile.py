@@ -74,8 +74,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile-threads", type=int, default=None,
                         help="Inductor's compile_threads (default: Inductor's own choice)")
     parser.add_argument("--inline-loop-bodies", action="store_true",
-                        help="inline every GLA chunk-loop body, none compiled once for its layers "
-                             "(NOTE [chunk-loop bodies compiled once]); benchmarks/bench_loop_bodies.py compares both")
+                        help="compile with share_loop_bodies=False: every GLA site's body inlined, none compiled once "
+                             "for its layers; benchmarks/bench_loop_bodies.py compares both")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one-target", help=argparse.SUPPRESS)  # the fresh process measuring one target
     args = parser.parse_args(argv)
@@ -149,9 +149,6 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
         torch._inductor.config.compile_threads = compile_threads
     import laplace_passes
     import model_zoo
-    from laplace_passes.infra.inner import InductorCompiler
-
-    InductorCompiler.compiles_loop_bodies = not inline_loop_bodies  # this fresh process only
     from torch._dynamo.utils import compilation_time_metrics
 
     passes = PassSeconds.listening()
@@ -164,7 +161,7 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     def loss_of(ids):
         return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
-    step = laplace_passes.compile(loss_of, target=target, inner=inner)
+    step = laplace_passes.compile(loss_of, target=target, inner=inner, share_loop_bodies=not inline_loop_bodies)
     cpu_start = cpu_seconds()
     start = time.perf_counter()
     step(ids).backward()

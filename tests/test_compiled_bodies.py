@@ -114,11 +114,17 @@ def test_a_symbolic_batch_gets_the_inlined_body():
         report.graph("after", "inference_0").code)
 
 
-def test_the_eager_inner_compiler_gets_the_inlined_body():
-    compiled = laplace_passes.compile(two_layers, target="cpu", inner="eager")
+@pytest.mark.parametrize("options", [{"inner": "eager"}, {"inner": "inductor", "share_loop_bodies": False}])
+def test_the_eager_inner_compiler_and_the_option_off_get_the_inlined_body(options):
+    compiled = laplace_passes.compile(two_layers, target="cpu", **options)
     inputs = leaves()
     torch.autograd.grad(compiled(*inputs), inputs)
     assert {loop.status for g in compiled.laplace_report.graphs for loop in g.loops} == {"unrolled"}
+
+
+def test_share_loop_bodies_takes_a_bool_only():
+    with pytest.raises(TypeError, match="share_loop_bodies must be a bool, got str"):
+        laplace_passes.compile(two_layers, target="cpu", inner="inductor", share_loop_bodies="yes")
 
 
 def test_a_body_inductor_cannot_compile_runs_op_by_op_with_a_warning():

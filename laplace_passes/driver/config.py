@@ -27,6 +27,9 @@ OPTION_DOCS = {
     "(default: False, or True when the environment sets LAPLACE_PASSES_STRICT=1)",
     "max_graph_instructions": "estimated instructions one compiled graph may hold; a graph over it is "
     "cut into partitions that fit (default: the target's, 5,000,000 on trn2; None: no limit)",
+    "share_loop_bodies": "inner inductor on the cpu target: GLA sites of a graph sharing a signature call one "
+    "body Inductor compiles once (default True: a faster first call); False inlines each site's body "
+    "(NOTE [chunk-loop bodies compiled once])",
 }
 
 GATE_CHECKS = ("auto", "always")
@@ -44,6 +47,7 @@ class CompileConfig:
     gate_checks: str = "auto"
     recognise_gla: bool = True
     strict: bool = False
+    share_loop_bodies: bool = True
     _decompositions: dict | None = field(default=None, init=False, repr=False)
 
     def decompositions(self) -> dict | None:
@@ -89,8 +93,12 @@ class CompileConfig:
         strict = options.get("strict", strict_mode())
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+        share_loop_bodies = options.get("share_loop_bodies", True)
+        if not isinstance(share_loop_bodies, bool):
+            raise TypeError(f"share_loop_bodies must be a bool, got {type(share_loop_bodies).__name__}")
         return cls(target, inner, chunk_size, retile, report, muon_all_to_all, max_graph_instructions=budget,
-                   gate_checks=gate_checks, recognise_gla=recognise, strict=strict)
+                   gate_checks=gate_checks, recognise_gla=recognise, strict=strict,
+                   share_loop_bodies=share_loop_bodies)
 
     def __repr__(self) -> str:
         # Short: torch puts the backend's repr (a partial holding this config) into its error messages.

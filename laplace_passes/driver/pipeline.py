@@ -104,7 +104,7 @@ def _unroll(build: Build) -> GraphPass:
     # A compiler that lowers to StableHLO takes ATen ops only: the recurrence reaches it unrolled.
     recurrence = "unrolled" if config.inner.legalizes else config.target.chunk_recurrence
     # Inductor compiles a chunk-loop op's body once for every site of its shape (unroll/compiled_bodies.py).
-    compile_bodies = recurrence == "op" and config.inner.compiles_loop_bodies
+    compile_bodies = recurrence == "op" and config.inner.compiles_loop_bodies and config.share_loop_bodies
     return UnrollLoops("aten", decompositions=config.decompositions(), chunk_recurrence=recurrence,
                        compile_bodies=compile_bodies)
 
