@@ -146,6 +146,20 @@ def test_a_body_inductor_cannot_compile_runs_op_by_op_with_a_warning():
     assert len(bodies) == 1
 
 
+def test_a_body_that_cannot_be_traced_runs_op_by_op_with_a_warning(monkeypatch):
+    def untraceable(*args):
+        raise RuntimeError("data-dependent control flow")
+
+    monkeypatch.setattr(compiled_bodies, "_traced_body", untraceable)
+    bodies = CompiledBodies()
+    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, seed=4)
+    args = (q, k, v, gk, h0, 0.3, 64, 8, True)
+    with pytest.warns(UserWarning, match=r"\(RuntimeError: data-dependent control flow\); it runs op by op instead"):
+        got = bodies.run(CHUNK_LOOP_OPS[0], args)
+    for g, e in zip(got, chunked_gla_op(*args)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 def test_a_new_layout_is_a_new_signature_and_outputs_keep_the_fake_kernel_strides():
     compiles = []
 

@@ -101,7 +101,7 @@ _FAKES = {CHUNK_LOOP_OPS[0]: _chunked_gla_fake, CHUNK_LOOP_OPS[1]: _chunked_gla_
 def signature(op, args: Sequence) -> tuple:
     """What one compiled body serves: the op, each tensor's layout, every other argument."""
     return (op,) + tuple(
-        ("tensor", tuple(a.shape), a.stride(), a.dtype, a.device.type) if isinstance(a, Tensor) else ("value", a)
+        ("tensor", tuple(a.shape), a.stride(), a.dtype, str(a.device)) if isinstance(a, Tensor) else ("value", a)
         for a in args
     )
 
@@ -127,13 +127,14 @@ class CompiledBodies:
         return tuple(body([a for a in args if isinstance(a, Tensor)]))
 
     def _compiled(self, op, args: tuple, key: tuple) -> Callable[[list], Sequence[Tensor]]:
-        gm, fakes, body = _traced_body(op, args)
-        self.graphs[key] = gm
+        body = body_of(op, args, [isinstance(a, Tensor) for a in args], recurrence="op")
         shapes = ", ".join(str(list(a.shape)) for a in args if isinstance(a, Tensor))
         try:
             with logs.progress(f"compiling the body of {loop_name(op)} at {shapes} with inductor"):
+                gm, fakes = _traced_body(op, args, body)
+                self.graphs[key] = gm
                 return self._compile_body(gm, fakes)
-        except Exception as error:  # noqa: BLE001 - the traced body still computes the same numbers
+        except Exception as error:  # noqa: BLE001 - the body run op by op still computes the same numbers
             warnings.warn(f"laplace_passes: Inductor could not compile the body of {loop_name(op)} at {shapes} "
                           f"({type(error).__name__}: {error}); it runs op by op instead", stacklevel=2)
             return lambda tensors: body(*tensors)
@@ -142,13 +143,12 @@ class CompiledBodies:
 BODIES = CompiledBodies()
 
 
-def _traced_body(op, args: tuple) -> tuple[torch.fx.GraphModule, list[Tensor], Callable]:
-    """The op's body traced on fakes of `args`, its outputs laid out as the op's fake kernel lays them out.
+def _traced_body(op, args: tuple, body: Callable) -> tuple[torch.fx.GraphModule, list[Tensor]]:
+    """`body` (the op's, a function of its tensors) traced on fakes of `args`, and those fakes.
 
-    Also the fakes it was traced on, and the body itself (a function of the tensors).
+    Its outputs are laid out as the op's fake kernel lays them out.
     """
     is_tensor = [isinstance(a, Tensor) for a in args]
-    body = body_of(op, args, is_tensor, recurrence="op")
     mode = FakeTensorMode()
     fakes = [mode.from_tensor(a) for a in args if isinstance(a, Tensor)]
     with mode:
@@ -158,7 +158,7 @@ def _traced_body(op, args: tuple) -> tuple[torch.fx.GraphModule, list[Tensor], C
         def body_with_expected_layout(*tensors):
             return tuple(_laid_out_as(out, like) for out, like in zip(body(*tensors), expected))
 
-        return make_fx(body_with_expected_layout, tracing_mode="real")(*fakes), fakes, body
+        return make_fx(body_with_expected_layout, tracing_mode="real")(*fakes), fakes
 
 
 def _laid_out_as(value: Tensor, like: Tensor) -> Tensor:
