@@ -27,6 +27,8 @@ lru-cached by Inductor, and equal to the unpatched ones.
 from __future__ import annotations
 
 import contextlib
+import platform
+import sys
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -105,9 +107,8 @@ def start_isa_probes() -> None:
 
 def wait_for_isa_probes() -> None:
     """Return once the background probes are done (at once when none were started)."""
-    probes = _probes
-    if probes is not None and probes is not threading.current_thread():
-        probes.join()
+    if _probes is not None:
+        _probes.join()
 
 
 def _run_isa_probes() -> None:
@@ -124,9 +125,6 @@ def _run_isa_probes() -> None:
 
 def _isas_the_cpu_reports(cpu_vec_isa: types.ModuleType) -> list:
     """The instruction sets `valid_vec_isa_list` would probe on this x86 CPU (none elsewhere: left to Inductor)."""
-    import platform
-    import sys
-
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return []
     flags = cpu_vec_isa.x86_isa_checker()

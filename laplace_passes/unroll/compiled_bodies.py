@@ -28,9 +28,11 @@ pass would inline (`chunk_loops.body_of`, the recurrence one
 `laplace::chunk_recurrence`) and compiles it with Inductor, once; every
 later call with that signature, from any site, graph or compile in the
 process, runs that compiled body. The values are those of the inlined body
-compiled by Inductor: the same trace, cut at the op's boundary. The twin's
-outputs have the strides the op's fake kernel gives (the host graph was
-traced with them).
+compiled by Inductor: the same trace, cut at the op's boundary. The twin
+shares the op's fake kernel, whose strides (contiguous) are those the body
+returns and Inductor keeps for a graph's outputs, so the host graph is
+traced with the layout the compiled body gives (tests/test_compiled_bodies.py
+compares them).
 
 The trade, measured side by side (`benchmarks/bench_loop_bodies.py`,
 docs/benchmarks.md): the first call of `tiny`'s training step at T = 2048
@@ -92,10 +94,9 @@ def chunked_gla_backward_inductor(
 chunked_gla_inductor.register_fake(_chunked_gla_fake)
 chunked_gla_backward_inductor.register_fake(_chunked_gla_backward_fake)
 
-# Each chunk-loop op's twin, and the fake kernel both share (the strides the host graph was traced with).
+# Each chunk-loop op's twin.
 TWINS = {CHUNK_LOOP_OPS[0]: torch.ops.laplace.chunked_gla_inductor.default,
          CHUNK_LOOP_OPS[1]: torch.ops.laplace.chunked_gla_backward_inductor.default}
-_FAKES = {CHUNK_LOOP_OPS[0]: _chunked_gla_fake, CHUNK_LOOP_OPS[1]: _chunked_gla_backward_fake}
 
 
 def signature(op, args: Sequence) -> tuple:
@@ -144,26 +145,8 @@ BODIES = CompiledBodies()
 
 
 def _traced_body(op, args: tuple, body: Callable) -> tuple[torch.fx.GraphModule, list[Tensor]]:
-    """`body` (the op's, a function of its tensors) traced on fakes of `args`, and those fakes.
-
-    Its outputs are laid out as the op's fake kernel lays them out.
-    """
-    is_tensor = [isinstance(a, Tensor) for a in args]
+    """`body` (the op's, a function of its tensors) traced on fakes of `args`, and those fakes."""
     mode = FakeTensorMode()
     fakes = [mode.from_tensor(a) for a in args if isinstance(a, Tensor)]
     with mode:
-        supplied = iter(fakes)
-        expected = _FAKES[op](*(next(supplied) if t else a for a, t in zip(args, is_tensor)))
-
-        def body_with_expected_layout(*tensors):
-            return tuple(_laid_out_as(out, like) for out, like in zip(body(*tensors), expected))
-
-        return make_fx(body_with_expected_layout, tracing_mode="real")(*fakes), fakes
-
-
-def _laid_out_as(value: Tensor, like: Tensor) -> Tensor:
-    """`value` with `like`'s strides (a copy only where they differ)."""
-    if value.stride() == like.stride():
-        return value
-    return torch.ops.aten.copy.default(torch.empty_strided(like.shape, like.stride(), dtype=value.dtype,
-                                                           device=value.device), value)
+        return make_fx(body, tracing_mode="real")(*fakes), fakes

@@ -19,6 +19,7 @@ as a loop. Loops nested in a body are reached once the outer loop is inlined.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -53,11 +54,11 @@ class UnrollLoops(GraphPass):
         # compile_bodies: a chunk-loop op with static sizes stays one node whose body Inductor compiles once
         # per signature (NOTE [chunk-loop bodies compiled once] in `laplace_passes.unroll.compiled_bodies`).
         self.compile_bodies = compile_bodies
-        self._sites_per_signature: dict[tuple, int] = {}  # this graph's chunk-loop sites, counted as `call` begins
+        self._sites_per_signature: Counter = Counter()  # this graph's chunk-loop sites, counted as `call` begins
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records: list[LoopRecord] = []
-        self._sites_per_signature = _sites_per_signature(gm) if self.compile_bodies else {}
+        self._sites_per_signature = _sites_per_signature(gm) if self.compile_bodies else Counter()
         declined_nodes: set[torch.fx.Node] = set()
         while True:  # inlining a body can bring nested loops into the graph
             pending = [n for n in gm.graph.nodes if self._is_loop(n) and n not in declined_nodes]
@@ -117,7 +118,7 @@ class UnrollLoops(GraphPass):
         compiled once either way, and inlined it ran faster (NOTE [chunk-loop
         bodies compiled once]).
         """
-        return self._sites_per_signature.get(_site_signature(node), 0) >= 2
+        return self._sites_per_signature[_site_signature(node)] >= 2
 
     def _count(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int, Callable[[], None]]:
         """The loop's trip count, and what unrolls it; Declined when the count is not static."""
@@ -143,13 +144,8 @@ def _site_signature(node: torch.fx.Node) -> tuple | None:
     return compiled_bodies.signature(node.target, args)
 
 
-def _sites_per_signature(gm: torch.fx.GraphModule) -> dict[tuple, int]:
-    counts: dict[tuple, int] = {}
-    for node in gm.graph.nodes:
-        key = _site_signature(node)
-        if key is not None:
-            counts[key] = counts.get(key, 0) + 1
-    return counts
+def _sites_per_signature(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(key for key in map(_site_signature, gm.graph.nodes) if key is not None)
 
 
 def _summary(records: list[LoopRecord]) -> str:
