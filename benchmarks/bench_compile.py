@@ -6,7 +6,9 @@
 
 Each target compiles in a fresh Python process with an empty Inductor cache
 (TORCHINDUCTOR_CACHE_DIR a new temporary folder, the FX graph and AOT
-Autograd caches off), as a user's first compile does. The step is
+Autograd caches off) and a new system temporary folder (TMPDIR, where
+Inductor keeps its precompiled header), as a first compile on a new
+machine does. The step is
 `cross_entropy(model(ids), ids)` compiled with `laplace_passes.compile`,
 then `.backward()`: its first forward and backward are timed (the total),
 and split into stages that do not overlap, in wall-clock seconds:
@@ -31,7 +33,10 @@ and split into stages that do not overlap, in wall-clock seconds:
     codegen] in `laplace_passes/infra/inductor_fast.py`); this stage is what
     they had left when Inductor's compile began, plus any probe Inductor ran
     itself. Below the stages: their seconds in the background;
-  * C++ compile (waited): the time Inductor waited for the compiled kernels;
+  * C++ compile (waited): the time Inductor waited for the compiled kernels
+    (a graph's kernels built in a few libraries: NOTE [kernels compiled
+    together] in `laplace_passes/infra/kernel_batches.py`), the first ones'
+    wait for the precompiled header included;
   * other: the rest (guards, running the step, lazy imports).
 
 Beside the wall-clock total, the CPU seconds of the first call: this process
@@ -45,8 +50,9 @@ Stage seconds come from torch's own compile-time counters
 `OutputGraph.call_user_compiler`, `backward._backward_impl`,
 `compile_fx_inner`, `async_compile.wait`). Below the stages: the g++ runs
 and their seconds summed over the compile threads (they overlap each other
-and the codegen, so they are not a stage), and each graph's nodes before
-and after the passes.
+and the codegen, so they are not a stage), the precompiled header's
+seconds (built in the background after the probes), and each graph's
+nodes before and after the passes.
 """
 
 from __future__ import annotations
@@ -103,7 +109,11 @@ def in_fresh_process(target: str, args) -> dict:
     """Run `measure_first_call` for one target in a new Python process with an empty Inductor cache."""
     say(f"compiling for target {target} in a fresh process ...")
     with tempfile.TemporaryDirectory(prefix="bench_compile_") as cache_dir:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+        # TMPDIR: Inductor keeps its precompiled header in the system's temporary folder, not in its cache
+        # folder; a new one makes the header's build part of the first call, as on a new machine.
+        os.makedirs(os.path.join(cache_dir, "tmp"))
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+               "TMPDIR": os.path.join(cache_dir, "tmp"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
         command = [sys.executable, "-m", "benchmarks.bench_compile", "--one-target", target,
                    "--seq-len", str(args.seq_len), "--inner", args.inner]
@@ -134,6 +144,10 @@ def rows(target: str, result: dict) -> list[str]:
     probes = result["isa_probes"]
     lines.append(f"  ISA probes: {probes['builds']} test libraries, {probes['background_s']:.1f} s summed in the "
                  f"background (two at a time, overlapping Dynamo, AOT Autograd and the passes)")
+    header = result["kernel_header"]
+    lines.append(f"  Inductor's precompiled header: {header['background_s']:.1f} s building in the background, "
+                 f"{header['main_thread_s']:.1f} s on the main thread; the first kernels waited {header['waited_s']:.1f} s "
+                 f"for it (in the C++ compile's wait)")
     for name, graph in result["graphs"].items():
         lines.append(f"  graph {name:<12} {graph['nodes_before']:6d} -> {graph['nodes_after']:6d} nodes")
     return lines
@@ -153,6 +167,7 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
 
     passes = PassSeconds.listening()
     isa_probes = IsaProbeSeconds.timing()
+    header = HeaderSeconds.timing()
     bodies = BodySeconds.timing()
     torch.manual_seed(0)
     model = model_zoo.build("tiny")
@@ -178,6 +193,8 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
                          bodies.inductor),
         "loop_bodies": {"compiled": bodies.count, "seconds": bodies.total, "inductor_s": bodies.inductor},
         "isa_probes": {"builds": isa_probes.builds, "background_s": isa_probes.background},
+        "kernel_header": {"background_s": header.background, "main_thread_s": header.main_thread,
+                          "waited_s": header.waited},
         "passes_per_graph_s": passes.per_graph,
         "cxx": {"runs": len(compilation_time_metrics.get("compile_file", [])), "summed_s": timed.get("compile_file", 0.0)},
         "graphs": {g.name: {"nodes_before": len(g.before.graph.nodes), "nodes_after": len(g.after.graph.nodes)}
@@ -304,6 +321,53 @@ class IsaProbeSeconds:
         cpu_vec_isa.VecISA.check_build = timed_check_build  # this benchmark's own process only
         inner.wait_for_isa_probes = timed_wait
         return probes
+
+
+class HeaderSeconds:
+    """Seconds of Inductor's precompiled header for its C++ kernels (`codecache._precompile_header`).
+
+    `background`: built by the backend's background thread (NOTE [vector-ISA
+    probes ahead of the codegen]); `main_thread`: by Inductor on the main
+    thread (a call that finds the header built takes milliseconds);
+    `waited`: the first kernels' wait for the background build
+    (`laplace_passes.infra.kernel_batches.wait_for_kernel_header`).
+    """
+
+    def __init__(self):
+        self.background = self.main_thread = self.waited = 0.0
+
+    @classmethod
+    def timing(cls) -> "HeaderSeconds":
+        import threading
+
+        from torch._inductor import codecache
+
+        from laplace_passes.infra import kernel_batches
+
+        header = cls()
+        precompile, wait = codecache._precompile_header, kernel_batches.wait_for_kernel_header
+
+        def timed_precompile(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return precompile(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                if threading.current_thread() is threading.main_thread():
+                    header.main_thread += seconds
+                else:
+                    header.background += seconds
+
+        def timed_wait():
+            start = time.perf_counter()
+            try:
+                return wait()
+            finally:
+                header.waited += time.perf_counter() - start
+
+        codecache._precompile_header = timed_precompile  # this benchmark's own process only
+        kernel_batches.wait_for_kernel_header = timed_wait
+        return header
 
 
 class BodySeconds:

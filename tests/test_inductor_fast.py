@@ -8,8 +8,9 @@ with and without it and comparing the generated code.
 
 NOTE [vector-ISA probes ahead of the codegen]: the backend's background
 probes must leave Inductor with the instruction sets its own probes find,
-and leave none for Inductor to run on the main thread; checked in fresh
-processes, whose probe caches start empty.
+and leave none for Inductor to run on the main thread, and its header
+build must make the precompiled header a kernel's build asks for; checked
+in fresh processes, whose probe caches start empty.
 """
 
 import functools
@@ -73,7 +74,7 @@ def test_only_plain_polynomials_are_expanded():
 
 
 # Each run is a fresh process: Inductor's probe results are cached per process (their libraries on disk).
-_PROBES_IN_A_FRESH_PROCESS = """
+_PROBES_IN_A_FRESH_PROCESS = r"""
 import json, threading, torch
 from torch._inductor import cpu_vec_isa
 from laplace_passes.infra import inductor_fast
@@ -85,13 +86,25 @@ def counted(isa, code):
         main_thread_probes.append(str(isa))
     return check_build(isa, code)
 cpu_vec_isa.VecISA.check_build = counted
+from torch._inductor import codecache
+headers = {"main": [], "background": []}
+precompile = codecache._precompile_header
+def recorded(*args, **kwargs):
+    path = precompile(*args, **kwargs)
+    headers["main" if threading.current_thread() is threading.main_thread() else "background"].append(path)
+    return path
+codecache._precompile_header = recorded
 if BACKGROUND:
     inductor_fast.start_isa_probes()
     inductor_fast.start_isa_probes()  # once per process
     inductor_fast.wait_for_isa_probes()
-print(json.dumps({"valid": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()],
-                  "picked": str(cpu_vec_isa.pick_vec_isa()), "main_thread_probes": main_thread_probes,
-                  "probe_threads": sum(t.name == "laplace-isa-probes" for t in threading.enumerate())}))
+    inductor_fast.wait_for_kernel_header()
+valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+codecache.CppPythonBindingsCodeCache.load_async(
+    '#include <torch/csrc/inductor/cpp_prefix.h>\nextern "C" void kernel(float* out) { out[0] = 1; }\n', "cpu")
+print(json.dumps({"valid": valid, "picked": str(cpu_vec_isa.pick_vec_isa()), "main_thread_probes": main_thread_probes,
+                  "probe_threads": sum(t.name == "laplace-isa-probes" for t in threading.enumerate()),
+                  "headers": headers}))
 """
 
 
@@ -102,17 +115,22 @@ def _probes(background: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_background_isa_probes_leave_inductor_the_instruction_sets_its_own_probes_find():
+def test_background_isa_probes_and_header_leave_inductor_what_its_own_would_find():
     inductor_alone, ahead = _probes(background=False), _probes(background=True)
     assert ahead["valid"] == inductor_alone["valid"] and ahead["picked"] == inductor_alone["picked"]
     assert ahead["main_thread_probes"] == [] and ahead["probe_threads"] == 0  # done, and nothing left to Inductor
+    if sys.platform == "linux" and torch._inductor.config.cpp_cache_precompile_headers:
+        # The background built the header a kernel's build asks for: the same file, so the same flags.
+        assert len(ahead["headers"]["background"]) == 1 and ahead["headers"]["main"] == ahead["headers"]["background"]
+        assert inductor_alone["headers"]["background"] == [] and len(inductor_alone["headers"]["main"]) == 1
     if sys.platform == "linux" and inductor_alone["valid"]:
         assert inductor_alone["main_thread_probes"], inductor_alone  # the counting saw Inductor's own probes
 
 
-def test_wait_for_isa_probes_returns_at_once_when_none_were_started(monkeypatch):
+def test_the_waits_return_at_once_when_nothing_was_started(monkeypatch):
     monkeypatch.setattr(inductor_fast, "_probes", None)
     inductor_fast.wait_for_isa_probes()
+    inductor_fast.wait_for_kernel_header()
 
 
 def test_the_inductor_inner_compiler_starts_the_probes_and_waits_for_them(monkeypatch):

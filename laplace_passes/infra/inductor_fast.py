@@ -1,8 +1,9 @@
 """Inductor's first compile, sooner: the same kernels, the same instruction set.
 
     fast_index_simplify()    index strides by expanding plain polynomials, not sympy.simplify
-    start_isa_probes()       Inductor's vector-ISA probes in the background, ahead of its codegen
-    wait_for_isa_probes()
+    start_isa_probes()       Inductor's vector-ISA probes, then its precompiled header, in the background
+    wait_for_isa_probes()    before Inductor's codegen
+    wait_for_kernel_header() before the first kernel is built
 
 NOTE [index strides without sympy.simplify]
 Inductor's C++ backend asks, for every load and store of every kernel, the
@@ -91,24 +92,50 @@ def fast_index_simplify() -> Iterator[None]:
 # (`wait_for_isa_probes`); Inductor then finds their results in its caches.
 # The probes are Inductor's own, unchanged: the same instruction set is
 # picked. Anything unexpected in that module leaves the probes to Inductor.
+#
+# The same thread then builds Inductor's precompiled header for its C++
+# kernels, which Inductor otherwise builds on the main thread as it compiles
+# the first kernel: 6.7 s on that machine, once per machine (it is kept in
+# the system's temporary folder, not in Inductor's cache folder). It asks
+# Inductor's code cache for a library of the header alone, which builds the
+# header with the flags of every kernel library and builds no library; the
+# first kernels to be built wait for it (`wait_for_kernel_header`, NOTE
+# [kernels compiled together] in `laplace_passes/infra/kernel_batches.py`),
+# while Inductor's codegen of the first graph ran beside it.
 
 _probes_lock = threading.Lock()
 _probes: threading.Thread | None = None
+_probes_done = threading.Event()
+_HEADER_ONLY = "#include <torch/csrc/inductor/cpp_prefix.h>\n"
 
 
 def start_isa_probes() -> None:
-    """Start Inductor's vector-ISA probes in the background, once per process (NOTE above)."""
+    """Start Inductor's vector-ISA probes, then its precompiled header, in the background, once per process."""
     global _probes
     with _probes_lock:
         if _probes is None:
-            _probes = threading.Thread(target=_run_isa_probes, name="laplace-isa-probes", daemon=True)
+            _probes = threading.Thread(target=_prepare_in_background, name="laplace-isa-probes", daemon=True)
             _probes.start()
 
 
 def wait_for_isa_probes() -> None:
     """Return once the background probes are done (at once when none were started)."""
     if _probes is not None:
+        _probes_done.wait()
+
+
+def wait_for_kernel_header() -> None:
+    """Return once the background header build is done too (at once when none was started)."""
+    if _probes is not None:
         _probes.join()
+
+
+def _prepare_in_background() -> None:
+    try:
+        _run_isa_probes()
+    finally:
+        _probes_done.set()
+    _precompile_kernel_header()
 
 
 def _run_isa_probes() -> None:
@@ -120,6 +147,17 @@ def _run_isa_probes() -> None:
             list(pool.map(bool, candidates))  # each probe's result is cached on its VecISA
         cpu_vec_isa.valid_vec_isa_list()  # cached: what Inductor reads, built from the results above
     except Exception:  # noqa: BLE001 - a probe that fails here is run again, by Inductor, where it needs it
+        return
+
+
+def _precompile_kernel_header() -> None:
+    try:
+        from torch._inductor import config
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        if config.cpp_cache_precompile_headers and sys.platform != "win32":  # as Inductor: none on Windows
+            CppPythonBindingsCodeCache.load_async(_HEADER_ONLY, "cpu")  # builds the header; the library is never built
+    except Exception:  # noqa: BLE001 - Inductor builds the header itself where it needs it
         return
 
 

@@ -104,9 +104,12 @@ class InductorCompiler(InnerCompiler):
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         from torch._inductor.compile_fx import compile_fx_inner
 
+        from laplace_passes.infra.kernel_batches import kernels_compiled_together
+
         gm = _decomposed_for_inductor(gm, example_inputs)
         wait_for_isa_probes()
-        with fast_index_simplify():  # the same kernels (NOTE [index strides without sympy.simplify])
+        # The same kernels: NOTE [index strides without sympy.simplify], NOTE [kernels compiled together].
+        with fast_index_simplify(), kernels_compiled_together():
             return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
                                     is_inference=kind == "inference")
 

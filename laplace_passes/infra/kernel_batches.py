@@ -1,0 +1,310 @@
+"""Inductor's C++ kernels of one graph built together: a few g++ runs per graph, not one per kernel.
+
+    kernels_compiled_together()   within it, a graph's kernels are compiled in `compile_threads` libraries
+    BATCHES                       what was built: kernels per library, and the batches that fell back
+
+NOTE [kernels compiled together]
+Inductor's C++ backend builds every kernel as a library of its own: one g++
+run per kernel, each loading Inductor's precompiled header (about 150 MB)
+and linking against libtorch, about 0.8 s whatever the kernel's size. The
+39 kernels of `tiny`'s training step took 32.5 s of g++ that way and 4.7 s
+as one translation unit (3.2 s as two, side by side), on a 2-core AVX-512
+machine (benchmarks/bench_compile.py prints the runs and their seconds).
+
+Within `kernels_compiled_together()`, `AsyncCompile.cpp_pybinding` (what a
+wrapper module Inductor generates calls once per kernel, before it waits
+for them all) hands back a deferred kernel. The first one the module waits
+for builds every kernel deferred so far: each kernel's text unchanged in a
+namespace of its own, the kernels split into `compile_threads` translation
+units of about equal length, each with one Python entry point per kernel
+(`kernel_<i>`, its arguments parsed as Inductor's bindings parse them),
+built side by side through Inductor's own code cache: its compiler, flags,
+precompiled header, vector instruction set and cache folder. The machine
+code of each kernel is the one g++ makes for it alone (a kernel calls no
+other kernel); tests/test_kernel_batches.py compares outputs bit for bit.
+
+What the batch does not expect it leaves to Inductor, kernel by kernel: a
+source with anything but one `extern "C" void kernel(...)` after the
+prefix header, an argument type Inductor's bindings do not parse, a single
+kernel, one compile thread (Inductor then compiles each kernel as it is
+defined and never waits on a future). A batch whose build fails is built
+again kernel by kernel by Inductor, with a warning naming the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+import warnings
+from typing import Callable, Iterator, Sequence
+from unittest import mock
+
+from laplace_passes.infra.inductor_fast import wait_for_kernel_header
+
+_PREFIX_INCLUDE = "#include <torch/csrc/inductor/cpp_prefix.h>"
+_ENTRY = re.compile(r'extern "C"\s+void\s+kernel\s*\(')
+# How Inductor's Python bindings parse each argument type (after "const " is dropped): a tensor's
+# data pointer, or a Python int or float.
+_SCALAR_ARGUMENTS = ("int64_t", "uintptr_t", "float")
+
+
+def batch_refusal(argtypes: Sequence[str], source: str) -> str | None:
+    """Why a kernel is left to Inductor's own build, or None when it can join a batch."""
+    if source.count('extern "C"') != 1 or not _ENTRY.search(source):
+        return 'not one extern "C" void kernel(...)'
+    if any(line.lstrip().startswith("#include") for line in source.replace(_PREFIX_INCLUDE, "").splitlines()):
+        return "includes a header besides Inductor's prefix"
+    for argtype in argtypes:
+        parsed = _parsed_type(argtype)
+        if not parsed.endswith("*") and parsed not in _SCALAR_ARGUMENTS:
+            return f"an argument of type {argtype!r}"
+    return None
+
+
+def _parsed_type(argtype: str) -> str:
+    return argtype.replace("const ", "").strip()
+
+
+@dataclasses.dataclass
+class Kernel:
+    argtypes: tuple[str, ...]
+    source: str
+
+
+@dataclasses.dataclass
+class BatchRecord:
+    """One batch: the kernels in each library built, or why they fell back to one library per kernel."""
+
+    kernels_per_library: list[int]
+    fallback: str | None = None
+
+
+class BatchLog:
+    """What `kernels_compiled_together` built in this process (read by tests and benchmarks)."""
+
+    def __init__(self) -> None:
+        self.records: list[BatchRecord] = []
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+BATCHES = BatchLog()
+
+
+class Batch:
+    """The kernels one wrapper module defined before waiting: built together at the first wait."""
+
+    def __init__(self, compile_threads: int) -> None:
+        self.kernels: list[Kernel] = []
+        self.compile_threads = compile_threads
+        self.closed = False  # set at the first wait: later kernels start a new batch
+        self._functions: list[Callable] | None = None
+        self._lock = threading.Lock()
+
+    def add(self, kernel: Kernel) -> "DeferredKernel":
+        self.kernels.append(kernel)
+        return DeferredKernel(self, len(self.kernels) - 1)
+
+    def function(self, index: int) -> Callable:
+        self.closed = True
+        with self._lock:
+            if self._functions is None:
+                self._functions = self._build()
+        return self._functions[index]
+
+    def _build(self) -> list[Callable]:
+        if len(self.kernels) == 1:
+            return _one_by_one(self.kernels)
+        groups = split_evenly(self.kernels, self.compile_threads)
+        try:
+            functions = _built_together(groups)
+        except Exception as error:  # noqa: BLE001 - Inductor builds them one by one instead, as it would have
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            warnings.warn(f"laplace_passes: {len(self.kernels)} Inductor kernels built together failed ({reason}); "
+                          "Inductor builds them one by one", stacklevel=2)
+            BATCHES.records.append(BatchRecord([1] * len(self.kernels), fallback=reason))
+            return _one_by_one(self.kernels)
+        BATCHES.records.append(BatchRecord([len(group) for group in groups]))
+        by_index = {}
+        for group, group_functions in zip(groups, functions):
+            for (index, _), function in zip(group, group_functions):
+                by_index[index] = function
+        return [by_index[index] for index in range(len(self.kernels))]
+
+
+def _deferred_base() -> type:
+    from torch._inductor.codecache import CodeCacheFuture
+
+    return CodeCacheFuture
+
+
+class DeferredKernel(_deferred_base()):
+    """What the wrapper module holds until it waits: its kernel, from the batch's libraries."""
+
+    def __init__(self, batch: Batch, index: int) -> None:
+        self.batch = batch
+        self.index = index
+
+    def result(self, timeout: float | None = None) -> Callable:
+        return self.batch.function(self.index)
+
+
+def split_evenly(kernels: Sequence[Kernel], parts: int) -> list[list[tuple[int, Kernel]]]:
+    """Kernels (with their indices) in at most `parts` groups of about equal source length, each in kernel order.
+
+    Longest first onto the shortest group; ties by index, so the same kernels
+    make the same groups (the same sources: Inductor's cache finds them).
+    """
+    groups: list[list[tuple[int, Kernel]]] = [[] for _ in range(max(1, min(parts, len(kernels))))]
+    lengths = [0] * len(groups)
+    for index in sorted(range(len(kernels)), key=lambda i: (-len(kernels[i].source), i)):
+        lightest = lengths.index(min(lengths))
+        groups[lightest].append((index, kernels[index]))
+        lengths[lightest] += len(kernels[index].source)
+    return [sorted(group, key=lambda pair: pair[0]) for group in groups if group]
+
+
+def _built_together(groups: list[list[tuple[int, Kernel]]]) -> list[list[Callable]]:
+    """Each group one library, all submitted to Inductor's compile workers before waiting for any."""
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    wait_for_kernel_header()  # NOTE [vector-ISA probes ahead of the codegen]: built in the background
+    loads = [CppPythonBindingsCodeCache.load_async(library_source([kernel for _, kernel in group]), "cpu",
+                                                   submit_fn=AsyncCompile.submit)
+             for group in groups]
+    functions = []
+    for group, load in zip(groups, loads):
+        module = load()
+        functions.append([getattr(module, f"kernel_{position}") for position in range(len(group))])
+    return functions
+
+
+def _one_by_one(kernels: Sequence[Kernel]) -> list[Callable]:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return [CppPythonBindingsCodeCache.load_pybinding(list(kernel.argtypes), kernel.source) for kernel in kernels]
+
+
+def library_source(kernels: Sequence[Kernel]) -> str:
+    """One translation unit: each kernel in namespace `laplace_kernel_<i>`, then a module `kernel` of entry points."""
+    parts = [_PREFIX_INCLUDE]
+    for position, kernel in enumerate(kernels):
+        body = kernel.source.replace(_PREFIX_INCLUDE, "").replace('extern "C"', "", 1)
+        parts.append(f"namespace laplace_kernel_{position} {{\n{body}\n}}  // namespace laplace_kernel_{position}")
+    parts.append(_BINDINGS_HEAD)
+    parts.extend(_entry_point(position, kernel.argtypes) for position, kernel in enumerate(kernels))
+    methods = "".join(f'    {{"kernel_{position}", kernel_{position}_py, METH_VARARGS, ""}},\n'
+                      for position in range(len(kernels)))
+    parts.append(_BINDINGS_TAIL.replace("@METHODS@", methods))
+    return "\n".join(parts)
+
+
+def _entry_point(position: int, argtypes: Sequence[str]) -> str:
+    arguments = ", ".join(f"laplace_arg<{_parsed_type(argtype)}>(args, {n})" for n, argtype in enumerate(argtypes))
+    return (f"static PyObject* kernel_{position}_py(PyObject*, PyObject* args) {{\n"
+            f"    try {{\n"
+            f"        laplace_check_arity(args, {len(argtypes)});\n"
+            f"        laplace_kernel_{position}::kernel({arguments});\n"
+            f"        Py_RETURN_NONE;\n"
+            f"    }} catch (std::exception const& error) {{\n"
+            f"        PyErr_SetString(PyExc_RuntimeError, error.what());\n"
+            f"        return nullptr;\n"
+            f"    }}\n"
+            f"}}\n")
+
+
+# The entry points take the arguments Inductor's wrapper passes its kernels: tensors, whose data pointer
+# comes from the function Inductor exports for its own bindings (its address in the environment variable
+# Inductor's loader sets before it loads a library), and Python ints and floats.
+_BINDINGS_HEAD = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+static void* (*laplace_tensor_data_ptr)(PyObject* tensor);
+
+template <typename T> static inline T laplace_arg(PyObject* args, Py_ssize_t n) {
+    static_assert(std::is_pointer_v<T>, "a kernel argument is a tensor's pointer, an int or a float");
+    return static_cast<T>(laplace_tensor_data_ptr(PyTuple_GET_ITEM(args, n)));
+}
+template <> inline int64_t laplace_arg<int64_t>(PyObject* args, Py_ssize_t n) {
+    auto value = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, n));
+    if (value == -1 && PyErr_Occurred()) throw std::runtime_error("expected an int argument");
+    return value;
+}
+template <> inline uintptr_t laplace_arg<uintptr_t>(PyObject* args, Py_ssize_t n) {
+    auto value = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, n));
+    if (value == reinterpret_cast<void*>(-1) && PyErr_Occurred()) throw std::runtime_error("expected an int argument");
+    return reinterpret_cast<uintptr_t>(value);
+}
+template <> inline float laplace_arg<float>(PyObject* args, Py_ssize_t n) {
+    auto value = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n));
+    if (value == -1.0 && PyErr_Occurred()) throw std::runtime_error("expected a float argument");
+    return static_cast<float>(value);
+}
+
+static void laplace_check_arity(PyObject* args, Py_ssize_t arity) {
+    if (!PyTuple_CheckExact(args)) throw std::runtime_error("a tuple of arguments expected");
+    if (PyTuple_GET_SIZE(args) != arity)
+        throw std::runtime_error("expected " + std::to_string(arity) + " arguments");
+}
+"""
+
+_BINDINGS_TAIL = r"""
+static PyMethodDef laplace_methods[] = {
+@METHODS@    {nullptr, nullptr, 0, nullptr}};
+
+static struct PyModuleDef laplace_module = {PyModuleDef_HEAD_INIT, "kernel", nullptr, -1, laplace_methods};
+
+PyMODINIT_FUNC PyInit_kernel(void) {
+    const char* address = std::getenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR");
+    if (!address) {
+        PyErr_SetString(PyExc_RuntimeError, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR must be set");
+        return nullptr;
+    }
+    char* end = nullptr;
+    errno = 0;
+    auto value = std::strtoull(address, &end, 10);
+    if (errno != 0 || end == address || value == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR is not an address");
+        return nullptr;
+    }
+    laplace_tensor_data_ptr = reinterpret_cast<decltype(laplace_tensor_data_ptr)>(static_cast<uintptr_t>(value));
+    return PyModule_Create(&laplace_module);
+}
+"""
+
+
+_open = threading.local()
+
+
+@contextlib.contextmanager
+def kernels_compiled_together() -> Iterator[None]:
+    """Inductor's C++ kernels of each wrapper module built in a few libraries (NOTE above); nothing else changes."""
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    own_cpp_pybinding = AsyncCompile.cpp_pybinding
+
+    def cpp_pybinding(self, argtypes: list[str], source_code: str):
+        threads = get_compile_threads()
+        if threads <= 1 or batch_refusal(argtypes, source_code) is not None:
+            return own_cpp_pybinding(self, argtypes, source_code)
+        batch = getattr(_open, "batch", None)
+        if batch is None or batch.closed:
+            batch = _open.batch = Batch(threads)
+        return batch.add(Kernel(tuple(argtypes), source_code))
+
+    with mock.patch.object(AsyncCompile, "cpp_pybinding", cpp_pybinding):
+        try:
+            yield
+        finally:
+            _open.batch = None
