@@ -33,6 +33,7 @@ again kernel by kernel by Inductor, with a warning naming the error.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import re
@@ -82,10 +83,12 @@ class BatchRecord:
 
 
 class BatchLog:
-    """What `kernels_compiled_together` built in this process (read by tests and benchmarks)."""
+    """What `kernels_compiled_together` built in this process, the latest batches (read by tests and benchmarks)."""
+
+    KEPT = 256  # a long-running process compiles many graphs: their records are not kept forever
 
     def __init__(self) -> None:
-        self.records: list[BatchRecord] = []
+        self.records: collections.deque[BatchRecord] = collections.deque(maxlen=self.KEPT)
 
     def clear(self) -> None:
         self.records.clear()
