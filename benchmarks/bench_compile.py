@@ -274,6 +274,21 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_c
     return result
 
 
+def timed_by_thread(fn, on_main_thread, in_background):
+    """`fn`, whose seconds each call hands to `on_main_thread` or `in_background`, by the thread that called it."""
+    import threading
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - start
+            (on_main_thread if threading.current_thread() is threading.main_thread() else in_background)(seconds)
+
+    return timed
+
+
 class IsaProbeSeconds:
     """Seconds of Inductor's vector-ISA probes (`VecISA.check_build`), and of the backend's wait for them.
 
@@ -288,38 +303,26 @@ class IsaProbeSeconds:
         self.in_codegen = self.background = self.waited = 0.0
         self.builds = 0
 
+    def _probed(self, seconds: float, in_codegen: bool) -> None:
+        self.builds += 1
+        if in_codegen:
+            self.in_codegen += seconds
+        else:
+            self.background += seconds
+
+    def _waited(self, seconds: float) -> None:
+        self.waited += seconds
+
     @classmethod
     def timing(cls) -> "IsaProbeSeconds":
-        import threading
-
         from torch._inductor import cpu_vec_isa
 
         from laplace_passes.infra import inner
 
         probes = cls()
-        check_build, wait = cpu_vec_isa.VecISA.check_build, inner.wait_for_isa_probes
-
-        def timed_check_build(isa, code):
-            start = time.perf_counter()
-            try:
-                return check_build(isa, code)
-            finally:
-                seconds = time.perf_counter() - start
-                probes.builds += 1
-                if threading.current_thread() is threading.main_thread():
-                    probes.in_codegen += seconds
-                else:
-                    probes.background += seconds
-
-        def timed_wait():
-            start = time.perf_counter()
-            try:
-                return wait()
-            finally:
-                probes.waited += time.perf_counter() - start
-
-        cpu_vec_isa.VecISA.check_build = timed_check_build  # this benchmark's own process only
-        inner.wait_for_isa_probes = timed_wait
+        cpu_vec_isa.VecISA.check_build = timed_by_thread(  # this benchmark's own process only
+            cpu_vec_isa.VecISA.check_build, lambda s: probes._probed(s, True), lambda s: probes._probed(s, False))
+        inner.wait_for_isa_probes = timed_by_thread(inner.wait_for_isa_probes, probes._waited, probes._waited)
         return probes
 
 
@@ -336,37 +339,26 @@ class HeaderSeconds:
     def __init__(self):
         self.background = self.main_thread = self.waited = 0.0
 
+    def _built(self, seconds: float, main_thread: bool) -> None:
+        if main_thread:
+            self.main_thread += seconds
+        else:
+            self.background += seconds
+
+    def _waited(self, seconds: float) -> None:
+        self.waited += seconds
+
     @classmethod
     def timing(cls) -> "HeaderSeconds":
-        import threading
-
         from torch._inductor import codecache
 
         from laplace_passes.infra import kernel_batches
 
         header = cls()
-        precompile, wait = codecache._precompile_header, kernel_batches.wait_for_kernel_header
-
-        def timed_precompile(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return precompile(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - start
-                if threading.current_thread() is threading.main_thread():
-                    header.main_thread += seconds
-                else:
-                    header.background += seconds
-
-        def timed_wait():
-            start = time.perf_counter()
-            try:
-                return wait()
-            finally:
-                header.waited += time.perf_counter() - start
-
-        codecache._precompile_header = timed_precompile  # this benchmark's own process only
-        kernel_batches.wait_for_kernel_header = timed_wait
+        codecache._precompile_header = timed_by_thread(  # this benchmark's own process only
+            codecache._precompile_header, lambda s: header._built(s, True), lambda s: header._built(s, False))
+        kernel_batches.wait_for_kernel_header = timed_by_thread(kernel_batches.wait_for_kernel_header,
+                                                                header._waited, header._waited)
         return header
 
 
