@@ -119,6 +119,9 @@ class Batch:
         return self._functions[index]
 
     def _build(self) -> list[Callable]:
+        # NOTE [vector-ISA probes ahead of the codegen]: the header is being built in the background; a
+        # build here would preprocess it a second time beside it.
+        wait_for_kernel_header()
         if len(self.kernels) == 1:
             return _one_by_one(self.kernels)
         groups = split_evenly(self.kernels, self.compile_threads)
@@ -175,7 +178,6 @@ def _built_together(groups: list[list[tuple[int, Kernel]]]) -> list[list[Callabl
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    wait_for_kernel_header()  # NOTE [vector-ISA probes ahead of the codegen]: built in the background
     loads = [CppPythonBindingsCodeCache.load_async(library_source([kernel for _, kernel in group]), "cpu",
                                                    submit_fn=AsyncCompile.submit)
              for group in groups]
