@@ -132,9 +132,21 @@ def test_one_compile_thread_leaves_every_kernel_to_inductor():
     inputs = [(torch.randn(8, 8),)]
     BATCHES.clear()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message="laplace_passes")  # no batch built, none failed
         (out,), _ = run_compiled(fn, inputs, batched=True, compile_threads=1)
     assert len(BATCHES.records) == 0
+    torch.testing.assert_close(out, fn(*inputs[0]))
+
+
+def test_the_environment_variable_leaves_every_kernel_to_inductor(monkeypatch):
+    def fn(x):
+        return (x.sin() @ x).cos() @ x.exp()
+
+    monkeypatch.setenv(kernel_batches.OFF_SWITCH, "0")
+    inputs = [(torch.randn(8, 8),)]
+    BATCHES.clear()
+    (out,), kernels = run_compiled(fn, inputs, batched=True)
+    assert len(kernels) >= 2 and len(BATCHES.records) == 0
     torch.testing.assert_close(out, fn(*inputs[0]))
 
 

@@ -28,7 +28,9 @@ source with anything but one `extern "C" void kernel(...)` after the
 prefix header, an argument type Inductor's bindings do not parse, a single
 kernel, one compile thread (Inductor then compiles each kernel as it is
 defined and never waits on a future). A batch whose build fails is built
-again kernel by kernel by Inductor, with a warning naming the error.
+again kernel by kernel by Inductor, with a warning naming the error. The
+environment variable LAPLACE_PASSES_KERNEL_BATCHES=0 leaves every kernel
+to Inductor (to compare, or to debug a kernel as Inductor builds it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import re
 import threading
 import warnings
@@ -49,6 +52,7 @@ _ENTRY = re.compile(r'extern "C"\s+void\s+kernel\s*\(')
 # How Inductor's Python bindings parse each argument type (after "const " is dropped): a tensor's
 # data pointer, or a Python int or float.
 _SCALAR_ARGUMENTS = ("int64_t", "uintptr_t", "float")
+OFF_SWITCH = "LAPLACE_PASSES_KERNEL_BATCHES"  # "0": every kernel left to Inductor's own build
 
 
 def batch_refusal(argtypes: Sequence[str], source: str) -> str | None:
@@ -297,6 +301,9 @@ def kernels_compiled_together() -> Iterator[None]:
     """Inductor's C++ kernels of each wrapper module built in a few libraries (NOTE above); nothing else changes."""
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 
+    if os.environ.get(OFF_SWITCH, "1") == "0":
+        yield
+        return
     own_cpp_pybinding = AsyncCompile.cpp_pybinding
 
     def cpp_pybinding(self, argtypes: list[str], source_code: str):
