@@ -36,8 +36,8 @@ compares them).
 
 The trade, measured side by side (`benchmarks/bench_loop_bodies.py`,
 docs/benchmarks.md): the first call of `tiny`'s training step at T = 2048
-took 0.80x to 0.85x the seconds (one body compiled instead of one per
-layer, and smaller host graphs), and a step afterwards 1.05x to 1.06x;
+took 0.80x to 0.87x the seconds (one body compiled instead of one per
+layer, and smaller host graphs), and a step afterwards 1.05x to 1.09x;
 two GLA sites of wide heads (H=4, K=128, V=256) in one graph ran their
 forward and backward in 1.10x the time. The matmuls take the same time;
 the rest does not fuse across the op's boundary: inlined, Inductor fuses
