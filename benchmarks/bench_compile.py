@@ -166,8 +166,8 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     from torch._dynamo.utils import compilation_time_metrics
 
     passes = PassSeconds.listening()
-    isa_probes = IsaProbeSeconds.timing()
-    header = HeaderSeconds.timing()
+    isa_probes = time_isa_probes()
+    header = time_kernel_header()
     bodies = BodySeconds.timing()
     torch.manual_seed(0)
     model = model_zoo.build("tiny")
@@ -189,10 +189,10 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     return {
         "target": target, "seq_len": seq_len, "inner": inner, "total_s": total, "cpu_s": cpu, "second_call_s": second,
         "compile_threads": torch._inductor.config.compile_threads,
-        "stages": stages(timed, passes.seconds, total, isa_probes.in_codegen, isa_probes.waited, bodies.total,
+        "stages": stages(timed, passes.seconds, total, isa_probes.main_thread, isa_probes.waited, bodies.total,
                          bodies.inductor),
         "loop_bodies": {"compiled": bodies.count, "seconds": bodies.total, "inductor_s": bodies.inductor},
-        "isa_probes": {"builds": isa_probes.builds, "background_s": isa_probes.background},
+        "isa_probes": {"builds": isa_probes.calls, "background_s": isa_probes.background},
         "kernel_header": {"background_s": header.background, "main_thread_s": header.main_thread,
                           "waited_s": header.waited},
         "passes_per_graph_s": passes.per_graph,
@@ -274,92 +274,83 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_c
     return result
 
 
-def timed_by_thread(fn, on_main_thread, in_background):
-    """`fn`, whose seconds each call hands to `on_main_thread` or `in_background`, by the thread that called it."""
-    import threading
+class SecondsByThread:
+    """Seconds of a function this benchmark wraps, summed by the thread that called it, and of a wait for it.
 
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds = time.perf_counter() - start
-            (on_main_thread if threading.current_thread() is threading.main_thread() else in_background)(seconds)
+    `main_thread`: calls on the main thread; `background`: calls in other
+    threads (the backend's background work); `calls`: how many; `waited`:
+    the main thread's waits for the background calls.
+    """
 
-    return timed
+    def __init__(self):
+        self.main_thread = self.background = self.waited = 0.0
+        self.calls = 0
+
+    def timed(self, fn):
+        """`fn`, each call's seconds added to `main_thread` or `background` by the thread that made it."""
+        import threading
+
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls += 1
+                if threading.current_thread() is threading.main_thread():
+                    self.main_thread += time.perf_counter() - start
+                else:
+                    self.background += time.perf_counter() - start
+
+        return timed_call
+
+    def timed_wait(self, wait):
+        """`wait`, its seconds added to `waited`."""
+
+        def timed_call():
+            start = time.perf_counter()
+            try:
+                return wait()
+            finally:
+                self.waited += time.perf_counter() - start
+
+        return timed_call
 
 
-class IsaProbeSeconds:
-    """Seconds of Inductor's vector-ISA probes (`VecISA.check_build`), and of the backend's wait for them.
+def time_isa_probes() -> SecondsByThread:
+    """Inductor's vector-ISA probes (`VecISA.check_build`), and the backend's wait for them.
 
     A probe builds a test library with g++ and loads it in a child process,
-    for each instruction set the CPU reports. `in_codegen`: probes run on
-    the main thread, inside Inductor's compile; `background`: probes the
-    backend started in its own threads, summed; `waited`: the main thread's
-    wait for those (`laplace_passes.infra.inner.wait_for_isa_probes`).
+    for each instruction set the CPU reports. On the main thread: probes run
+    inside Inductor's compile; in the background: probes the backend
+    started in its own threads (NOTE [vector-ISA probes ahead of the
+    codegen]); waited: `laplace_passes.infra.inner.wait_for_isa_probes`.
     """
+    from torch._inductor import cpu_vec_isa
 
-    def __init__(self):
-        self.in_codegen = self.background = self.waited = 0.0
-        self.builds = 0
+    from laplace_passes.infra import inner
 
-    def _probed(self, seconds: float, in_codegen: bool) -> None:
-        self.builds += 1
-        if in_codegen:
-            self.in_codegen += seconds
-        else:
-            self.background += seconds
-
-    def _waited(self, seconds: float) -> None:
-        self.waited += seconds
-
-    @classmethod
-    def timing(cls) -> "IsaProbeSeconds":
-        from torch._inductor import cpu_vec_isa
-
-        from laplace_passes.infra import inner
-
-        probes = cls()
-        cpu_vec_isa.VecISA.check_build = timed_by_thread(  # this benchmark's own process only
-            cpu_vec_isa.VecISA.check_build, lambda s: probes._probed(s, True), lambda s: probes._probed(s, False))
-        inner.wait_for_isa_probes = timed_by_thread(inner.wait_for_isa_probes, probes._waited, probes._waited)
-        return probes
+    probes = SecondsByThread()
+    cpu_vec_isa.VecISA.check_build = probes.timed(cpu_vec_isa.VecISA.check_build)  # this process only
+    inner.wait_for_isa_probes = probes.timed_wait(inner.wait_for_isa_probes)
+    return probes
 
 
-class HeaderSeconds:
-    """Seconds of Inductor's precompiled header for its C++ kernels (`codecache._precompile_header`).
+def time_kernel_header() -> SecondsByThread:
+    """Inductor's precompiled header for its C++ kernels (`codecache._precompile_header`), and the wait for it.
 
-    `background`: built by the backend's background thread (NOTE [vector-ISA
-    probes ahead of the codegen]); `main_thread`: by Inductor on the main
-    thread (a call that finds the header built takes milliseconds);
-    `waited`: the first kernels' wait for the background build
-    (`laplace_passes.infra.kernel_batches.wait_for_kernel_header`).
+    In the background: built by the backend's background thread after the
+    probes; on the main thread: by Inductor (a call that finds the header
+    built takes milliseconds); waited: the first kernels' wait for the
+    background build (`laplace_passes.infra.kernel_batches.wait_for_kernel_header`).
     """
+    from torch._inductor import codecache
 
-    def __init__(self):
-        self.background = self.main_thread = self.waited = 0.0
+    from laplace_passes.infra import kernel_batches
 
-    def _built(self, seconds: float, main_thread: bool) -> None:
-        if main_thread:
-            self.main_thread += seconds
-        else:
-            self.background += seconds
-
-    def _waited(self, seconds: float) -> None:
-        self.waited += seconds
-
-    @classmethod
-    def timing(cls) -> "HeaderSeconds":
-        from torch._inductor import codecache
-
-        from laplace_passes.infra import kernel_batches
-
-        header = cls()
-        codecache._precompile_header = timed_by_thread(  # this benchmark's own process only
-            codecache._precompile_header, lambda s: header._built(s, True), lambda s: header._built(s, False))
-        kernel_batches.wait_for_kernel_header = timed_by_thread(kernel_batches.wait_for_kernel_header,
-                                                                header._waited, header._waited)
-        return header
+    header = SecondsByThread()
+    codecache._precompile_header = header.timed(codecache._precompile_header)  # this process only
+    kernel_batches.wait_for_kernel_header = header.timed_wait(kernel_batches.wait_for_kernel_header)
+    return header
 
 
 class BodySeconds:

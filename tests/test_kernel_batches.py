@@ -12,6 +12,7 @@ batched.
 
 import contextlib
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def run_compiled(fn, inputs, batched: bool, dynamic: bool = False, compile_threa
         stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
         if batched:
             stack.enter_context(kernels_compiled_together())
-        stack.enter_context(_patched(AsyncCompile, "cpp_pybinding", _counting(defined)))  # sees each kernel first
+        stack.enter_context(mock.patch.object(AsyncCompile, "cpp_pybinding", _counting(defined)))  # sees each kernel first
         compiled = torch.compile(fn, backend="inductor", dynamic=dynamic)
         outputs = [compiled(*each) for each in inputs]
     return outputs, defined
@@ -61,14 +62,6 @@ def _counting(defined: list):
         return inner(self, argtypes, source_code)
 
     return counting
-
-
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    from unittest import mock
-
-    with mock.patch.object(owner, name, value):
-        yield
 
 
 def assert_bitwise_equal(left, right):

@@ -45,6 +45,8 @@ import warnings
 from typing import Callable, Iterator, Sequence
 from unittest import mock
 
+from torch._inductor.codecache import CodeCacheFuture
+
 from laplace_passes.infra.inductor_fast import wait_for_kernel_header
 
 _PREFIX_INCLUDE = "#include <torch/csrc/inductor/cpp_prefix.h>"
@@ -132,7 +134,8 @@ class Batch:
         try:
             functions = _built_together(groups)
         except Exception as error:  # noqa: BLE001 - Inductor builds them one by one instead, as it would have
-            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            message = str(error).strip()
+            reason = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
             warnings.warn(f"laplace_passes: {len(self.kernels)} Inductor kernels built together failed ({reason}); "
                           "Inductor builds them one by one", stacklevel=2)
             BATCHES.records.append(BatchRecord([1] * len(self.kernels), fallback=reason))
@@ -145,13 +148,7 @@ class Batch:
         return [by_index[index] for index in range(len(self.kernels))]
 
 
-def _deferred_base() -> type:
-    from torch._inductor.codecache import CodeCacheFuture
-
-    return CodeCacheFuture
-
-
-class DeferredKernel(_deferred_base()):
+class DeferredKernel(CodeCacheFuture):
     """What the wrapper module holds until it waits: its kernel, from the batch's libraries."""
 
     def __init__(self, batch: Batch, index: int) -> None:
