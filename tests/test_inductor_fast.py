@@ -21,7 +21,7 @@ import sys
 import sympy
 import torch
 import torch._dynamo
-from torch._inductor import sizevars
+from torch._inductor import cpu_vec_isa, sizevars
 from torch._inductor.utils import run_and_get_code
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
@@ -79,11 +79,12 @@ import json, threading, torch
 from torch._inductor import cpu_vec_isa
 from laplace_passes.infra import inductor_fast
 
-main_thread_probes = []
+main_thread_probes, test_builds = [], []
 check_build = cpu_vec_isa.VecISA.check_build
 def counted(isa, code):
     if threading.current_thread() is threading.main_thread():
         main_thread_probes.append(str(isa))
+    test_builds.append(str(isa))
     return check_build(isa, code)
 cpu_vec_isa.VecISA.check_build = counted
 from torch._inductor import codecache
@@ -102,7 +103,9 @@ if BACKGROUND:
 valid = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
 codecache.CppPythonBindingsCodeCache.load_async(
     '#include <torch/csrc/inductor/cpp_prefix.h>\nextern "C" void kernel(float* out) { out[0] = 1; }\n', "cpu")
+flags = [[str(isa), isa.build_arch_flags()] for isa in cpu_vec_isa.valid_vec_isa_list()]
 print(json.dumps({"valid": valid, "picked": str(cpu_vec_isa.pick_vec_isa()), "main_thread_probes": main_thread_probes,
+                  "test_builds": test_builds, "flags": flags,
                   "probe_threads": sum(t.name == "laplace-isa-probes" for t in threading.enumerate()),
                   "headers": headers}))
 """
@@ -119,6 +122,12 @@ def test_background_isa_probes_and_header_leave_inductor_what_its_own_would_find
     inductor_alone, ahead = _probes(background=False), _probes(background=True)
     assert ahead["valid"] == inductor_alone["valid"] and ahead["picked"] == inductor_alone["picked"]
     assert ahead["main_thread_probes"] == [] and ahead["probe_threads"] == 0  # done, and nothing left to Inductor
+    # Each valid instruction set's flags (AVX-512's bf16 found or not) as Inductor's own probes set them.
+    assert ahead["flags"] == inductor_alone["flags"]
+    candidates = inductor_fast._isas_the_cpu_reports(cpu_vec_isa)
+    implied = sum(len(chain) - 1 for chain in inductor_fast._implication_chains(candidates))
+    if implied and inductor_alone["valid"][:1] == [str(candidates[0])]:  # a valid strongest one answers for others
+        assert len(ahead["test_builds"]) < len(inductor_alone["test_builds"]), (ahead, inductor_alone)
     if sys.platform == "linux" and torch._inductor.config.cpp_cache_precompile_headers:
         # The background built the header a kernel's build asks for: the same file, so the same flags.
         assert len(ahead["headers"]["background"]) == 1 and ahead["headers"]["main"] == ahead["headers"]["background"]
@@ -148,3 +157,25 @@ def test_the_inductor_inner_compiler_starts_the_probes_and_waits_for_them(monkey
     assert calls == ["start", "wait"]
     x = torch.randn(8)
     torch.testing.assert_close(compiled([x])[0], x.sin() + 1)
+
+
+def test_an_instruction_set_is_implied_only_by_a_stronger_one_with_its_macros():
+    avx512, vnni, avx2 = cpu_vec_isa.VecAVX512(), cpu_vec_isa.VecAVX512VNNI(), cpu_vec_isa.VecAVX2()
+    assert inductor_fast._implies(vnni, avx512) and not inductor_fast._implies(avx512, vnni)
+    assert not inductor_fast._implies(avx512, avx2)  # other macros (CPU_CAPABILITY_AVX2), other flags
+    assert inductor_fast._implication_chains([vnni, avx512, avx2]) == [[vnni, avx512], [avx2]]
+
+
+def test_an_implied_instruction_set_reuses_the_stronger_ones_builds_and_builds_what_it_alone_asks(monkeypatch):
+    """Answered from the stronger one's test builds where they match; a source it alone builds still goes to g++."""
+    built = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: built.append((str(isa), code)) or True)
+    class FreshAVX512(cpu_vec_isa.VecAVX512):  # unequal to the process's AVX-512, so not answered from its caches
+        pass
+
+    avx512 = FreshAVX512()
+    answers = {cpu_vec_isa.VecISA._avx_code: True}  # its bf16 test source was not built by the stronger one
+    inductor_fast._probed_implied(avx512, answers)
+    expects_bf16 = torch.cpu._is_avx512_bf16_supported() and sys.platform != "win32"
+    assert built == ([("avx512", cpu_vec_isa.VecAVX512._avx512_bf16_code)] if expects_bf16 else [])
+    assert "check_build" not in vars(avx512)  # the instance's own override is gone

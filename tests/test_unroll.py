@@ -95,15 +95,21 @@ def test_cpu_keeps_the_state_recurrence_one_op_so_its_graphs_do_not_grow_with_T(
 
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("start", [None, "fp32", "bf16"])
-def test_chunk_recurrence_op_is_the_python_loop_bit_for_bit(reverse, start):
+@pytest.mark.parametrize("n_chunks,layout", [(5, "contiguous"), (5, "strided"), (1, "contiguous")])
+def test_chunk_recurrence_op_is_the_python_loop_bit_for_bit(reverse, start, n_chunks, layout):
+    """The op writes each state into its slot in place: the loop's values and dtypes, whatever the chunks or strides."""
     from laplace_passes.ops.chunked import chunk_recurrence_op
     from laplace_passes.ops.chunked_forward import chunk_recurrence
 
     gen = torch.Generator().manual_seed(1)
-    terms, decay = torch.randn(2, 3, 5, 4, 6, generator=gen), torch.rand(2, 3, 5, 4, 1, generator=gen)
+    terms, decay = torch.randn(2, 3, n_chunks, 4, 6, generator=gen), torch.rand(2, 3, n_chunks, 4, 1, generator=gen)
+    if layout == "strided":  # as a transposed matmul output would arrive
+        terms = torch.randn(2, 3, n_chunks, 6, 4, generator=gen).transpose(-1, -2)
     h0 = None if start is None else torch.randn(2, 3, 4, 6, generator=gen).to(getattr(torch, {"fp32": "float32"}.get(start, "bfloat16")))
-    for got, expected in zip(chunk_recurrence_op(terms, decay, h0, reverse), chunk_recurrence(terms, decay, h0, reverse)):
+    got_all, expected_all = chunk_recurrence_op(terms, decay, h0, reverse), chunk_recurrence(terms, decay, h0, reverse)
+    for got, expected in zip(got_all, expected_all):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert h0 is None or got_all[1].data_ptr() != h0.data_ptr()  # no output aliases an input
 
 
 def test_compilers_that_lower_and_the_neuron_targets_get_the_recurrence_unrolled():
