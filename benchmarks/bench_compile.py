@@ -16,12 +16,13 @@ and split into stages that do not overlap, in wall-clock seconds:
   * Dynamo trace: Dynamo's compile less the backend it calls;
   * our passes: `run_passes` on every graph (Dynamo, forward, backward), from
     the seconds the "laplace.progress" logger reports per graph, and the
-    traces of the GLA chunk-loop bodies Inductor compiles once per shape at
-    their first call (NOTE [chunk-loop bodies compiled once] in
-    `laplace_passes/unroll/compiled_bodies.py`; their Inductor seconds are
-    Inductor's stages);
+    traces of the GLA chunk-loop bodies Inductor compiles once per shape,
+    with their host graph or at their first call (NOTE [chunk-loop bodies
+    compiled once] in `laplace_passes/unroll/compiled_bodies.py`; their
+    Inductor seconds are Inductor's stages);
   * AOT Autograd: the backend call and the backward's compile, less our
-    passes and the inner compiler (joint trace, partition, functionalisation);
+    passes, the bodies compiled with their host graph and the inner
+    compiler (joint trace, partition, functionalisation);
   * Inductor codegen: Inductor's compile of each graph less its wait for the
     C++ compiler and its ISA probes (lowering, scheduling, code generation;
     the compiler runs in `compile_threads` threads meanwhile);
@@ -33,10 +34,12 @@ and split into stages that do not overlap, in wall-clock seconds:
     codegen] in `laplace_passes/infra/inductor_fast.py`); this stage is what
     they had left when Inductor's compile began, plus any probe Inductor ran
     itself. Below the stages: their seconds in the background;
-  * C++ compile (waited): the time Inductor waited for the compiled kernels
-    (a graph's kernels built in a few libraries: NOTE [kernels compiled
-    together] in `laplace_passes/infra/kernel_batches.py`), the first ones'
-    wait for the precompiled header included;
+  * C++ compile (waited): the time the main thread waited for compiled
+    kernels: Inductor's wait for those it builds itself, and the first calls
+    of kernels built together in the background (NOTE [kernels compiled
+    together] and NOTE [kernel builds beside the codegen] in
+    `laplace_passes/infra/kernel_batches.py`), which wait for the rest of
+    their build, the precompiled header included;
   * other: the rest (guards, running the step, lazy imports).
 
 Beside the wall-clock total, the CPU seconds of the first call: this process
@@ -140,14 +143,16 @@ def rows(target: str, result: dict) -> list[str]:
     bodies = result["loop_bodies"]
     if bodies["compiled"]:
         lines.append(f"  GLA loop bodies compiled once per shape: {bodies['compiled']}, {bodies['seconds']:.1f} s "
-                     f"({bodies['inductor_s']:.1f} s of it Inductor's, in its stages; the traces in our passes)")
+                     f"({bodies['with_host_graph_s']:.1f} s with their host graph, the rest at a first call; "
+                     f"{bodies['inductor_s']:.1f} s of it Inductor's, in its stages; the traces in our passes)")
     probes = result["isa_probes"]
     lines.append(f"  ISA probes: {probes['builds']} test libraries, {probes['background_s']:.1f} s summed in the "
                  f"background (two at a time, overlapping Dynamo, AOT Autograd and the passes)")
     header = result["kernel_header"]
     lines.append(f"  Inductor's precompiled header: {header['background_s']:.1f} s building in the background, "
-                 f"{header['main_thread_s']:.1f} s on the main thread; the first kernels waited {header['waited_s']:.1f} s "
-                 f"for it (in the C++ compile's wait)")
+                 f"{header['main_thread_s']:.1f} s on the main thread; the first kernel build waited {header['waited_s']:.1f} s "
+                 f"for it (in the background; a kernel's first call waiting for that build is in the C++ compile's "
+                 f"wait)")
     for name, graph in result["graphs"].items():
         lines.append(f"  graph {name:<12} {graph['nodes_before']:6d} -> {graph['nodes_after']:6d} nodes")
     return lines
@@ -169,6 +174,7 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     isa_probes = time_isa_probes()
     header = time_kernel_header()
     bodies = BodySeconds.timing()
+    kernel_waits = time_kernel_waits()
     torch.manual_seed(0)
     model = model_zoo.build("tiny")
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
@@ -189,9 +195,10 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     return {
         "target": target, "seq_len": seq_len, "inner": inner, "total_s": total, "cpu_s": cpu, "second_call_s": second,
         "compile_threads": torch._inductor.config.compile_threads,
-        "stages": stages(timed, passes.seconds, total, isa_probes.main_thread, isa_probes.waited, bodies.total,
-                         bodies.inductor),
-        "loop_bodies": {"compiled": bodies.count, "seconds": bodies.total, "inductor_s": bodies.inductor},
+        "stages": stages(timed, passes.seconds, total, isa_probes.main_thread, isa_probes.waited, bodies,
+                         kernel_waits.main_thread),
+        "loop_bodies": {"compiled": bodies.count, "seconds": bodies.total, "inductor_s": bodies.inductor,
+                        "with_host_graph_s": bodies.ahead},
         "isa_probes": {"builds": isa_probes.calls, "background_s": isa_probes.background},
         "kernel_header": {"background_s": header.background, "main_thread_s": header.main_thread,
                           "waited_s": header.waited},
@@ -248,27 +255,32 @@ def _descendants(root: int) -> list[int]:
 
 
 def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_codegen_s: float = 0.0,
-           probes_waited_s: float = 0.0, bodies_s: float = 0.0, bodies_inductor_s: float = 0.0) -> dict[str, float]:
+           probes_waited_s: float = 0.0, bodies: "BodySeconds | None" = None,
+           kernels_waited_s: float = 0.0) -> dict[str, float]:
     """Non-overlapping wall-clock stages from torch's nested compile-time counters, our passes' and the ISA probes' seconds.
 
     `probes_in_codegen_s`: probes Inductor ran itself, inside its compile;
     `probes_waited_s`: the backend's wait for its background probes, before
     Inductor's compile (inside the backend call, outside Inductor's);
-    `bodies_s`: the chunk-loop bodies compiled at their first call (outside
-    the backend call), `bodies_inductor_s` of it in Inductor's compile.
+    `bodies`: the chunk-loop bodies compiled with their host graph (inside
+    the backend call) and at their first call (outside it), with each one's
+    Inductor seconds; `kernels_waited_s`: the first calls of kernels built in
+    the background, waiting for their build (outside every compile).
     """
+    bodies = bodies or BodySeconds()
     dynamo = timed.get("_compile.compile_inner", 0.0)
     backend = timed.get("OutputGraph.call_user_compiler", 0.0)
     backward = timed.get("backward._backward_impl", 0.0)  # a backward compiled at its first call
     inductor = timed.get("compile_fx_inner", 0.0)
     waited = timed.get("async_compile.wait", 0.0)
+    host_inductor = inductor - bodies.ahead_inductor - bodies.first_call_inductor
     result = {
         "Dynamo trace": dynamo - backend,
-        "AOT Autograd": backend + backward - passes_s - (inductor - bodies_inductor_s) - probes_waited_s,
-        "our passes": passes_s + bodies_s - bodies_inductor_s,
+        "AOT Autograd": backend + backward - passes_s - host_inductor - bodies.ahead - probes_waited_s,
+        "our passes": passes_s + bodies.total - bodies.inductor,
         "Inductor codegen": inductor - waited - probes_in_codegen_s,
         "Inductor's ISA probes": probes_in_codegen_s + probes_waited_s,
-        "C++ compile (waited)": waited,
+        "C++ compile (waited)": waited + kernels_waited_s,
     }
     result["other"] = total_s - sum(result.values())
     return result
@@ -354,23 +366,35 @@ def time_kernel_header() -> SecondsByThread:
 
 
 class BodySeconds:
-    """Seconds of the chunk-loop bodies compiled at their first call, and Inductor's share of them.
+    """Seconds of the chunk-loop bodies compiled, and Inductor's share of them: with their host graph, at first call.
 
     Inductor's share: its `compile_fx_inner` counter's growth during each
     body's compile (the counter also holds the graphs the backend compiled).
+    "ahead": compiled within `compile_ahead`, inside the backend call.
     """
 
     def __init__(self):
-        self.count, self.total, self.inductor = 0, 0.0, 0.0
+        self.count = 0
+        self.ahead = self.ahead_inductor = self.first_call = self.first_call_inductor = 0.0
+        self._ahead_depth = 0
+
+    @property
+    def total(self) -> float:
+        return self.ahead + self.first_call
+
+    @property
+    def inductor(self) -> float:
+        return self.ahead_inductor + self.first_call_inductor
 
     @classmethod
     def timing(cls) -> "BodySeconds":
         from torch._dynamo.utils import compilation_time_metrics
 
+        from laplace_passes.unroll import split
         from laplace_passes.unroll.compiled_bodies import BODIES
 
         seconds = cls()
-        compiled = BODIES._compiled
+        compiled, compile_ahead = BODIES._compiled, split.compile_ahead
 
         def inductor_so_far() -> float:
             return sum(compilation_time_metrics.get("compile_fx_inner", []))
@@ -381,11 +405,32 @@ class BodySeconds:
                 return compiled(op, args, key)
             finally:
                 seconds.count += 1
-                seconds.total += time.perf_counter() - start
-                seconds.inductor += inductor_so_far() - inductor_start
+                elapsed, in_inductor = time.perf_counter() - start, inductor_so_far() - inductor_start
+                if seconds._ahead_depth:
+                    seconds.ahead, seconds.ahead_inductor = seconds.ahead + elapsed, seconds.ahead_inductor + in_inductor
+                else:
+                    seconds.first_call += elapsed
+                    seconds.first_call_inductor += in_inductor
+
+        def timed_compile_ahead(gm):
+            seconds._ahead_depth += 1
+            try:
+                return compile_ahead(gm)
+            finally:
+                seconds._ahead_depth -= 1
 
         BODIES._compiled = timed_compiled  # this benchmark's own process only
+        split.compile_ahead = timed_compile_ahead
         return seconds
+
+
+def time_kernel_waits() -> SecondsByThread:
+    """The first calls of kernels built in the background, waiting for their build (`kernel_batches.Batch.function`)."""
+    from laplace_passes.infra import kernel_batches
+
+    waits = SecondsByThread()
+    kernel_batches.Batch.function = waits.timed(kernel_batches.Batch.function)  # this process only
+    return waits
 
 
 class PassSeconds(logging.Handler):

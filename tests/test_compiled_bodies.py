@@ -19,7 +19,7 @@ from torch.testing import FileCheck
 import laplace_passes
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
 from laplace_passes.ops.gla import gla_recurrence
-from laplace_passes.unroll import compiled_bodies
+from laplace_passes.unroll import compiled_bodies, split
 from laplace_passes.unroll.compiled_bodies import BODIES, CompiledBodies, signature
 from tests.gla_cases import make_inputs
 
@@ -47,15 +47,19 @@ def leaves():
 @pytest.fixture(scope="module")
 def compiled_two_layers():
     signatures_before = set(BODIES.graphs)
-    compiled = laplace_passes.compile(two_layers, target="cpu", inner="inductor")
-    inputs = leaves()
-    loss = compiled(*inputs)
-    grads = torch.autograd.grad(loss, inputs)
-    return compiled, loss, grads, set(BODIES.graphs) - signatures_before
+    compiled_ahead = []  # per graph compiled: the bodies compiled with it, before its first call
+    real_compile_ahead = split.compile_ahead
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(split, "compile_ahead", lambda gm: compiled_ahead.append(real_compile_ahead(gm)))
+        compiled = laplace_passes.compile(two_layers, target="cpu", inner="inductor")
+        inputs = leaves()
+        loss = compiled(*inputs)
+        grads = torch.autograd.grad(loss, inputs)
+    return compiled, loss, grads, set(BODIES.graphs) - signatures_before, compiled_ahead
 
 
 def test_two_layers_sharing_one_compiled_body_match_the_recurrence_and_its_autograd(compiled_two_layers):
-    _, loss, grads, _ = compiled_two_layers
+    _, loss, grads, _, _ = compiled_two_layers
     inputs = leaves()
     expected = two_layers_by_the_recurrence(*inputs)
     expected_grads = torch.autograd.grad(expected, inputs)
@@ -65,7 +69,7 @@ def test_two_layers_sharing_one_compiled_body_match_the_recurrence_and_its_autog
 
 
 def test_each_graph_calls_the_twins_and_the_process_compiled_one_body_per_direction(compiled_two_layers):
-    compiled, _, _, new_signatures = compiled_two_layers
+    compiled, _, _, new_signatures, _ = compiled_two_layers
     report = compiled.laplace_report
     for kind, twin in (("forward", "laplace.chunked_gla_inductor"),
                        ("backward", "laplace.chunked_gla_backward_inductor")):
@@ -206,3 +210,10 @@ def test_the_chunk_loop_ops_fake_kernels_give_the_strides_their_bodies_return():
         with mode:
             fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in arguments(*transposed)])
         assert [o.stride() for o in fake] == [o.stride() for o in eager], op
+
+
+def test_each_body_is_compiled_with_its_graph_not_at_its_first_call(compiled_two_layers):
+    """NOTE [kernel builds beside the codegen]: the forward graph's compile compiled the forward body, the
+    backward's the backward body, from the twins' fake arguments; their runs found them (nothing compiled then)."""
+    _, _, _, new_signatures, compiled_ahead = compiled_two_layers
+    assert compiled_ahead == [1, 1] and len(new_signatures) == 2, (compiled_ahead, new_signatures)

@@ -11,6 +11,7 @@ batched.
 """
 
 import contextlib
+import threading
 import warnings
 from unittest import mock
 
@@ -188,3 +189,25 @@ def test_each_kernel_keeps_its_text_in_a_namespace_of_its_own():
         assert f'{{"kernel_{position}", kernel_{position}_py, METH_VARARGS, ""}}' in source
     assert "PyMODINIT_FUNC PyInit_kernel(void)" in source
 
+
+
+def test_a_modules_wait_starts_the_build_and_the_first_call_waits_for_it(monkeypatch):
+    """NOTE [kernel builds beside the codegen]: the wait returns at once; the first call waits, then the function
+    itself takes the kernel's place in the module, so later calls go straight to it."""
+    release, calls = threading.Event(), []
+
+    def slow_build(self):
+        release.wait(timeout=60)
+        return [lambda *args: calls.append(args) or "ran"]
+
+    monkeypatch.setattr(kernel_batches.Batch, "_build", slow_build)
+    batch = kernel_batches.Batch(compile_threads=2)
+    scope = {"cpp_fused_0": batch.add(Kernel(("float*",), "unused"))}
+    with kernels_compiled_together():
+        AsyncCompile()._wait_futures(scope)  # what a wrapper module's async_compile.wait(globals()) does
+    lazy = scope["cpp_fused_0"]
+    assert isinstance(lazy, kernel_batches.LazyKernel) and batch.closed and not release.is_set()  # returned while building
+    release.set()
+    assert lazy(1, 2) == "ran" and calls == [(1, 2)]
+    assert not isinstance(scope["cpp_fused_0"], kernel_batches.LazyKernel)  # the function itself, from now on
+    assert scope["cpp_fused_0"](3) == "ran" and calls[-1] == (3,)

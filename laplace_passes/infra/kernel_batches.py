@@ -1,6 +1,7 @@
-"""Inductor's C++ kernels of one graph built together: a few g++ runs per graph, not one per kernel.
+"""Inductor's C++ kernels of one graph built together, beside the codegen: a few g++ runs per graph.
 
-    kernels_compiled_together()   within it, a graph's kernels are compiled in `compile_threads` libraries
+    kernels_compiled_together()   within it, a graph's kernels are compiled in `compile_threads` libraries,
+                                  in the background from the module's wait to the kernel's first call
     BATCHES                       what was built: kernels per library, and the batches that fell back
 
 NOTE [kernels compiled together]
@@ -23,6 +24,20 @@ precompiled header, vector instruction set and cache folder. The machine
 code of each kernel is the one g++ makes for it alone (a kernel calls no
 other kernel); tests/test_kernel_batches.py compares outputs bit for bit.
 
+NOTE [kernel builds beside the codegen]
+The module's wait (`async_compile.wait(globals())`, as Inductor loads the
+module it generated) does not block: it starts the batch's build in a
+background thread and leaves a `LazyKernel` in place of each kernel. The
+first call of a kernel waits for the build, then puts the kernel's function
+in the module's globals, where the module's calls find it from then on. So
+Inductor returns a compiled graph while its C++ is still being built, and
+the next compile's Python codegen (the chunk-loop bodies, compiled with
+their host graph: `compiled_bodies.compile_ahead`) runs beside it: the
+first call of `tiny`'s training step no longer waits for each graph's g++
+in turn (benchmarks/bench_compile.py). A kernel that is never called is
+still built; a failed build's warning is raised by the first call, on the
+caller's thread.
+
 What the batch does not expect it leaves to Inductor, kernel by kernel: a
 source with anything but one `extern "C" void kernel(...)` after the
 prefix header, an argument type Inductor's bindings do not parse, a single
@@ -42,6 +57,7 @@ import os
 import re
 import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 from unittest import mock
 
@@ -104,25 +120,41 @@ BATCHES = BatchLog()
 
 
 class Batch:
-    """The kernels one wrapper module defined before waiting: built together at the first wait."""
+    """The kernels one wrapper module defined before waiting: built together from the module's wait on.
+
+    The module's wait starts the build in the background (`start`) and
+    leaves a `LazyKernel` in place of each kernel; its first call waits for
+    the build (`function`). NOTE [kernel builds beside the codegen].
+    """
 
     def __init__(self, compile_threads: int) -> None:
         self.kernels: list[Kernel] = []
         self.compile_threads = compile_threads
-        self.closed = False  # set at the first wait: later kernels start a new batch
-        self._functions: list[Callable] | None = None
+        self.closed = False  # set at the module's wait: later kernels start a new batch
+        self._built: Future | None = None
+        self._fallback_warning: str | None = None  # set by a failed build, warned by the first call after it
         self._lock = threading.Lock()
 
     def add(self, kernel: Kernel) -> "DeferredKernel":
         self.kernels.append(kernel)
         return DeferredKernel(self, len(self.kernels) - 1)
 
-    def function(self, index: int) -> Callable:
-        self.closed = True
+    def start(self) -> None:
+        """Close the batch and start building it in the background (once)."""
         with self._lock:
-            if self._functions is None:
-                self._functions = self._build()
-        return self._functions[index]
+            self.closed = True
+            if self._built is None:
+                self._built = _builder().submit(self._build)
+
+    def function(self, index: int) -> Callable:
+        """The kernel's function, once the batch is built; a fallback's warning is raised on this thread."""
+        self.start()
+        functions = self._built.result()
+        with self._lock:  # warned once, by the first call that finds it
+            message, self._fallback_warning = self._fallback_warning, None
+        if message is not None:
+            warnings.warn(message, stacklevel=3)
+        return functions[index]
 
     def _build(self) -> list[Callable]:
         # NOTE [vector-ISA probes ahead of the codegen]: the header is being built in the background; a
@@ -136,9 +168,9 @@ class Batch:
         except Exception as error:  # noqa: BLE001 - Inductor builds them one by one instead, as it would have
             message = str(error).strip()
             reason = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
-            warnings.warn(f"laplace_passes: {len(self.kernels)} Inductor kernels built together failed ({reason}); "
-                          "Inductor builds them one by one", stacklevel=2)
             BATCHES.records.append(BatchRecord([1] * len(self.kernels), fallback=reason))
+            self._fallback_warning = (f"laplace_passes: {len(self.kernels)} Inductor kernels built together failed "
+                                      f"({reason}); Inductor builds them one by one")
             return _one_by_one(self.kernels)
         BATCHES.records.append(BatchRecord([len(group) for group in groups]))
         by_index = {}
@@ -146,6 +178,19 @@ class Batch:
             for (index, _), function in zip(group, group_functions):
                 by_index[index] = function
         return [by_index[index] for index in range(len(self.kernels))]
+
+
+_builder_lock = threading.Lock()
+_builder_pool: ThreadPoolExecutor | None = None
+
+
+def _builder() -> ThreadPoolExecutor:
+    """One background thread builds the batches, in the order modules wait (each on Inductor's compile workers)."""
+    global _builder_pool
+    with _builder_lock:
+        if _builder_pool is None:
+            _builder_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laplace-kernel-batches")
+        return _builder_pool
 
 
 class DeferredKernel(CodeCacheFuture):
@@ -156,7 +201,29 @@ class DeferredKernel(CodeCacheFuture):
         self.index = index
 
     def result(self, timeout: float | None = None) -> Callable:
-        return self.batch.function(self.index)
+        self.batch.start()
+        return LazyKernel(self.batch, self.index)
+
+
+class LazyKernel:
+    """A kernel whose batch is still building: its first call waits for it, then puts the function in its place.
+
+    `scope` and `name`: the wrapper module's globals and the kernel's name
+    there (set after the module's wait), so later calls find the function itself.
+    """
+
+    __slots__ = ("batch", "index", "scope", "name")
+
+    def __init__(self, batch: Batch, index: int) -> None:
+        self.batch, self.index = batch, index
+        self.scope: dict | None = None
+        self.name: str | None = None
+
+    def __call__(self, *args):
+        function = self.batch.function(self.index)
+        if self.scope is not None and self.scope.get(self.name) is self:
+            self.scope[self.name] = function
+        return function(*args)
 
 
 def split_evenly(kernels: Sequence[Kernel], parts: int) -> list[list[tuple[int, Kernel]]]:
@@ -312,7 +379,16 @@ def kernels_compiled_together() -> Iterator[None]:
             batch = _open.batch = Batch(threads)
         return batch.add(Kernel(tuple(argtypes), source_code))
 
-    with mock.patch.object(AsyncCompile, "cpp_pybinding", cpp_pybinding):
+    own_wait_futures = AsyncCompile._wait_futures
+
+    def wait_futures(self, scope: dict) -> None:
+        own_wait_futures(self, scope)
+        for name, value in scope.items():
+            if isinstance(value, LazyKernel):
+                value.scope, value.name = scope, name
+
+    with mock.patch.object(AsyncCompile, "cpp_pybinding", cpp_pybinding), \
+            mock.patch.object(AsyncCompile, "_wait_futures", wait_futures):
         try:
             yield
         finally:

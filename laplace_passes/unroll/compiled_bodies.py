@@ -21,13 +21,16 @@ After:
     chunked_gla = torch.ops.laplace.chunked_gla_inductor.default(view_1, view_3, getitem_2, None, None, 0.177, 64, 8, True)
     chunked_gla_1 = torch.ops.laplace.chunked_gla_inductor.default(view_9, view_11, getitem_7, None, None, 0.177, 64, 8, True)
 
-Inductor compiles the host graph around them (an opaque call each), and the
-twin, at its first call with a signature (op, every tensor's shape, strides,
-dtype and device, the constant arguments), traces the same body the unroll
-pass would inline (`chunk_loops.body_of`, the recurrence one
-`laplace::chunk_recurrence`) and compiles it with Inductor, once; every
-later call with that signature, from any site, graph or compile in the
-process, runs that compiled body. The values are those of the inlined body
+Inductor compiles the host graph around them (an opaque call each). Each
+signature (op, every tensor's shape, strides, dtype and device, the
+constant arguments) gets the same body the unroll pass would inline
+(`chunk_loops.body_of`, the recurrence one `laplace::chunk_recurrence`),
+traced and compiled with Inductor once: just before the host graph, from
+the twins' fake arguments (`compile_ahead`, NOTE [kernel builds beside the
+codegen] in `laplace_passes/infra/kernel_batches.py`), or at a twin's first
+call with a signature not seen before; every later call with that
+signature, from any site, graph or compile in the process, runs that
+compiled body. The values are those of the inlined body
 compiled by Inductor: the same trace, cut at the op's boundary. The twin
 shares the op's fake kernel, whose strides (contiguous) are those the body
 returns and Inductor keeps for a graph's outputs, so the host graph is
@@ -60,11 +63,13 @@ import warnings
 from typing import Callable, Sequence
 
 import torch
+import torch._guards
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from laplace_passes.infra import logs
+from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.inner import InductorCompiler
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, _chunked_gla_backward_fake, _chunked_gla_fake
 from laplace_passes.unroll.chunk_loops import body_of, loop_name
@@ -97,6 +102,7 @@ chunked_gla_backward_inductor.register_fake(_chunked_gla_backward_fake)
 # Each chunk-loop op's twin.
 TWINS = {CHUNK_LOOP_OPS[0]: torch.ops.laplace.chunked_gla_inductor.default,
          CHUNK_LOOP_OPS[1]: torch.ops.laplace.chunked_gla_backward_inductor.default}
+_OP_OF_TWIN = {twin: op for op, twin in TWINS.items()}
 
 
 def signature(op, args: Sequence) -> tuple:
@@ -120,12 +126,16 @@ class CompiledBodies:
         return len(self._bodies)
 
     def run(self, op, args: tuple) -> tuple[Tensor, ...]:
+        body = self.prepare(op, args)
+        return tuple(body([a for a in args if isinstance(a, Tensor)]))
+
+    def prepare(self, op, args: tuple) -> Callable[[list], Sequence[Tensor]]:
+        """The compiled body for `args` (real or fake tensors, only their layouts are read), compiled if missing."""
         key = signature(op, args)
         with self._lock:  # one compile per signature, also when threads call at once
             if key not in self._bodies:
                 self._bodies[key] = self._compiled(op, args, key)
-            body = self._bodies[key]
-        return tuple(body([a for a in args if isinstance(a, Tensor)]))
+            return self._bodies[key]
 
     def _compiled(self, op, args: tuple, key: tuple) -> Callable[[list], Sequence[Tensor]]:
         body = body_of(op, args, [isinstance(a, Tensor) for a in args], recurrence="op")
@@ -147,6 +157,38 @@ BODIES = CompiledBodies()
 def _traced_body(op, args: tuple, body: Callable) -> tuple[torch.fx.GraphModule, list[Tensor]]:
     """`body` (the op's, a function of its tensors) traced on fakes of `args`, and those fakes."""
     mode = FakeTensorMode()
-    fakes = [mode.from_tensor(a) for a in args if isinstance(a, Tensor)]
+    fakes = [_fake_in(mode, a) for a in args if isinstance(a, Tensor)]
     with mode:
         return make_fx(body, tracing_mode="real")(*fakes), fakes
+
+
+def _fake_in(mode: FakeTensorMode, tensor: Tensor) -> Tensor:
+    """A fake of `tensor` in `mode`; a fake of another mode (a graph's) by its layout, which is all a body reads."""
+    if isinstance(tensor, FakeTensor):
+        with mode:
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    return mode.from_tensor(tensor)
+
+
+def compile_ahead(gm: torch.fx.GraphModule) -> int:
+    """Compile now the body each chunk-loop twin of `gm` will call; how many were compiled.
+
+    NOTE [kernel builds beside the codegen]: compiled while the host graph
+    is, not at the first call, so the C++ of one graph is built while
+    Inductor generates the next. The signature comes from the twin's
+    arguments' fake values: the layouts Inductor passes, as the op's inputs
+    keep their traced strides (a site whose run-time layout differed would
+    compile its own body at its first call, as before).
+    """
+    compiled_before = len(BODIES)
+    for node in gm.graph.nodes:
+        op = _OP_OF_TWIN.get(node.target)
+        args = tuple(fake_tensor(a) if isinstance(a, torch.fx.Node) else a for a in node.args)
+        if op is None or any(a is None and isinstance(n, torch.fx.Node) for a, n in zip(args, node.args)):
+            continue
+        if all(isinstance(size, int) for a in args if isinstance(a, Tensor) for size in a.shape):
+            # Compiled as at a first call: outside the host graph's tracing context (its fake mode, its
+            # output strides) and Dynamo's active fake mode, which would otherwise apply to the body's graph.
+            with torch._guards.tracing(None), unset_fake_temporarily():
+                BODIES.prepare(op, args)
+    return len(BODIES) - compiled_before

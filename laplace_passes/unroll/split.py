@@ -37,6 +37,7 @@ import torch.fx
 from functorch.compile import make_boxed_func
 
 from laplace_passes.infra.fx_helpers import FAKE_KEYS, fake_value
+from laplace_passes.unroll.compiled_bodies import compile_ahead
 from laplace_passes.unroll.partition import PartitionPlan
 
 PARTITION_PREFIX = "laplace_partition_"
@@ -149,6 +150,8 @@ def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: s
     """Compile `gm` with the inner compiler; a partitioned graph partition by partition."""
     calls = partition_calls(gm)
     if not calls:
+        if inner.compiles_loop_bodies:  # NOTE [kernel builds beside the codegen] in infra/kernel_batches.py
+            compile_ahead(gm)
         return inner.compile(gm, example_inputs, kind)
     for call in calls:
         part = gm.get_submodule(call.target)
