@@ -48,18 +48,25 @@ def leaves():
 def compiled_two_layers():
     signatures_before = set(BODIES.graphs)
     compiled_ahead = []  # per graph compiled: the bodies compiled with it, before its first call
-    real_compile_ahead = split.compile_ahead
+    real_compile_ahead, real_run, forward_calls = split.compile_ahead, BODIES.run, []
+
+    def run(op, args):
+        if op is CHUNK_LOOP_OPS[0] and not forward_calls:
+            forward_calls.append(tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args))
+        return real_run(op, args)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(split, "compile_ahead", lambda gm: compiled_ahead.append(real_compile_ahead(gm)))
+        patch.setattr(BODIES, "run", run)
         compiled = laplace_passes.compile(two_layers, target="cpu", inner="inductor")
         inputs = leaves()
         loss = compiled(*inputs)
         grads = torch.autograd.grad(loss, inputs)
-    return compiled, loss, grads, set(BODIES.graphs) - signatures_before, compiled_ahead
+    return compiled, loss, grads, set(BODIES.graphs) - signatures_before, compiled_ahead, forward_calls[0]
 
 
 def test_two_layers_sharing_one_compiled_body_match_the_recurrence_and_its_autograd(compiled_two_layers):
-    _, loss, grads, _, _ = compiled_two_layers
+    _, loss, grads, *_ = compiled_two_layers
     inputs = leaves()
     expected = two_layers_by_the_recurrence(*inputs)
     expected_grads = torch.autograd.grad(expected, inputs)
@@ -69,7 +76,7 @@ def test_two_layers_sharing_one_compiled_body_match_the_recurrence_and_its_autog
 
 
 def test_each_graph_calls_the_twins_and_the_process_compiled_one_body_per_direction(compiled_two_layers):
-    compiled, _, _, new_signatures, _ = compiled_two_layers
+    compiled, _, _, new_signatures, *_ = compiled_two_layers
     report = compiled.laplace_report
     for kind, twin in (("forward", "laplace.chunked_gla_inductor"),
                        ("backward", "laplace.chunked_gla_backward_inductor")):
@@ -215,5 +222,14 @@ def test_the_chunk_loop_ops_fake_kernels_give_the_strides_their_bodies_return():
 def test_each_body_is_compiled_with_its_graph_not_at_its_first_call(compiled_two_layers):
     """NOTE [kernel builds beside the codegen]: the forward graph's compile compiled the forward body, the
     backward's the backward body, from the twins' fake arguments; their runs found them (nothing compiled then)."""
-    _, _, _, new_signatures, compiled_ahead = compiled_two_layers
+    _, _, _, new_signatures, compiled_ahead, _ = compiled_two_layers
     assert compiled_ahead == [1, 1] and len(new_signatures) == 2, (compiled_ahead, new_signatures)
+
+
+def test_a_body_compiled_with_its_graph_is_the_body_compiled_at_a_first_call_bit_for_bit(compiled_two_layers):
+    """Compiled inside the backend's compile (from fakes, in AOT Autograd's context) or from the real arguments
+    at a first call, outside every compile: the same values, bit for bit."""
+    *_, forward_args = compiled_two_layers
+    at_first_call = CompiledBodies().run(CHUNK_LOOP_OPS[0], forward_args)
+    for got, expected in zip(BODIES.run(CHUNK_LOOP_OPS[0], forward_args), at_first_call):
+        assert torch.equal(got, expected)

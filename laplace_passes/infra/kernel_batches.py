@@ -193,6 +193,16 @@ def _builder() -> ThreadPoolExecutor:
         return _builder_pool
 
 
+def _forget_builder() -> None:
+    """In a forked child: the parent's builder thread is not there, so a new one starts when needed."""
+    global _builder_pool, _builder_lock
+    _builder_pool, _builder_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_builder)
+
+
 class DeferredKernel(CodeCacheFuture):
     """What the wrapper module holds until it waits: its kernel, from the batch's libraries."""
 

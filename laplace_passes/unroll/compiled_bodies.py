@@ -183,12 +183,22 @@ def compile_ahead(gm: torch.fx.GraphModule) -> int:
     compiled_before = len(BODIES)
     for node in gm.graph.nodes:
         op = _OP_OF_TWIN.get(node.target)
-        args = tuple(fake_tensor(a) if isinstance(a, torch.fx.Node) else a for a in node.args)
-        if op is None or any(a is None and isinstance(n, torch.fx.Node) for a, n in zip(args, node.args)):
+        if op is None:
             continue
-        if all(isinstance(size, int) for a in args if isinstance(a, Tensor) for size in a.shape):
-            # Compiled as at a first call: outside the host graph's tracing context (its fake mode, its
-            # output strides) and Dynamo's active fake mode, which would otherwise apply to the body's graph.
-            with torch._guards.tracing(None), unset_fake_temporarily():
-                BODIES.prepare(op, args)
+        try:
+            _compile_ahead(op, node)
+        except Exception as error:  # noqa: BLE001 - the twin compiles its body at its first call instead
+            logs.log.info("the body of %s not compiled ahead (%s: %s); it compiles at its first call",
+                          loop_name(op), type(error).__name__, error)
     return len(BODIES) - compiled_before
+
+
+def _compile_ahead(op, node: torch.fx.Node) -> None:
+    args = tuple(fake_tensor(a) if isinstance(a, torch.fx.Node) else a for a in node.args)
+    if any(a is None and isinstance(n, torch.fx.Node) for a, n in zip(args, node.args)):
+        return
+    if all(isinstance(size, int) for a in args if isinstance(a, Tensor) for size in a.shape):
+        # Compiled as at a first call: outside the host graph's tracing context (its fake mode, its
+        # output strides) and Dynamo's active fake mode, which would otherwise apply to the body's graph.
+        with torch._guards.tracing(None), unset_fake_temporarily():
+            BODIES.prepare(op, args)
