@@ -28,7 +28,7 @@ OPTION_DOCS = {
     "max_graph_instructions": "estimated instructions one compiled graph may hold; a graph over it is "
     "cut into partitions that fit (default: the target's, 5,000,000 on trn2; None: no limit)",
     "share_loop_bodies": "inner inductor on the cpu target: GLA sites of a graph sharing a signature call one "
-    "body Inductor compiles once (default True: a faster first call, steps 5 to 9% slower); False inlines "
+    "body Inductor compiles once (default True: a faster first call, steps 5 to 12% slower); False inlines "
     "each site's body (NOTE [chunk-loop bodies compiled once])",
 }
 

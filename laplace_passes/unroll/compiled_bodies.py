@@ -39,10 +39,11 @@ compares them).
 
 The trade, measured side by side (`benchmarks/bench_loop_bodies.py`,
 docs/benchmarks.md): the first call of `tiny`'s training step at T = 2048
-took 0.80x to 0.87x the seconds (one body compiled instead of one per
-layer, and smaller host graphs), and a step afterwards 1.05x to 1.09x;
+took 0.71x to 0.87x the seconds (one body compiled instead of one per
+layer, and smaller host graphs; 0.71x since the bodies compile beside
+the C++ of their host graph), and a step afterwards 1.05x to 1.12x;
 two GLA sites of wide heads (H=4, K=128, V=256) in one graph ran their
-forward and backward in 1.10x the time. The matmuls take the same time;
+forward and backward in 1.03x to 1.10x the time. The matmuls take the same time;
 the rest does not fuse across the op's boundary: inlined, Inductor fuses
 the two sites' elementwise work into shared kernels and into their
 neighbours' (25 kernels in that backward graph), while each compiled
