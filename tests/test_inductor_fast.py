@@ -170,6 +170,7 @@ def test_an_implied_instruction_set_reuses_the_stronger_ones_builds_and_builds_w
     """Answered from the stronger one's test builds where they match; a source it alone builds still goes to g++."""
     built = []
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: built.append((str(isa), code)) or True)
+
     class FreshAVX512(cpu_vec_isa.VecAVX512):  # unequal to the process's AVX-512, so not answered from its caches
         pass
 
