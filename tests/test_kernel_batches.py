@@ -190,7 +190,6 @@ def test_each_kernel_keeps_its_text_in_a_namespace_of_its_own():
     assert "PyMODINIT_FUNC PyInit_kernel(void)" in source
 
 
-
 def test_a_modules_wait_starts_the_build_and_the_first_call_waits_for_it(monkeypatch):
     """NOTE [kernel builds beside the codegen]: the wait returns at once; the first call waits, then the function
     itself takes the kernel's place in the module, so later calls go straight to it."""

@@ -182,11 +182,14 @@ def _implication_chains(candidates: list) -> list[list]:
 
 def _probe_chain(chain: list) -> None:
     """Probe a chain's instruction sets in order, each answered from a valid stronger one's test builds."""
-    built: dict[str, bool] = {}  # test source -> whether it built, under the last valid one's flags
+    built: dict[str, bool] = {}  # test source -> whether it built, under the first valid one's flags
     for isa in chain:
-        results = _probed_implied(isa, built) if built else _probed_recording(isa)
-        if bool(isa):
-            built = results
+        if built:
+            _probed_implied(isa, built)
+        else:
+            results = _probed_recording(isa)
+            if bool(isa):
+                built = results
 
 
 def _probed_recording(isa) -> dict[str, bool]:
@@ -206,7 +209,7 @@ def _probed_recording(isa) -> dict[str, bool]:
     return results
 
 
-def _probed_implied(isa, built: dict[str, bool]) -> dict[str, bool]:
+def _probed_implied(isa, built: dict[str, bool]) -> None:
     """`bool(isa)` with the test sources a stronger valid instruction set built answered from `built`."""
     build = isa.check_build
     isa.check_build = lambda code: built[code] if code in built else build(code)
@@ -214,7 +217,6 @@ def _probed_implied(isa, built: dict[str, bool]) -> dict[str, bool]:
         bool(isa)
     finally:
         del isa.check_build
-    return built
 
 
 def _precompile_kernel_header() -> None:

@@ -195,11 +195,19 @@ def compile_ahead(gm: torch.fx.GraphModule) -> int:
 
 
 def _compile_ahead(op, node: torch.fx.Node) -> None:
-    args = tuple(fake_tensor(a) if isinstance(a, torch.fx.Node) else a for a in node.args)
-    if any(a is None and isinstance(n, torch.fx.Node) for a, n in zip(args, node.args)):
-        return
-    if all(isinstance(size, int) for a in args if isinstance(a, Tensor) for size in a.shape):
+    args = static_arguments(node)
+    if args is not None:
         # Compiled as at a first call: outside the host graph's tracing context (its fake mode, its
         # output strides) and Dynamo's active fake mode, which would otherwise apply to the body's graph.
         with torch._guards.tracing(None), unset_fake_temporarily():
             BODIES.prepare(op, args)
+
+
+def static_arguments(node: torch.fx.Node) -> tuple | None:
+    """A chunk-loop node's arguments, its tensors as their fake values; None if one is unknown or has a symbolic size."""
+    args = tuple(fake_tensor(a) if isinstance(a, torch.fx.Node) else a for a in node.args)
+    if any(a is None and isinstance(n, torch.fx.Node) for a, n in zip(args, node.args)):
+        return None
+    if not all(isinstance(size, int) for a in args if isinstance(a, Tensor) for size in a.shape):
+        return None
+    return args

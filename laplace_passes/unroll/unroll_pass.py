@@ -27,7 +27,6 @@ import torch.fx
 
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import LoopRecord
-from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.unroll import chunk_loops, compiled_bodies, hop_loops
 from laplace_passes.unroll.chunk_loops import ChunkLoopExpander
 from laplace_passes.unroll.inline import erase_unused, getitem_users
@@ -135,13 +134,8 @@ def _site_signature(node: torch.fx.Node) -> tuple | None:
     """A chunk-loop op's signature from its arguments' fake values (`compiled_bodies.signature`); None if not static."""
     if not chunk_loops.is_chunk_loop(node):
         return None
-    args = tuple(fake_tensor(a) if isinstance(a, torch.fx.Node) else a for a in node.args)
-    if any(a is None and isinstance(n, torch.fx.Node) for a, n in zip(args, node.args)):
-        return None
-    sizes = [size for a in args if isinstance(a, torch.Tensor) for size in a.shape]
-    if not all(isinstance(size, int) for size in sizes):
-        return None
-    return compiled_bodies.signature(node.target, args)
+    args = compiled_bodies.static_arguments(node)
+    return None if args is None else compiled_bodies.signature(node.target, args)
 
 
 def _sites_per_signature(gm: torch.fx.GraphModule) -> Counter:
