@@ -40,6 +40,11 @@ and split into stages that do not overlap, in wall-clock seconds:
     together] and NOTE [kernel builds beside the codegen] in
     `laplace_passes/infra/kernel_batches.py`), which wait for the rest of
     their build, the precompiled header included;
+  * helper process (waited): the wait for the backward's chunk-loop bodies
+    compiled in the helper process while this one compiled the forward
+    (NOTE [bodies compiled in a helper process] in
+    `laplace_passes/unroll/body_helper.py`), and their loading; the helper's
+    own seconds are in the CPU seconds;
   * other: the rest (guards, running the step, lazy imports).
 
 Beside the wall-clock total, the CPU seconds of the first call: this process
@@ -72,7 +77,7 @@ import time
 from benchmarks.common import print_row, say
 
 STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "Inductor codegen", "Inductor's ISA probes",
-          "C++ compile (waited)", "other")
+          "C++ compile (waited)", "helper process (waited)", "other")
 
 
 def main(argv=None) -> dict:
@@ -136,7 +141,7 @@ def rows(target: str, result: dict) -> list[str]:
              f"started); a later call {result['second_call_s'] * 1e3:.0f} ms"]
     for stage in STAGES:
         seconds = result["stages"][stage]
-        lines.append(f"  {stage:<22} {seconds:8.2f} s  {seconds / total:6.1%}")
+        lines.append(f"  {stage:<24} {seconds:8.2f} s  {seconds / total:6.1%}")
     cxx = result["cxx"]
     lines.append(f"  g++ runs: {cxx['runs']}, {cxx['summed_s']:.1f} s summed over {result['compile_threads']} "
                  f"compile threads (overlapping the codegen and each other)")
@@ -145,6 +150,9 @@ def rows(target: str, result: dict) -> list[str]:
         lines.append(f"  GLA loop bodies compiled once per shape: {bodies['compiled']}, {bodies['seconds']:.1f} s "
                      f"({bodies['with_host_graph_s']:.1f} s with their host graph, the rest at a first call; "
                      f"{bodies['inductor_s']:.1f} s of it Inductor's, in its stages; the traces in our passes)")
+    if bodies.get("from_helper"):
+        lines.append(f"  GLA loop bodies compiled in the helper process: {bodies['from_helper']}, waited for and "
+                     f"loaded in {bodies['helper_waited_s']:.1f} s")
     probes = result["isa_probes"]
     lines.append(f"  ISA probes: {probes['builds']} test libraries, {probes['background_s']:.1f} s summed in the "
                  f"background (two at a time, overlapping Dynamo, AOT Autograd and the passes)")
@@ -198,7 +206,8 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
         "stages": stages(timed, passes.seconds, total, isa_probes.main_thread, isa_probes.waited, bodies,
                          kernel_waits.main_thread),
         "loop_bodies": {"compiled": bodies.count, "seconds": bodies.total, "inductor_s": bodies.inductor,
-                        "with_host_graph_s": bodies.ahead},
+                        "with_host_graph_s": bodies.ahead, "from_helper": bodies.helper_count,
+                        "helper_waited_s": bodies.from_helper},
         "isa_probes": {"builds": isa_probes.calls, "background_s": isa_probes.background},
         "kernel_header": {"background_s": header.background, "main_thread_s": header.main_thread,
                           "waited_s": header.waited},
@@ -276,11 +285,13 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_c
     host_inductor = inductor - bodies.ahead_inductor - bodies.first_call_inductor
     result = {
         "Dynamo trace": dynamo - backend,
-        "AOT Autograd": backend + backward - passes_s - host_inductor - bodies.ahead - probes_waited_s,
+        "AOT Autograd": (backend + backward - passes_s - host_inductor - bodies.ahead - bodies.from_helper_ahead
+                         - probes_waited_s),
         "our passes": passes_s + bodies.total - bodies.inductor,
         "Inductor codegen": inductor - waited - probes_in_codegen_s,
         "Inductor's ISA probes": probes_in_codegen_s + probes_waited_s,
         "C++ compile (waited)": waited + kernels_waited_s,
+        "helper process (waited)": bodies.from_helper,
     }
     result["other"] = total_s - sum(result.values())
     return result
@@ -372,12 +383,15 @@ class BodySeconds:
     body's compile (the counter also holds the graphs the backend compiled).
     "ahead": compiled within `compile_ahead`, inside the backend call. A body
     compiled first waits there for the ISA probes: that wait is left out
-    (it is the stage "Inductor's ISA probes").
+    (it is the stage "Inductor's ISA probes"). `from_helper`: the waits for
+    bodies the helper process compiled, and their loading (`from_helper_ahead`
+    within `compile_ahead`); `helper_count`: how many.
     """
 
     def __init__(self):
-        self.count = 0
+        self.count = self.helper_count = 0
         self.ahead = self.ahead_inductor = self.first_call = self.first_call_inductor = 0.0
+        self.from_helper = self.from_helper_ahead = 0.0
         self._ahead_depth = 0
 
     @property
@@ -397,7 +411,7 @@ class BodySeconds:
         from laplace_passes.unroll.compiled_bodies import BODIES
 
         seconds = cls()
-        compiled, compile_ahead = BODIES._compiled, split.compile_ahead
+        compiled, from_helper, compile_ahead = BODIES._compiled, BODIES._from_helper, split.compile_ahead
 
         def inductor_so_far() -> float:
             return sum(compilation_time_metrics.get("compile_fx_inner", []))
@@ -419,14 +433,26 @@ class BodySeconds:
                     seconds.first_call += elapsed
                     seconds.first_call_inductor += in_inductor
 
-        def timed_compile_ahead(gm):
+        def timed_from_helper(*args):
+            start = time.perf_counter()
+            try:
+                body = from_helper(*args)
+            finally:
+                elapsed = time.perf_counter() - start
+                seconds.from_helper += elapsed
+                seconds.from_helper_ahead += elapsed if seconds._ahead_depth else 0.0
+            seconds.helper_count += body is not None
+            return body
+
+        def timed_compile_ahead(gm, kind="inference"):
             seconds._ahead_depth += 1
             try:
-                return compile_ahead(gm)
+                return compile_ahead(gm, kind)
             finally:
                 seconds._ahead_depth -= 1
 
         BODIES._compiled = timed_compiled  # this benchmark's own process only
+        BODIES._from_helper = timed_from_helper
         split.compile_ahead = timed_compile_ahead
         return seconds
 

@@ -20,6 +20,7 @@ import laplace_passes
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
 from laplace_passes.ops.gla import gla_recurrence
 from laplace_passes.unroll import compiled_bodies, split
+from laplace_passes.unroll.body_helper import HELPER
 from laplace_passes.unroll.compiled_bodies import BODIES, CompiledBodies, signature
 from tests.gla_cases import make_inputs
 
@@ -46,7 +47,7 @@ def leaves():
 
 @pytest.fixture(scope="module")
 def compiled_two_layers():
-    signatures_before = set(BODIES.graphs)
+    signatures_before = BODIES.signatures()
     compiled_ahead = []  # per graph compiled: the bodies compiled with it, before its first call
     real_compile_ahead, real_run, forward_calls = split.compile_ahead, BODIES.run, []
 
@@ -56,13 +57,14 @@ def compiled_two_layers():
         return real_run(op, args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(split, "compile_ahead", lambda gm: compiled_ahead.append(real_compile_ahead(gm)))
+        patch.setattr(split, "compile_ahead",
+                      lambda gm, kind: compiled_ahead.append(real_compile_ahead(gm, kind)))
         patch.setattr(BODIES, "run", run)
         compiled = laplace_passes.compile(two_layers, target="cpu", inner="inductor")
         inputs = leaves()
         loss = compiled(*inputs)
         grads = torch.autograd.grad(loss, inputs)
-    return compiled, loss, grads, set(BODIES.graphs) - signatures_before, compiled_ahead, forward_calls[0]
+    return compiled, loss, grads, BODIES.signatures() - signatures_before, compiled_ahead, forward_calls[0]
 
 
 def test_two_layers_sharing_one_compiled_body_match_the_recurrence_and_its_autograd(compiled_two_layers):
@@ -224,6 +226,17 @@ def test_each_body_is_compiled_with_its_graph_not_at_its_first_call(compiled_two
     backward's the backward body, from the twins' fake arguments; their runs found them (nothing compiled then)."""
     _, _, _, new_signatures, compiled_ahead, _ = compiled_two_layers
     assert compiled_ahead == [1, 1] and len(new_signatures) == 2, (compiled_ahead, new_signatures)
+
+
+@pytest.mark.skipif(not HELPER.enabled(), reason="the helper process is off (LAPLACE_PASSES_BODY_HELPER=0)")
+def test_the_backward_body_was_compiled_in_the_helper_from_the_forward_graph(compiled_two_layers):
+    """NOTE [bodies compiled in a helper process]: the backward signature predicted from the forward graph's
+    twins is the one the backward graph's twins have; its body was loaded, not compiled, in this process."""
+    _, _, _, new_signatures, *_ = compiled_two_layers
+    backward = [key for key in new_signatures if key[0] is CHUNK_LOOP_OPS[1]]
+    assert len(backward) == 1 and backward[0] in BODIES.from_helper and backward[0] not in BODIES.graphs
+    forward = [key for key in new_signatures if key[0] is CHUNK_LOOP_OPS[0]]
+    assert forward[0] in BODIES.graphs and forward[0] not in BODIES.from_helper
 
 
 def test_a_body_compiled_with_its_graph_is_the_body_compiled_at_a_first_call_bit_for_bit(compiled_two_layers):

@@ -29,10 +29,12 @@ from laplace_passes.fla.install import install as install_fla_replacements
 from laplace_passes.fla.late_import import install_after_import
 from laplace_passes.infra import logs
 from laplace_passes.infra.pass_base import run_passes
-from laplace_passes.driver.pipeline import aten_passes, dynamo_passes, graph_context
+from laplace_passes.driver.pipeline import aten_passes, compiles_loop_bodies, dynamo_passes, graph_context
 from laplace_passes.infra.report import Report, remember
 from laplace_passes.driver.shapes import PerShapeCompiler, report_dynamic_dims, static_shapes_reason
+from laplace_passes.ops.chunked import CHUNK_LOOP_OPS
 from laplace_passes.unroll import compile_graph
+from laplace_passes.unroll.body_helper import HELPER
 
 KINDS = ("forward", "backward", "inference")
 
@@ -94,6 +96,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     record.input_sources = [input_source(n) for n in gm.graph.find_nodes(op="placeholder")]
     with logs.progress(f"{record.name}: the passes"):
         gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report, strict=config.strict)
+    if _backward_bodies_ahead(gm, example_inputs, config):
+        HELPER.start()  # its imports overlap AOT Autograd (NOTE [bodies compiled in a helper process])
     compilers = {kind: _aten_compiler(config, kind) for kind in KINDS}
     kwargs: dict[str, Any] = {
         "fw_compiler": compilers["forward"],
@@ -107,6 +111,13 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     if config.inner.keep_inference_input_mutations:
         kwargs["keep_inference_input_mutations"] = True
     return aot_autograd(**kwargs)(gm, example_inputs)
+
+
+def _backward_bodies_ahead(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> bool:
+    """The forward graph will send backward bodies to the helper: GLA sites that may share a body, and a backward."""
+    sites = len(gm.graph.find_nodes(op="call_function", target=CHUNK_LOOP_OPS[0]))
+    differentiates = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
+    return sites >= 2 and differentiates and compiles_loop_bodies(config)
 
 
 def _aten_compiler(config: CompileConfig, kind: str) -> Callable:

@@ -101,12 +101,18 @@ def _budget(build: Build) -> GraphPass:
 
 def _unroll(build: Build) -> GraphPass:
     config = build.config
+    return UnrollLoops("aten", decompositions=config.decompositions(), chunk_recurrence=_recurrence(config),
+                       compile_bodies=compiles_loop_bodies(config))
+
+
+def _recurrence(config: CompileConfig) -> str:
     # A compiler that lowers to StableHLO takes ATen ops only: the recurrence reaches it unrolled.
-    recurrence = "unrolled" if config.inner.legalizes else config.target.chunk_recurrence
-    # Inductor compiles a chunk-loop op's body once for every site of its shape (unroll/compiled_bodies.py).
-    compile_bodies = recurrence == "op" and config.inner.compiles_loop_bodies and config.share_loop_bodies
-    return UnrollLoops("aten", decompositions=config.decompositions(), chunk_recurrence=recurrence,
-                       compile_bodies=compile_bodies)
+    return "unrolled" if config.inner.legalizes else config.target.chunk_recurrence
+
+
+def compiles_loop_bodies(config: CompileConfig) -> bool:
+    """Inductor compiles a chunk-loop op's body once for every site of its shape (unroll/compiled_bodies.py)."""
+    return _recurrence(config) == "op" and config.inner.compiles_loop_bodies and config.share_loop_bodies
 
 
 ATEN = (

@@ -193,6 +193,11 @@ def _builder() -> ThreadPoolExecutor:
         return _builder_pool
 
 
+def wait_for_builds() -> None:
+    """Return once every batch started so far is built: the builder builds them in order, one at a time."""
+    _builder().submit(lambda: None).result()
+
+
 def _forget_builder() -> None:
     """In a forked child: the parent's builder thread is not there, so a new one starts when needed."""
     global _builder_pool, _builder_lock

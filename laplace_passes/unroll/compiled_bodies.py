@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import torch
@@ -73,6 +74,7 @@ from laplace_passes.infra import logs
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.inner import InductorCompiler
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, _chunked_gla_backward_fake, _chunked_gla_fake
+from laplace_passes.unroll.body_helper import HELPER, BodyHelper, load_wrapper
 from laplace_passes.unroll.chunk_loops import body_of, loop_name
 
 
@@ -115,16 +117,29 @@ def signature(op, args: Sequence) -> tuple:
 
 
 class CompiledBodies:
-    """The process's compiled chunk-loop bodies, one per signature; compiles a missing one on first use."""
+    """The process's compiled chunk-loop bodies, one per signature; compiles a missing one on first use.
 
-    def __init__(self, compile_body: Callable[[torch.fx.GraphModule, list], Callable] | None = None) -> None:
+    `helper`: where `compile_elsewhere` sends a body to compile beside this
+    process's work (NOTE [bodies compiled in a helper process] in
+    `laplace_passes.unroll.body_helper`); None: every body is compiled here.
+    """
+
+    def __init__(self, compile_body: Callable[[torch.fx.GraphModule, list], Callable] | None = None,
+                 helper: BodyHelper | None = None) -> None:
         self._compile_body = compile_body or (lambda gm, fakes: InductorCompiler().compile(gm, fakes, "inference"))
+        self._helper = helper
         self._lock = threading.Lock()
         self._bodies: dict[tuple, Callable[[list], Sequence[Tensor]]] = {}
+        self._elsewhere: dict[tuple, Future] = {}  # signatures the helper is compiling, not loaded yet
         self.graphs: dict[tuple, torch.fx.GraphModule] = {}  # each signature's traced body, to inspect
+        self.from_helper: set[tuple] = set()  # signatures whose body the helper compiled
 
     def __len__(self) -> int:
         return len(self._bodies)
+
+    def signatures(self) -> set[tuple]:
+        """Every signature with a body here, compiled in this process or by the helper."""
+        return set(self._bodies)
 
     def run(self, op, args: tuple) -> tuple[Tensor, ...]:
         body = self.prepare(op, args)
@@ -135,12 +150,39 @@ class CompiledBodies:
         key = signature(op, args)
         with self._lock:  # one compile per signature, also when threads call at once
             if key not in self._bodies:
-                self._bodies[key] = self._compiled(op, args, key)
+                future = self._elsewhere.pop(key, None)
+                body = self._from_helper(op, args, key, future) if future is not None else None
+                self._bodies[key] = body or self._compiled(op, args, key)
             return self._bodies[key]
+
+    def compile_elsewhere(self, op, args: tuple) -> bool:
+        """Have the helper compile the body for `args` now; the first `prepare` of its signature loads it."""
+        key = signature(op, args)
+        with self._lock:
+            if self._helper is None or key in self._bodies or key in self._elsewhere:
+                return False
+            future = self._helper.submit(op, args)
+            if future is None:
+                return False
+            self._elsewhere[key] = future
+            return True
+
+    def _from_helper(self, op, args: tuple, key: tuple, future: Future) -> Callable[[list], Sequence[Tensor]] | None:
+        """The body the helper compiled, loaded here; None (and the reason in the log) if it has none."""
+        where = f"the body of {loop_name(op)} at {_shapes(args)}"
+        try:
+            with logs.progress(f"loading {where}, compiled in the helper process"):
+                body = load_wrapper(future.result()["source"])
+        except Exception as error:  # noqa: BLE001 - compiled here instead, as without the helper
+            logs.log.info("%s not compiled in the helper process (%s: %s); compiled here", where,
+                          type(error).__name__, error)
+            return None
+        self.from_helper.add(key)
+        return body
 
     def _compiled(self, op, args: tuple, key: tuple) -> Callable[[list], Sequence[Tensor]]:
         body = body_of(op, args, [isinstance(a, Tensor) for a in args], recurrence="op")
-        shapes = ", ".join(str(list(a.shape)) for a in args if isinstance(a, Tensor))
+        shapes = _shapes(args)
         try:
             with logs.progress(f"compiling the body of {loop_name(op)} at {shapes} with inductor"):
                 gm, fakes = _traced_body(op, args, body)
@@ -152,7 +194,28 @@ class CompiledBodies:
             return lambda tensors: body(*tensors)
 
 
-BODIES = CompiledBodies()
+def _shapes(args: tuple) -> str:
+    return ", ".join(str(list(a.shape)) for a in args if isinstance(a, Tensor))
+
+
+def compiled_source(op, args: tuple) -> str:
+    """The body for `args` traced and compiled by Inductor as `BODIES` does: the wrapper module's source.
+
+    What the helper process runs (`body_helper`); a body holding constants
+    (which the source does not carry) is refused.
+    """
+    body = body_of(op, args, [isinstance(a, Tensor) for a in args], recurrence="op")
+    gm, fakes = _traced_body(op, args, body)
+    if gm.graph.find_nodes(op="get_attr"):
+        raise ValueError("the body holds constants, which its wrapper's source does not carry")
+    compiled = InductorCompiler().compile(gm, fakes, "inference")
+    source = getattr(compiled, "source_code", None)
+    if not isinstance(source, str):
+        raise TypeError(f"Inductor returned {type(compiled).__name__}, not a graph compiled from source")
+    return source
+
+
+BODIES = CompiledBodies(helper=HELPER)
 
 
 def _traced_body(op, args: tuple, body: Callable) -> tuple[torch.fx.GraphModule, list[Tensor]]:
@@ -171,7 +234,7 @@ def _fake_in(mode: FakeTensorMode, tensor: Tensor) -> Tensor:
     return mode.from_tensor(tensor)
 
 
-def compile_ahead(gm: torch.fx.GraphModule) -> int:
+def compile_ahead(gm: torch.fx.GraphModule, kind: str = "inference") -> int:
     """Compile now the body each chunk-loop twin of `gm` will call; how many were compiled.
 
     NOTE [kernel builds beside the codegen]: compiled while the host graph
@@ -179,19 +242,49 @@ def compile_ahead(gm: torch.fx.GraphModule) -> int:
     Inductor generates the next. The signature comes from the twin's
     arguments' fake values: the layouts Inductor passes, as the op's inputs
     keep their traced strides (a site whose run-time layout differed would
-    compile its own body at its first call, as before).
+    compile its own body at its first call, as before). A forward graph
+    (`kind`) first sends the bodies its backward will call to the helper
+    process (NOTE [bodies compiled in a helper process]).
     """
     compiled_before = len(BODIES)
-    for node in gm.graph.nodes:
-        op = _OP_OF_TWIN.get(node.target)
-        if op is None:
-            continue
-        try:
-            _compile_ahead(op, node)
-        except Exception as error:  # noqa: BLE001 - the twin compiles its body at its first call instead
-            logs.log.info("the body of %s not compiled ahead (%s: %s); it compiles at its first call",
-                          loop_name(op), type(error).__name__, error)
+    twins = [(op, node) for node in gm.graph.nodes if (op := _OP_OF_TWIN.get(node.target)) is not None]
+    if kind == "forward":
+        for op, node in twins:
+            _guarded(op, lambda: _backward_elsewhere(op, node), "sent to the helper process")
+    for op, node in twins:
+        _guarded(op, lambda: _compile_ahead(op, node), "compiled ahead")
     return len(BODIES) - compiled_before
+
+
+def _guarded(op, step: Callable[[], None], what: str) -> None:
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001 - the twin compiles its body at its first call instead
+        logs.log.info("the body of %s not %s (%s: %s); it compiles at its first call",
+                      loop_name(op), what, type(error).__name__, error)
+
+
+def _backward_elsewhere(op, node: torch.fx.Node) -> None:
+    args = static_arguments(node)
+    if op is CHUNK_LOOP_OPS[0] and args is not None:
+        BODIES.compile_elsewhere(CHUNK_LOOP_OPS[1], backward_arguments(args))
+
+
+def backward_arguments(forward_args: tuple) -> tuple:
+    """What the backward op will take after the forward op took `forward_args`, as fakes of their layouts.
+
+    The forward's inputs and settings, a tangent laid out as each output
+    (`_backward` in `laplace_passes.ops.chunked` passes them on), and the
+    residuals it saved (None when it saves none): a prediction, checked
+    when the backward graph compiles, where a signature that differs is
+    compiled in this process.
+    """
+    mode = FakeTensorMode()
+    inputs = tuple(_fake_in(mode, a) if isinstance(a, Tensor) else a for a in forward_args)
+    with mode:
+        o, final_state, states, scores = _chunked_gla_fake(*inputs)
+    residuals = (states, scores) if inputs[8] else (None, None)
+    return (*inputs[:5], o, final_state, *residuals, *inputs[5:8])
 
 
 def _compile_ahead(op, node: torch.fx.Node) -> None:

@@ -151,7 +151,7 @@ def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: s
     calls = partition_calls(gm)
     if not calls:
         if inner.compiles_loop_bodies:  # NOTE [kernel builds beside the codegen] in infra/kernel_batches.py
-            compile_ahead(gm)
+            compile_ahead(gm, kind)
         return inner.compile(gm, example_inputs, kind)
     for call in calls:
         part = gm.get_submodule(call.target)

@@ -1,0 +1,240 @@
+"""A helper process that compiles chunk-loop bodies while this process compiles their host graphs.
+
+    HELPER.start()                 start the helper now (it takes seconds to import torch), if enabled
+    HELPER.submit(op, args)        compile the body of `op` at `args`' layouts there: a Future of its
+                                   wrapper's source, or None when the helper is off or cannot start
+    load_wrapper(source)           that source as this process's callable (its C++ from the shared cache)
+
+NOTE [bodies compiled in a helper process]
+Inductor's codegen is Python: two graphs of one process cannot be generated
+side by side, and on the cpu target's training step the backward's GLA body
+was the largest compile of the first call (about 7 s of codegen of 26 s on
+a 2-core machine), with the second core idle. Its signature is known as
+soon as the forward graph is: the backward op takes the forward op's
+inputs, tangents shaped as its outputs and its residuals
+(`compiled_bodies.backward_arguments`). So the forward's `compile_ahead`
+hands it to this helper, which traces and compiles it exactly as this
+process would (`compiled_bodies.compiled_source`: the same body, the same
+Inductor configuration, sent with the request) while this process compiles
+the forward body, the host graphs and runs the forward. The helper answers
+with the wrapper module Inductor generated, once its kernels are built into
+the shared Inductor cache folder; this process loads that module (its
+kernels found in the cache, not built again) when the backward graph asks
+for the body. The kernels are the ones Inductor generated for the same
+graph: the numbers are those of the body compiled here
+(tests/test_body_helper.py compares them bit for bit).
+
+What the helper cannot do costs nothing but its CPU: a body whose request
+fails (the helper exited, an error in its compile) is compiled here, as
+before, with the reason in the log; a predicted signature the backward
+does not use is never loaded. The helper is a plain `python -m` process
+(not multiprocessing, which would run the user's main script again in it),
+started as the first Dynamo graph with GLA sites whose bodies will be
+compiled begins (`compile_fx`), fed over a pipe, one request at a time;
+it exits when this process closes the pipe, or after `IDLE_EXIT_S` without
+a request. The environment variable LAPLACE_PASSES_BODY_HELPER=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable, Sequence
+
+import torch
+
+OFF_SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "0": every body compiled in this process
+IDLE_EXIT_S = 600.0  # the helper exits after this long without a request
+_LENGTH = struct.Struct("<Q")
+
+
+class _Connection:
+    """One helper process and the Futures of the requests it has not answered yet, in the order sent."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.waiting: deque[Future] = deque()
+
+
+class BodyHelper:
+    """This process's side of the helper: starts it, sends requests, hands each reply to its Future in order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connection: _Connection | None = None
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get(OFF_SWITCH, "1") != "0"
+
+    def start(self) -> bool:
+        """The helper running (started now if need be); False when it is off or could not start."""
+        if not self.enabled():
+            return False
+        with self._lock:
+            return self._running() is not None
+
+    def submit(self, op, args: Sequence) -> Future | None:
+        """Compile the body of chunk-loop `op` at `args` (tensors: only their layouts are sent) in the helper."""
+        if not self.enabled():
+            return None
+        request = {"op": op.name(), "args": [_layout(a) for a in args],
+                   "inductor_config": torch._inductor.config.save_config_portable()}
+        with self._lock:
+            connection = self._running()
+            if connection is None:
+                return None
+            future: Future = Future()
+            connection.waiting.append(future)
+            try:
+                _write_frame(connection.process.stdin, request)
+            except OSError as error:  # the helper exited between the check and the write
+                connection.waiting.remove(future)
+                future.set_exception(error)
+        return future
+
+    def _running(self) -> _Connection | None:
+        if self._connection is not None and self._connection.process.poll() is None:
+            return self._connection
+        environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "laplace_passes.unroll.body_helper"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment)
+        except OSError:
+            self._connection = None
+            return None
+        self._connection = _Connection(process)
+        threading.Thread(target=self._read_replies, args=(self._connection,), daemon=True,
+                         name="laplace-body-helper").start()
+        return self._connection
+
+    def _read_replies(self, connection: _Connection) -> None:
+        while True:
+            reply = _read_frame(connection.process.stdout.fileno())
+            with self._lock:
+                if reply is None:  # the helper exited: what it had not answered is compiled here
+                    while connection.waiting:
+                        connection.waiting.popleft().set_exception(RuntimeError("the helper process exited"))
+                    return
+                future = connection.waiting.popleft()
+            if "error" in reply:
+                future.set_exception(RuntimeError(reply["error"]))
+            else:
+                future.set_result(reply)
+
+    def stop(self) -> None:
+        """End the helper now (what it had not answered fails, and is compiled here when asked for)."""
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None and connection.process.poll() is None:
+            connection.process.kill()
+            connection.process.wait()
+
+
+HELPER = BodyHelper()
+atexit.register(HELPER.stop)
+if hasattr(os, "register_at_fork"):  # a forked child does not own its parent's helper
+    os.register_at_fork(after_in_child=lambda: HELPER.__init__())
+
+
+def load_wrapper(source: str) -> Callable[[list], Sequence[torch.Tensor]]:
+    """Inductor's wrapper module from its source: its `call` (a list of tensors in, the outputs out)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    from laplace_passes.infra.kernel_batches import kernels_compiled_together
+
+    with kernels_compiled_together():  # the kernels as the helper built them: found in the cache
+        module = PyCodeCache.load(source)
+    return module.call
+
+
+def _layout(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device))
+    return ("value", value)
+
+
+def _write_frame(stream, obj) -> None:
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LENGTH.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def _read_frame(fd: int, timeout: float | None = None):
+    """One pickled object from `fd`; None at the end of the stream or after `timeout` s without one."""
+    if timeout is not None and not select.select([fd], [], [], timeout)[0]:
+        return None
+    header = _read_exactly(fd, _LENGTH.size)
+    if header is None:
+        return None
+    payload = _read_exactly(fd, _LENGTH.unpack(header)[0])
+    return None if payload is None else pickle.loads(payload)
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# The helper's side.
+
+def _arguments(layouts: list) -> tuple:
+    """The request's arguments: its tensors as fakes of their layouts (all a body's compile reads)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    args = []
+    for kind, *rest in layouts:
+        if kind == "tensor":
+            shape, stride, dtype, device = rest
+            with mode:
+                args.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        else:
+            args.append(rest[0])
+    return tuple(args)
+
+
+def _answer(request: dict) -> dict:
+    from laplace_passes.infra.kernel_batches import wait_for_builds
+    from laplace_passes.unroll.compiled_bodies import compiled_source
+
+    start = time.perf_counter()
+    try:
+        namespace, name = request["op"].split("::")
+        op = getattr(getattr(torch.ops, namespace), name).default
+        with torch._inductor.config.patch(request["inductor_config"]):
+            source = compiled_source(op, _arguments(request["args"]))
+        wait_for_builds()  # its kernels in the cache before this process says it is done
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which compiles the body itself
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"source": source, "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything else written to stdout stays out of the replies
+    from laplace_passes.infra.inductor_fast import start_isa_probes
+
+    start_isa_probes()
+    while (request := _read_frame(0, timeout=IDLE_EXIT_S)) is not None:
+        _write_frame(replies, _answer(request))
+
+
+if __name__ == "__main__":
+    main()

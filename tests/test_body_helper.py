@@ -1,0 +1,135 @@
+"""Chunk-loop bodies compiled in a helper process (laplace_passes.unroll.body_helper).
+
+NOTE [bodies compiled in a helper process]: a body the helper compiled and
+this process loaded must be the body this process compiles, bit for bit;
+the backward's arguments predicted from the forward's must be the ones the
+op's autograd passes; whatever goes wrong in the helper (an error in its
+compile, its exit) leaves the body to this process, with the reason logged.
+"""
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
+from laplace_passes.unroll import body_helper
+from laplace_passes.unroll.body_helper import HELPER, BodyHelper
+from laplace_passes.unroll.compiled_bodies import CompiledBodies, backward_arguments, signature
+from tests.gla_cases import make_inputs
+from tests.test_logs import Records
+
+B, T, H, K, V = 1, 100, 2, 8, 6  # two chunks of 64 on the cpu target, the second padded
+
+needs_helper = pytest.mark.skipif(not HELPER.enabled(), reason="the helper process is off (LAPLACE_PASSES_BODY_HELPER=0)")
+
+
+def forward_arguments(save_residuals=True):
+    q, k, v, gk, h0 = make_inputs(B, T, H, K, V, gate_divisor=0.5, seed=21)
+    return (q, k, v, gk, h0, K ** -0.5, 64, 8, save_residuals)
+
+
+def real_backward_arguments(forward_args):
+    """The backward op's arguments as autograd passes them: the saved inputs and residuals, and the tangents."""
+    outputs = chunked_gla_op(*forward_args)
+    grad_o, grad_final_state = torch.randn_like(outputs[0]), torch.randn_like(outputs[1])
+    residuals = outputs[2:] if forward_args[8] else (None, None)
+    return (*forward_args[:5], grad_o, grad_final_state, *residuals, *forward_args[5:8])
+
+
+@pytest.mark.parametrize("save_residuals", [True, False])
+def test_the_predicted_backward_arguments_have_the_layouts_autograd_passes(save_residuals):
+    """The prediction is checked by signature: shapes, strides, dtypes, devices and settings."""
+    forward_args = forward_arguments(save_residuals)
+    predicted = backward_arguments(forward_args)
+    assert signature(CHUNK_LOOP_OPS[1], predicted) == signature(CHUNK_LOOP_OPS[1], real_backward_arguments(forward_args))
+
+
+@needs_helper
+def test_a_body_compiled_in_the_helper_is_the_body_compiled_here_bit_for_bit():
+    args = real_backward_arguments(forward_arguments())
+    helped = CompiledBodies(helper=HELPER)
+    assert helped.compile_elsewhere(CHUNK_LOOP_OPS[1], args)
+    assert not helped.compile_elsewhere(CHUNK_LOOP_OPS[1], args)  # already on its way
+    got = helped.run(CHUNK_LOOP_OPS[1], args)
+    assert helped.signatures() == helped.from_helper and not helped.graphs  # loaded, not compiled here
+    expected = CompiledBodies().run(CHUNK_LOOP_OPS[1], args)
+    for g, e in zip(got, expected, strict=True):
+        assert g.stride() == e.stride() and torch.equal(g, e)
+    for g, e in zip(got, torch.ops.laplace.chunked_gla_backward(*args)):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+class FailingHelper:
+    def submit(self, op, args):
+        future = Future()
+        future.set_exception(RuntimeError("the helper process exited"))
+        return future
+
+
+def test_a_body_the_helper_could_not_compile_is_compiled_here_with_the_reason_logged():
+    args = forward_arguments()
+    bodies = CompiledBodies(compile_body=lambda gm, fakes: (lambda tensors: gm(*tensors)), helper=FailingHelper())
+    assert bodies.compile_elsewhere(CHUNK_LOOP_OPS[0], args)
+    with Records("laplace.passes") as records:
+        got = bodies.run(CHUNK_LOOP_OPS[0], args)
+    logged = "\n".join(r.getMessage() for r in records)
+    assert "not compiled in the helper process (RuntimeError: the helper process exited); compiled here" in logged
+    assert not bodies.from_helper and len(bodies.graphs) == 1
+    for g, e in zip(got, chunked_gla_op(*args)):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+class NoSuchOp:
+    @staticmethod
+    def name():
+        return "laplace::no_such_op"
+
+
+@needs_helper
+def test_the_helper_answers_an_error_and_a_new_helper_starts_after_one_exits():
+    helper = BodyHelper()
+    try:
+        failed = helper.submit(NoSuchOp, (torch.zeros(2),))
+        with pytest.raises(RuntimeError, match="AttributeError.*no_such_op"):
+            failed.result(timeout=120)
+        first = helper._connection.process
+        first.kill()
+        first.wait()
+        lost = helper.submit(NoSuchOp, ())  # a new helper: the old one exited
+        assert helper._connection.process is not first
+        with pytest.raises(RuntimeError, match="AttributeError"):
+            lost.result(timeout=120)
+        pending = helper.submit(NoSuchOp, ())
+        helper._connection.process.kill()  # before it answers: the request fails, nothing hangs
+        with pytest.raises((RuntimeError, OSError)):
+            pending.result(timeout=120)
+    finally:
+        helper.stop()
+
+
+def test_the_off_switch_keeps_every_body_here(monkeypatch):
+    monkeypatch.setenv(body_helper.OFF_SWITCH, "0")
+    helper = BodyHelper()
+    assert not helper.start() and helper.submit(CHUNK_LOOP_OPS[0], forward_arguments()) is None
+    assert helper._connection is None
+    assert not CompiledBodies(helper=helper).compile_elsewhere(CHUNK_LOOP_OPS[0], forward_arguments())
+
+
+def test_frames_cross_a_pipe_whole_and_a_silent_pipe_times_out():
+    """A frame longer than a pipe's buffer arrives whole (read in pieces); no frame within the timeout is None."""
+    read_end, write_end = os.pipe()
+    frame = {"source": "x" * 1_000_000}
+    with os.fdopen(write_end, "wb") as writer:
+        sending = threading.Thread(target=body_helper._write_frame, args=(writer, frame))
+        sending.start()
+        assert body_helper._read_frame(read_end) == frame
+        sending.join()
+        start = time.perf_counter()
+        assert body_helper._read_frame(read_end, timeout=0.2) is None
+        assert time.perf_counter() - start >= 0.2
+    assert body_helper._read_frame(read_end) is None  # the writer closed: the end of the stream
+    os.close(read_end)
