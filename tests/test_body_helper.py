@@ -24,7 +24,14 @@ from tests.test_logs import Records
 
 B, T, H, K, V = 1, 100, 2, 8, 6  # two chunks of 64 on the cpu target, the second padded
 
-needs_helper = pytest.mark.skipif(not HELPER.enabled(), reason="the helper process is off (LAPLACE_PASSES_BODY_HELPER=0)")
+switched_off = pytest.mark.skipif(os.environ.get(body_helper.SWITCH) == "0",
+                                  reason="the helper process is switched off (LAPLACE_PASSES_BODY_HELPER=0)")
+
+
+@pytest.fixture
+def helper_on(monkeypatch):
+    """The helper on whatever the cores: on two it is off by default, and these tests are about it."""
+    monkeypatch.setenv(body_helper.SWITCH, "1")
 
 
 def forward_arguments(save_residuals=True):
@@ -48,8 +55,8 @@ def test_the_predicted_backward_arguments_have_the_layouts_autograd_passes(save_
     assert signature(CHUNK_LOOP_OPS[1], predicted) == signature(CHUNK_LOOP_OPS[1], real_backward_arguments(forward_args))
 
 
-@needs_helper
-def test_a_body_compiled_in_the_helper_is_the_body_compiled_here_bit_for_bit():
+@switched_off
+def test_a_body_compiled_in_the_helper_is_the_body_compiled_here_bit_for_bit(helper_on):
     args = real_backward_arguments(forward_arguments())
     helped = CompiledBodies(helper=HELPER)
     assert helped.compile_elsewhere(CHUNK_LOOP_OPS[1], args)
@@ -89,8 +96,8 @@ class NoSuchOp:
         return "laplace::no_such_op"
 
 
-@needs_helper
-def test_the_helper_answers_an_error_and_a_new_helper_starts_after_one_exits():
+@switched_off
+def test_the_helper_answers_an_error_and_a_new_helper_starts_after_one_exits(helper_on):
     helper = BodyHelper()
     try:
         failed = helper.submit(NoSuchOp, (torch.zeros(2),))
@@ -111,8 +118,19 @@ def test_the_helper_answers_an_error_and_a_new_helper_starts_after_one_exits():
         helper.stop()
 
 
+@pytest.mark.parametrize("switch, cores, on", [(None, 3, False), (None, 4, True), ("1", 2, True), ("0", 16, False),
+                                                ("yes", 2, False), ("yes", 4, True)])
+def test_the_helper_runs_with_four_cores_or_when_switched_on(monkeypatch, switch, cores, on):
+    if switch is None:
+        monkeypatch.delenv(body_helper.SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(body_helper.SWITCH, switch)
+    monkeypatch.setattr(body_helper, "_usable_cores", lambda: cores)
+    assert BodyHelper.enabled() is on
+
+
 def test_the_off_switch_keeps_every_body_here(monkeypatch):
-    monkeypatch.setenv(body_helper.OFF_SWITCH, "0")
+    monkeypatch.setenv(body_helper.SWITCH, "0")
     helper = BodyHelper()
     assert not helper.start() and helper.submit(CHUNK_LOOP_OPS[0], forward_arguments()) is None
     assert helper._connection is None
@@ -124,12 +142,12 @@ def test_frames_cross_a_pipe_whole_and_a_silent_pipe_times_out():
     read_end, write_end = os.pipe()
     frame = {"source": "x" * 1_000_000}
     with os.fdopen(write_end, "wb") as writer:
-        sending = threading.Thread(target=body_helper._write_frame, args=(writer, frame))
+        sending = threading.Thread(target=body_helper.write_frame, args=(writer, frame))
         sending.start()
-        assert body_helper._read_frame(read_end) == frame
+        assert body_helper.read_frame(read_end) == frame
         sending.join()
         start = time.perf_counter()
-        assert body_helper._read_frame(read_end, timeout=0.2) is None
+        assert body_helper.read_frame(read_end, timeout=0.2) is None
         assert time.perf_counter() - start >= 0.2
-    assert body_helper._read_frame(read_end) is None  # the writer closed: the end of the stream
+    assert body_helper.read_frame(read_end) is None  # the writer closed: the end of the stream
     os.close(read_end)

@@ -10,6 +10,7 @@ the process compiled (one forward and one backward body for both layers),
 and by the fallback when Inductor fails (the same numbers, and a warning).
 """
 
+import os
 import warnings
 
 import pytest
@@ -19,8 +20,7 @@ from torch.testing import FileCheck
 import laplace_passes
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
 from laplace_passes.ops.gla import gla_recurrence
-from laplace_passes.unroll import compiled_bodies, split
-from laplace_passes.unroll.body_helper import HELPER
+from laplace_passes.unroll import body_helper, compiled_bodies, split
 from laplace_passes.unroll.compiled_bodies import BODIES, CompiledBodies, signature
 from tests.gla_cases import make_inputs
 
@@ -57,6 +57,8 @@ def compiled_two_layers():
         return real_run(op, args)
 
     with pytest.MonkeyPatch.context() as patch:
+        if os.environ.get(body_helper.SWITCH) != "0":  # on two cores the helper is off unless switched on
+            patch.setenv(body_helper.SWITCH, "1")
         patch.setattr(split, "compile_ahead",
                       lambda gm, kind: compiled_ahead.append(real_compile_ahead(gm, kind)))
         patch.setattr(BODIES, "run", run)
@@ -228,7 +230,8 @@ def test_each_body_is_compiled_with_its_graph_not_at_its_first_call(compiled_two
     assert compiled_ahead == [1, 1] and len(new_signatures) == 2, (compiled_ahead, new_signatures)
 
 
-@pytest.mark.skipif(not HELPER.enabled(), reason="the helper process is off (LAPLACE_PASSES_BODY_HELPER=0)")
+@pytest.mark.skipif(os.environ.get(body_helper.SWITCH) == "0",
+                    reason="the helper process is switched off (LAPLACE_PASSES_BODY_HELPER=0)")
 def test_the_backward_body_was_compiled_in_the_helper_from_the_forward_graph(compiled_two_layers):
     """NOTE [bodies compiled in a helper process]: the backward signature predicted from the forward graph's
     twins is the one the backward graph's twins have; its body was loaded, not compiled, in this process."""

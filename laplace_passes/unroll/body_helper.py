@@ -30,9 +30,15 @@ before, with the reason in the log; a predicted signature the backward
 does not use is never loaded. The helper is a plain `python -m` process
 (not multiprocessing, which would run the user's main script again in it),
 started as the first Dynamo graph with GLA sites whose bodies will be
-compiled begins (`compile_fx`), fed over a pipe, one request at a time;
-it exits when this process closes the pipe, or after `IDLE_EXIT_S` without
-a request. The environment variable LAPLACE_PASSES_BODY_HELPER=0 turns it off.
+compiled begins (`compile_fx`), fed over a pipe, one request at a time
+(`body_worker`, its side); it exits when this process closes the pipe, or
+after `IDLE_EXIT_S` without a request.
+
+Where it runs: with four cores or more. On two, the helper's imports and
+codegen take the core this process's g++ runs and probes need, and the
+first call measured the same with it as without (within the machine's
+noise, docs/benchmarks.md). LAPLACE_PASSES_BODY_HELPER=1 turns it on
+whatever the cores, =0 off.
 """
 
 from __future__ import annotations
@@ -45,14 +51,16 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import torch
 
-OFF_SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "0": every body compiled in this process
+SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with MIN_CORES cores
+# On two cores the helper and this process share them, and the first call measured the same with and without
+# it (docs/benchmarks.md): it is on where it has a core of its own beside the builds.
+MIN_CORES = 4  # this process, the helper, and two g++ builds beside them
 IDLE_EXIT_S = 600.0  # the helper exits after this long without a request
 _LENGTH = struct.Struct("<Q")
 
@@ -74,7 +82,10 @@ class BodyHelper:
 
     @staticmethod
     def enabled() -> bool:
-        return os.environ.get(OFF_SWITCH, "1") != "0"
+        switch = os.environ.get(SWITCH)
+        if switch in ("0", "1"):
+            return switch == "1"
+        return _usable_cores() >= MIN_CORES
 
     def start(self) -> bool:
         """The helper running (started now if need be); False when it is off or could not start."""
@@ -96,7 +107,7 @@ class BodyHelper:
             future: Future = Future()
             connection.waiting.append(future)
             try:
-                _write_frame(connection.process.stdin, request)
+                write_frame(connection.process.stdin, request)
             except OSError as error:  # the helper exited between the check and the write
                 connection.waiting.remove(future)
                 future.set_exception(error)
@@ -108,7 +119,7 @@ class BodyHelper:
         environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "laplace_passes.unroll.body_helper"], stdin=subprocess.PIPE,
+                [sys.executable, "-m", "laplace_passes.unroll.body_worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment)
         except OSError:
             self._connection = None
@@ -120,7 +131,7 @@ class BodyHelper:
 
     def _read_replies(self, connection: _Connection) -> None:
         while True:
-            reply = _read_frame(connection.process.stdout.fileno())
+            reply = read_frame(connection.process.stdout.fileno())
             with self._lock:
                 if reply is None:  # the helper exited: what it had not answered is compiled here
                     while connection.waiting:
@@ -147,6 +158,10 @@ if hasattr(os, "register_at_fork"):  # a forked child does not own its parent's 
     os.register_at_fork(after_in_child=lambda: HELPER.__init__())
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def load_wrapper(source: str) -> Callable[[list], Sequence[torch.Tensor]]:
     """Inductor's wrapper module from its source: its `call` (a list of tensors in, the outputs out)."""
     from torch._inductor.codecache import PyCodeCache
@@ -164,13 +179,13 @@ def _layout(value):
     return ("value", value)
 
 
-def _write_frame(stream, obj) -> None:
+def write_frame(stream, obj) -> None:
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_LENGTH.pack(len(payload)) + payload)
     stream.flush()
 
 
-def _read_frame(fd: int, timeout: float | None = None):
+def read_frame(fd: int, timeout: float | None = None):
     """One pickled object from `fd`; None at the end of the stream or after `timeout` s without one."""
     if timeout is not None and not select.select([fd], [], [], timeout)[0]:
         return None
@@ -190,51 +205,3 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-
-
-# The helper's side.
-
-def _arguments(layouts: list) -> tuple:
-    """The request's arguments: its tensors as fakes of their layouts (all a body's compile reads)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode()
-    args = []
-    for kind, *rest in layouts:
-        if kind == "tensor":
-            shape, stride, dtype, device = rest
-            with mode:
-                args.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
-        else:
-            args.append(rest[0])
-    return tuple(args)
-
-
-def _answer(request: dict) -> dict:
-    from laplace_passes.infra.kernel_batches import wait_for_builds
-    from laplace_passes.unroll.compiled_bodies import compiled_source
-
-    start = time.perf_counter()
-    try:
-        namespace, name = request["op"].split("::")
-        op = getattr(getattr(torch.ops, namespace), name).default
-        with torch._inductor.config.patch(request["inductor_config"]):
-            source = compiled_source(op, _arguments(request["args"]))
-        wait_for_builds()  # its kernels in the cache before this process says it is done
-    except Exception as error:  # noqa: BLE001 - reported to the parent, which compiles the body itself
-        return {"error": f"{type(error).__name__}: {error}"}
-    return {"source": source, "seconds": time.perf_counter() - start}
-
-
-def main() -> None:
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # anything else written to stdout stays out of the replies
-    from laplace_passes.infra.inductor_fast import start_isa_probes
-
-    start_isa_probes()
-    while (request := _read_frame(0, timeout=IDLE_EXIT_S)) is not None:
-        _write_frame(replies, _answer(request))
-
-
-if __name__ == "__main__":
-    main()
