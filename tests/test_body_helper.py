@@ -129,6 +129,14 @@ def test_the_helper_runs_with_four_cores_or_when_switched_on(monkeypatch, switch
     assert BodyHelper.enabled() is on
 
 
+def test_ranks_on_one_machine_share_its_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert body_helper._usable_cores() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert body_helper._usable_cores() == 8
+
+
 def test_the_off_switch_keeps_every_body_here(monkeypatch):
     monkeypatch.setenv(body_helper.SWITCH, "0")
     helper = BodyHelper()

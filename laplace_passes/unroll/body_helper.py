@@ -136,12 +136,13 @@ class BodyHelper:
                 if reply is None:  # the helper exited: what it had not answered is compiled here
                     while connection.waiting:
                         connection.waiting.popleft().set_exception(RuntimeError("the helper process exited"))
-                    return
+                    break
                 future = connection.waiting.popleft()
             if "error" in reply:
                 future.set_exception(RuntimeError(reply["error"]))
             else:
                 future.set_result(reply)
+        _close(connection.process)
 
     def stop(self) -> None:
         """End the helper now (what it had not answered fails, and is compiled here when asked for)."""
@@ -149,7 +150,20 @@ class BodyHelper:
             connection, self._connection = self._connection, None
         if connection is not None and connection.process.poll() is None:
             connection.process.kill()
-            connection.process.wait()
+            _close(connection.process)
+
+
+def _close(process: subprocess.Popen) -> None:
+    """Reap an ended (or killed) helper and close this process's ends of its pipes."""
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # its stdout closed but it lingers: it gets no more requests anyway
+        process.kill()
+    for stream in (process.stdin, process.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
 
 
 HELPER = BodyHelper()
@@ -159,7 +173,13 @@ if hasattr(os, "register_at_fork"):  # a forked child does not own its parent's 
 
 
 def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may run on, shared with the other ranks torchrun started on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks_here = 1
+    return cores // ranks_here
 
 
 def load_wrapper(source: str) -> Callable[[list], Sequence[torch.Tensor]]:
