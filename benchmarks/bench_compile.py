@@ -3,6 +3,8 @@
     python -m benchmarks.bench_compile                          # T = 2048, targets cpu and trn2, inner inductor
     python -m benchmarks.bench_compile --seq-len 512 --targets cpu
     python -m benchmarks.bench_compile --seq-len 64 --inner eager --json   # seconds: no Inductor
+    LAPLACE_PASSES_BODY_HELPER=1 python -m benchmarks.bench_compile --targets cpu   # the helper process on,
+                                                                # whatever the cores (=0: off)
 
 Each target compiles in a fresh Python process with an empty Inductor cache
 (TORCHINDUCTOR_CACHE_DIR a new temporary folder, the FX graph and AOT
