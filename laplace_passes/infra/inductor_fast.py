@@ -33,7 +33,7 @@ import sys
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 from unittest import mock
 
 import sympy
@@ -201,18 +201,19 @@ def _probed_recording(isa) -> dict[str, bool]:
         results[code] = build(code)
         return results[code]
 
-    isa.check_build = recording  # on this instance only: other probes run beside it
-    try:
-        bool(isa)
-    finally:
-        del isa.check_build
+    _probed_with(isa, recording)
     return results
 
 
 def _probed_implied(isa, built: dict[str, bool]) -> None:
     """`bool(isa)` with the test sources a stronger valid instruction set built answered from `built`."""
     build = isa.check_build
-    isa.check_build = lambda code: built[code] if code in built else build(code)
+    _probed_with(isa, lambda code: built[code] if code in built else build(code))
+
+
+def _probed_with(isa, check_build: Callable[[str], bool]) -> None:
+    """`bool(isa)` (Inductor's probe, its result cached on `isa`) with `check_build` building its test sources."""
+    isa.check_build = check_build  # on this instance only: other probes run beside it
     try:
         bool(isa)
     finally:
