@@ -18,7 +18,7 @@ import torch
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
 from laplace_passes.unroll import body_helper
 from laplace_passes.unroll.body_helper import HELPER, BodyHelper
-from laplace_passes.unroll.compiled_bodies import CompiledBodies, backward_arguments, signature
+from laplace_passes.unroll.compiled_bodies import CompiledBodies, backward_arguments, signature, signature_arguments
 from tests.gla_cases import make_inputs
 from tests.test_logs import Records
 
@@ -55,6 +55,14 @@ def test_the_predicted_backward_arguments_have_the_layouts_autograd_passes(save_
     assert signature(CHUNK_LOOP_OPS[1], predicted) == signature(CHUNK_LOOP_OPS[1], real_backward_arguments(forward_args))
 
 
+def test_the_helper_rebuilds_arguments_of_the_same_signature_from_their_layouts():
+    """What the helper is sent is the signature's layouts; the fakes it compiles from have that signature."""
+    args = real_backward_arguments(forward_arguments())
+    args = (args[0].transpose(1, 2).contiguous().transpose(1, 2),) + args[1:]  # a strided one too
+    key = signature(CHUNK_LOOP_OPS[1], args)
+    assert signature(CHUNK_LOOP_OPS[1], signature_arguments(key[1:])) == key
+
+
 @switched_off
 def test_a_body_compiled_in_the_helper_is_the_body_compiled_here_bit_for_bit(helper_on):
     args = real_backward_arguments(forward_arguments())
@@ -71,7 +79,7 @@ def test_a_body_compiled_in_the_helper_is_the_body_compiled_here_bit_for_bit(hel
 
 
 class FailingHelper:
-    def submit(self, op, args):
+    def submit(self, op, layouts):
         future = Future()
         future.set_exception(RuntimeError("the helper process exited"))
         return future
@@ -100,7 +108,7 @@ class NoSuchOp:
 def test_the_helper_answers_an_error_and_a_new_helper_starts_after_one_exits(helper_on):
     helper = BodyHelper()
     try:
-        failed = helper.submit(NoSuchOp, (torch.zeros(2),))
+        failed = helper.submit(NoSuchOp, signature(CHUNK_LOOP_OPS[0], (torch.zeros(2), 0.5))[1:])
         with pytest.raises(RuntimeError, match="AttributeError.*no_such_op"):
             failed.result(timeout=120)
         first = helper._connection.process
@@ -140,7 +148,8 @@ def test_ranks_on_one_machine_share_its_cores(monkeypatch):
 def test_the_off_switch_keeps_every_body_here(monkeypatch):
     monkeypatch.setenv(body_helper.SWITCH, "0")
     helper = BodyHelper()
-    assert not helper.start() and helper.submit(CHUNK_LOOP_OPS[0], forward_arguments()) is None
+    layouts = signature(CHUNK_LOOP_OPS[0], forward_arguments())[1:]
+    assert not helper.start() and helper.submit(CHUNK_LOOP_OPS[0], layouts) is None
     assert helper._connection is None
     assert not CompiledBodies(helper=helper).compile_elsewhere(CHUNK_LOOP_OPS[0], forward_arguments())
 

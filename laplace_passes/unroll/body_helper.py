@@ -1,8 +1,9 @@
 """A helper process that compiles chunk-loop bodies while this process compiles their host graphs.
 
     HELPER.start()                 start the helper now (it takes seconds to import torch), if enabled
-    HELPER.submit(op, args)        compile the body of `op` at `args`' layouts there: a Future of its
-                                   wrapper's source, or None when the helper is off or cannot start
+    HELPER.submit(op, layouts)     compile the body of `op` there, its arguments as `compiled_bodies.signature`
+                                   lays them out: a Future of its wrapper's source, or None when the helper
+                                   is off or cannot start
     load_wrapper(source)           that source as this process's callable (its C++ from the shared cache)
 
 NOTE [bodies compiled in a helper process]
@@ -94,11 +95,11 @@ class BodyHelper:
         with self._lock:
             return self._running() is not None
 
-    def submit(self, op, args: Sequence) -> Future | None:
-        """Compile the body of chunk-loop `op` at `args` (tensors: only their layouts are sent) in the helper."""
+    def submit(self, op, layouts: Sequence[tuple]) -> Future | None:
+        """Compile the body of chunk-loop `op` in the helper; `layouts`: its signature's arguments (no tensors)."""
         if not self.enabled():
             return None
-        request = {"op": op.name(), "args": [_layout(a) for a in args],
+        request = {"op": op.name(), "args": list(layouts),
                    "inductor_config": torch._inductor.config.save_config_portable()}
         with self._lock:
             connection = self._running()
@@ -191,12 +192,6 @@ def load_wrapper(source: str) -> Callable[[list], Sequence[torch.Tensor]]:
     with kernels_compiled_together():  # the kernels as the helper built them: found in the cache
         module = PyCodeCache.load(source)
     return module.call
-
-
-def _layout(value):
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device))
-    return ("value", value)
 
 
 def write_frame(stream, obj) -> None:

@@ -20,33 +20,17 @@ import torch
 from laplace_passes.unroll.body_helper import IDLE_EXIT_S, read_frame, write_frame
 
 
-def arguments(layouts: list) -> tuple:
-    """The request's arguments: its tensors as fakes of their layouts (all a body's compile reads)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode()
-    args = []
-    for kind, *rest in layouts:
-        if kind == "tensor":
-            shape, stride, dtype, device = rest
-            with mode:
-                args.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
-        else:
-            args.append(rest[0])
-    return tuple(args)
-
-
 def answer(request: dict) -> dict:
     """{"source": the wrapper module's source, "seconds": ...}, or {"error": what went wrong}."""
     from laplace_passes.infra.kernel_batches import wait_for_builds
-    from laplace_passes.unroll.compiled_bodies import compiled_source
+    from laplace_passes.unroll.compiled_bodies import compiled_source, signature_arguments
 
     start = time.perf_counter()
     try:
         namespace, name = request["op"].split("::")
         op = getattr(getattr(torch.ops, namespace), name).default
         with torch._inductor.config.patch(request["inductor_config"]):
-            source = compiled_source(op, arguments(request["args"]))
+            source = compiled_source(op, signature_arguments(request["args"]))
         wait_for_builds()  # its kernels in the cache before the parent loads them
     except Exception as error:  # noqa: BLE001 - reported to the parent, which compiles the body itself
         return {"error": f"{type(error).__name__}: {error}"}

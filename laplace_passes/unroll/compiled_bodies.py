@@ -116,6 +116,20 @@ def signature(op, args: Sequence) -> tuple:
     )
 
 
+def signature_arguments(layouts: Sequence[tuple]) -> tuple:
+    """Arguments with `layouts` (a signature without its op): fakes for its tensors, all a body's compile reads."""
+    mode = FakeTensorMode()
+    args = []
+    for kind, *rest in layouts:
+        if kind == "tensor":
+            shape, stride, dtype, device = rest
+            with mode:
+                args.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        else:
+            args.append(rest[0])
+    return tuple(args)
+
+
 class CompiledBodies:
     """The process's compiled chunk-loop bodies, one per signature; compiles a missing one on first use.
 
@@ -161,7 +175,7 @@ class CompiledBodies:
         with self._lock:
             if self._helper is None or key in self._bodies or key in self._elsewhere:
                 return False
-            future = self._helper.submit(op, args)
+            future = self._helper.submit(op, key[1:])  # the signature lays out every argument
             if future is None:
                 return False
             self._elsewhere[key] = future
