@@ -25,6 +25,10 @@ and split into stages that do not overlap, in wall-clock seconds:
   * AOT Autograd: the backend call and the backward's compile, less our
     passes, the bodies compiled with their host graph and the inner
     compiler (joint trace, partition, functionalisation);
+  * backward sent ahead: the forward's compile sending the backward graph
+    to the helper process (the backward's passes and its compile up to
+    Inductor's codegen, here; NOTE [backward graphs generated in the helper
+    process] in `laplace_passes/driver/backward_ahead.py`);
   * Inductor codegen: Inductor's compile of each graph less its wait for the
     C++ compiler and its ISA probes (lowering, scheduling, code generation;
     the compiler runs in `compile_threads` threads meanwhile);
@@ -42,11 +46,11 @@ and split into stages that do not overlap, in wall-clock seconds:
     together] and NOTE [kernel builds beside the codegen] in
     `laplace_passes/infra/kernel_batches.py`), which wait for the rest of
     their build, the precompiled header included;
-  * helper process (waited): the wait for the backward's chunk-loop bodies
-    compiled in the helper process while this one compiled the forward
+  * helper process (waited): the wait for what the helper process compiled
+    while this one compiled the forward: the backward's chunk-loop bodies
     (NOTE [bodies compiled in a helper process] in
-    `laplace_passes/unroll/body_helper.py`), and their loading; the helper's
-    own seconds are in the CPU seconds;
+    `laplace_passes/unroll/body_helper.py`) and the backward graph, and their
+    loading; the helper's own seconds are in the CPU seconds;
   * other: the rest (guards, running the step, lazy imports).
 
 Beside the wall-clock total, the CPU seconds of the first call: this process
@@ -78,8 +82,8 @@ import time
 
 from benchmarks.common import print_row, say
 
-STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "Inductor codegen", "Inductor's ISA probes",
-          "C++ compile (waited)", "helper process (waited)", "other")
+STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "backward sent ahead", "Inductor codegen",
+          "Inductor's ISA probes", "C++ compile (waited)", "helper process (waited)", "other")
 
 
 def main(argv=None) -> dict:
@@ -152,6 +156,10 @@ def rows(target: str, result: dict) -> list[str]:
         lines.append(f"  GLA loop bodies compiled once per shape: {bodies['compiled']}, {bodies['seconds']:.1f} s "
                      f"({bodies['with_host_graph_s']:.1f} s with their host graph, the rest at a first call; "
                      f"{bodies['inductor_s']:.1f} s of it Inductor's, in its stages; the traces in our passes)")
+    backward = result.get("backward_ahead", {})
+    if backward.get("sent"):
+        lines.append(f"  backward graphs sent to the helper process: {backward['sent']} ({backward['sent_s']:.1f} s), "
+                     f"loaded from it: {backward['loaded']}, waited for and loaded in {backward['waited_s']:.1f} s")
     if bodies.get("from_helper"):
         lines.append(f"  GLA loop bodies compiled in the helper process: {bodies['from_helper']}, waited for and "
                      f"loaded in {bodies['helper_waited_s']:.1f} s")
@@ -184,6 +192,7 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
     isa_probes = time_isa_probes()
     header = time_kernel_header()
     bodies = BodySeconds.timing(isa_probes)
+    backward = BackwardSeconds.timing()
     kernel_waits = time_kernel_waits()
     torch.manual_seed(0)
     model = model_zoo.build("tiny")
@@ -206,10 +215,12 @@ def measure_first_call(target: str, seq_len: int, inner: str, compile_threads: i
         "target": target, "seq_len": seq_len, "inner": inner, "total_s": total, "cpu_s": cpu, "second_call_s": second,
         "compile_threads": torch._inductor.config.compile_threads,
         "stages": stages(timed, passes.seconds, total, isa_probes.main_thread, isa_probes.waited, bodies,
-                         kernel_waits.main_thread),
+                         kernel_waits.main_thread, backward),
         "loop_bodies": {"compiled": bodies.count, "seconds": bodies.total, "inductor_s": bodies.inductor,
                         "with_host_graph_s": bodies.ahead, "from_helper": bodies.helper_count,
                         "helper_waited_s": bodies.from_helper},
+        "backward_ahead": {"sent": backward.sent, "sent_s": backward.sent_s, "loaded": backward.loaded,
+                           "waited_s": backward.waited_s},
         "isa_probes": {"builds": isa_probes.calls, "background_s": isa_probes.background},
         "kernel_header": {"background_s": header.background, "main_thread_s": header.main_thread,
                           "waited_s": header.waited},
@@ -267,7 +278,7 @@ def _descendants(root: int) -> list[int]:
 
 def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_codegen_s: float = 0.0,
            probes_waited_s: float = 0.0, bodies: "BodySeconds | None" = None,
-           kernels_waited_s: float = 0.0) -> dict[str, float]:
+           kernels_waited_s: float = 0.0, backward: "BackwardSeconds | None" = None) -> dict[str, float]:
     """Non-overlapping wall-clock stages from torch's nested compile-time counters, our passes' and the ISA probes' seconds.
 
     `probes_in_codegen_s`: probes Inductor ran itself, inside its compile;
@@ -276,24 +287,29 @@ def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_c
     `bodies`: the chunk-loop bodies compiled with their host graph (inside
     the backend call) and at their first call (outside it), with each one's
     Inductor seconds; `kernels_waited_s`: the first calls of kernels built in
-    the background, waiting for their build (outside every compile).
+    the background, waiting for their build (outside every compile);
+    `backward`: the backward graph sent to the helper within the forward's
+    compile (the part of it in Inductor's compile_fx_inner: its steps before
+    the codegen), and the backward's wait for its answer (inside Inductor's).
     """
     bodies = bodies or BodySeconds()
+    backward = backward or BackwardSeconds()
     dynamo = timed.get("_compile.compile_inner", 0.0)
     backend = timed.get("OutputGraph.call_user_compiler", 0.0)
-    backward = timed.get("backward._backward_impl", 0.0)  # a backward compiled at its first call
+    backward_compile = timed.get("backward._backward_impl", 0.0)  # a backward compiled at its first call
     inductor = timed.get("compile_fx_inner", 0.0)
     waited = timed.get("async_compile.wait", 0.0)
     host_inductor = inductor - bodies.ahead_inductor - bodies.first_call_inductor
     result = {
         "Dynamo trace": dynamo - backend,
-        "AOT Autograd": (backend + backward - passes_s - host_inductor - bodies.ahead - bodies.from_helper_ahead
-                         - probes_waited_s),
+        "AOT Autograd": (backend + backward_compile - passes_s - host_inductor - bodies.ahead - bodies.from_helper_ahead
+                         - probes_waited_s - (backward.sent_s - backward.sent_inductor_s)),
         "our passes": passes_s + bodies.total - bodies.inductor,
-        "Inductor codegen": inductor - waited - probes_in_codegen_s,
+        "backward sent ahead": backward.sent_s,
+        "Inductor codegen": inductor - waited - probes_in_codegen_s - backward.sent_inductor_s - backward.waited_s,
         "Inductor's ISA probes": probes_in_codegen_s + probes_waited_s,
         "C++ compile (waited)": waited + kernels_waited_s,
-        "helper process (waited)": bodies.from_helper,
+        "helper process (waited)": bodies.from_helper + backward.waited_s,
     }
     result["other"] = total_s - sum(result.values())
     return result
@@ -456,6 +472,55 @@ class BodySeconds:
         BODIES._compiled = timed_compiled  # this benchmark's own process only
         BODIES._from_helper = timed_from_helper
         split.compile_ahead = timed_compile_ahead
+        return seconds
+
+
+class BackwardSeconds:
+    """The backward graph sent to the helper as the forward compiles, and the wait for its answer.
+
+    NOTE [backward graphs generated in the helper process] in
+    `laplace_passes/driver/backward_ahead.py`. `sent_s`: the forward's
+    compile sending it (the backward's passes and its compile up to the
+    codegen, here); `sent_inductor_s`: the part of that in Inductor's
+    compile_fx_inner; `waited_s`: the backward's wait for the answer and its
+    loading; `sent`, `loaded`: how many.
+    """
+
+    def __init__(self):
+        self.sent = self.loaded = 0
+        self.sent_s = self.sent_inductor_s = self.waited_s = 0.0
+
+    @classmethod
+    def timing(cls) -> "BackwardSeconds":
+        from torch._dynamo.utils import compilation_time_metrics
+
+        from laplace_passes.driver.backward_ahead import BackwardAhead
+        from laplace_passes.infra import remote_codegen
+
+        seconds = cls()
+        send, wait_and_load = BackwardAhead.send, remote_codegen.wait_and_load
+
+        def timed_send(self, *args):
+            start, inductor_start = time.perf_counter(), sum(compilation_time_metrics.get("compile_fx_inner", []))
+            try:
+                sent = send(self, *args)
+            finally:
+                seconds.sent_s += time.perf_counter() - start
+                seconds.sent_inductor_s += sum(compilation_time_metrics.get("compile_fx_inner", [])) - inductor_start
+            seconds.sent += bool(sent)
+            return sent
+
+        def timed_wait_and_load(*args):
+            start = time.perf_counter()
+            try:
+                loaded = wait_and_load(*args)
+            finally:
+                seconds.waited_s += time.perf_counter() - start
+            seconds.loaded += 1
+            return loaded
+
+        BackwardAhead.send = timed_send  # this benchmark's own process only
+        remote_codegen.wait_and_load = timed_wait_and_load
         return seconds
 
 

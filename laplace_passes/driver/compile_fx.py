@@ -14,6 +14,7 @@ without depending on what depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import types
@@ -23,6 +24,7 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
+from laplace_passes.driver.backward_ahead import BackwardAhead
 from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fla.install import covered_before_install
 from laplace_passes.fla.install import install as install_fla_replacements
@@ -30,7 +32,7 @@ from laplace_passes.fla.late_import import install_after_import
 from laplace_passes.infra import logs
 from laplace_passes.infra.pass_base import run_passes
 from laplace_passes.driver.pipeline import aten_passes, compiles_loop_bodies, dynamo_passes, graph_context
-from laplace_passes.infra.report import Report, remember
+from laplace_passes.infra.report import GraphRecord, Report, remember
 from laplace_passes.driver.shapes import PerShapeCompiler, report_dynamic_dims, static_shapes_reason
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS
 from laplace_passes.unroll import compile_graph
@@ -96,9 +98,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     record.input_sources = [input_source(n) for n in gm.graph.find_nodes(op="placeholder")]
     with logs.progress(f"{record.name}: the passes"):
         gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report, strict=config.strict)
+    ahead = BackwardAhead.for_graph(config, example_inputs)
     if _backward_bodies_ahead(gm, example_inputs, config):
         HELPER.start()  # its imports overlap AOT Autograd (NOTE [bodies compiled in a helper process])
-    compilers = {kind: _aten_compiler(config, kind) for kind in KINDS}
+    compilers = {kind: _aten_compiler(config, kind, ahead) for kind in KINDS}
     kwargs: dict[str, Any] = {
         "fw_compiler": compilers["forward"],
         "bw_compiler": compilers["backward"],
@@ -107,7 +110,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     if config.decompositions() is not None:
         kwargs["decompositions"] = config.decompositions()
     if config.inner.partition_fn is not None:
-        kwargs["partition_fn"] = config.inner.partition_fn
+        kwargs["partition_fn"] = ahead.partition_fn if ahead is not None else config.inner.partition_fn
     if config.inner.keep_inference_input_mutations:
         kwargs["keep_inference_input_mutations"] = True
     return aot_autograd(**kwargs)(gm, example_inputs)
@@ -120,20 +123,39 @@ def _backward_bodies_ahead(gm: torch.fx.GraphModule, example_inputs: list, confi
     return sites >= 2 and differentiates and compiles_loop_bodies(config)
 
 
-def _aten_compiler(config: CompileConfig, kind: str) -> Callable:
+def _aten_compiler(config: CompileConfig, kind: str, ahead: BackwardAhead | None = None) -> Callable:
     def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         report = config.report
         forward_graphs = [g.before for g in report.graphs if g.kind == "forward"]
         record = report.new_graph(kind, gm)
-        passes = aten_passes(config, graph_context(config, record.name, kind), gm, forward_graphs)
         with logs.progress(f"{record.name}: the passes"):
-            gm = run_passes(gm, passes, record, report, strict=config.strict)
+            gm = _with_aten_passes(config, gm, record, report, forward_graphs)
+        if ahead is not None and kind == "forward":  # NOTE [backward graphs generated in the helper process]
+            ahead.send(gm, functools.partial(_backward_as_sent, config, forward_graphs + [record.before]))
         # A graph the budget pass cut into partitions: each compiled on its own.
-        with logs.inner_compile(config.inner.name, record.name):
+        with logs.inner_compile(config.inner.name, record.name), \
+                ahead.answering(record.name) if ahead is not None and kind == "backward" else contextlib.nullcontext():
             return compile_graph(config.inner, gm, example_inputs, kind)
 
     compile_aten_graph.__name__ = f"laplace_{kind}_compiler"
     return compile_aten_graph
+
+
+def _with_aten_passes(config: CompileConfig, gm: torch.fx.GraphModule, record: GraphRecord, report: Report,
+                      forward_graphs: list) -> torch.fx.GraphModule:
+    passes = aten_passes(config, graph_context(config, record.name, record.kind), gm, forward_graphs)
+    return run_passes(gm, passes, record, report, strict=config.strict)
+
+
+def _backward_as_sent(config: CompileConfig, forward_graphs: list, gm: torch.fx.GraphModule,
+                      example_inputs: list) -> Callable:
+    """The backward's compile as `compile_aten_graph` will run it, its record in a report of its own."""
+    report = Report(config.report.target, config.report.inner)
+    record = report.new_graph("backward", gm)
+    record.name = "backward_ahead"  # what the passes' log lines name: not the backward compiled later
+    gm = _with_aten_passes(config, gm, record, report, forward_graphs)
+    # Its chunk-loop bodies are left to the backward compile (or the helper): here they would delay the forward.
+    return compile_graph(config.inner, gm, example_inputs, "backward", bodies_ahead=False)
 
 
 def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: CompileConfig) -> Report:

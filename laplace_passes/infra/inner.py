@@ -15,7 +15,8 @@ bring their own ATen-graph compiler or want to capture the graphs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
 
 import torch.fx
 from functorch.compile import make_boxed_func
@@ -46,6 +47,9 @@ class InnerCompiler:
     # True: where the target keeps GLA's state recurrence whole, each GLA chunk-loop op stays one node whose
     # body this compiler's Inductor compiles once per signature, for every site (laplace_passes.unroll.compiled_bodies).
     compiles_loop_bodies = False
+    # True: `compile` ends in Inductor's compile_fx_inner, whose codegen may run in the helper process
+    # (laplace_passes.driver.backward_ahead).
+    codegen_elsewhere = False
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         """A boxed callable running `gm`; `kind` is "forward", "backward" or "inference"."""
@@ -96,6 +100,7 @@ class InductorCompiler(InnerCompiler):
     # the kernel that computes it, not copied back from a new output after the graph.
     keep_inference_input_mutations = True
     compiles_loop_bodies = True
+    codegen_elsewhere = True
 
     def start(self) -> None:
         # Overlaps Dynamo's graph with Inductor's g++ probes (NOTE [vector-ISA probes ahead of the codegen]).
@@ -121,17 +126,53 @@ class InductorCompiler(InnerCompiler):
 
 
 def _decomposed_for_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
-    """`gm` traced again with Inductor's decomposition table, in its inputs' fake mode (or a new one)."""
-    import contextlib
+    """`gm` traced again with Inductor's decomposition table, in its inputs' fake mode (or a new one).
 
+    A graph decomposed within `decomposing_ahead()` is kept, and the same
+    graph with inputs of the same layouts later takes that result instead of
+    tracing again (the backward sent to the helper process, then compiled:
+    NOTE [backward graphs generated in the helper process]).
+    """
     from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from laplace_passes.infra.remote_codegen import request_key
+    from laplace_passes.infra.report import copy_graphs
+
+    key = request_key(gm, example_inputs, [], {}) if _AHEAD.keeping or _AHEAD.kept else None
+    if key is not None and key in _AHEAD.kept:
+        return _AHEAD.kept.pop(key)
     fake_mode = detect_fake_mode(example_inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         mode = "real" if fake_mode is not None else "fake"
-        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode=mode)(*example_inputs)
+        decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode=mode)(*example_inputs)
+    if _AHEAD.keeping and key is not None:
+        while len(_AHEAD.kept) >= _AHEAD.KEPT:  # a backward that never compiled leaves its graph: not forever
+            _AHEAD.kept.pop(next(iter(_AHEAD.kept)))
+        _AHEAD.kept[key] = copy_graphs(decomposed)  # Inductor changes the graph it compiles
+    return decomposed
+
+
+class _DecomposedAhead:
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self.keeping = False
+        self.kept: dict[str, torch.fx.GraphModule] = {}
+
+
+_AHEAD = _DecomposedAhead()
+
+
+@contextlib.contextmanager
+def decomposing_ahead() -> Iterator[None]:
+    """Within it, graphs decomposed for Inductor are kept for their compile to come (`_decomposed_for_inductor`)."""
+    _AHEAD.keeping = True
+    try:
+        yield
+    finally:
+        _AHEAD.keeping = False
 
 
 class CallableCompiler(InnerCompiler):

@@ -4,6 +4,9 @@
     HELPER.submit(op, layouts)     compile the body of `op` there, its arguments as `compiled_bodies.signature`
                                    lays them out: a Future of its wrapper's source, or None when the helper
                                    is off or cannot start
+    HELPER.submit_codegen(payload) Inductor's codegen of a graph there (laplace_passes.infra.remote_codegen,
+                                   NOTE [backward graphs generated in the helper process]): a Future of the
+                                   compiled graph's bytes, or None
     load_wrapper(source)           that source as this process's callable (its C++ from the shared cache)
 
 NOTE [bodies compiled in a helper process]
@@ -58,10 +61,13 @@ from typing import Callable, Sequence
 
 import torch
 
-SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with MIN_CORES cores
-# On two cores the helper and this process share them, and the first call measured the same with and without
-# it (docs/benchmarks.md): it is on where it has a core of its own beside the builds.
+SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with enough cores
+# Chunk-loop bodies: on two cores the helper and this process share them, and the first call measured the
+# same with and without it (docs/benchmarks.md): it is on where it has a core of its own beside the builds.
 MIN_CORES = 4  # this process, the helper, and two g++ builds beside them
+# A whole backward graph's codegen (laplace_passes.driver.backward_ahead) is as long as the forward's: on two
+# cores the first call of a Neuron target's training step took 0.73x as long with it (docs/benchmarks.md).
+MIN_CORES_FOR_GRAPHS = 2
 IDLE_EXIT_S = 600.0  # the helper exits after this long without a request
 _LENGTH = struct.Struct("<Q")
 
@@ -82,25 +88,45 @@ class BodyHelper:
         self._connection: _Connection | None = None
 
     @staticmethod
-    def enabled() -> bool:
+    def enabled(min_cores: int = MIN_CORES) -> bool:
+        """On: switched on, or not switched off and `min_cores` usable cores (bodies: MIN_CORES)."""
         switch = os.environ.get(SWITCH)
         if switch in ("0", "1"):
             return switch == "1"
-        return _usable_cores() >= MIN_CORES
+        return _usable_cores() >= min_cores
 
-    def start(self) -> bool:
+    def start(self, min_cores: int = MIN_CORES) -> bool:
         """The helper running (started now if need be); False when it is off or could not start."""
-        if not self.enabled():
+        if not self.enabled(min_cores):
             return False
         with self._lock:
             return self._running() is not None
 
     def submit(self, op, layouts: Sequence[tuple]) -> Future | None:
-        """Compile the body of chunk-loop `op` in the helper; `layouts`: its signature's arguments (no tensors)."""
+        """Compile the body of chunk-loop `op` in the helper; `layouts`: its signature's arguments (no tensors).
+
+        A Future of {"source": the wrapper module's source, "seconds": ...}.
+        """
         if not self.enabled():
             return None
-        request = {"op": op.name(), "args": list(layouts),
-                   "inductor_config": torch._inductor.config.save_config_portable()}
+        return self._request({"op": op.name(), "args": list(layouts),
+                              "inductor_config": torch._inductor.config.save_config_portable()})
+
+    def submit_codegen(self, payload: bytes) -> Future | None:
+        """Inductor's codegen of a `remote_codegen.CodegenRequest.payload()` in the helper: a Future of its answer.
+
+        The answer is the bytes `remote_codegen.load_answer` loads, sent once the kernels are built into the
+        shared cache.
+        """
+        future = self._request({"codegen": payload}) if self.enabled(MIN_CORES_FOR_GRAPHS) else None
+        if future is None:
+            return None
+        answer: Future = Future()
+        future.add_done_callback(lambda done: answer.set_exception(done.exception()) if done.exception()
+                                 else answer.set_result(done.result()["answer"]))
+        return answer
+
+    def _request(self, request: dict) -> Future | None:
         with self._lock:
             connection = self._running()
             if connection is None:

@@ -2,11 +2,13 @@
 
     python -m laplace_passes.unroll.body_worker
 
-Reads requests from stdin, one frame each (a chunk-loop op, its arguments'
-layouts, this process's Inductor configuration), compiles each body as the
-process that sent it would (`compiled_bodies.compiled_source`), waits for
-its kernels to be built into the shared Inductor cache, and answers on
-stdout with the wrapper module's source, or the error. Exits at the end of
+Reads requests from stdin, one frame each: a chunk-loop op, its arguments'
+layouts and this process's Inductor configuration, or Inductor's codegen
+request for a graph (`laplace_passes.infra.remote_codegen`). Compiles each
+as the process that sent it would (`compiled_bodies.compiled_source`;
+Inductor's codegen of the request), waits for its kernels to be built into
+the shared Inductor cache, and answers on stdout with the wrapper module's
+source or the compiled graph, or the error. Exits at the end of
 stdin or after `body_helper.IDLE_EXIT_S` without a request.
 """
 
@@ -21,7 +23,12 @@ from laplace_passes.unroll.body_helper import IDLE_EXIT_S, read_frame, write_fra
 
 
 def answer(request: dict) -> dict:
-    """{"source": the wrapper module's source, "seconds": ...}, or {"error": what went wrong}."""
+    """A chunk-loop body's or a graph's compile; or {"error": what went wrong}."""
+    return _codegen(request) if "codegen" in request else _body(request)
+
+
+def _body(request: dict) -> dict:
+    """{"source": the wrapper module's source, "seconds": ...}."""
     from laplace_passes.infra.kernel_batches import wait_for_builds
     from laplace_passes.unroll.compiled_bodies import compiled_source, signature_arguments
 
@@ -35,6 +42,23 @@ def answer(request: dict) -> dict:
     except Exception as error:  # noqa: BLE001 - reported to the parent, which compiles the body itself
         return {"error": f"{type(error).__name__}: {error}"}
     return {"source": source, "seconds": time.perf_counter() - start}
+
+
+def _codegen(request: dict) -> dict:
+    """{"answer": the compiled graph as bytes, "seconds": ...}: Inductor's codegen as the parent runs it."""
+    from laplace_passes.infra.inductor_fast import fast_index_simplify
+    from laplace_passes.infra.kernel_batches import kernels_compiled_together, wait_for_builds
+    from laplace_passes.infra.remote_codegen import codegen_from_payload
+
+    start = time.perf_counter()
+    try:
+        # As `InductorCompiler.compile` runs it (the same kernels, NOTE [index strides without sympy.simplify]).
+        with fast_index_simplify(), kernels_compiled_together():
+            compiled = codegen_from_payload(request["codegen"])
+        wait_for_builds()  # its kernels in the cache before the parent loads them
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which generates the code itself
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"answer": compiled, "seconds": time.perf_counter() - start}
 
 
 def main() -> None:

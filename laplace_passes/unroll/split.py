@@ -146,11 +146,15 @@ def _with_strides(value, stride: tuple[int, ...] | None):
     return laid_out.copy_(value)
 
 
-def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
-    """Compile `gm` with the inner compiler; a partitioned graph partition by partition."""
+def compile_graph(inner, gm: torch.fx.GraphModule, example_inputs: list, kind: str,
+                  bodies_ahead: bool = True) -> Callable:
+    """Compile `gm` with the inner compiler; a partitioned graph partition by partition.
+
+    `bodies_ahead`: compile its chunk-loop bodies with it (`compiled_bodies.compile_ahead`).
+    """
     calls = partition_calls(gm)
     if not calls:
-        if inner.compiles_loop_bodies:  # NOTE [kernel builds beside the codegen] in infra/kernel_batches.py
+        if inner.compiles_loop_bodies and bodies_ahead:  # NOTE [kernel builds beside the codegen] in infra/kernel_batches.py
             compile_ahead(gm, kind)
         return inner.compile(gm, example_inputs, kind)
     for call in calls:
