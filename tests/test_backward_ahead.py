@@ -138,7 +138,8 @@ def gradients(helper_switch, monkeypatch):
     torch.manual_seed(0)
     model, x = Mixer(), torch.randn(4, 16)
     step = laplace_passes.compile(lambda x: model(x).square().mean(), target="cpu", inner="inductor")
-    with Records("laplace") as records:
+    # Generated, not found in Inductor's cache from an earlier run.
+    with Records("laplace") as records, torch._inductor.config.patch(fx_graph_cache=False):
         step(x).backward()
     return [p.grad for p in model.parameters()], "\n".join(r.getMessage() for r in records)
 
@@ -153,7 +154,47 @@ def test_a_backward_generated_in_the_helper_gives_the_gradients_generated_here_b
         assert torch.equal(h, e)
 
 
+@switched_off
+def test_a_backward_in_inductors_cache_is_not_sent_and_leaves_the_forward_as_it_was(monkeypatch):
+    """Found in Inductor's FX graph cache, the backward's compile completes in the forward's: nothing to send."""
+    monkeypatch.setenv(body_helper.SWITCH, "1")
+    monkeypatch.setattr(backward_ahead, "MIN_FORWARD_NODES", 0)
+    expected = None
+    for _ in range(2):  # the second compile finds the first's backward in the cache
+        torch.manual_seed(0)
+        model, x = Mixer(), torch.randn(4, 16)
+        step = laplace_passes.compile(lambda x: model(x).square().mean(), target="cpu", inner="inductor")
+        with Records("laplace") as records, torch._inductor.config.patch(fx_graph_cache=True):
+            step(x).backward()
+        grads = [p.grad for p in model.parameters()]
+        expected = expected or grads
+        for g, e in zip(grads, expected, strict=True):
+            assert torch.equal(g, e)
+    logged = "\n".join(r.getMessage() for r in records)
+    assert "not sent to the helper process (RuntimeError: the compile did not reach Inductor's codegen" in logged
+
+
 def test_without_the_helper_nothing_is_sent(monkeypatch):
     monkeypatch.setenv(body_helper.SWITCH, "0")
     config = CompileConfig.from_options({"target": "cpu", "inner": "inductor"})
     assert backward_ahead.BackwardAhead.for_graph(config, [torch.zeros(2, requires_grad=True)]) is None
+
+
+def test_a_graph_decomposed_ahead_is_traced_once_for_its_layouts(monkeypatch):
+    """The backward's decomposition in the forward's compile is the one its own compile takes, once."""
+    from torch.fx.experimental import proxy_tensor
+
+    from laplace_passes.infra import inner
+
+    traces = []
+    make_fx_here = proxy_tensor.make_fx
+    monkeypatch.setattr(proxy_tensor, "make_fx", lambda *a, **k: traces.append(1) or make_fx_here(*a, **k))
+    gm, inputs = graph_and_inputs()
+    with inner.decomposing_ahead():
+        ahead = inner._decomposed_for_inductor(gm, inputs)
+    again = inner._decomposed_for_inductor(gm, inputs)
+    assert len(traces) == 1 and again is not ahead and again.code == ahead.code
+    _, transposed = graph_and_inputs(transposed_x=True)
+    inner._decomposed_for_inductor(gm, transposed)  # other layouts: traced
+    inner._decomposed_for_inductor(gm, inputs)  # the kept graph was taken once
+    assert len(traces) == 3

@@ -93,7 +93,7 @@ class BackwardAhead:
             copied = torch.fx.GraphModule(backward, _copied_graph(backward))
             # As the backward compiles (no grad, and not inside AOT Autograd's trace, whose Python dispatcher
             # decomposes some ops differently), so its graph is decomposed once: the one kept is reused.
-            with torch.no_grad(), no_python_dispatcher(), decomposing_ahead():
+            with torch.no_grad(), no_python_dispatcher(), decomposing_ahead(), _outside_the_forward():
                 request = captured_codegen(lambda: prepare_backward(copied, examples))
             if request.key is None:
                 raise ValueError("its codegen request holds what cannot be compared with the real one")
@@ -115,6 +115,25 @@ class BackwardAhead:
         if loaded:
             logs.log.info("%s: its code generated in the helper process", graph_name)
         self.loaded.extend(loaded)
+
+
+@contextlib.contextmanager
+def _outside_the_forward() -> Iterator[None]:
+    """The forward's tracing context as the backward's compile finds it: no output strides being reported.
+
+    Inductor reports a graph's output strides to AOT Autograd as it
+    compiles it; a backward found in Inductor's FX graph cache completes its
+    compile here (nothing to send), and its strides are not the forward's.
+    """
+    context = torch._guards.TracingContext.try_get()
+    if context is None:
+        yield
+        return
+    saved, context.output_strides = context.output_strides, None
+    try:
+        yield
+    finally:
+        context.output_strides = saved
 
 
 def _copied_graph(gm: torch.fx.GraphModule) -> torch.fx.Graph:

@@ -140,26 +140,28 @@ def _decomposed_for_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> 
     from laplace_passes.infra.remote_codegen import request_key
     from laplace_passes.infra.report import copy_graphs
 
-    key = request_key(gm, example_inputs, [], {}) if _AHEAD.keeping or _AHEAD.kept else None
-    if key is not None and key in _AHEAD.kept:
-        return _AHEAD.kept.pop(key)
     fake_mode = detect_fake_mode(example_inputs)
+    key = request_key(gm, example_inputs, [], {}) if _AHEAD.keeping or _AHEAD.kept else None
+    if key is not None and key in _AHEAD.kept and _AHEAD.kept[key][0] is fake_mode:  # its fake values are ours
+        return _AHEAD.kept.pop(key)[1]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         mode = "real" if fake_mode is not None else "fake"
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode=mode)(*example_inputs)
     if _AHEAD.keeping and key is not None:
         while len(_AHEAD.kept) >= _AHEAD.KEPT:  # a backward that never compiled leaves its graph: not forever
             _AHEAD.kept.pop(next(iter(_AHEAD.kept)))
-        _AHEAD.kept[key] = copy_graphs(decomposed)  # Inductor changes the graph it compiles
+        _AHEAD.kept[key] = (fake_mode, copy_graphs(decomposed))  # Inductor changes the graph it compiles
     return decomposed
 
 
 class _DecomposedAhead:
+    """Graphs decomposed ahead of their compile, by `request_key`, with the fake mode of their values."""
+
     KEPT = 4
 
     def __init__(self) -> None:
         self.keeping = False
-        self.kept: dict[str, torch.fx.GraphModule] = {}
+        self.kept: dict[str, tuple[Any, torch.fx.GraphModule]] = {}
 
 
 _AHEAD = _DecomposedAhead()

@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from laplace_passes.infra import logs
+
 # Inductor's configuration entries that hold functions or passes: not in its portable configuration, so a
 # process that received that configuration would compile with their defaults.
 _UNPORTABLE_CONFIG = ("pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom_post_pass",
@@ -94,7 +96,7 @@ def captured_codegen(compile_call: Callable[[], Any]) -> CodegenRequest:
         if not captured:
             raise
     if not captured:
-        raise RuntimeError("the compile did not reach Inductor's codegen")
+        raise RuntimeError("the compile did not reach Inductor's codegen (Inductor's FX graph cache had it)")
     return captured[0]
 
 
@@ -118,8 +120,6 @@ def answering_codegen(answers: Mapping[str, Future]) -> Iterator[list]:
                 try:
                     compiled = wait_and_load(answers[key], gm)
                 except Exception as error:  # noqa: BLE001 - generated here instead, as without a helper
-                    from laplace_passes.infra import logs
-
                     logs.log.info("the graph's code from the helper process not used (%s: %s); generating it "
                                   "here", type(error).__name__, error)
                 else:

@@ -38,11 +38,17 @@ compiled begins (`compile_fx`), fed over a pipe, one request at a time
 (`body_worker`, its side); it exits when this process closes the pipe, or
 after `IDLE_EXIT_S` without a request.
 
-Where it runs: with four cores or more. On two, the helper's imports and
-codegen take the core this process's g++ runs and probes need, and the
-first call measured the same with it as without (within the machine's
-noise, docs/benchmarks.md). LAPLACE_PASSES_BODY_HELPER=1 turns it on
-whatever the cores, =0 off.
+The same helper generates a training step's whole backward graph (NOTE
+[backward graphs generated in the helper process] in
+`laplace_passes/driver/backward_ahead.py`, `submit_codegen`).
+
+Where it runs: for bodies, with four cores or more. On two, the helper's
+imports and codegen take the core this process's g++ runs and probes need,
+and the first call measured the same with it as without (within the
+machine's noise, docs/benchmarks.md). For a whole backward graph, with two
+(its codegen is as long as the forward's: the first call of a Neuron
+target's step took about 0.75x as long). LAPLACE_PASSES_BODY_HELPER=1
+turns it on whatever the cores, =0 off.
 """
 
 from __future__ import annotations
