@@ -1,12 +1,13 @@
 """A Dynamo graph's backward generated in the helper process while this process compiles its forward.
 
-    ahead = BackwardAhead.for_graph(config)    None where it does not apply (see below)
-    ahead.partition_fn                         AOT Autograd's partitioner, keeping the backward graph it makes
-    ahead.send(prepare_backward)               in the forward's compile: the backward's codegen request to
-                                               the helper; `prepare_backward(gm, example_inputs)` runs the
-                                               backward's passes and its inner compile
-    with ahead.answering():                    in the backward's compile: its codegen loaded from the helper
-        ...                                    when the request is the one sent
+    ahead = BackwardAhead.for_graph(config, example_inputs)   None where it does not apply (see below)
+    ahead.partition_fn                  AOT Autograd's partitioner, keeping the backward graph it makes
+    ahead.send(forward, prepare_backward)
+                                        in the forward's compile: the backward's codegen request to the
+                                        helper; `prepare_backward(gm, example_inputs)` runs the backward's
+                                        passes and its inner compile
+    with ahead.answering(graph_name):   in the backward's compile: its codegen loaded from the helper when
+        ...                             the request is the one sent
 
 NOTE [backward graphs generated in the helper process]
 AOT Autograd cuts the joint graph into the forward and the backward before
@@ -28,19 +29,29 @@ the same]): equal, the helper's compiled graph is loaded (its kernels from
 the cache); different (the forward's compile chose other strides for a
 saved tensor), or the helper failed, the codegen runs here as it always did.
 Everything around the codegen (our passes, the report, Inductor's
-decompositions and post-compile steps) runs here in both cases, so the
-report and the compiled backward are those of a compile without the helper;
-Inductor's codegen of the same request generates the same kernels
-(tests/test_backward_ahead.py compares gradients bit for bit).
+post-compile steps) runs here in both cases, so the report and the compiled
+backward are those of a compile without the helper; Inductor's codegen of
+the same request generates the same kernels (tests/test_backward_ahead.py
+compares gradients bit for bit). Only the backward's decomposition for
+Inductor is not repeated: the one made as it was sent is kept and taken by
+the same graph with inputs of the same layouts (`inner.decomposing_ahead`).
+The send runs as the backward's compile will: without grad, outside AOT
+Autograd's Python dispatcher (which decomposes some ops otherwise) and
+with no output strides being reported (a backward Inductor's FX graph
+cache already holds completes its compile within the send, and nothing is
+sent).
 
 It applies with the inner compiler "inductor", a graph that differentiates,
-and the helper on (`body_helper.BodyHelper.enabled`); a backward the budget
-pass cut into partitions is not sent (each partition is its own codegen).
+the helper on with two usable cores or more (`body_helper.BodyHelper.enabled`,
+MIN_CORES_FOR_GRAPHS) and a forward of MIN_FORWARD_NODES nodes or more
+after the passes; of a backward the budget pass cut into partitions, the
+first partition is sent (each partition is a codegen of its own).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
@@ -137,6 +148,4 @@ def _outside_the_forward() -> Iterator[None]:
 
 
 def _copied_graph(gm: torch.fx.GraphModule) -> torch.fx.Graph:
-    import copy
-
     return copy.deepcopy(gm.graph)

@@ -24,8 +24,8 @@ device, whether it requires grad), the inputs Inductor checks for
 alignment, the codegen's keyword arguments but the graph's serial number,
 the donated buffers of the tracing context and Inductor's portable
 configuration. Inductor's codegen reads nothing else of the request (the
-node metadata it reads, fake values, are recomputed from the inputs when
-the graph is traced again with Inductor's decompositions). A request with
+node metadata it reads, fake values, follow from the graph's code and its
+inputs' layouts: each node's from its op and the values it takes). A request with
 anything the key cannot compare (a callable argument, a custom pass in
 Inductor's configuration, an input that is neither a tensor nor a number)
 has no key and is never sent.
