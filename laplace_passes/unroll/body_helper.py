@@ -124,7 +124,12 @@ class BodyHelper:
         The answer is the bytes `remote_codegen.load_answer` loads, sent once the kernels are built into the
         shared cache.
         """
-        future = self._request({"codegen": payload}) if self.enabled(MIN_CORES_FOR_GRAPHS) else None
+        from torch._inductor.async_compile import get_compile_threads
+
+        # Not in Inductor's portable configuration; it decides how kernels are batched into libraries, and this
+        # process finds the helper's libraries in the cache only if it batches them the same way.
+        request = {"codegen": payload, "compile_threads": get_compile_threads()}
+        future = self._request(request) if self.enabled(MIN_CORES_FOR_GRAPHS) else None
         if future is None:
             return None
         answer: Future = Future()

@@ -53,7 +53,8 @@ def _codegen(request: dict) -> dict:
     start = time.perf_counter()
     try:
         # As `InductorCompiler.compile` runs it (the same kernels, NOTE [index strides without sympy.simplify]).
-        with fast_index_simplify(), kernels_compiled_together():
+        with torch._inductor.config.patch(compile_threads=request["compile_threads"]), fast_index_simplify(), \
+                kernels_compiled_together():
             compiled = codegen_from_payload(request["codegen"])
         wait_for_builds()  # its kernels in the cache before the parent loads them
     except Exception as error:  # noqa: BLE001 - reported to the parent, which generates the code itself
