@@ -72,12 +72,12 @@ def test_the_key_is_the_same_for_the_same_compile_and_differs_with_a_layout_or_a
     transposed = captured_codegen(lambda: compile_here(*graph_and_inputs(transposed_x=True)))
     assert first.key is not None and first.key == again.key
     assert transposed.key != first.key
-    offset = torch.ones(5)
-    gm = make_fx(lambda x: (x + offset,))(torch.zeros(5))  # the graph reads `offset` as a constant
-    (constant,) = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
-    with_constant = request_key(gm, [torch.zeros(5)], [], {})
-    getattr(gm, constant).add_(1)
-    assert request_key(gm, [torch.zeros(5)], [], {}) != with_constant
+    offset, scale = torch.ones(5), torch.tensor(2.0)
+    gm = make_fx(lambda x: (x * scale + offset,))(torch.zeros(5))  # the graph reads both as constants
+    for constant in [n.target for n in gm.graph.nodes if n.op == "get_attr"]:
+        with_constant = request_key(gm, [torch.zeros(5)], [], {})
+        getattr(gm, constant).add_(1)
+        assert with_constant is not None and request_key(gm, [torch.zeros(5)], [], {}) != with_constant
 
 
 def test_the_graph_number_does_not_count_and_what_the_key_cannot_compare_has_no_key():

@@ -190,7 +190,7 @@ def _graph_part(gm: torch.fx.GraphModule) -> list:
         value = _attribute(gm, node.target)
         if isinstance(value, torch.Tensor):
             constants.append((node.target, _input_part(value), hashlib.sha256(
-                value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()))
+                value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()))
         elif not isinstance(value, torch.fx.GraphModule):
             raise _NotComparable(f"constant {node.target} of type {type(value).__name__}")
     return [codes, constants]
