@@ -109,12 +109,9 @@ class InductorCompiler(InnerCompiler):
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         from torch._inductor.compile_fx import compile_fx_inner
 
-        from laplace_passes.infra.kernel_batches import kernels_compiled_together
-
         gm = _decomposed_for_inductor(gm, example_inputs)
         wait_for_isa_probes()
-        # The same kernels: NOTE [index strides without sympy.simplify], NOTE [kernels compiled together].
-        with fast_index_simplify(), kernels_compiled_together():
+        with inductor_as_we_run_it():
             return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
                                     is_inference=kind == "inference")
 
@@ -123,6 +120,19 @@ class InductorCompiler(InnerCompiler):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         return min_cut_rematerialization_partition(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def inductor_as_we_run_it() -> Iterator[None]:
+    """What `InductorCompiler.compile` runs Inductor's compile within (the helper process too).
+
+    The same kernels, sooner: NOTE [index strides without sympy.simplify],
+    NOTE [kernels compiled together].
+    """
+    from laplace_passes.infra.kernel_batches import kernels_compiled_together
+
+    with fast_index_simplify(), kernels_compiled_together():
+        yield
 
 
 def _decomposed_for_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:

@@ -124,12 +124,7 @@ class BodyHelper:
         The answer is the bytes `remote_codegen.load_answer` loads, sent once the kernels are built into the
         shared cache.
         """
-        from torch._inductor.async_compile import get_compile_threads
-
-        # Not in Inductor's portable configuration; it decides how kernels are batched into libraries, and this
-        # process finds the helper's libraries in the cache only if it batches them the same way.
-        request = {"codegen": payload, "compile_threads": get_compile_threads()}
-        future = self._request(request) if self.enabled(MIN_CORES_FOR_GRAPHS) else None
+        future = self._request({"codegen": payload}) if self.enabled(MIN_CORES_FOR_GRAPHS) else None
         if future is None:
             return None
         answer: Future = Future()
@@ -138,6 +133,11 @@ class BodyHelper:
         return answer
 
     def _request(self, request: dict) -> Future | None:
+        from torch._inductor.async_compile import get_compile_threads
+
+        # Not in Inductor's portable configuration; it decides how kernels are batched into libraries, and this
+        # process finds the helper's libraries in the cache only if the helper batches them the same way.
+        request = {**request, "compile_threads": get_compile_threads()}
         with self._lock:
             connection = self._running()
             if connection is None:

@@ -24,7 +24,9 @@ from laplace_passes.unroll.body_helper import IDLE_EXIT_S, read_frame, write_fra
 
 def answer(request: dict) -> dict:
     """A chunk-loop body's or a graph's compile; or {"error": what went wrong}."""
-    return _codegen(request) if "codegen" in request else _body(request)
+    # The parent's compile_threads (`BodyHelper._request`): the kernels batched into the parent's libraries.
+    with torch._inductor.config.patch(compile_threads=request["compile_threads"]):
+        return _codegen(request) if "codegen" in request else _body(request)
 
 
 def _body(request: dict) -> dict:
@@ -46,15 +48,13 @@ def _body(request: dict) -> dict:
 
 def _codegen(request: dict) -> dict:
     """{"answer": the compiled graph as bytes, "seconds": ...}: Inductor's codegen as the parent runs it."""
-    from laplace_passes.infra.inductor_fast import fast_index_simplify
-    from laplace_passes.infra.kernel_batches import kernels_compiled_together, wait_for_builds
+    from laplace_passes.infra.inner import inductor_as_we_run_it
+    from laplace_passes.infra.kernel_batches import wait_for_builds
     from laplace_passes.infra.remote_codegen import codegen_from_payload
 
     start = time.perf_counter()
     try:
-        # As `InductorCompiler.compile` runs it (the same kernels, NOTE [index strides without sympy.simplify]).
-        with torch._inductor.config.patch(compile_threads=request["compile_threads"]), fast_index_simplify(), \
-                kernels_compiled_together():
+        with inductor_as_we_run_it():
             compiled = codegen_from_payload(request["codegen"])
         wait_for_builds()  # its kernels in the cache before the parent loads them
     except Exception as error:  # noqa: BLE001 - reported to the parent, which generates the code itself
