@@ -51,7 +51,6 @@ first partition is sent (each partition is a codegen of its own).
 from __future__ import annotations
 
 import contextlib
-import copy
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
@@ -62,7 +61,9 @@ from laplace_passes.driver.config import CompileConfig
 from laplace_passes.infra import logs
 from laplace_passes.infra.inner import decomposing_ahead
 from laplace_passes.infra.remote_codegen import answering_codegen, captured_codegen
+from laplace_passes.infra.report import copy_graphs
 from laplace_passes.unroll.body_helper import HELPER, MIN_CORES_FOR_GRAPHS
+from laplace_passes.unroll.split import output_strides_unreported
 
 # Below this many nodes in the forward (after the passes) the backward is generated here: the helper's start
 # (seconds of imports, on a core the builds use) would cost more than the codegen it takes off this process.
@@ -101,10 +102,12 @@ class BackwardAhead:
         HELPER.start(MIN_CORES_FOR_GRAPHS)  # its imports overlap the backward's passes below
         try:
             examples = [n.meta.get("val") for n in backward.graph.find_nodes(op="placeholder")]
-            copied = torch.fx.GraphModule(backward, _copied_graph(backward))
+            copied = copy_graphs(backward)  # its subgraphs too: the passes change what they are given
             # As the backward compiles (no grad, and not inside AOT Autograd's trace, whose Python dispatcher
             # decomposes some ops differently), so its graph is decomposed once: the one kept is reused.
-            with torch.no_grad(), no_python_dispatcher(), decomposing_ahead(), _outside_the_forward():
+            # (A backward in Inductor's FX graph cache completes its compile in the send: its strides are not the
+            # forward's to report.)
+            with torch.no_grad(), no_python_dispatcher(), decomposing_ahead(), output_strides_unreported():
                 request = captured_codegen(lambda: prepare_backward(copied, examples))
             if request.key is None:
                 raise ValueError("its codegen request holds what cannot be compared with the real one")
@@ -127,25 +130,3 @@ class BackwardAhead:
             logs.log.info("%s: its code generated in the helper process", graph_name)
         self.loaded.extend(loaded)
 
-
-@contextlib.contextmanager
-def _outside_the_forward() -> Iterator[None]:
-    """The forward's tracing context as the backward's compile finds it: no output strides being reported.
-
-    Inductor reports a graph's output strides to AOT Autograd as it
-    compiles it; a backward found in Inductor's FX graph cache completes its
-    compile here (nothing to send), and its strides are not the forward's.
-    """
-    context = torch._guards.TracingContext.try_get()
-    if context is None:
-        yield
-        return
-    saved, context.output_strides = context.output_strides, None
-    try:
-        yield
-    finally:
-        context.output_strides = saved
-
-
-def _copied_graph(gm: torch.fx.GraphModule) -> torch.fx.Graph:
-    return copy.deepcopy(gm.graph)

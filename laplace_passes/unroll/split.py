@@ -187,14 +187,30 @@ def _compiling_a_partition():
         yield
         return
     metadata = context.fw_metadata
-    saved_strides, context.output_strides = context.output_strides, None
     saved_donated = getattr(metadata, "bw_donated_idxs", None)
     if saved_donated is not None:
         metadata.bw_donated_idxs = []
     try:
-        with inductor_config.patch(fx_graph_cache=False):
+        with output_strides_unreported(), inductor_config.patch(fx_graph_cache=False):
             yield
     finally:
-        context.output_strides = saved_strides
         if saved_donated is not None:
             metadata.bw_donated_idxs = saved_donated
+
+
+@contextlib.contextmanager
+def output_strides_unreported():
+    """Within it, Inductor reports no output strides to AOT Autograd's tracing context (nor asserts on them).
+
+    Inductor appends the strides of each graph it compiles to the context's
+    list, asserting it empty first; a compile within this reports nothing.
+    """
+    context = torch._guards.TracingContext.try_get()
+    if context is None:
+        yield
+        return
+    saved, context.output_strides = context.output_strides, None
+    try:
+        yield
+    finally:
+        context.output_strides = saved
