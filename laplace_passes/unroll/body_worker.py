@@ -23,43 +23,37 @@ from laplace_passes.unroll.body_helper import IDLE_EXIT_S, read_frame, write_fra
 
 
 def answer(request: dict) -> dict:
-    """A chunk-loop body's or a graph's compile; or {"error": what went wrong}."""
-    # The parent's compile_threads (`BodyHelper._request`): the kernels batched into the parent's libraries.
-    with torch._inductor.config.patch(compile_threads=request["compile_threads"]):
-        return _codegen(request) if "codegen" in request else _body(request)
+    """{"source": a chunk-loop body's wrapper module} or {"answer": a graph compiled, as bytes}, with its
+    "seconds", once its kernels are in the cache; or {"error": what went wrong}."""
+    from laplace_passes.infra.kernel_batches import wait_for_builds
+
+    start = time.perf_counter()
+    try:
+        # The parent's compile_threads (`BodyHelper._request`): the kernels batched into the parent's libraries.
+        with torch._inductor.config.patch(compile_threads=request["compile_threads"]):
+            reply = _codegen(request) if "codegen" in request else _body(request)
+        wait_for_builds()  # its kernels in the cache before the parent loads them
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which compiles it itself
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {**reply, "seconds": time.perf_counter() - start}
 
 
 def _body(request: dict) -> dict:
-    """{"source": the wrapper module's source, "seconds": ...}."""
-    from laplace_passes.infra.kernel_batches import wait_for_builds
     from laplace_passes.unroll.compiled_bodies import compiled_source, signature_arguments
 
-    start = time.perf_counter()
-    try:
-        namespace, name = request["op"].split("::")
-        op = getattr(getattr(torch.ops, namespace), name).default
-        with torch._inductor.config.patch(request["inductor_config"]):
-            source = compiled_source(op, signature_arguments(request["args"]))
-        wait_for_builds()  # its kernels in the cache before the parent loads them
-    except Exception as error:  # noqa: BLE001 - reported to the parent, which compiles the body itself
-        return {"error": f"{type(error).__name__}: {error}"}
-    return {"source": source, "seconds": time.perf_counter() - start}
+    namespace, name = request["op"].split("::")
+    op = getattr(getattr(torch.ops, namespace), name).default
+    with torch._inductor.config.patch(request["inductor_config"]):
+        return {"source": compiled_source(op, signature_arguments(request["args"]))}
 
 
 def _codegen(request: dict) -> dict:
-    """{"answer": the compiled graph as bytes, "seconds": ...}: Inductor's codegen as the parent runs it."""
+    """Inductor's codegen as the parent runs it."""
     from laplace_passes.infra.inner import inductor_as_we_run_it
-    from laplace_passes.infra.kernel_batches import wait_for_builds
     from laplace_passes.infra.remote_codegen import codegen_from_payload
 
-    start = time.perf_counter()
-    try:
-        with inductor_as_we_run_it():
-            compiled = codegen_from_payload(request["codegen"])
-        wait_for_builds()  # its kernels in the cache before the parent loads them
-    except Exception as error:  # noqa: BLE001 - reported to the parent, which generates the code itself
-        return {"error": f"{type(error).__name__}: {error}"}
-    return {"answer": compiled, "seconds": time.perf_counter() - start}
+    with inductor_as_we_run_it():
+        return {"answer": codegen_from_payload(request["codegen"])}
 
 
 def main() -> None:
