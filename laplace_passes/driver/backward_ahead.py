@@ -77,7 +77,6 @@ class BackwardAhead:
         self._partition = partition_fn
         self._backward: torch.fx.GraphModule | None = None
         self.answers: dict[str, Future] = {}
-        self.loaded: list[str] = []
 
     @classmethod
     def for_graph(cls, config: CompileConfig, example_inputs: list) -> "BackwardAhead | None":
@@ -128,5 +127,4 @@ class BackwardAhead:
             yield
         if loaded:
             logs.log.info("%s: its code generated in the helper process", graph_name)
-        self.loaded.extend(loaded)
 
