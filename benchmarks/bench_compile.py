@@ -67,6 +67,11 @@ and their seconds summed over the compile threads (they overlap each other
 and the codegen, so they are not a stage), the precompiled header's
 seconds (built in the background after the probes), and each graph's
 nodes before and after the passes.
+
+Above the targets, the machine's reference work (`benchmarks.reference_work`:
+CPU seconds of fixed Python and g++ work on one thread, median of
+`--reference-repeats` runs), through which first compiles measured on
+different machines, or on one machine at different times, compare.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import reference_work
 from benchmarks.common import print_row, say
 
 STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "backward sent ahead", "Inductor codegen",
@@ -97,6 +103,8 @@ def main(argv=None) -> dict:
                         help="compile with share_loop_bodies=False: every GLA site's body inlined, none compiled once "
                              "for its layers; benchmarks/bench_loop_bodies.py compares both")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--reference-repeats", type=int, default=3,
+                        help="runs of the machine's reference work printed above the targets (0: none)")
     parser.add_argument("--one-target", help=argparse.SUPPRESS)  # the fresh process measuring one target
     args = parser.parse_args(argv)
     if args.one_target:
@@ -104,16 +112,19 @@ def main(argv=None) -> dict:
                                     args.inline_loop_bodies)
         print(json.dumps(result), flush=True)
         return result
+    reference = reference_work.measure(args.reference_repeats) if args.reference_repeats > 0 else None
     if not args.json:
         print_row(f"first call of tiny's training step (forward + backward), T = {args.seq_len}, inner "
                   f"{args.inner}, empty Inductor cache, one fresh process per target; wall-clock seconds")
+        if reference is not None:
+            print_row(reference_work.text(reference))
     results = {}
     for target in args.targets:
         results[target] = in_fresh_process(target, args)
         if not args.json:
             for row in rows(target, results[target]):
                 print_row(row)
-    summary = {"seq_len": args.seq_len, "inner": args.inner, "targets": results}
+    summary = {"seq_len": args.seq_len, "inner": args.inner, "reference_work": reference, "targets": results}
     if args.json:
         print(json.dumps(summary, indent=1))
     return summary

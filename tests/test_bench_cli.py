@@ -220,11 +220,41 @@ def test_interleaved_rounds_are_said_on_stderr_as_they_end(capsys):
     assert [len(times) for times in samples.values()] == [2, 2]
 
 
+# The machine's reference work above the compile figures: one run each (median = min = max), or no compiler.
+REFERENCE_LINE = re.compile(r"^  reference work, CPU seconds on one thread .*: "
+                            r"python (?P<py>[\d.]+) \[(?P=py)-(?P=py)\] s, "
+                            r"(g\+\+ (?P<cxx>[\d.]+) \[(?P=cxx)-(?P=cxx)\] s|no C\+\+ compiler)$", re.M)
+
+
+def test_reference_work_times_the_compiler_inductor_uses_and_says_when_it_cannot():
+    import shutil
+
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    from benchmarks import reference_work
+
+    assert reference_work.python_seconds() > 0
+    if shutil.which(get_cpp_compiler()) is not None:  # the g++ child's own CPU seconds, not this process's
+        assert reference_work.compiler_seconds() > 0.05
+    original = reference_work.compiler_command
+    try:
+        for command in (["/nonexistent/c++"], ["false"]):  # missing, and a compile that fails
+            reference_work.compiler_command = lambda source, output, command=command: command
+            assert reference_work.compiler_seconds() is None
+            reference = reference_work.measure(repeats=1)
+            assert reference["cxx_s"] is None
+            assert REFERENCE_LINE.search(reference_work.text(reference))
+            assert reference_work.text(reference).endswith("no C++ compiler")
+    finally:
+        reference_work.compiler_command = original
+
+
 def test_bench_compile_splits_the_first_call_into_stages_within_its_total(capfd):
     """Inner eager, T = 64: seconds. Each stage one row; the named stages never add up past the first call."""
     from benchmarks.bench_compile import STAGES
 
-    out = bench(capfd, "compile", "--seq-len", "64", "--targets", "cpu", "--inner", "eager")
+    out = bench(capfd, "compile", "--seq-len", "64", "--targets", "cpu", "--inner", "eager", "--reference-repeats", "1")
+    assert REFERENCE_LINE.search(out), out
     total = float(re.search(r"^target cpu: first call ([\d.]+) s", out, re.M).group(1))
     seconds = {}
     for stage in STAGES:
@@ -255,6 +285,7 @@ def test_bench_paths_quick_prints_every_row_of_the_table_with_a_figure(capfd):
     assert re.search(r"^machine: .+, \d+ cores, torch .+ with \d+ threads$", out, re.M), out
     assert re.search(r"^  copy bandwidth [\d.]+ \[[\d.]+-[\d.]+\] GB/s; dense fp32 matmul [\d.]+ \[[\d.]+-[\d.]+\] "
                      r"GFLOP/s$", out, re.M), out
+    assert REFERENCE_LINE.search(out), out
     rows = [m.groupdict() for m in PATH_ROW.finditer(out)]
     assert [(r["path"].split(":")[0].split()[0], r["comparison"], r["goal"], r["goal_unit"]) for r in rows] == [
         ("prefill", "<=", "1.25", "x"), ("decode", ">=", "60", "%"), ("GLA", ">=", "50", "%"),
