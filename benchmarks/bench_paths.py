@@ -70,7 +70,7 @@ ROWS = ("prefill", "decode", "gla", "compile")
 # Shapes per row: the goal table's, and --quick's.
 FULL = {
     "prefill": {"batch": 8, "length": 1024, "repeats": 5},
-    "decode": {"sequences": 1280, "steps": 64, "prompt": 16, "repeats": 3},
+    "decode": {"sequences": 1280, "steps": 64, "prompt": 16, "repeats": 7},
     "gla": {"shape": {"B": 1, "T": 2048, "H": 4, "K": 128, "V": 256}, "chunk_size": 128, "repeats": 5},
     "compile": {"seq_len": 2048, "repeats": 3},
     "reference_repeats": 3,
