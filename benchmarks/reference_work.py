@@ -20,15 +20,16 @@ figures, the CPU seconds of:
   Inductor uses; the child's user and system seconds.
 
 CPU seconds, not wall-clock, so other work on the machine moves them less
-(a hypervisor's stolen time still does). A figure twice as large means a
-machine on which the same first compile should take about twice as long.
+(a hypervisor's stolen time still does). They are read before first
+compiles are compared: where they differ, so do the machines, or the same
+machine's minutes. The compiler's seconds need the `resource` module (not
+on Windows), and a compiler that runs the unit.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import resource
 import subprocess
 import tempfile
 import time
@@ -91,7 +92,12 @@ def compiler_command(source: str, output: str) -> list[str]:
 
 
 def compiler_seconds() -> float | None:
-    """User and system seconds of one compile of the reference unit; None where no C++ compiler runs it."""
+    """User and system seconds of one compile of the reference unit; None where it cannot be timed (no
+    `resource` module, no compiler, or a failed compile)."""
+    try:
+        import resource
+    except ImportError:  # Windows: no child's CPU seconds to read
+        return None
     with tempfile.TemporaryDirectory(prefix="laplace_reference_") as folder:
         source = os.path.join(folder, "reference.cpp")
         with open(source, "w") as f:
@@ -112,7 +118,7 @@ def compiler_seconds() -> float | None:
 
 
 def measure(repeats: int = 3) -> dict:
-    """`stats` cells of both, in CPU seconds; "cxx" is None where the compiler is missing or fails."""
+    """`stats` cells of both, in CPU seconds; "cxx_s" is None where the compile could not be timed."""
     python = [python_seconds() for _ in range(repeats)]
     cxx = [compiler_seconds() for _ in range(repeats)]
     return {"python_s": stats(python), "cxx_s": None if None in cxx else stats(cxx)}
@@ -120,7 +126,7 @@ def measure(repeats: int = 3) -> dict:
 
 def text(reference: dict) -> str:
     """One line: both figures, median [min-max]."""
-    cxx = "no C++ compiler" if reference["cxx_s"] is None else f"g++ {spread(reference['cxx_s'], '.2f')} s"
+    cxx = "g++ not timed (no compiler, or it failed)" if reference["cxx_s"] is None else f"g++ {spread(reference['cxx_s'], '.2f')} s"
     return (f"  reference work, CPU seconds on one thread (first compiles compare across machines through these): "
             f"python {spread(reference['python_s'], '.2f')} s, {cxx}")
 
