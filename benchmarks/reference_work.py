@@ -126,7 +126,8 @@ def measure(repeats: int = 3) -> dict:
 
 def text(reference: dict) -> str:
     """One line: both figures, median [min-max]."""
-    cxx = "g++ not timed (no compiler, or it failed)" if reference["cxx_s"] is None else f"g++ {spread(reference['cxx_s'], '.2f')} s"
+    cxx_s = reference["cxx_s"]
+    cxx = "g++ not timed (no compiler, or it failed)" if cxx_s is None else f"g++ {spread(cxx_s, '.2f')} s"
     return (f"  reference work, CPU seconds on one thread (first compiles compare across machines through these): "
             f"python {spread(reference['python_s'], '.2f')} s, {cxx}")
 

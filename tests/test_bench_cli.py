@@ -223,7 +223,8 @@ def test_interleaved_rounds_are_said_on_stderr_as_they_end(capsys):
 # The machine's reference work above the compile figures: one run each (median = min = max), or no g++ figure.
 REFERENCE_LINE = re.compile(r"^  reference work, CPU seconds on one thread .*: "
                             r"python (?P<py>[\d.]+) \[(?P=py)-(?P=py)\] s, "
-                            r"(g\+\+ (?P<cxx>[\d.]+) \[(?P=cxx)-(?P=cxx)\] s|g\+\+ not timed \(no compiler, or it failed\))$", re.M)
+                            r"(g\+\+ (?P<cxx>[\d.]+) \[(?P=cxx)-(?P=cxx)\] s"
+                            r"|g\+\+ not timed \(no compiler, or it failed\))$", re.M)
 
 
 def test_reference_work_times_the_compiler_inductor_uses_and_says_when_it_cannot():
