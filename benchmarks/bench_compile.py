@@ -86,7 +86,7 @@ import tempfile
 import time
 
 from benchmarks import reference_work
-from benchmarks.common import print_row, say
+from benchmarks.common import print_row, rusage_seconds, say
 
 STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "backward sent ahead", "Inductor codegen",
           "Inductor's ISA probes", "C++ compile (waited)", "helper process (waited)", "other")
@@ -251,8 +251,7 @@ def cpu_seconds() -> float:
     """
     import resource
 
-    total = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-                for field in ("ru_utime", "ru_stime"))
+    total = rusage_seconds(resource.RUSAGE_SELF) + rusage_seconds(resource.RUSAGE_CHILDREN)
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     for pid in _descendants(os.getpid()):
         fields = _proc_stat(pid)

@@ -72,6 +72,15 @@ def self_time_by_part(prof, parts: Mapping[str, Callable[[str], bool]], rest: st
     return seconds
 
 
+def rusage_seconds(who: int) -> float:
+    """User and system CPU seconds of `resource.getrusage(who)` (RUSAGE_SELF, or RUSAGE_CHILDREN: the children
+    waited for). Unix only: `resource` is imported here, where it is asked for."""
+    import resource
+
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 def stats(values: list) -> dict:
     """The median and the range of repeated measurements."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}

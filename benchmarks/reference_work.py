@@ -34,7 +34,7 @@ import subprocess
 import tempfile
 import time
 
-from benchmarks.common import spread, stats
+from benchmarks.common import rusage_seconds, spread, stats
 
 REFERENCE_SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>
@@ -106,15 +106,12 @@ def compiler_seconds() -> float | None:
             command = compiler_command(source, os.path.join(folder, "reference.o"))
         except Exception:  # noqa: BLE001 - no compiler Inductor could use: nothing to time
             return None
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        before = rusage_seconds(resource.RUSAGE_CHILDREN)
         try:
             done = subprocess.run(command, capture_output=True, text=True)
         except OSError:
             return None
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if done.returncode != 0:
-            return None
-        return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return rusage_seconds(resource.RUSAGE_CHILDREN) - before if done.returncode == 0 else None
 
 
 def measure(repeats: int = 3) -> dict:
