@@ -52,8 +52,11 @@ The stance is Dynamo's, process-wide: while such a step runs, a compiled
 function that another thread entered would evaluate only its own
 differentiating guards too, and could run a graph made for other inputs.
 So a step skips guards only while its thread is the process's only Python
-thread (checked at every step; tqdm's monitor of progress bars aside); with
-another thread alive, every step evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
+thread that could run compiled code (checked at every step): tqdm's monitor
+of progress bars and laplace_passes' own background threads, which build
+kernels and read pipes (`laplace_passes.infra.threads`; the kernel-batch
+builder stays alive after a compile), do not count; with any other thread
+alive, every step evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
 (or a step built with it) never skips them.
 
 Batch sizes: the batch dimension is marked dynamic for B >= 2, so every
@@ -74,6 +77,7 @@ from torch import Tensor
 
 import laplace_passes
 from laplace_passes.driver.compile_fx import fresh_code
+from laplace_passes.infra.threads import runs_no_compiled_code
 
 # A layer's state is [B, H, K, V].
 BATCH_DIM = 0
@@ -178,11 +182,11 @@ class DecodeLoop:
 
 
 def _only_thread() -> bool:
-    """No Python thread but this one, besides tqdm's monitor (which only refreshes progress bars)."""
+    """No Python thread but this one that could call compiled code (NOTE [guards once per loop])."""
     from tqdm._monitor import TMonitor
 
     current = threading.current_thread()
-    return all(t is current or isinstance(t, TMonitor) for t in threading.enumerate())
+    return all(t is current or isinstance(t, TMonitor) or runs_no_compiled_code(t) for t in threading.enumerate())
 
 
 def _check_step_inputs(tokens: Tensor, states: Sequence[Tensor]) -> None:

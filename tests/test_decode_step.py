@@ -178,6 +178,32 @@ def test_a_loop_evaluates_every_guard_while_another_thread_is_alive(model, monke
     assert stances == []
 
 
+def test_the_librarys_background_threads_leave_the_skip_on(model, monkeypatch):
+    """A compile leaves laplace_passes' kernel-batch builder thread alive for the next one; it builds kernels and
+    never calls compiled code, so it does not turn a loop's skip off (NOTE [guards once per loop]). Other
+    threads of this test process (the test runner's) are left out of the view the loop takes."""
+    import threading
+    import types
+
+    from laplace_passes.infra.threads import runs_no_compiled_code
+
+    ids = prompt(2, 4, seed=9)
+    reference = model.generate(ids, 4, decode="eager").tokens
+    model.generate(ids, 2)  # the step's graphs compiled by Inductor, their kernels built in batches
+    ours = [t for t in threading.enumerate() if t.name.startswith("laplace-")]
+    assert any(t.name.startswith("laplace-kernel-batches") for t in ours)
+    assert all(runs_no_compiled_code(t) for t in ours)
+    assert not runs_no_compiled_code(threading.current_thread())
+    only_ours = types.SimpleNamespace(current_thread=threading.current_thread,
+                                      enumerate=lambda: [threading.current_thread(), *ours])
+    monkeypatch.setattr(model_zoo.decode, "threading", only_ours)
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    assert torch.equal(model.generate(ids, 4, decode="compiled").tokens, reference)
+    assert stances == [{"skip_guard_eval_unsafe": True}] * 2  # steps 2 and 3; the first evaluated every guard
+
+
 def test_decode_steps_leave_the_callers_prefill_states_unchanged(model):
     """The buffers a step advances in place are copies: the prefill's own states keep their values."""
     ids = prompt(3, 5, seed=2)

@@ -38,6 +38,8 @@ from unittest import mock
 
 import sympy
 
+from laplace_passes.infra.threads import mark_background
+
 _POLYNOMIAL_PARTS = (sympy.Symbol, sympy.Rational, sympy.Add, sympy.Mul)
 
 
@@ -143,6 +145,7 @@ def wait_for_kernel_header() -> None:
 
 
 def _prepare_in_background() -> None:
+    mark_background()
     try:
         _run_isa_probes()
     finally:
@@ -155,7 +158,8 @@ def _run_isa_probes() -> None:
         from torch._inductor import cpu_vec_isa
 
         candidates = _isas_the_cpu_reports(cpu_vec_isa)
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="laplace-isa-probe") as pool:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="laplace-isa-probe",
+                                initializer=mark_background) as pool:
             list(pool.map(_probe_chain, _implication_chains(candidates)))  # results cached on each VecISA
         cpu_vec_isa.valid_vec_isa_list()  # cached: what Inductor reads, built from the results above
     except Exception:  # noqa: BLE001 - a probe that fails here is run again, by Inductor, where it needs it

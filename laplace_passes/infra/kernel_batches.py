@@ -64,6 +64,7 @@ from unittest import mock
 from torch._inductor.codecache import CodeCacheFuture
 
 from laplace_passes.infra.inductor_fast import wait_for_kernel_header
+from laplace_passes.infra.threads import mark_background
 
 _PREFIX_INCLUDE = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _ENTRY = re.compile(r'extern "C"\s+void\s+kernel\s*\(')
@@ -189,7 +190,8 @@ def _builder() -> ThreadPoolExecutor:
     global _builder_pool
     with _builder_lock:
         if _builder_pool is None:
-            _builder_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laplace-kernel-batches")
+            _builder_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laplace-kernel-batches",
+                                               initializer=mark_background)
         return _builder_pool
 
 

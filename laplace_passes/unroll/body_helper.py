@@ -67,6 +67,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from laplace_passes.infra.threads import mark_background
+
 SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with enough cores
 # Chunk-loop bodies: on two cores the helper and this process share them, and the first call measured the
 # same with and without it (docs/benchmarks.md): it is on where it has a core of its own beside the builds.
@@ -168,6 +170,7 @@ class BodyHelper:
         return self._connection
 
     def _read_replies(self, connection: _Connection) -> None:
+        mark_background()
         while True:
             reply = read_frame(connection.process.stdout.fileno())
             with self._lock:
