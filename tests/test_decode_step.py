@@ -24,6 +24,15 @@ def prompt(batch, length, seed=0):
     return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture
+def stances(monkeypatch):
+    """The keyword arguments of every torch.compiler.set_stance call from here on (each still takes effect)."""
+    calls = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: calls.append(k) or set_stance(*a, **k))
+    return calls
+
+
 def test_default_generate_is_compiled_and_equals_the_eager_reference(model):
     ids = prompt(3, 5)
     compiled = model.generate(ids, 8, return_logits=True)  # decode="auto": compiled on the CPU
@@ -102,12 +111,9 @@ def test_in_graph_argmax_breaks_ties_as_eager_does():
 
 
 def test_a_loop_gives_the_guarded_steps_tokens_logits_and_states_and_skips_guards_after_its_first(
-        model, monkeypatch):
+        model, monkeypatch, stances):
     """NOTE [guards once per loop]: every call after the first runs under skip_guard_eval_unsafe, and computes
     what the step called with every guard computes."""
-    stances = []
-    set_stance = torch.compiler.set_stance
-    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
     # Threads an earlier test left alive would turn the skip off (see the test below): this one is about the skip.
     monkeypatch.setattr(model_zoo.decode, "_only_thread", lambda: True)
     ids = prompt(3, 6, seed=6)
@@ -144,11 +150,8 @@ def test_each_loop_starts_with_every_guard():
         decode_loop(tokens.int())
 
 
-def test_a_step_built_to_guard_every_step_never_skips_guards(monkeypatch):
+def test_a_step_built_to_guard_every_step_never_skips_guards(stances):
     """guards_once_per_loop=False (other threads run compiled code): no call of a loop changes Dynamo's stance."""
-    stances = []
-    set_stance = torch.compiler.set_stance
-    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
     torch.manual_seed(5)
     tiny = model_zoo.build("tiny", num_layers=1).eval()
     ids = prompt(2, 3, seed=7)
@@ -158,13 +161,10 @@ def test_a_step_built_to_guard_every_step_never_skips_guards(monkeypatch):
     assert stances == []
 
 
-def test_a_loop_evaluates_every_guard_while_another_thread_is_alive(model, monkeypatch):
+def test_a_loop_evaluates_every_guard_while_another_thread_is_alive(model, stances):
     """Dynamo's stance is process-wide: with another Python thread alive, no step skips guards."""
     import threading
 
-    stances = []
-    set_stance = torch.compiler.set_stance
-    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
     ids = prompt(3, 5, seed=8)
     reference = model.generate(ids, 3, decode="eager").tokens
     release = threading.Event()
@@ -178,7 +178,7 @@ def test_a_loop_evaluates_every_guard_while_another_thread_is_alive(model, monke
     assert stances == []
 
 
-def test_the_librarys_background_threads_leave_the_skip_on(model, monkeypatch):
+def test_the_librarys_background_threads_leave_the_skip_on(model, monkeypatch, stances):
     """A compile leaves laplace_passes' kernel-batch builder thread alive for the next one; it builds kernels and
     never calls compiled code, so it does not turn a loop's skip off (NOTE [guards once per loop]). Other
     threads of this test process (the test runner's) are left out of the view the loop takes."""
@@ -197,9 +197,7 @@ def test_the_librarys_background_threads_leave_the_skip_on(model, monkeypatch):
     only_ours = types.SimpleNamespace(current_thread=threading.current_thread,
                                       enumerate=lambda: [threading.current_thread(), *ours])
     monkeypatch.setattr(model_zoo.decode, "threading", only_ours)
-    stances = []
-    set_stance = torch.compiler.set_stance
-    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    stances.clear()  # only this loop's calls: the generate calls above were other loops
     assert torch.equal(model.generate(ids, 4, decode="compiled").tokens, reference)
     assert stances == [{"skip_guard_eval_unsafe": True}] * 2  # steps 2 and 3; the first evaluated every guard
 
