@@ -158,6 +158,43 @@ def test_chunk_loop_op_pass_level():
     assert all("val" in n.meta for n in outcome.graph_module.graph.nodes if n.op == "call_function")
 
 
+def test_graphs_of_one_fake_mode_share_a_trace_and_another_mode_or_layout_traces_again(monkeypatch):
+    """NOTE [traces shared within a fake mode]: a backward passed through the passes twice (sent to the
+    helper, then compiled) traces its body once; a graph of another fake mode, or inputs laid out otherwise,
+    trace their own, and each graph computes what the op does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from laplace_passes.unroll import chunk_loops
+
+    traces = []
+    trace_here = chunk_loops.ChunkLoopExpander._traced
+    monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
+                        lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+    q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
+    k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # the same values and shape, other strides
+
+    def f(q, k, v, gk, h0):
+        return chunked_gla_op(q, k, v, gk, h0, 0.3, 64, 16, False)
+
+    def unrolled_in(mode, key):
+        gm = make_fx(f, tracing_mode="fake")(*(mode.from_tensor(x) for x in (q, key, v, gk, h0)))
+        outcome = UnrollLoops("aten")(gm)
+        assert [r.status for r in outcome.loops] == ["unrolled"]
+        outcome.graph_module.recompile()
+        assert_straight_line(outcome.graph_module.code)
+        for a, e in zip(outcome.graph_module(q, key, v, gk, h0), f(q, key, v, gk, h0)):
+            torch.testing.assert_close(a, e)
+        return outcome.graph_module.code
+
+    mode, other_mode = FakeTensorMode(), FakeTensorMode()
+    first = unrolled_in(mode, k)
+    assert unrolled_in(mode, k) == first and len(traces) == 1  # the second pass took the first's trace
+    unrolled_in(other_mode, k)
+    assert len(traces) == 2
+    unrolled_in(mode, k_strided)
+    assert len(traces) == 3
+
+
 def test_dynamic_chunk_loop_is_declined_and_still_runs():
     q, k, v, gk, _ = make_inputs(1, 40, 1, 4, 4)
 

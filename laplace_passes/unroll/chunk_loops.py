@@ -24,7 +24,9 @@ are one node, and the graph has the same nodes at any T:
 
     chunk_recurrence = torch.ops.laplace.chunk_recurrence.default(bmm, unsqueeze_3, None, False)
 
-Traces are cached per signature, so the layers of a model share one trace.
+Traces are cached per signature, so the layers of a model share one trace
+(and, within one fake mode, the graphs of one Dynamo graph: NOTE [traces
+shared within a fake mode] below).
 A symbolic batch size is traced as it is: the body's shapes read it from
 its inputs (`sym_size` nodes), so one graph takes every batch. Any other
 symbolic size (T, heads, head dims) declines the op: it stays in the graph
@@ -32,11 +34,27 @@ as a runtime loop, which takes any size (NOTE [dynamic T] in
 `laplace_passes.fx.retile`).
 The trace runs in the host graph's fake mode, so every new node carries a
 fake value in `meta["val"]` like the rest of an AOT graph.
+
+NOTE [traces shared within a fake mode]
+A training step's backward graph is passed through the passes twice in
+one process: as it is sent to the helper process ahead of its compile and
+as it compiles (NOTE [backward graphs generated in the helper process] in
+`laplace_passes/driver/backward_ahead.py`), each time with a pass of its
+own. Tracing the backward body is most of those passes (tiny at T = 2048
+on trn2: about 1.3 of 2.4 s), and its result is the same both times: the
+same op, arguments of the same signature, the same fake mode (one per
+Dynamo graph: its forward and backward share it) and the same
+decompositions. So traces are kept across expanders too, for the last
+`SHARED_TRACES` (op, signature, input strides, recurrence, decompositions,
+fake mode): a trace's fake values belong to its fake mode, and a graph of
+another mode traces its own.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -122,6 +140,7 @@ class ChunkLoopExpander:
         self.decompositions = decompositions or {}
         self.recurrence = recurrence
         self._traces: dict[tuple, torch.fx.GraphModule] = {}
+        self._shared_key = (recurrence, frozenset(self.decompositions.items()))
 
     def expand(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         """Replace `node` by its traced body (Declined when an input has no shape to trace it with)."""
@@ -137,9 +156,15 @@ class ChunkLoopExpander:
         fakes = [fake_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
         key = (node.target, tuple(_signature(f) for f in fakes))
         if key not in self._traces:
-            body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args], self.recurrence)
             tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
-            self._traces[key] = self._traced(body, tensors)
+            shared_key = (*key, tuple(_layout(t) for t in tensors), self._shared_key)
+            traced = _SHARED.get(detect_fake_mode(tensors), shared_key)
+            if traced is None:
+                body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args],
+                               self.recurrence)
+                traced = self._traced(body, tensors)
+                _SHARED.put(detect_fake_mode(tensors), shared_key, traced)
+            self._traces[key] = traced
         return self._traces[key]
 
     def _traced(self, body: Callable, tensors: list[torch.Tensor]) -> torch.fx.GraphModule:
@@ -153,6 +178,41 @@ class ChunkLoopExpander:
             return make_fx(body, decomposition_table=self.decompositions, tracing_mode="fake")(*tensors)
         with detect_fake_mode(tensors):
             return make_fx(body, decomposition_table=self.decompositions, tracing_mode="real")(*tensors)
+
+
+SHARED_TRACES = 4  # traces kept across expanders (NOTE [traces shared within a fake mode])
+
+
+class _SharedTraces:
+    """The last SHARED_TRACES traces, by fake mode (compared by identity, held until pushed out) and key."""
+
+    def __init__(self) -> None:
+        self._traces: OrderedDict[tuple, tuple[object, torch.fx.GraphModule]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, fake_mode, key: tuple) -> torch.fx.GraphModule | None:
+        with self._lock:
+            kept = self._traces.get((id(fake_mode), key))
+            if fake_mode is None or kept is None or kept[0] is not fake_mode:
+                return None
+            self._traces.move_to_end((id(fake_mode), key))
+            return kept[1]
+
+    def put(self, fake_mode, key: tuple, traced: torch.fx.GraphModule) -> None:
+        if fake_mode is None:
+            return
+        with self._lock:
+            self._traces[(id(fake_mode), key)] = (fake_mode, traced)  # the mode held: its id is not reused meanwhile
+            while len(self._traces) > SHARED_TRACES:
+                self._traces.popitem(last=False)
+
+
+_SHARED = _SharedTraces()
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """Strides and offset: a trace shared across graphs is one made on inputs laid out alike."""
+    return tuple(map(str, tensor.stride())), str(tensor.storage_offset())
 
 
 def _signature(value) -> tuple:
