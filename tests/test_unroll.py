@@ -176,13 +176,13 @@ def test_graphs_of_one_fake_mode_share_a_trace_and_another_mode_or_layout_traces
     def f(q, k, v, gk, h0):
         return chunked_gla_op(q, k, v, gk, h0, 0.3, 64, 16, False)
 
-    def unrolled_in(mode, key):
-        gm = make_fx(f, tracing_mode="fake")(*(mode.from_tensor(x) for x in (q, key, v, gk, h0)))
+    def unrolled_in(mode, keys):
+        gm = make_fx(f, tracing_mode="fake")(*(mode.from_tensor(x) for x in (q, keys, v, gk, h0)))
         outcome = UnrollLoops("aten")(gm)
         assert [r.status for r in outcome.loops] == ["unrolled"]
         outcome.graph_module.recompile()
         assert_straight_line(outcome.graph_module.code)
-        for a, e in zip(outcome.graph_module(q, key, v, gk, h0), f(q, key, v, gk, h0)):
+        for a, e in zip(outcome.graph_module(q, keys, v, gk, h0), f(q, keys, v, gk, h0)):
             torch.testing.assert_close(a, e)
         return outcome.graph_module.code
 

@@ -157,13 +157,13 @@ class ChunkLoopExpander:
         key = (node.target, tuple(_signature(f) for f in fakes))
         if key not in self._traces:
             tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
-            shared_key = (*key, tuple(_layout(t) for t in tensors), self._shared_key)
-            traced = _SHARED.get(detect_fake_mode(tensors), shared_key)
+            fake_mode, shared_key = detect_fake_mode(tensors), (*key, tuple(map(_layout, tensors)), self._shared_key)
+            traced = _SHARED.get(fake_mode, shared_key)
             if traced is None:
                 body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args],
                                self.recurrence)
                 traced = self._traced(body, tensors)
-                _SHARED.put(detect_fake_mode(tensors), shared_key, traced)
+                _SHARED.put(fake_mode, shared_key, traced)
             self._traces[key] = traced
         return self._traces[key]
 
