@@ -29,7 +29,9 @@ the same]): equal, the helper's compiled graph is loaded (its kernels from
 the cache); different (the forward's compile chose other strides for a
 saved tensor), or the helper failed, the codegen runs here as it always did.
 Everything around the codegen (our passes, the report, Inductor's
-post-compile steps) runs here in both cases, so the report and the compiled
+post-compile steps) runs here in both cases (the backward's GLA body traced
+once for both: NOTE [traces shared within a fake mode] in
+`laplace_passes/unroll/chunk_loops.py`), so the report and the compiled
 backward are those of a compile without the helper; Inductor's codegen of
 the same request generates the same kernels (tests/test_backward_ahead.py
 compares gradients bit for bit). Only the backward's decomposition for
