@@ -17,6 +17,7 @@ the size model and the inner compilers can read shapes from every node.
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any, Iterable
 
 import torch
@@ -109,6 +110,41 @@ def fake_mode_of(values: Iterable[Any], graph: torch.fx.Graph | None = None) -> 
     if not fakes or len({id(f.fake_mode) for f in fakes}) != 1:
         return None
     return fakes[0].fake_mode
+
+
+class GraphsByFakeMode:
+    """Graphs kept by key for a later compile, each with the fake mode its values belong to; the newest `size`.
+
+    `get` hands a graph only to a caller in the same fake mode (compared by
+    identity; a mode is held while its graph is kept, so its identity is not
+    reused meanwhile): a graph's fake values cannot join another mode's graph,
+    and a graph of another mode makes its own. `take=True` removes it.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"GraphsByFakeMode keeps at least one graph, got size={size}")
+        self.size = size
+        self._graphs: dict[tuple, tuple[Any, torch.fx.GraphModule]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def put(self, fake_mode: Any, key: Any, gm: torch.fx.GraphModule) -> None:
+        with self._lock:
+            while len(self._graphs) >= self.size:  # a graph never asked for again is not kept forever
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[(id(fake_mode), key)] = (fake_mode, gm)
+
+    def get(self, fake_mode: Any, key: Any, take: bool = False) -> torch.fx.GraphModule | None:
+        with self._lock:
+            kept = self._graphs.get((id(fake_mode), key))
+            if kept is None or kept[0] is not fake_mode:
+                return None
+            if take:
+                del self._graphs[(id(fake_mode), key)]
+            return kept[1]
 
 
 def propagate_fake_value(node: Node) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch.fx
 from functorch.compile import make_boxed_func
 
+from laplace_passes.infra.fx_helpers import GraphsByFakeMode
 from laplace_passes.infra.inductor_fast import fast_index_simplify, start_isa_probes, wait_for_isa_probes
 
 
@@ -152,15 +153,14 @@ def _decomposed_for_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> 
 
     fake_mode = detect_fake_mode(example_inputs)
     key = request_key(gm, example_inputs, [], {}) if _AHEAD.keeping or _AHEAD.kept else None
-    if key is not None and key in _AHEAD.kept and _AHEAD.kept[key][0] is fake_mode:  # its fake values are ours
-        return _AHEAD.kept.pop(key)[1]
+    kept = _AHEAD.kept.get(fake_mode, key, take=True) if key is not None else None
+    if kept is not None:
+        return kept
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         mode = "real" if fake_mode is not None else "fake"
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode=mode)(*example_inputs)
-    if _AHEAD.keeping and key is not None:
-        while len(_AHEAD.kept) >= _AHEAD.KEPT:  # a backward that never compiled leaves its graph: not forever
-            _AHEAD.kept.pop(next(iter(_AHEAD.kept)))
-        _AHEAD.kept[key] = (fake_mode, copy_graphs(decomposed))  # Inductor changes the graph it compiles
+    if _AHEAD.keeping and key is not None:  # a backward that never compiles leaves its graph: KEPT at most
+        _AHEAD.kept.put(fake_mode, key, copy_graphs(decomposed))  # Inductor changes the graph it compiles
     return decomposed
 
 
@@ -171,7 +171,7 @@ class _DecomposedAhead:
 
     def __init__(self) -> None:
         self.keeping = False
-        self.kept: dict[str, tuple[Any, torch.fx.GraphModule]] = {}
+        self.kept = GraphsByFakeMode(self.KEPT)
 
 
 _AHEAD = _DecomposedAhead()

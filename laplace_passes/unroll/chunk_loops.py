@@ -53,8 +53,6 @@ another mode traces its own.
 from __future__ import annotations
 
 import functools
-import threading
-from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -65,7 +63,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunk_recurrence_op
 from laplace_passes.ops.chunked_backward import chunked_backward
 from laplace_passes.ops.chunked_forward import ChunkLayout, chunk_recurrence, chunked_forward
-from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, has_fake_value, provenance_of
+from laplace_passes.infra.fx_helpers import GraphsByFakeMode, fake_tensor, fake_value, has_fake_value, provenance_of
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
@@ -181,33 +179,7 @@ class ChunkLoopExpander:
 
 
 SHARED_TRACES = 4  # traces kept across expanders (NOTE [traces shared within a fake mode])
-
-
-class _SharedTraces:
-    """The last SHARED_TRACES traces, by fake mode (compared by identity, held until pushed out) and key."""
-
-    def __init__(self) -> None:
-        self._traces: OrderedDict[tuple, tuple[object, torch.fx.GraphModule]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, fake_mode, key: tuple) -> torch.fx.GraphModule | None:
-        with self._lock:
-            kept = self._traces.get((id(fake_mode), key))
-            if fake_mode is None or kept is None or kept[0] is not fake_mode:
-                return None
-            self._traces.move_to_end((id(fake_mode), key))
-            return kept[1]
-
-    def put(self, fake_mode, key: tuple, traced: torch.fx.GraphModule) -> None:
-        if fake_mode is None:
-            return
-        with self._lock:
-            self._traces[(id(fake_mode), key)] = (fake_mode, traced)  # the mode held: its id is not reused meanwhile
-            while len(self._traces) > SHARED_TRACES:
-                self._traces.popitem(last=False)
-
-
-_SHARED = _SharedTraces()
+_SHARED = GraphsByFakeMode(SHARED_TRACES)
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
