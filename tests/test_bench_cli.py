@@ -265,9 +265,10 @@ def test_bench_compile_splits_the_first_call_into_stages_within_its_total(capfd)
         # Printed rounded (stage to 0.01 s, share to 0.1%, total to 0.1 s): checked to what the rounding leaves.
         leeway = 0.1 + 100 * 0.01 / total + share * 0.05 / total
         assert share == pytest.approx(100 * seconds[stage] / total, abs=leeway), stage
-    # "other" is what the named stages leave of the total: never negative, and the rows add up to the total.
+    # "other" is what the named stages leave of the total: never negative, and the rows add up to the total,
+    # to the printing's rounding: the total's (0.05 s) and each row's (0.005 s; 2.66 against 2.6 was seen).
     assert seconds["other"] >= 0, out
-    assert sum(seconds.values()) == pytest.approx(total, abs=0.05)
+    assert sum(seconds.values()) == pytest.approx(total, abs=0.05 + 0.005 * len(STAGES))
     assert seconds["our passes"] > 0 and seconds["Dynamo trace"] > 0 and seconds["AOT Autograd"] > 0
     # No Inductor with inner eager: no codegen, no C++, no ISA probes and no body compiled in the helper.
     assert seconds["Inductor codegen"] == seconds["C++ compile (waited)"] == seconds["Inductor's ISA probes"] == 0
