@@ -267,11 +267,13 @@ def _seconds(fn: Callable[[], object]) -> float:
 def measure_gla(sizes: dict) -> list[Row]:
     s = sizes["gla"]
     result = bench_gla.measure(s["shape"], s["chunk_size"], s["repeats"], baselines=False, inner=sizes["inner"])
-    shares = result["compiled_fraction_per_round"]
+    # Judged by the figure printed: the median of each round's share (GLA and matmul timed in that round),
+    # not the share of the two medians, which in a noisy run can lie on the other side of the goal.
+    shares = stats(result["compiled_fraction_per_round"])
     shape = " ".join(f"{k}={v}" for k, v in s["shape"].items())
     path = f"GLA fwd+bwd {shape}, chunk {s['chunk_size']} / dense matmul"
-    figure = f"{_figure(stats(shares), '.1%')} ({result['compiled_gflops']:.0f} GFLOP/s)"
-    return [row(path, result["compiled_fraction_of_matmul"], figure, ">=", 0.50, "%")]
+    figure = f"{_figure(shares, '.1%')} ({result['compiled_gflops']:.0f} GFLOP/s)"
+    return [row(path, shares["median"], figure, ">=", 0.50, "%")]
 
 
 def measure_compile(sizes: dict) -> Iterator[Row]:
