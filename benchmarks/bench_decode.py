@@ -45,7 +45,15 @@ leaves out, in the same repeats:
   columns) and run below the dense rate;
 - and sequential: those matmuls followed by the state's traffic at copy bandwidth,
   not overlapped (the step's kernels run one after another): a step that wastes
-  nothing else reaches this.
+  nothing else reaches this;
+- matmuls and state updates: those matmuls with each layer's state update run
+  before its output projection, as the step orders them, and nothing else: the
+  update is the recurrent form the compiled step uses (`gla_recurrence` with the
+  cpu target's summed readout, the state written back in place), compiled alone
+  by Inductor on random inputs of the step's shapes. Measured rather than derived
+  from a bandwidth, so a state that stays in the cache counts at the cache's speed.
+  The norms, gates, activations, residual adds, embedding, argmax and the call
+  around the graph are left out, so a whole step runs slower than this.
 
 Measurements are interleaved (each repeat runs the copy, the matmul and every
 batch size once per form) and the spread over repeats is printed; the load
@@ -62,9 +70,12 @@ import os
 import time
 
 import torch
+import torch._dynamo
 
 import model_zoo
 from benchmarks.common import machine_lines, self_time_by_part, spread, stats
+from laplace_passes.infra.targets import CPU
+from laplace_passes.ops.gla import gla_recurrence
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
@@ -72,6 +83,7 @@ FORMS = ("eager", "compiled", "generate")
 PROFILED_FORMS = ("eager", "compiled")  # a step of each, profiled alone (generate's would include its prefill)
 GENERATE = "generate"  # model.generate's steps: generate(N + 2) less generate(2), over N
 MATMULS = "matmuls_alone"  # the step's matrix products alone, at their shapes
+MATMULS_AND_STATES = "matmuls_and_states"  # those and each layer's state update, nothing else
 CHECKED = "checked"  # the compiled step with gate_checks="always" (--gate-checks)
 COPY_ELEMENTS = 32 * 1024 * 1024  # 128 MB per side: well past the last-level cache
 MATMUL_SIZE = 1024
@@ -96,8 +108,11 @@ def matmul_flops_per_s() -> float:
 
 def step_matmuls(model, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input, weight) of each matrix product a decode step runs: every `nn.Linear` (the head too), `batch` rows."""
-    return [(torch.randn(batch, m.in_features), torch.randn(m.out_features, m.in_features))
-            for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return [(torch.randn(batch, m.in_features), torch.randn(m.out_features, m.in_features)) for m in _linears(model)]
+
+
+def _linears(model) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def matmuls_seconds(matmuls: list, steps: int) -> float:
@@ -105,6 +120,55 @@ def matmuls_seconds(matmuls: list, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         for x, weight in matmuls:
+            torch.mm(x, weight.t())
+    return time.perf_counter() - start
+
+
+def _update_state(buffer: torch.Tensor, q, k, v, gk, scale: float) -> torch.Tensor:
+    """One token's state update and readout, as the compiled step's recurrent form computes them; the
+    next state is written into `buffer`."""
+    o, state = gla_recurrence(q, k, v, gk, buffer, scale, readout=CPU.recurrent_readout)
+    buffer.copy_(state)
+    return o
+
+
+class StateUpdates:
+    """Each layer's state update at `batch` sequences, on random inputs of the step's shapes, through
+    Inductor (each update one call of a compiled function, as a step is one call of one).
+
+    `before` maps the index (in `_linears` order) of each layer's output projection to that layer: the
+    step runs the projection after the update.
+    """
+
+    def __init__(self, model, batch: int) -> None:
+        c = model.config
+        gen = torch.Generator().manual_seed(batch)
+        head = (batch, 1, c.num_heads)
+        self.inputs = [torch.randn(*head, d, generator=gen) for d in (c.head_k_dim, c.head_k_dim, c.head_v_dim)]
+        self.inputs.append(torch.nn.functional.logsigmoid(torch.randn(*head, c.head_k_dim, generator=gen)) / 16)
+        self.buffers = [torch.zeros(batch, c.num_heads, c.head_k_dim, c.head_v_dim) for _ in range(c.num_layers)]
+        self.scale = c.head_k_dim ** -0.5
+        out_projections = [layer.attn.o_proj for layer in model.layers]
+        self.before = {i: out_projections.index(m) for i, m in enumerate(_linears(model)) if m in out_projections}
+        if batch > 1:  # one graph for every batch of two or more, as the step has
+            for tensor in (*self.inputs, *self.buffers):
+                torch._dynamo.mark_dynamic(tensor, 0)
+
+    def __call__(self, layer: int) -> torch.Tensor:
+        return _compiled_update(self.buffers[layer], *self.inputs, self.scale)
+
+
+_compiled_update = torch.compile(_update_state, backend="inductor", dynamic=None)
+
+
+def matmuls_and_states_seconds(matmuls: list, updates: StateUpdates, steps: int) -> float:
+    """Wall time of `steps` rounds of the step's matmuls with each layer's state update before its output
+    projection, and nothing else."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        for i, (x, weight) in enumerate(matmuls):
+            if i in updates.before:
+                updates(updates.before[i])
             torch.mm(x, weight.t())
     return time.perf_counter() - start
 
@@ -123,15 +187,19 @@ class Decoder:
             logits, self.states = model(self.prompt, output_final_states=True)
         self.first_token = logits[:, -1].argmax(-1)
         self.matmuls = step_matmuls(model, batch)
-        for form in (*self.steps, GENERATE, MATMULS):  # compile and warm up
+        self.state_updates = StateUpdates(model, batch)
+        for form in (*self.steps, GENERATE, MATMULS, MATMULS_AND_STATES):  # compile and warm up
             self.seconds(form, 2)
 
     def seconds(self, form: str, steps: int) -> float:
-        """Wall time of `steps` greedy decode steps in `form` (MATMULS: the step's matmuls alone)."""
+        """Wall time of `steps` greedy decode steps in `form` (MATMULS: the step's matmuls alone;
+        MATMULS_AND_STATES: and the layers' state updates)."""
         if form == GENERATE:
             return self.generate_seconds(steps)
         if form == MATMULS:
             return matmuls_seconds(self.matmuls, steps)
+        if form == MATMULS_AND_STATES:
+            return matmuls_and_states_seconds(self.matmuls, self.state_updates, steps)
         return self.loop_seconds(form, steps)
 
     @torch.no_grad()
@@ -222,7 +290,7 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
 
     checked_step = DecodeStep(model, gate_checks="always") if gate_checks else None
     decoders = {b: Decoder(model, b, checked_step=checked_step) for b in concurrency}
-    forms = (*FORMS, MATMULS, CHECKED) if gate_checks else (*FORMS, MATMULS)
+    forms = (*FORMS, MATMULS, MATMULS_AND_STATES, *((CHECKED,) if gate_checks else ()))
     weight_bytes, state_bytes, flops = step_costs(model)
     samples = {b: {k: [] for k in (*forms, "memory_roofline", "matmul_roofline", "state_traffic")}
                for b in concurrency}
@@ -256,7 +324,8 @@ def _summary(samples: dict) -> dict:
         out[f"{form}_share_of_binding_roofline"] = stats([a / r for a, r in zip(samples[form], binding)])
     # The matmuls, then the state's traffic: their times add (tokens/s are rates of one token each).
     sequential = [1 / (1 / m + 1 / t) for m, t in zip(samples[MATMULS], samples["state_traffic"])]
-    out[f"{MATMULS}_share_of_binding_roofline"] = stats([m / r for m, r in zip(samples[MATMULS], binding)])
+    for form in (MATMULS, MATMULS_AND_STATES):
+        out[f"{form}_share_of_binding_roofline"] = stats([m / r for m, r in zip(samples[form], binding)])
     out["sequential_share_of_binding_roofline"] = stats([q / r for q, r in zip(sequential, binding)])
     out["compiled_over_eager"] = stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
     if CHECKED in samples:  # per repeat: leaving the gate check out, against keeping it
@@ -336,6 +405,9 @@ def _text(results: dict) -> str:
                      f"{spread(row[f'{MATMULS}_share_of_binding_roofline'], '.2%')} of the binding roofline; "
                      f"then the state's traffic, not overlapped: "
                      f"{spread(row['sequential_share_of_binding_roofline'], '.2%')}")
+        lines.append(f"        the step's matmuls and state updates alone {spread(row[MATMULS_AND_STATES], '11,.0f')} "
+                     f"tokens/s = {spread(row[f'{MATMULS_AND_STATES}_share_of_binding_roofline'], '.2%')} of the "
+                     f"binding roofline (nothing else a step does)")
         lines.append(f"        compiled / eager {spread(row['compiled_over_eager'], '.2f')}x")
         if "compiled_over_checked" in row:
             lines.append(f"        {CHECKED:<8} {spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "

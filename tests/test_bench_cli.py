@@ -76,6 +76,9 @@ def test_bench_decode_rates_rooflines_and_state_agree(capfd):
             assert row[f"{form}_share_of_binding_roofline"]["median"] == pytest.approx(rate / binding)
         matmuls = row["matmuls_alone"]["median"]
         assert row["matmuls_alone_share_of_binding_roofline"]["median"] == pytest.approx(matmuls / binding)
+        with_states = row["matmuls_and_states"]["median"]
+        assert 0 < with_states < math.inf
+        assert row["matmuls_and_states_share_of_binding_roofline"]["median"] == pytest.approx(with_states / binding)
         state_traffic = bandwidth * 1e9 / state_rw  # tokens/s if a step only read and wrote the states
         assert row["sequential_share_of_binding_roofline"]["median"] == pytest.approx(
             1 / (1 / matmuls + 1 / state_traffic) / binding)
@@ -96,6 +99,28 @@ TRAFFIC_ROW = re.compile(
     r"^\s*(?P<W>\d+)\s+(?P<comm>\w+)\s+(?P<G>[\d.]+) MB\s+(?P<before>[\d.]+) MB\s+(?P<after>[\d.]+) MB\s+"
     r"(?P<ratio>[\d.]+)x\s+(?P<half_W>[\d.]+)\s+(?P<ratio_over_half_W>[\d.]+)\s+(?P<bound>[\d.]+) MB\s+"
     r"(?P<after_over_bound>[\d.]+)\s", re.MULTILINE)
+
+
+def test_bench_decode_state_updates_are_the_recurrence_before_each_output_projection():
+    """The updates timed beside the step's matmuls: each advances its layer's buffer as the reference op does,
+    and runs before that layer's output projection."""
+    import torch
+
+    import model_zoo
+    from benchmarks.bench_decode import StateUpdates, _linears
+    from laplace_passes.ops.gla import gla_op
+
+    model = model_zoo.build("tiny")
+    updates = StateUpdates(model, batch=3)
+    linears = _linears(model)
+    assert {linears[i]: layer for i, layer in updates.before.items()} == {
+        block.attn.o_proj: layer for layer, block in enumerate(model.layers)}
+    updates.buffers[1].normal_()
+    for layer, buffer in enumerate(updates.buffers):
+        o_ref, state_ref = gla_op(*updates.inputs, buffer.clone(), updates.scale, "test")
+        o = updates(layer)
+        torch.testing.assert_close(o, o_ref)
+        torch.testing.assert_close(buffer, state_ref)
 
 
 def test_bench_muon_traffic_ratios_follow_from_the_bytes_printed(capfd):
