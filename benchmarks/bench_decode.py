@@ -39,7 +39,8 @@ to read at 1280 sequences is generate's. Beside them, what the binding roofline
 leaves out, in the same repeats:
 
 - matmuls alone: the step's own matrix products (one per `nn.Linear`, the output
-  head included, at its shape: ``[B, in] @ [in, out]``), one after another, nothing
+  head included, at its shape: ``[B, in] @ [in, out]``, on the model's weights, each
+  written into a buffer its shape reuses as the step does), one after another, nothing
   else: the most a step whose matmuls run at their shapes' rate can reach. At
   1280 sequences of `tiny` they are narrow (inner dimension 64 or 256, 16 to 256
   columns) and run below the dense rate;
@@ -106,9 +107,15 @@ def matmul_flops_per_s() -> float:
     return 2 * MATMUL_SIZE**3 / (time.perf_counter() - start)
 
 
-def step_matmuls(model, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input, weight) of each matrix product a decode step runs: every `nn.Linear` (the head too), `batch` rows."""
-    return [(torch.randn(batch, m.in_features), torch.randn(m.out_features, m.in_features)) for m in _linears(model)]
+def step_matmuls(model, batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(input, weight, output) of each matrix product a decode step runs: every `nn.Linear` (the head too) at
+    `batch` rows, on the model's weights. One input per width and one output per shape, each reused by every
+    product of its shape, as the compiled step reuses its buffers: the products touch no more memory than
+    the step's do."""
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    return [(inputs.setdefault(m.in_features, torch.randn(batch, m.in_features)), m.weight.detach(),
+             outputs.setdefault(m.out_features, torch.empty(batch, m.out_features))) for m in _linears(model)]
 
 
 def _linears(model) -> list[torch.nn.Linear]:
@@ -119,8 +126,8 @@ def matmuls_seconds(matmuls: list, steps: int) -> float:
     """Wall time of `steps` rounds of the step's matmuls alone, weights transposed as the compiled step reads them."""
     start = time.perf_counter()
     for _ in range(steps):
-        for x, weight in matmuls:
-            torch.mm(x, weight.t())
+        for x, weight, out in matmuls:
+            torch.mm(x, weight.t(), out=out)
     return time.perf_counter() - start
 
 
@@ -166,10 +173,10 @@ def matmuls_and_states_seconds(matmuls: list, updates: StateUpdates, steps: int)
     projection, and nothing else."""
     start = time.perf_counter()
     for _ in range(steps):
-        for i, (x, weight) in enumerate(matmuls):
+        for i, (x, weight, out) in enumerate(matmuls):
             if i in updates.before:
                 updates(updates.before[i])
-            torch.mm(x, weight.t())
+            torch.mm(x, weight.t(), out=out)
     return time.perf_counter() - start
 
 
