@@ -1,7 +1,7 @@
 """Batched decode through one compiled step: every layer in one graph, each layer's state updated in place.
 
     step = DecodeStep(model)                      # compiled on first call: backend="laplace", target "cpu"
-    states = step.state_buffer(prefill_states)    # one [B, H, K, V] fp32 buffer per layer, allocated once
+    states = step.state_buffer(prefill_states)    # one [B, H, K, V] fp32 buffer per layer (K innermost), allocated once
     logits = step(next_tokens, states)            # [B, vocab]; each buffer now holds its layer's next state
     logits, greedy = step.logits_and_greedy(next_tokens, states)   # and the argmax of those logits, [B]
 
@@ -29,10 +29,24 @@ the other layers' slices of it, so it cannot write in place: it computed
 the states into a fresh temporary and copied that into the buffer (at 1280
 sequences of `tiny`, 21 MB allocated, written, read and written again per
 step: 2.5 of 4.9 ms). With a buffer per layer, each layer's kernel reads
-its state once, writes the next state into the same buffer and computes
-the readout from it in the same loop (`tests/test_decode_step.py` checks
-that no state-sized temporary is allocated; `benchmarks/bench_decode.py`
-measures the step).
+its state, writes the next state into the same buffer and computes the
+readout from it (`tests/test_decode_step.py` checks that no state-sized
+temporary is allocated; `benchmarks/bench_decode.py` measures the step).
+
+NOTE [state buffers keep K innermost]: a buffer is [B, H, K, V] with K
+innermost in memory (a transposed view of a contiguous [B, H, V, K]
+tensor). The kernel does two things with each head's [K, V] state: the
+readout, a sum over K for each v, and the next state, written back. With
+K innermost, both walk the state in the same order, and Inductor puts them
+in one loop over (sequence, head): each 2 KB state is read from memory
+once and written once. With V innermost, Inductor made them two loops
+over every (sequence, head): the readout read the whole state, then the
+update read it again after it had streamed through the caches, a third
+pass over memory for a step whose state traffic is a large part of its
+time (at 1280 sequences of `tiny`, 10.5 MB read and written per step).
+`benchmarks/bench_decode.py` measures the step (figures in
+docs/benchmarks.md). The state's values are the same either way; the
+readout sums over K in another order (equal within fp32 rounding).
 
 NOTE [guards once per loop]: a step is a call of a Dynamo-compiled
 function, and each call evaluates Dynamo's guards on everything the graph
@@ -121,8 +135,14 @@ class DecodeStep:
 
     @staticmethod
     def state_buffer(states: Sequence[Tensor]) -> list[Tensor]:
-        """The per-layer states (a prefill's) copied into fresh fp32 buffers, one per layer."""
-        return [s.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for s in states]
+        """The per-layer states (a prefill's) copied into fresh fp32 buffers, one per layer: [B, H, K, V]
+        with K innermost in memory (NOTE [state buffers keep K innermost])."""
+        buffers = []
+        for state in states:
+            *lead, K, V = state.shape
+            buffer = torch.empty(*lead, V, K, dtype=torch.float32, device=state.device).transpose(-1, -2)
+            buffers.append(buffer.copy_(state))
+        return buffers
 
     def __call__(self, tokens: Tensor, states: Sequence[Tensor]) -> Tensor:
         """Logits ``[B, vocab]`` for `tokens` ``[B]``; each buffer of `states` (`state_buffer`) is advanced in place."""

@@ -230,7 +230,7 @@ def test_the_kernels_write_each_state_buffer_without_a_temporary():
     H, K, V = buffers[0].shape[1:]
     allocations = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
     assert allocations, "the generated code's allocations were not found: the check below would pass vacuously"
-    state_sized = [a for a in allocations if a.replace(" ", "").endswith(f"{H},{K},{V}")]
+    state_sized = [a for a in allocations if a.replace(" ", "").endswith((f"{H},{K},{V}", f"{H},{V},{K}"))]
     assert state_sized == [], f"state-sized temporaries: {state_sized}"
     # Each buffer is both read and written by one kernel call (in place), not filled by a copy of another.
     calls = re.findall(r"cpp_fused_\w+\(([^)]*)\)", code)
@@ -238,6 +238,31 @@ def test_the_kernels_write_each_state_buffer_without_a_temporary():
     assert len(graph_inputs) == 2
     for name in graph_inputs:
         assert any(call.split(", ").count(name) == 2 for call in calls), name
+
+
+def test_state_buffers_hold_the_states_with_k_innermost_and_one_loop_walks_each():
+    """NOTE [state buffers keep K innermost]: the buffers equal the states, each in memory of its own with K
+    innermost, and the kernel that advances a buffer walks it in one loop (read once, written once)."""
+    torch.manual_seed(2)
+    tiny = model_zoo.build("tiny").eval()
+    step = DecodeStep(tiny)
+    with torch.no_grad():
+        states = tiny(prompt(3, 4), output_final_states=True)[1]
+    buffers = step.state_buffer(states)
+    for state, buffer in zip(states, buffers, strict=True):
+        assert torch.equal(buffer, state) and buffer.dtype == torch.float32
+        assert buffer.transpose(-1, -2).is_contiguous(), buffer.stride()
+        assert buffer.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()
+    _, (code,) = run_and_get_code(step, torch.ones(3, dtype=torch.long), buffers)
+    H, K, V = buffers[0].shape[1:]
+    names = re.findall(r"assert_size_stride\((arg\d+_1), \(s\d+, %d, %d, %d\)" % (H, K, V), code)
+    assert len(names) == len(buffers), names
+    for name in names:
+        (kernel,) = {k for k, args in re.findall(r"(cpp_fused_\w+)\(([^)]*)\)", code) if name in args.split(", ")}
+        source = code.split(f"{kernel} = async_compile")[1].split("async_compile")[0]
+        # Each outermost loop (over x0, the (sequence, head) pairs) that indexes a state as [.. + K*V * x0].
+        walks = [loop for loop in source.split("for(int64_t x0=")[1:] if f"{K * V}L*x0" in loop]
+        assert len(walks) == 1, f"{kernel} walks a state buffer in {len(walks)} loops"
 
 
 def test_no_recompile_per_step_or_per_batch_size():
