@@ -77,6 +77,7 @@ import model_zoo
 from benchmarks.common import machine_lines, self_time_by_part, spread, stats
 from laplace_passes.infra.targets import CPU
 from laplace_passes.ops.gla import gla_recurrence
+from model_zoo.decode import DecodeStep
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
@@ -153,7 +154,8 @@ class StateUpdates:
         head = (batch, 1, c.num_heads)
         self.inputs = [torch.randn(*head, d, generator=gen) for d in (c.head_k_dim, c.head_k_dim, c.head_v_dim)]
         self.inputs.append(torch.nn.functional.logsigmoid(torch.randn(*head, c.head_k_dim, generator=gen)) / 16)
-        self.buffers = [torch.zeros(batch, c.num_heads, c.head_k_dim, c.head_v_dim) for _ in range(c.num_layers)]
+        zeros = [torch.zeros(batch, c.num_heads, c.head_k_dim, c.head_v_dim) for _ in range(c.num_layers)]
+        self.buffers = DecodeStep.state_buffer(zeros)  # in the step's layout
         self.scale = c.head_k_dim ** -0.5
         out_projections = [layer.attn.o_proj for layer in model.layers]
         self.before = {i: out_projections.index(m) for i, m in enumerate(_linears(model)) if m in out_projections}
@@ -293,8 +295,6 @@ def step_costs(model) -> tuple[int, int, int]:
 
 def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_checks: bool = False,
             generate_steps: int = 64) -> dict:
-    from model_zoo.decode import DecodeStep
-
     checked_step = DecodeStep(model, gate_checks="always") if gate_checks else None
     decoders = {b: Decoder(model, b, checked_step=checked_step) for b in concurrency}
     forms = (*FORMS, MATMULS, MATMULS_AND_STATES, *((CHECKED,) if gate_checks else ()))
