@@ -218,15 +218,24 @@ def test_decode_steps_leave_the_callers_prefill_states_unchanged(model):
         assert not torch.equal(buffer, original)  # the steps did advance the buffers
 
 
-def test_the_kernels_write_each_state_buffer_without_a_temporary():
-    """NOTE [one buffer per layer]: no state-sized tensor is allocated; the state kernels write the buffers."""
+@pytest.fixture(scope="module")
+def stepped_code():
+    """A fresh step's first call at three sequences: (the prefill's states, the buffers made from them, as they
+    were before the call, the buffers after it, and the code Inductor generated for the step)."""
     torch.manual_seed(2)
     tiny = model_zoo.build("tiny").eval()
     step = DecodeStep(tiny)
     with torch.no_grad():
-        buffers = step.state_buffer(tiny(prompt(3, 4), output_final_states=True)[1])
-    _, codes = run_and_get_code(step, torch.ones(3, dtype=torch.long), buffers)
-    (code,) = codes
+        states = tiny(prompt(3, 4), output_final_states=True)[1]
+    buffers = step.state_buffer(states)
+    before = [b.clone() for b in buffers]
+    _, (code,) = run_and_get_code(step, torch.ones(3, dtype=torch.long), buffers)
+    return states, before, buffers, code
+
+
+def test_the_kernels_write_each_state_buffer_without_a_temporary(stepped_code):
+    """NOTE [one buffer per layer]: no state-sized tensor is allocated; the state kernels write the buffers."""
+    _, _, buffers, code = stepped_code
     H, K, V = buffers[0].shape[1:]
     allocations = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
     assert allocations, "the generated code's allocations were not found: the check below would pass vacuously"
@@ -234,35 +243,33 @@ def test_the_kernels_write_each_state_buffer_without_a_temporary():
     assert state_sized == [], f"state-sized temporaries: {state_sized}"
     # Each buffer is both read and written by one kernel call (in place), not filled by a copy of another.
     calls = re.findall(r"cpp_fused_\w+\(([^)]*)\)", code)
-    graph_inputs = re.findall(r"assert_size_stride\((arg\d+_1), \(s\d+, %d, %d, %d\)" % (H, K, V), code)
-    assert len(graph_inputs) == 2
-    for name in graph_inputs:
+    for name in state_buffer_arguments(code, buffers):
         assert any(call.split(", ").count(name) == 2 for call in calls), name
 
 
-def test_state_buffers_hold_the_states_with_k_innermost_and_one_loop_walks_each():
+def test_state_buffers_hold_the_states_with_k_innermost_and_one_loop_walks_each(stepped_code):
     """NOTE [state buffers keep K innermost]: the buffers equal the states, each in memory of its own with K
     innermost, and the kernel that advances a buffer walks it in one loop (read once, written once)."""
-    torch.manual_seed(2)
-    tiny = model_zoo.build("tiny").eval()
-    step = DecodeStep(tiny)
-    with torch.no_grad():
-        states = tiny(prompt(3, 4), output_final_states=True)[1]
-    buffers = step.state_buffer(states)
-    for state, buffer in zip(states, buffers, strict=True):
-        assert torch.equal(buffer, state) and buffer.dtype == torch.float32
+    states, before, buffers, code = stepped_code
+    for state, copied, buffer in zip(states, before, buffers, strict=True):
+        assert torch.equal(copied, state) and buffer.dtype == torch.float32
         assert buffer.transpose(-1, -2).is_contiguous(), buffer.stride()
         assert buffer.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()
-    _, (code,) = run_and_get_code(step, torch.ones(3, dtype=torch.long), buffers)
-    H, K, V = buffers[0].shape[1:]
-    names = re.findall(r"assert_size_stride\((arg\d+_1), \(s\d+, %d, %d, %d\)" % (H, K, V), code)
-    assert len(names) == len(buffers), names
-    for name in names:
+    K, V = buffers[0].shape[-2:]
+    for name in state_buffer_arguments(code, buffers):
         (kernel,) = {k for k, args in re.findall(r"(cpp_fused_\w+)\(([^)]*)\)", code) if name in args.split(", ")}
         source = code.split(f"{kernel} = async_compile")[1].split("async_compile")[0]
         # Each outermost loop (over x0, the (sequence, head) pairs) that indexes a state as [.. + K*V * x0].
         walks = [loop for loop in source.split("for(int64_t x0=")[1:] if f"{K * V}L*x0" in loop]
         assert len(walks) == 1, f"{kernel} walks a state buffer in {len(walks)} loops"
+
+
+def state_buffer_arguments(code: str, buffers) -> list[str]:
+    """The generated code's names of the step's state buffers (its [s, H, K, V] inputs), one per buffer."""
+    H, K, V = buffers[0].shape[1:]
+    names = re.findall(r"assert_size_stride\((arg\d+_1), \(s\d+, %d, %d, %d\)" % (H, K, V), code)
+    assert len(names) == len(buffers), names
+    return names
 
 
 def test_no_recompile_per_step_or_per_batch_size():
