@@ -50,11 +50,12 @@ leaves out, in the same repeats:
 - matmuls and state updates: those matmuls with each layer's state update run
   before its output projection, as the step orders them, and nothing else: the
   update is the recurrent form the compiled step uses (`gla_recurrence` with the
-  cpu target's summed readout, the state written back in place), compiled alone
-  by Inductor on random inputs of the step's shapes. Measured rather than derived
-  from a bandwidth, so a state that stays in the cache counts at the cache's speed.
-  The norms, gates, activations, residual adds, embedding, argmax and the call
-  around the graph are left out, so a whole step runs slower than this.
+  cpu target's summed readout, the state written back in place into a buffer of
+  the step's layout), compiled alone by Inductor on random inputs of the step's
+  shapes, one compiled call per layer (a step is one call for all its layers).
+  Measured rather than derived from a bandwidth, so a state that stays in the
+  cache counts at the cache's speed. The norms, gates, activations, residual adds,
+  embedding and argmax are left out, so a whole step runs slower than this.
 
 Measurements are interleaved (each repeat runs the copy, the matmul and every
 batch size once per form) and the spread over repeats is printed; the load
