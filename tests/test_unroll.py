@@ -195,6 +195,35 @@ def test_graphs_of_one_fake_mode_share_a_trace_and_another_mode_or_layout_traces
     assert len(traces) == 3
 
 
+def test_two_sites_of_one_graph_laid_out_otherwise_trace_their_own(monkeypatch):
+    """A trace records the views and copies its inputs' layout calls for: within one graph too, a site
+    whose inputs have the same shapes but other strides traces its own body, and both compute the op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from laplace_passes.unroll import chunk_loops
+
+    traces = []
+    trace_here = chunk_loops.ChunkLoopExpander._traced
+    monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
+                        lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+    q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
+    k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def f(q, k, k_strided, v, gk, h0):
+        return (*chunked_gla_op(q, k, v, gk, h0, 0.3, 64, 16, False),
+                *chunked_gla_op(q, k_strided, v, gk, h0, 0.3, 64, 16, False))
+
+    inputs = (q, k, k_strided, v, gk, h0)
+    mode = FakeTensorMode()
+    gm = make_fx(f, tracing_mode="fake")(*(mode.from_tensor(x) for x in inputs))
+    outcome = UnrollLoops("aten")(gm)
+    assert [r.status for r in outcome.loops] == ["unrolled", "unrolled"]
+    assert len(traces) == 2
+    outcome.graph_module.recompile()
+    for a, e in zip(outcome.graph_module(*inputs), f(*inputs)):
+        torch.testing.assert_close(a, e)
+
+
 def test_dynamic_chunk_loop_is_declined_and_still_runs():
     q, k, v, gk, _ = make_inputs(1, 40, 1, 4, 4)
 

@@ -24,7 +24,7 @@ are one node, and the graph has the same nodes at any T:
 
     chunk_recurrence = torch.ops.laplace.chunk_recurrence.default(bmm, unsqueeze_3, None, False)
 
-Traces are cached per signature, so the layers of a model share one trace
+Traces are cached per signature and input layout, so the layers of a model share one trace
 (and, within one fake mode, the graphs of one Dynamo graph: NOTE [traces
 shared within a fake mode] below).
 A symbolic batch size is traced as it is: the body's shapes read it from
@@ -152,10 +152,10 @@ class ChunkLoopExpander:
 
     def _trace(self, node: torch.fx.Node) -> torch.fx.GraphModule:
         fakes = [fake_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
-        key = (node.target, tuple(_signature(f) for f in fakes))
+        tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
+        key = (node.target, tuple(_signature(f) for f in fakes), tuple(map(_layout, tensors)))
         if key not in self._traces:
-            tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
-            fake_mode, shared_key = detect_fake_mode(tensors), (*key, tuple(map(_layout, tensors)), self._shared_key)
+            fake_mode, shared_key = detect_fake_mode(tensors), (*key, self._shared_key)
             traced = _SHARED.get(fake_mode, shared_key)
             if traced is None:
                 body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args],
@@ -183,7 +183,9 @@ _SHARED = GraphsByFakeMode(SHARED_TRACES)
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
-    """Strides and offset: a trace shared across graphs is one made on inputs laid out alike."""
+    """Strides and offset, part of a trace's key: the trace records the views and copies its inputs'
+    layout calls for (a `contiguous` of a contiguous input records nothing), so a site reuses only a trace
+    made on inputs laid out as its own."""
     return tuple(map(str, tensor.stride())), str(tensor.storage_offset())
 
 
