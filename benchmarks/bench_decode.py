@@ -75,6 +75,7 @@ import torch
 import torch._dynamo
 
 import model_zoo
+from benchmarks.bench_gla import make_inputs
 from benchmarks.common import machine_lines, self_time_by_part, spread, stats
 from laplace_passes.infra.targets import CPU
 from laplace_passes.ops.gla import gla_recurrence
@@ -124,11 +125,15 @@ def _linears(model) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def matmuls_seconds(matmuls: list, steps: int) -> float:
-    """Wall time of `steps` rounds of the step's matmuls alone, weights transposed as the compiled step reads them."""
+def matmuls_seconds(matmuls: list, steps: int, updates: StateUpdates | None = None) -> float:
+    """Wall time of `steps` rounds of the step's matmuls, weights transposed as the compiled step reads them;
+    with `updates`, each layer's state update before its output projection, as the step orders them."""
+    before = updates.before if updates is not None else {}
     start = time.perf_counter()
     for _ in range(steps):
-        for x, weight, out in matmuls:
+        for i, (x, weight, out) in enumerate(matmuls):
+            if i in before:
+                updates(before[i])
             torch.mm(x, weight.t(), out=out)
     return time.perf_counter() - start
 
@@ -151,10 +156,8 @@ class StateUpdates:
 
     def __init__(self, model, batch: int) -> None:
         c = model.config
-        gen = torch.Generator().manual_seed(batch)
-        head = (batch, 1, c.num_heads)
-        self.inputs = [torch.randn(*head, d, generator=gen) for d in (c.head_k_dim, c.head_k_dim, c.head_v_dim)]
-        self.inputs.append(torch.nn.functional.logsigmoid(torch.randn(*head, c.head_k_dim, generator=gen)) / 16)
+        one_token = make_inputs(batch, 1, c.num_heads, c.head_k_dim, c.head_v_dim, seed=batch)
+        self.inputs = [x.detach() for x in one_token]  # q, k, v, gk
         zeros = [torch.zeros(batch, c.num_heads, c.head_k_dim, c.head_v_dim) for _ in range(c.num_layers)]
         self.buffers = DecodeStep.state_buffer(zeros)  # in the step's layout
         self.scale = c.head_k_dim ** -0.5
@@ -169,18 +172,6 @@ class StateUpdates:
 
 
 _compiled_update = torch.compile(_update_state, backend="inductor", dynamic=None)
-
-
-def matmuls_and_states_seconds(matmuls: list, updates: StateUpdates, steps: int) -> float:
-    """Wall time of `steps` rounds of the step's matmuls with each layer's state update before its output
-    projection, and nothing else."""
-    start = time.perf_counter()
-    for _ in range(steps):
-        for i, (x, weight, out) in enumerate(matmuls):
-            if i in updates.before:
-                updates(updates.before[i])
-            torch.mm(x, weight.t(), out=out)
-    return time.perf_counter() - start
 
 
 class Decoder:
@@ -209,7 +200,7 @@ class Decoder:
         if form == MATMULS:
             return matmuls_seconds(self.matmuls, steps)
         if form == MATMULS_AND_STATES:
-            return matmuls_and_states_seconds(self.matmuls, self.state_updates, steps)
+            return matmuls_seconds(self.matmuls, steps, self.state_updates)
         return self.loop_seconds(form, steps)
 
     @torch.no_grad()
