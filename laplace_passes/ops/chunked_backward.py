@@ -134,8 +134,9 @@ def chunked_backward(
 
     dG = x.q * dq - x.k * dk
     dG_last = (x.k * dk_inter).sum(-2, keepdim=True) + (chunk_decay * (states * leaving).sum(-1, keepdim=True)).transpose(-1, -2)
-    dG = torch.cat([dG[..., :-1, :], dG[..., -1:, :] + dG_last], dim=-2)
-    dgk = reverse_cumsum_rows(dG)
+    # dG_last belongs to the last row, so every row's sum to the end holds it: added after the sums
+    # (a row's sum is the same terms in another order), no copy of dG with its last row changed.
+    dgk = reverse_cumsum_rows(dG) + dG_last
     # A gate at or below -FLUSH_BELOW makes its token's decay exactly 0 (flushed), which has no
     # gradient; the running sum above would leave rounding noise there instead of 0.
     dgk = dgk * (x.gates > -FLUSH_BELOW)
