@@ -33,7 +33,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_samples, once, say
+from benchmarks.common import KEEP_FREED_HELP, allocator_setting, interleaved_samples, once, say
 import laplace_passes
 from laplace_passes import chunked_gla, gla
 from laplace_passes.infra.targets import CPU
@@ -85,10 +85,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-compiled", action="store_true", help="skip the inductor-compiled version")
     parser.add_argument("--recompute-residuals", action="store_true",
                         help="also time each version with a backward that recomputes the chunk states and tril(A)")
+    parser.add_argument("--keep-freed-memory", action="store_true", help=KEEP_FREED_HELP)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    allocator = allocator_setting(args.keep_freed_memory)
     results = measure({k: getattr(args, k) for k in ("B", "T", "H", "K", "V")}, args.chunk_size, args.repeats,
                       compiled=not args.no_compiled, recompute_residuals=args.recompute_residuals)
+    results["allocator"] = allocator
     print(json.dumps(results, indent=2) if args.json else _text(results))
     return results
 
@@ -190,6 +193,8 @@ def _text(r: dict) -> str:
         lines.append(f"  {'fla naive_recurrent_gla':<24}{r['fla_naive_s'] * 1e3:9.1f} ms")
     lines.append(f"  {'dense fp32 matmul':<24}{'':9} {r['matmul_gflops']:7.1f} GFLOP/s ({MATMUL_SIZE} x {MATMUL_SIZE}, same run)")
     lines.append(f"  load average {r['load_average'][0]:.2f} before, {r['load_average'][1]:.2f} after the timed rounds")
+    if "allocator" in r:
+        lines.append(f"  allocator: {r['allocator']}")
     return "\n".join(lines)
 
 

@@ -64,7 +64,7 @@ import torch
 import model_zoo
 from benchmarks import bench_compile, bench_gla, bench_generate, reference_work
 from benchmarks.bench_decode import copy_bytes_per_s, matmul_flops_per_s, step_costs
-from benchmarks.common import machine_lines, print_row, say, stats
+from benchmarks.common import KEEP_FREED_HELP, allocator_setting, machine_lines, print_row, say, stats
 
 ROWS = ("prefill", "decode", "gla", "compile")
 # Shapes per row: the goal table's, and --quick's.
@@ -108,12 +108,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small shapes, inner eager: seconds per row")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; 1 on a machine shared with other work)")
+    parser.add_argument("--keep-freed-memory", action="store_true", help=KEEP_FREED_HELP)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the table")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    allocator = allocator_setting(args.keep_freed_memory)
     sizes = QUICK if args.quick else FULL
-    machine = measure_machine(reference_repeats=sizes["reference_repeats"])
+    machine = measure_machine(reference_repeats=sizes["reference_repeats"]) | {"allocator": allocator}
     if not args.json:
         for line in machine_text(machine, args.quick):
             print_row(line)
@@ -181,6 +183,7 @@ def machine_text(machine: dict, quick: bool) -> list[str]:
         *machine_lines(machine["load_average_before"], machine["load_average_after"], machine["copy_GB_per_s"],
                        machine["matmul_GFLOP_per_s"]),
         reference_work.text(machine["reference_work"]),
+        f"  allocator: {machine['allocator']}",
     ]
     if quick:
         lines.append("--quick: small shapes, inner eager; the goals are for the full shapes")

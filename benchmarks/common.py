@@ -91,6 +91,20 @@ def spread(cell: dict, fmt: str) -> str:
     return f"{format(cell['median'], fmt)} [{format(cell['min'], fmt)}-{format(cell['max'], fmt)}]"
 
 
+def allocator_setting(keep_freed: bool) -> str:
+    """How this run's memory allocator treats freed memory: `laplace_passes.keep_freed_memory` applied when
+    asked for (NOTE [freed memory kept]), the C library's defaults otherwise."""
+    if not keep_freed:
+        return "the C library's defaults (--keep-freed-memory: freed memory kept, fewer page faults)"
+    from laplace_passes import keep_freed_memory
+
+    return keep_freed_memory()
+
+
+KEEP_FREED_HELP = ("keep freed memory in the process first (laplace_passes.keep_freed_memory): large CPU tensors "
+                   "reused without page faults")
+
+
 def machine_lines(load_before, load_after, copy_GB_per_s: dict, matmul_GFLOP_per_s: dict) -> list[str]:
     """The lines a benchmark prints about the machine it ran on: its load, copy bandwidth and matmul rate
     (`stats` cells), against which its figures are read."""

@@ -8,6 +8,7 @@ Public API:
     export_stablehlo           every ATen graph as StableHLO, with a manifest (laplace_passes.lowering)
     preflight                  what neuronx-cc / TorchNeuron would reject, found on any machine
     fla                        flash-linear-attention models without Triton (laplace_passes.fla.install)
+    keep_freed_memory          glibc keeps freed memory: large CPU tensors reused without page faults
 """
 
 from laplace_passes.infra import targets
@@ -16,6 +17,7 @@ from laplace_passes.ops.chunked import chunk_plan, chunked_gla
 from laplace_passes.ops.gla import gla
 from laplace_passes.driver.export import export_stablehlo
 from laplace_passes.driver.preflight import preflight
+from laplace_passes.infra.allocator import keep_freed_memory
 from laplace_passes.infra.report import Report, last_report
 from laplace_passes.infra.targets import HardwareTarget, get_target
 
@@ -31,6 +33,7 @@ __all__ = [
     "get_target",
     "gla",
     "inspect",
+    "keep_freed_memory",
     "last_report",
     "preflight",
     "targets",

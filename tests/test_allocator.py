@@ -1,0 +1,63 @@
+"""NOTE [freed memory kept]: after `keep_freed_memory`, tensors freed by one step are reused by the next
+without page faults; glibc's defaults fault them in again. Each case runs in a process of its own (the
+setting is process-wide)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import subprocess
+import sys
+
+import pytest
+
+STEPS = """
+import resource, sys, torch
+import laplace_passes
+if sys.argv[1] == "keep":
+    print(laplace_passes.keep_freed_memory())
+
+def page_faults_of_a_step():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffers = [torch.empty(3 << 20).fill_(1.0) for _ in range(3)]  # three 12 MiB tensors alive at once
+    del buffers
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+print(*[page_faults_of_a_step() for _ in range(2)])
+"""
+PAGES_OF_A_STEP = 3 * (12 << 20) // 4096
+
+
+def glibc() -> bool:
+    return hasattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "gnu_get_libc_version")
+
+
+def steps(setting: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", STEPS, setting], capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()
+
+
+@pytest.mark.skipif(not glibc(), reason="keep_freed_memory drives glibc's malloc")
+def test_the_step_after_the_first_faults_in_no_page_with_freed_memory_kept():
+    kept_setting, kept = steps("keep")
+    (defaults,) = steps("defaults")
+    assert "freed memory kept" in kept_setting and "32 MiB" in kept_setting, kept_setting
+    first_kept, second_kept = (int(n) for n in kept.split())
+    first_defaults, second_defaults = (int(n) for n in defaults.split())
+    assert min(first_kept, first_defaults) > PAGES_OF_A_STEP // 2  # a first step touches fresh pages either way
+    # Kept: the second step reuses the first one's pages (of its three buffers, at most one is placed
+    # past them). Defaults: glibc unmapped the first step's blocks when they were freed, and the second
+    # step faults all of its pages in again.
+    assert second_kept <= PAGES_OF_A_STEP // 3 + 64, (kept, defaults)
+    assert second_defaults > PAGES_OF_A_STEP * 3 // 4, (kept, defaults)
+
+
+def test_a_c_library_other_than_glibc_is_refused_with_the_reason(monkeypatch):
+    from laplace_passes.infra import allocator
+
+    class OtherLibc:
+        pass
+
+    monkeypatch.setattr(allocator, "_glibc", lambda: allocator._glibc_or_refuse(OtherLibc()))
+    with pytest.raises(OSError, match="not glibc"):
+        allocator.keep_freed_memory()
