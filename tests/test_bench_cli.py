@@ -5,6 +5,8 @@ the other printed figures (or a formula written here) make it, so a ratio
 upside down, a sum that misses a part or a wrong formula fails. `bench gla`
 is checked in test_cli.py. `bench lowering` is not run here: lowering even
 its smallest point with torch-mlir takes about a minute on 2 cores.
+`bench_loops` is checked on a small graph of its own (its GLA shapes compile
+for a minute): every loop clocked, copies and fills told from computation.
 """
 
 import io
@@ -338,3 +340,38 @@ def test_bench_paths_judges_the_gla_row_by_the_share_it_prints(monkeypatch):
     (gla_row,) = bench_paths.measure_gla(bench_paths.QUICK)
     assert gla_row.figure.startswith("47.0% [44.0%-62.0%]"), gla_row.figure
     assert gla_row.value == 0.47 and not gla_row.met, gla_row
+
+
+def test_bench_loops_times_every_loop_of_a_graph_and_tells_copies_from_computation():
+    import torch
+
+    from benchmarks import bench_loops
+
+    def step(x, y):
+        return x.t().contiguous(), (y.exp() * 2).sum(-1), torch.zeros(33, 40)
+
+    x, y = torch.randn(96, 80), torch.randn(64, 48)
+    with torch._inductor.config.patch({"cpp.threads": 2}):  # OpenMP loops, as outside the suite's one thread
+        compiled = torch.compile(step, backend="inductor")
+        ((code, inputs),) = bench_loops.graphs_called(lambda: compiled(x, y))
+    assert [tuple(t.shape) for t in inputs] == [(96, 80), (64, 48)]
+    assert bench_loops.instrument(code).count("loop_clock.lap(") == code.count("#pragma omp for") > 0
+    call_seconds, loops = bench_loops.time_loops(code, inputs, calls=3)
+    assert [(loop.kernel, loop.index) for loop in loops] == [
+        (loop.kernel, loop.index) for loop in bench_loops.describe_loops(code)]
+    by_kind = {kind: [loop for loop in loops if loop.kind == kind] for kind in ("copy", "fill", "computes")}
+    assert [math.prod(int(e) for e in loop.extents) for loop in by_kind["copy"]] == [96 * 80], loops
+    assert [math.prod(int(e) for e in loop.extents) for loop in by_kind["fill"]] == [33 * 40], loops
+    assert by_kind["computes"] and all(loop.reads >= 1 for loop in by_kind["computes"]), loops
+    # The loops run inside the calls timed around them: their sum cannot exceed the calls' time.
+    assert all(loop.seconds >= 0 for loop in loops) and 0 < sum(loop.seconds for loop in loops) < call_seconds
+
+
+def test_bench_loops_refuses_kernels_it_cannot_clock():
+    from benchmarks import bench_loops
+
+    kernel = ("cpp_fused_0 = async_compile.cpp_pybinding(['float*'], r'''\n"
+              "#include <torch/csrc/inductor/cpp_prefix.h>\n"
+              "extern \"C\" void kernel(float* out_ptr0) { out_ptr0[0] = 1; }\n''')")
+    with pytest.raises(ValueError, match="cannot be timed"):
+        bench_loops.instrument(kernel)
