@@ -117,8 +117,10 @@ def describe(kernel: str, index: int, body: str) -> Loop:
     extents = re.findall(r"for\(int64_t (x\d+)=static_cast<int64_t>\(0L\); \1<static_cast<int64_t>\(([^;]*)\);", body)
     outer_first = list(dict.fromkeys(var for var, _ in extents))
     bound = dict(extents)
-    stored = set(re.findall(r"\.store\((\w+)", body)) | set(re.findall(r"(\w+ptr\d+)\[[^\]]*\] = ", body))
-    loaded = set(re.findall(r"loadu\((\w+)", body)) | set(re.findall(r"= (\w+ptr\d+)\[", body))
+    stored = set(re.findall(r"\.store\((\w+ptr\d+)", body)) | set(re.findall(r"(\w+ptr\d+)\[[^\]]*\] = ", body))
+    # Read: every buffer named but not only stored to (loads, transposed-tile loads), and those loaded explicitly.
+    named = set(re.findall(r"\b(\w*ptr\d+)\b", body))
+    loaded = (named - stored) | set(re.findall(r"loadu\((\w+ptr\d+)", body)) | set(re.findall(r"= (\w+ptr\d+)\[", body))
     values = re.findall(r"auto tmp\d+ = (.*);", body)
     is_load = [("loadu(" in v or re.fullmatch(r"\w+ptr\d+\[.*\]", v) is not None) for v in values]
     constants = [v for v in values if v.startswith(("static_cast<", "at::vec::Vectorized<float>(tmp"))]
