@@ -1,5 +1,5 @@
-"""NOTE [freed memory kept]: after `keep_freed_memory`, tensors freed by one step are reused by the next
-without page faults; glibc's defaults fault them in again. Each case runs in a process of its own (the
+"""NOTE [freed memory kept]: after `keep_freed_memory`, tensors freed by one step are reused by the next,
+pages and all; glibc's defaults fault them in again. Each case runs in a process of its own (the
 setting is process-wide)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def steps(setting: str) -> list[str]:
 
 
 @pytest.mark.skipif(not glibc(), reason="keep_freed_memory drives glibc's malloc")
-def test_the_step_after_the_first_faults_in_no_page_with_freed_memory_kept():
+def test_the_step_after_the_first_reuses_its_pages_with_freed_memory_kept():
     kept_setting, kept = steps("keep")
     (defaults,) = steps("defaults")
     assert "freed memory kept" in kept_setting and "32 MiB" in kept_setting, kept_setting

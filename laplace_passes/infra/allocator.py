@@ -10,7 +10,7 @@ T=2048, H=4, K=128, V=256 allocate tens of buffers of 1 to 8 MiB. glibc
 serves such blocks with fresh ``mmap`` pages or trims them off the top of
 its heap when they are freed, so the next call touches new pages and the
 kernel zeroes each one on its first write: 8,300 minor page faults (33 MiB)
-per forward + backward there, against 600 with freed memory kept, and the
+per forward + backward there, against 600 to 1,000 with freed memory kept, and the
 copy loops that write fresh buffers ran at a third of the copy bandwidth
 (`benchmarks/bench_loops.py` times them; figures in docs/benchmarks.md).
 
@@ -21,8 +21,8 @@ is handed, pages and all, to the next. The cost: the process keeps the
 memory of its peak, as a caching allocator does; blocks above 32 MiB are
 still mapped and unmapped per allocation. It is process-wide and changes
 nothing a program computes, so the library never sets it on its own: a
-program calls it (the `laplace-passes` demo and the benchmarks do, and say
-so). Setting ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=...``
+program calls it (the GLA benchmarks do when given `--keep-freed-memory`,
+and print the allocator they ran with). Setting ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=...``
 in the environment before Python starts does the same.
 """
 
