@@ -25,7 +25,6 @@ def page_faults_of_a_step():
 
 print(*[page_faults_of_a_step() for _ in range(2)])
 """
-PAGES_OF_A_STEP = 3 * (12 << 20) // 4096
 
 
 def glibc() -> bool:
@@ -44,12 +43,13 @@ def test_the_step_after_the_first_reuses_its_pages_with_freed_memory_kept():
     assert "freed memory kept" in kept_setting and "32 MiB" in kept_setting, kept_setting
     first_kept, second_kept = (int(n) for n in kept.split())
     first_defaults, second_defaults = (int(n) for n in defaults.split())
-    assert min(first_kept, first_defaults) > PAGES_OF_A_STEP // 2  # a first step touches fresh pages either way
-    # Kept: the second step reuses the first one's pages (of its three buffers, at most one is placed
-    # past them). Defaults: glibc unmapped the first step's blocks when they were freed, and the second
-    # step faults all of its pages in again.
-    assert second_kept <= PAGES_OF_A_STEP // 3 + 64, (kept, defaults)
-    assert second_defaults > PAGES_OF_A_STEP * 3 // 4, (kept, defaults)
+    # Counted against each process's first step, which touches fresh pages either way (9,000 faults of
+    # 4 KiB pages here; fewer where the kernel backs them with huge pages). Kept: the second step reuses
+    # the first one's pages (of its three buffers, at most one is placed past them). Defaults: glibc
+    # unmapped the first step's blocks when they were freed, and the second step faults them in again.
+    assert first_kept > 0 and first_defaults > 0, (kept, defaults)
+    assert second_kept <= first_kept // 3 + 64, (kept, defaults)
+    assert second_defaults > first_defaults * 3 // 4, (kept, defaults)
 
 
 def test_a_c_library_other_than_glibc_is_refused_with_the_reason(monkeypatch):
