@@ -49,13 +49,15 @@ _KERNEL_END = "inductor_cpu_integer_div_error_flag = nullptr;"
 _PREFIX_INCLUDE = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _REPORT = "LOOP_SECONDS"
 WARMUP_CALLS = 2  # untimed calls before the timed ones (the first starts OpenMP's threads and touches fresh memory)
+_CLOCK_ON = "LAPLACE_BENCH_LOOPS_CLOCK_ON"  # set in the child's environment once the warm-up calls are done
 
-# Thread 0's clock, per kernel library: lap(i) closes the running loop and starts loop i (counted from
-# the kernel's call after the warm-up); its destructor prints every loop's seconds and the kernel's
-# timed calls when the child process exits.
+# Thread 0's clock, per kernel library: lap(i) closes the running loop and starts loop i, counting only
+# while the child's environment has CLOCK_ON (after its warm-up calls: a kernel may run several times per
+# call of the graph); its destructor prints every loop's seconds and the kernel's timed calls at exit.
 _CLOCK = r"""
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <omp.h>
 namespace {
 struct LoopClock {
@@ -63,13 +65,13 @@ struct LoopClock {
   std::chrono::steady_clock::time_point since;
   void lap(int loop) {
     auto now = std::chrono::steady_clock::now();
-    if (running >= 0 && calls > WARMUP) seconds[running] += std::chrono::duration<double>(now - since).count();
+    if (running >= 0 && std::getenv("CLOCK_ON")) seconds[running] += std::chrono::duration<double>(now - since).count();
     running = loop; since = now;
   }
-  void start() { calls += 1; lap(0); }
+  void start() { if (std::getenv("CLOCK_ON")) calls += 1; lap(0); }
   void stop() { lap(-1); }
   ~LoopClock() {
-    for (int i = 0; i < loops; i++) fprintf(stderr, "REPORT %s %d %ld %.9f\n", kernel, i, calls - WARMUP, seconds[i]);
+    for (int i = 0; i < loops; i++) fprintf(stderr, "REPORT %s %d %ld %.9f\n", kernel, i, calls, seconds[i]);
   }
 };
 LoopClock loop_clock{"KERNEL", LOOPS};
@@ -146,7 +148,7 @@ def instrument(code: str) -> str:
         source = re.sub(re.escape(_LOOP_PRAGMA), lambda _: f"if (omp_get_thread_num() == 0) "
                         f"loop_clock.lap({next(counter)});\n            {_LOOP_PRAGMA}", source)
         clock = (_CLOCK.replace("LOOPS", str(loops)).replace("KERNEL", name).replace("REPORT", _REPORT)
-                 .replace("WARMUP", str(WARMUP_CALLS)))
+                 .replace("CLOCK_ON", _CLOCK_ON))
         source = source.replace(_PREFIX_INCLUDE, _PREFIX_INCLUDE + clock, 1)
         source = source.replace(_KERNEL_START, _KERNEL_START + "\n    loop_clock.start();", 1)
         source = source.replace(_KERNEL_END, "loop_clock.stop();\n    " + _KERNEL_END, 1)
@@ -157,7 +159,7 @@ def instrument(code: str) -> str:
 
 
 _RUNNER = """
-import runpy, sys, time
+import os, runpy, sys, time
 import torch
 import laplace_passes  # registers the laplace:: ops a graph calls
 if sys.argv[5] == "keep":
@@ -167,6 +169,7 @@ args = torch.load(sys.argv[2])
 warmup, calls = int(sys.argv[3]), int(sys.argv[4])
 for _ in range(warmup):
     module["call"](list(args))
+os.environ[sys.argv[6]] = "1"  # the kernels' clocks count from here
 start = time.perf_counter()
 for _ in range(calls):
     module["call"](list(args))  # call() empties the list it is given
@@ -184,7 +187,7 @@ def time_loops(code: str, inputs: list, calls: int, keep_freed: bool = False) ->
             f.write(instrument(code))
         torch.save(inputs, inputs_path)
         child = subprocess.run([sys.executable, "-c", _RUNNER, code_path, inputs_path, str(WARMUP_CALLS), str(calls),
-                                "keep" if keep_freed else "defaults"],
+                                "keep" if keep_freed else "defaults", _CLOCK_ON],
                                capture_output=True, text=True)
     if child.returncode != 0:
         errors = "\n".join(line for line in child.stderr.splitlines() if not line.startswith(_REPORT))
@@ -195,7 +198,7 @@ def time_loops(code: str, inputs: list, calls: int, keep_freed: bool = False) ->
         fields = line.split()
         if fields[:1] == [_REPORT]:
             kernel, index, kernel_calls, seconds = fields[1], int(fields[2]), int(fields[3]), float(fields[4])
-            by_loop[(kernel, index)] = seconds / kernel_calls if kernel_calls > 0 else 0.0
+            by_loop[(kernel, index)] = seconds / calls if kernel_calls > 0 else 0.0  # per call of the graph
         elif fields[:1] == ["CALL_SECONDS"]:
             call_seconds = float(fields[1])
     missing = [f"{loop.kernel} loop {loop.index}" for loop in loops if (loop.kernel, loop.index) not in by_loop]
