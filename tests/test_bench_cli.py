@@ -318,8 +318,10 @@ def test_bench_paths_quick_prints_every_row_of_the_table_with_a_figure(capfd):
     rows = [m.groupdict() for m in PATH_ROW.finditer(out)]
     assert [(r["path"].split(":")[0].split()[0], r["comparison"], r["goal"], r["goal_unit"]) for r in rows] == [
         ("prefill", "<=", "1.25", "x"), ("decode", ">=", "60", "%"), ("GLA", ">=", "50", "%"),
-        ("compile", "<=", "25", " s"), ("compile", "<=", "40", " s")], out
+        ("compile", "<=", "25", " s"), ("compile", "<=", "40", " s"), ("GLA", ">=", "50", "%")], out
     assert rows[3]["path"].endswith("cpu") and rows[4]["path"].endswith("trn2")
+    # The GLA row once more, last: after keep_freed_memory, which stays for the rest of the process.
+    assert "freed memory kept" in rows[5]["path"] and "freed memory kept" not in rows[2]["path"], out
     for r in rows:
         value, goal = float(r["median"].replace(",", "")), float(r["goal"])
         assert r["unit"].strip() == r["goal_unit"].strip(), r
