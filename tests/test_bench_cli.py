@@ -344,6 +344,22 @@ def test_bench_paths_judges_the_gla_row_by_the_share_it_prints(monkeypatch):
     assert gla_row.value == 0.47 and not gla_row.met, gla_row
 
 
+def test_bench_paths_says_in_the_table_why_the_freed_memory_row_is_not_measured(monkeypatch):
+    """Where keep_freed_memory is refused (a C library other than glibc), the row is in the table, saying so."""
+    import laplace_passes
+    from benchmarks import bench_paths
+
+    def refused():
+        raise OSError("the C library is not glibc: keep_freed_memory sets glibc's malloc thresholds only")
+
+    monkeypatch.setattr(laplace_passes, "keep_freed_memory", refused)
+    monkeypatch.setattr(bench_paths, "measure_gla", lambda sizes: pytest.fail("measured after a refusal"))
+    (kept_row,) = bench_paths.measure_gla_freed_memory_kept(bench_paths.QUICK)
+    text = bench_paths.row_text(kept_row)
+    assert "freed memory kept" in text and "not measured: the C library is not glibc" in text, text
+    assert text.endswith("no") and not kept_row.met and kept_row.value is None  # JSON has no NaN
+
+
 def test_bench_loops_times_every_loop_of_a_graph_and_tells_copies_from_computation():
     import torch
 
