@@ -180,6 +180,7 @@ def test_inspect_module_attr_form(capsys):
         (["inspect", "tests.cli_models:missing"], "has no attribute 'missing'"),
         (["inspect", "tests.cli_models:NOT_A_MODEL"], "expected an nn.Module or a callable"),
         (["inspect", "tiny", "--target", "tpu"], "unknown target 'tpu'"),
+        (["inspect", "tiny", "--inner", "foo"], "unknown inner compiler 'foo'"),
         (["demo", "--steps", "0"], "steps must be a positive int"),
         (["demo", "--world-size", "-1"], "world_size must be a positive int, got -1"),
         (["demo", "--batch", "-4"], "batch must be a positive int, got -4"),
@@ -192,6 +193,21 @@ def test_errors_are_clear(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_inspect_runs_the_graphs_with_the_inner_compiler_asked_for(monkeypatch, capsys):
+    """--inner reaches laplace_passes.inspect (it had been taken for --passes alone and dropped otherwise)."""
+    import laplace_passes
+
+    asked = {}
+
+    def inspect(model, *inputs, **options):
+        asked.update(options)
+        return laplace_passes.Report()
+
+    monkeypatch.setattr("laplace_passes.inspect", inspect)
+    assert main(["inspect", "tiny", "--seq-len", "32", "--target", "cpu", "--inner", "stablehlo"]) == 0
+    assert asked == {"target": "cpu", "inner": "stablehlo"}, asked
 
 
 def no_work(*args, **kwargs):

@@ -192,7 +192,9 @@ def _add_inspect(commands) -> None:
     inspect.add_argument("--target", default="trn2")
     inspect.add_argument("--passes", action="store_true",
                          help="print the passes this target and --inner run, in order, and stop (no MODEL needed)")
-    inspect.add_argument("--inner", default="eager", help="the one --passes describes")
+    inspect.add_argument("--inner", default="eager",
+                         help="the inner compiler the graphs run with while they are captured, and the one "
+                              "--passes describes")
     inspect.add_argument("--json", action="store_true", help="print report.to_dict() as JSON")
     inspect.add_argument("--dump", metavar="DIR", help="write every graph before/after each pass to DIR")
     inspect.add_argument("--force", action="store_true", help="replace DIR (and everything in it) if it is not empty")
@@ -212,13 +214,13 @@ def _run_inspect(args) -> int:
         return 0
     if args.model is None:
         raise ValueError("MODEL is required (or --passes)")
-    _check_target(args.target)  # before the work, which may take minutes
+    _check_options(target=args.target, inner=args.inner)  # before the work, which may take minutes
     if args.dump:
         check_output_dir(args.dump, args.force)
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
     with _status(f"inspect {args.model}: capturing and transforming its graphs at batch {args.batch}, "
                  f"T = {args.seq_len}"):
-        report = laplace_passes.inspect(model, *example_inputs, target=args.target)
+        report = laplace_passes.inspect(model, *example_inputs, target=args.target, inner=args.inner)
     print(report.to_json(indent=2) if args.json else report)
     if args.dump:
         dumped = dump_report(report, args.dump, overwrite=args.force)
@@ -301,9 +303,13 @@ def _run_export(args) -> int:
 
 
 def _check_target(target: str) -> None:
+    _check_options(target=target)
+
+
+def _check_options(**options) -> None:
     from laplace_passes.driver.backend import compile_config
 
-    compile_config({"target": target})  # an unknown target is a ValueError naming the known ones
+    compile_config(options)  # an unknown target or inner compiler is a ValueError naming the known ones
 
 
 @contextlib.contextmanager
