@@ -363,3 +363,35 @@ def test_a_model_recompiled_with_a_dynamic_length_keeps_its_proof():
     assert any(n.target is operator.not_ for n in dynamic_graph.nodes)  # the case this test is about
     assert len(report.sites) == 4
     assert all(site.gates == "<= 0 by construction: logsigmoid / 16.0" for site in report.sites), report.sites
+
+
+def _decay_loop(q, k, v, a):
+    """GLA written from the equations with its decay given directly: recognised, its gates log(a), unproven."""
+    state = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * a[:, t][..., None] + k[:, t][..., None] * v[:, t][..., None, :]
+        outputs.append((q[:, t][..., None] * state).sum(-2))
+    return torch.stack(outputs, 1)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (1.5, r"met a decay of 1\.5 \(log 0\.405465\) at run time"),
+    (float("nan"), r"met a NaN decay at run time"),
+])
+def test_a_recognised_loop_s_gate_check_speaks_of_the_loop_and_how_to_keep_it(bad, message):
+    """The user never wrote a gk: the refusal names their loop, its decay, and the option that keeps the loop."""
+    torch.manual_seed(0)
+    T = 20
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v, a = torch.randn(B, T, H, V), torch.rand(B, T, H, K)
+    compiled = torch.compile(_decay_loop, backend="laplace", options={"target": "cpu", "inner": "eager"})
+    torch.testing.assert_close(compiled(q, k, v, a), _decay_loop(q, k, v, a), rtol=1e-4, atol=1e-5)
+    a[0, 3, 1, 2] = bad
+    with pytest.raises(ValueError, match=r"^a recognised GLA loop \(token loop, 20 steps, per-key gates, .*\) "
+                                         + message + r".*options=\{'recognise_gla': False\} to run the loop as "
+                                         r"written"):
+        compiled(q, k, v, a)
+    plain = torch.compile(_decay_loop, backend="laplace",
+                          options={"target": "cpu", "inner": "eager", "recognise_gla": False})
+    torch.testing.assert_close(plain(q, k, v, a), _decay_loop(q, k, v, a), rtol=0, atol=0, equal_nan=True)

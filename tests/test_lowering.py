@@ -349,11 +349,13 @@ def test_diagonal_becomes_a_strided_slice_torch_mlir_lowers(offset, dim1, dim2):
     assert lower_to_stablehlo(gm).total_ops > 0
 
 
-def test_clamp_gate_checks_replaces_the_python_check():
+@pytest.mark.parametrize("origin", [(), ("token loop, 20 steps",)], ids=["a call", "a recognised loop"])
+def test_clamp_gate_checks_replaces_the_python_check(origin):
+    """A recognised loop's check carries the loop's origin (for its error's words): replaced all the same."""
     from laplace_passes.ops.gla import check_gates
 
-    gm = make_fx(lambda gk: check_gates(gk) * 2, tracing_mode="fake")(torch.randn(3, 4))
-    FileCheck().check("laplace.check_gates.default(gk_1)").run(gm.code)
+    gm = make_fx(lambda gk: check_gates(gk, *origin) * 2, tracing_mode="fake")(torch.randn(3, 4))
+    FileCheck().check("laplace.check_gates.default(gk_1" + "".join(f", '{o}'" for o in origin) + ")").run(gm.code)
     outcome = ClampGateChecks()(gm)
     gm.graph.lint()
     gm.recompile()

@@ -86,7 +86,7 @@ from laplace_passes.ops.chunked import chunk_plan, chunked_gla_saved_bytes
 from laplace_passes.fx.gate_bounds import Bound, gate_bound
 from laplace_passes.fx.sites import GlaSite, bind_site, is_gla_node
 from laplace_passes.infra.fx_helpers import fake_value, new_node, provenance_of
-from laplace_passes.ops.gla import check_readout, gla_recurrence
+from laplace_passes.ops.gla import check_readout, gla_recurrence, is_call_name
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import SiteRecord
 
@@ -202,13 +202,18 @@ class RetileGLA(GraphPass):
         with graph.inserting_before(site.node):
             # Same shapes and dtypes as the gates and the reference op's results.
             gates = site.gk if not check_gates else new_node(
-                graph, torch.ops.laplace.check_gates.default, (site.gk,), name="check_gates",
+                graph, torch.ops.laplace.check_gates.default, _check_arguments(site), name="check_gates",
                 provenance=provenance, like=site.gk)
             replacement = new_node(graph, target, (site.q, site.k, site.v, gates, site.initial_state, *settings),
                                    name=name, provenance=provenance, like=site.node if keeps_outputs else None)
         site.node.replace_all_uses_with(replacement)
         graph.erase_node(site.node)
         return replacement
+
+
+def _check_arguments(site: GlaSite) -> tuple:
+    """The gate check's arguments: a recognised loop's origin too, so that its error speaks of the loop."""
+    return (site.gk,) if is_call_name(site.origin) else (site.gk, site.origin)
 
 
 def _known_scale(scale):

@@ -70,7 +70,7 @@ class ClampGateChecks(GraphPass):
 
 
 def _replace_by_clamp(graph: torch.fx.Graph, check: torch.fx.Node) -> None:
-    (gates,) = check.args
+    gates = check.args[0]  # the second, the site's origin, only words its error
     with graph.inserting_before(check):
         # fx makes the name unique (clamp_gates_1, ...) when several layers have one. The check's
         # fake value is empty_like(gk): the clamp's shape, dtype and strides.

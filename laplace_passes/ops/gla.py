@@ -30,32 +30,49 @@ LAPLACE_ORIGIN = "laplace.gla"
 
 
 @torch.library.custom_op("laplace::check_gates", mutates_args=())
-def check_gates(gk: Tensor) -> Tensor:
+def check_gates(gk: Tensor, origin: str = LAPLACE_ORIGIN) -> Tensor:
     """Return a copy of `gk`, raising ValueError when a gate is positive or NaN.
 
     `gk` is the log of a per-channel decay in (0, 1], so it must be <= 0. A
     positive value makes exp(G) grow without bound inside a chunk and the
     result silently becomes inf/NaN; we refuse it instead. It is an op (not a
-    Python check) so that it also runs inside compiled graphs.
+    Python check) so that it also runs inside compiled graphs. `origin` is the
+    site's (the call, or how a recognised loop was written), for the message.
     """
     # One pass: the largest gate is NaN when any gate is (amax propagates NaN), and NaN <= 0 is False.
     ok = gk.numel() == 0 or bool(gk.amax() <= 0)
     if not ok:
         found = "NaN" if bool(gk.isnan().any()) else gk.max().item()
-        raise ValueError(
-            "gk must be <= 0 everywhere (it is the log of a decay in (0, 1]); "
-            f"found {found} (use F.logsigmoid(x) or -F.softplus(x) to produce gates)"
-        )
+        raise ValueError(_gate_error(found, origin))
     return gk.clone()
 
 
+def _gate_error(found, origin: str) -> str:
+    if is_call_name(origin):  # the user called a GLA function and gave it gk
+        return ("gk must be <= 0 everywhere (it is the log of a decay in (0, 1]); "
+                f"found {found} (use F.logsigmoid(x) or -F.softplus(x) to produce gates)")
+    # A loop the user wrote was recognised as GLA ("GLA in plain PyTorch" in docs/passes.md): they never wrote
+    # a gk, so the message speaks of their decay and of how to keep their loop.
+    decay = ("a NaN decay" if found == "NaN"  # exp: inf past its range, where math.exp raises
+             else f"a decay of {float(torch.tensor(found).exp()):.6g} (log {found:.6g})")
+    return (f"a recognised GLA loop ({origin}) met {decay} at run time; the GLA op it was rewritten into "
+            "needs every decay in [0, 1] and no NaN, which the graph does not show. Compile with "
+            "options={'recognise_gla': False} to run the loop as written, or give decays that stay in [0, 1] "
+            "(e.g. a sigmoid)")
+
+
+def is_call_name(origin: str) -> bool:
+    """Whether a site's origin names a function the user called ("laplace.gla", "fla.chunk_gla")."""
+    return origin.replace(".", "_").isidentifier()
+
+
 @check_gates.register_fake
-def _check_gates_fake(gk: Tensor) -> Tensor:
+def _check_gates_fake(gk: Tensor, origin: str = LAPLACE_ORIGIN) -> Tensor:
     return torch.empty_like(gk)
 
 
 def _check_gates_backward(ctx, grad: Tensor):
-    return grad
+    return grad, None
 
 
 check_gates.register_autograd(_check_gates_backward)
