@@ -306,6 +306,21 @@ def quadratic_upper_mask(q, k, v, g):
     return ((q @ k.transpose(-1, -2)) * D) @ v
 
 
+def quadratic_log_mask(q, k, v, g):
+    """The mask in log space, before the exp: exp(masked_fill(G_i - G_j, i < j, -inf)), [B, T, S, H]."""
+    G = g.cumsum(1)                                                   # [B, T, H]
+    D = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~causal_mask(T)[None, :, :, None], float("-inf")).exp()
+    return torch.einsum("btsh,bshv->bthv", torch.einsum("bthk,bshk->btsh", q, k) * D, v)
+
+
+def quadratic_log_upper_mask(q, k, v, g):
+    """A near miss in log space: exp(G_i - G_j), but -inf below the diagonal (each query reads the keys after it)."""
+    G = g.cumsum(1)
+    upper = causal_mask(T).T
+    D = torch.where(upper[None, :, :, None], G[:, :, None, :] - G[:, None, :, :], float("-inf")).exp()
+    return torch.einsum("btsh,bshv->bthv", torch.einsum("bthk,bshk->btsh", q, k) * D, v)
+
+
 def quadratic_key_gates(q, k, v, g):
     """GLA's own gates (one per key) in the parallel form: D [B, H, T, T, K], one einsum."""
     q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))

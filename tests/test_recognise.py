@@ -248,10 +248,12 @@ QUADRATIC = {
     "quadratic_retnet": "a fixed decay per head raised to i - j",
     "quadratic_linear": "no gate",
     "quadratic_key_gates": "per-key gates summed cumulatively",
+    "quadratic_log_mask": "per-head gates summed cumulatively",
 }
 QUADRATIC_NEAR_MISSES = {
     "quadratic_unmasked": "no causal mask",
     "quadratic_upper_mask": "keeps the upper triangle",
+    "quadratic_log_upper_mask": "on random inputs its GLA form differs",
 }
 
 

@@ -24,6 +24,7 @@ that is not a decay matrix, leaves the graph unchanged. After: one
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -206,7 +207,8 @@ def _positions(axes: tuple, where: dict) -> tuple:
 
 def _gate(decays: list[Factor], i: Index, j: Index, where: dict):
     """(kind, [RoleFactors]) of the gates D is built from; None for a D that is a mask only (no decay)."""
-    masked = any(_unmasked(f.node) is not f.node or constant_value(f.node) is not None for f in decays)
+    masked = any(_unmasked(f.node) is not f.node or _masked_in_log_space(f.node) or constant_value(f.node) is not None
+                 for f in decays)
     for factor in decays:
         inner, axes = _unmasked(factor.node), factor.axes
         for reader in (_cumsum_gate, _cumprod_gate, _power_gate):
@@ -242,6 +244,22 @@ def _unmasked(node: Node) -> Node:
     return node
 
 
+def _masked_in_log_space(node: Node) -> bool:
+    """exp(masked_fill(x, mask, -inf)) or exp(where(mask, x, -inf)): a mask before the exp, its zeros exp(-inf)."""
+    return _name(node) == "exp" and isinstance(node.args[0], Node) and _log_unmasked(node.args[0]) is not node.args[0]
+
+
+def _log_unmasked(node: Node) -> Node:
+    """Through masked_fill(mask, -inf) / where(mask, x, -inf) to what is masked (which random inputs then check
+    is the causal mask, as for a mask after the exp)."""
+    name = _name(node) if node.op in ("call_function", "call_method") else ""
+    if name in ("masked_fill", "masked_fill_") and isinstance(node.args[0], Node) and node.args[2] == -math.inf:
+        return node.args[0]
+    if name == "where" and len(node.args) == 3 and isinstance(node.args[1], Node) and node.args[2] == -math.inf:
+        return node.args[1]
+    return node
+
+
 def _two_sided(node: Node, source_of, sign: float, i: Index, j: Index, axes: tuple):
     """node read as +X[.. i ..] - X[.. j ..] (sign 1) or X[.. i ..] / X[.. j ..] terms: X and its axes at i."""
     try:
@@ -267,7 +285,7 @@ def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
     """exp(G_i - G_j) with G = cumsum(g, over the tokens): the gates are g."""
     if _name(node) != "exp" or not isinstance(node.args[0], Node):
         return None
-    found = _two_sided(node.args[0], _cumsum_source, -1.0, i, j, axes)
+    found = _two_sided(_log_unmasked(node.args[0]), _cumsum_source, -1.0, i, j, axes)
     if found is None:
         return None
     cumsum, mapped = found
