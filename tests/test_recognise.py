@@ -294,6 +294,34 @@ def test_a_quadratic_near_miss_is_declined_with_unchanged_numbers(name):
     assert row.status == "declined" and QUADRATIC_NEAR_MISSES[name] in row.reason, row.reason
 
 
+class QuadraticWithAMaskBuffer(torch.nn.Module):
+    """The causal mask kept as a buffer, as attention modules often keep it: its values are not in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("causal", cases.causal_mask(cases.T))
+
+    def forward(self, q, k, v, g):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        G = g.transpose(1, 2).cumsum(-1)
+        D = torch.exp(G[..., :, None] - G[..., None, :]).masked_fill(~self.causal, 0)
+        return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def test_a_quadratic_form_whose_mask_is_a_buffer_is_declined_with_what_to_write_instead():
+    module = QuadraticWithAMaskBuffer()
+    args = [a.clone().requires_grad_() for a in cases.inputs("bthk", "head")]
+    expected_out, expected_grads = outputs_and_grads(module, args)
+    model = compiled(module)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "declined", row
+    assert "torch.bool tensor that comes from the graph's inputs (a mask held in a buffer" in row.reason, row.reason
+    assert "a mask built inside forward from its sizes" in row.reason, row.reason
+
+
 CHUNKED = {
     "chunked_simple_gla": ("head", "5 chunks of 4 tokens (20 tokens), per-head gates", "head_gates"),
     "chunked_gla": ("key", "4 chunks of 5 tokens (20 tokens), per-key gates", "elementwise"),

@@ -131,7 +131,12 @@ def _input_value(node: Node, sources: set[Node], loop):
     if value is None:
         raise Declined(f"the loop reads {node.name}, which is not a tensor of known shape")
     if not value.dtype.is_floating_point:
-        raise Declined(f"the loop reads {node.name}, a {value.dtype} tensor, which random inputs cannot stand for")
+        # A mask kept as a buffer or passed in: its values are not in the graph (nothing says it stays causal),
+        # and random values would not be a mask. One built in the graph from sizes is a constant, read above.
+        raise Declined(f"it reads {node.name}, a {value.dtype} tensor that comes from the graph's inputs (a mask "
+                       "held in a buffer or passed in?): random inputs cannot stand for it and the graph does not "
+                       "show its values; a mask built inside forward from its sizes (torch.ones(T, T, "
+                       "dtype=torch.bool).tril()) is read as the constant it is")
     shape = [int(d) for d in value.shape]
     low, high = random_range(node, loop.gate_sources())
     return torch.empty(shape, dtype=value.dtype).uniform_(low, high)
