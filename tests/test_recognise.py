@@ -319,7 +319,7 @@ def test_a_quadratic_form_whose_mask_is_a_buffer_is_declined_with_what_to_write_
     (row,) = model.laplace_report.recurrences
     assert row.status == "declined", row
     assert "torch.bool tensor that comes from the graph's inputs (a mask held in a buffer" in row.reason, row.reason
-    assert "a mask built inside forward from its sizes" in row.reason, row.reason
+    assert "a causal mask built inside forward from its sizes" in row.reason, row.reason
 
 
 CHUNKED = {

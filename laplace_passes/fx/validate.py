@@ -135,7 +135,7 @@ def _input_value(node: Node, sources: set[Node], loop):
         # and random values would not be a mask. One built in the graph from sizes is a constant, read above.
         raise Declined(f"it reads {node.name}, a {value.dtype} tensor that comes from the graph's inputs (a mask "
                        "held in a buffer or passed in?): random inputs cannot stand for it and the graph does not "
-                       "show its values; a mask built inside forward from its sizes (torch.ones(T, T, "
+                       "show its values; a causal mask built inside forward from its sizes (torch.ones(T, T, "
                        "dtype=torch.bool).tril()) is read as the constant it is")
     shape = [int(d) for d in value.shape]
     low, high = random_range(node, loop.gate_sources())
