@@ -18,14 +18,19 @@ and a state update `S * exp(g)[..., None] + k[..., :, None] * v[..., None, :]`
     Expr(axes=(b, h, k, v), terms=[1.0 * S[b, h, k, v] * exp(g)[b, h, k],
                                    1.0 * k[b, h, k] * v[b, h, v]])
 
-Products, sums, differences, numbers, sums over dimensions, einsum, matmul
-/ bmm / mm / outer, broadcasting, unsqueeze and `[..., None]`, squeeze,
+Products, sums, differences, numbers, sums over dimensions, einsum (an
+ellipsis or an implicit output included), matmul / bmm / mm / outer, the
+fused forms addcmul / baddbmm / addmm / addbmm / addr (with their value,
+beta and alpha), broadcasting, unsqueeze and `[..., None]`, squeeze,
 transpose / permute, expand, reshapes that only add or drop size-1
 dimensions, contiguous / clone / casts (the same value) are read
 algebraically, in torch-level spellings (Dynamo graphs) and ATen ones
 (unrolled loops). Anything else is a leaf: `exp(g)`, `k[:, t]`, a division
-by a tensor. Which nodes to read as leaves although they are algebraic (a
-previous state) is the caller's `stop`.
+by a tensor, an in-place write (`S.addcmul_(k, v)`: other nodes read the
+written value under the old name). Which nodes to read as leaves although
+they are algebraic (a previous state) is the caller's `stop`; why a node
+that computes something was read as a leaf is kept in the memo
+(`why_unread`), for the report.
 
 The form is a reading aid for matching, not a proof: a recognised rewrite is
 also checked by running both on random inputs (`laplace_passes.fx.recognise`).
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import string
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,6 +54,7 @@ aten = torch.ops.aten
 
 MAX_TERMS = 8  # a value read as more terms than this is a leaf: the patterns matched have two at most
 MAX_FACTORS = 12
+UNREAD = "unread"  # in `read`'s memo: node -> why it was read as a leaf (NotAlgebraic's message)
 
 
 class Index:
@@ -250,17 +257,13 @@ def expand(a: Expr, sizes: list[int]) -> Expr:
 
 
 def einsum(equation: str, operands: list[Expr]) -> Expr:
-    equation = equation.replace(" ", "")
-    if "->" not in equation:
-        raise NotAlgebraic("einsum without an explicit output")
-    inputs, output = equation.split("->")
-    specs = inputs.split(",")
-    if len(specs) != len(operands) or "." in equation:
-        raise NotAlgebraic("einsum with ellipsis")
+    specs, output = einsum_letters(equation, [len(o.axes) for o in operands])
     letters: dict[str, Index | None] = {}
     renamed = []
     for spec, expr in zip(specs, operands):
-        if len(spec) != len(expr.axes) or len(set(spec)) != len(spec):
+        if len(spec) != len(expr.axes):
+            raise NotAlgebraic("einsum with more or fewer letters than an operand has dimensions")
+        if len(set(spec)) != len(spec):
             raise NotAlgebraic("einsum with a repeated index (a diagonal)")
         expr = fresh_sums(expr)
         mapping = {}
@@ -285,6 +288,30 @@ def einsum(equation: str, operands: list[Expr]) -> Expr:
         result = Expr(result.axes, tuple(t if index in t.indices() else Term(t.coef * index.size, t.factors)
                                          for t in result.terms))
     return _checked(result)
+
+
+def einsum_letters(equation: str, ranks: list[int]) -> tuple[list[str], str]:
+    """The equation's operand and output specs with `...` spelled out in letters of their own (right-aligned,
+    as the ellipsis dimensions broadcast) and an implicit output made explicit (torch's rule: the ellipsis,
+    then the letters used once, in alphabetical order)."""
+    equation = equation.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    specs = inputs.split(",")
+    if len(specs) != len(ranks):
+        raise NotAlgebraic("einsum with more or fewer operands than its equation names")
+    if any(s.count("...") > 1 or s.replace("...", "").count(".") for s in specs + [output]):
+        raise NotAlgebraic("einsum with a malformed ellipsis")
+    widths = [rank - len(spec.replace("...", "")) if "..." in spec else 0 for spec, rank in zip(specs, ranks)]
+    if any(w < 0 for w in widths):
+        raise NotAlgebraic("einsum with more letters than an operand has dimensions")
+    spare = [c for c in string.ascii_letters if c not in equation][:max(widths, default=0)]
+    if len(spare) < max(widths, default=0):
+        raise NotAlgebraic("einsum with too many dimensions under its ellipsis")
+    specs = [spec.replace("...", "".join(spare[len(spare) - w:])) for spec, w in zip(specs, widths)]
+    if not arrow:
+        once = sorted(c for c in set("".join(specs)) if "".join(specs).count(c) == 1 and c not in spare)
+        output = "".join(spare) + "".join(once)
+    return specs, output.replace("...", "".join(spare))
 
 
 def matmul(a: Expr, b: Expr) -> Expr:
@@ -333,10 +360,17 @@ def read(node: Node, stop: Callable[[Node], bool], memo: dict | None = None) -> 
     if not stop(node):
         try:
             expr = _interpret(node, lambda n: read(n, stop, memo))
-        except (NotAlgebraic, RecursionError):  # a chain of ops too deep to read is a leaf
-            pass
+        except NotAlgebraic as error:
+            memo.setdefault(UNREAD, {})[node] = str(error)
+        except RecursionError:  # a chain of ops too deep to read is a leaf
+            memo.setdefault(UNREAD, {})[node] = "a chain of ops too deep to read"
     memo[node] = expr
     return expr
+
+
+def why_unread(memo: dict, node: Node) -> str | None:
+    """Why `read` (with this memo) took `node` for a leaf although it computes something, if it did."""
+    return memo.get(UNREAD, {}).get(node)
 
 
 def _number(x) -> float | None:
@@ -380,16 +414,70 @@ def _interpret(node: Node, sub) -> Expr:
     if node.op == "call_method":
         handler = _METHODS.get(node.target)
         if handler is None:
-            raise NotAlgebraic(f"method {node.target}")
+            raise NotAlgebraic(_unknown(node.target))
         args, kwargs = _args(node)
         return handler(sub, args, kwargs)
     if node.op != "call_function":
         raise NotAlgebraic(node.op)
     handler = _FUNCTIONS.get(node.target) or _FUNCTIONS.get(getattr(node.target, "overloadpacket", None))
     if handler is None:
-        raise NotAlgebraic(f"function {node.target}")
+        raise NotAlgebraic(_unknown(getattr(node.target, "__name__", str(node.target))))
     args, kwargs = _args(node)
     return handler(sub, args, kwargs)
+
+
+def _unknown(name: str) -> str:
+    # An in-place write changes a value other nodes read under their own names: not a sum of products.
+    if name.endswith("_") and not name.endswith("__"):
+        return f"{name}, an in-place write"
+    return f"{name}, an op the algebra does not read"
+
+
+def _coefficient(kwargs: dict, name: str) -> float:
+    value = _number(kwargs.get(name, 1.0))
+    if value is None:
+        raise NotAlgebraic(f"a {name} that is not a number")
+    return value
+
+
+def _three_tensors(args: list) -> None:
+    if len(args) != 3 or not all(isinstance(a, Node) for a in args):
+        raise NotAlgebraic("a fused multiply-add whose operands are not three tensors")
+
+
+def _plus_scaled(sub, base: Node, beta: float, product: Expr) -> Expr:
+    """beta * base + product, as addcmul / baddbmm / addmm compute it: beta = 0 ignores `base` (NaN included)."""
+    if beta == 0:
+        return product
+    return add(scale(sub(base), beta), product)
+
+
+def _h_addcmul(sub, args, kwargs):
+    """addcmul(input, t1, t2, value=c) = input + c * t1 * t2."""
+    _three_tensors(args)
+    product = scale(multiply(sub(args[1]), sub(args[2])), _coefficient(kwargs, "value"))
+    return _plus_scaled(sub, args[0], 1.0, product)
+
+
+def _h_baddbmm(sub, args, kwargs, batch_summed: bool = False):
+    """baddbmm / addmm / addbmm(input, m1, m2, beta=b, alpha=a) = b * input + a * (m1 @ m2), addbmm summing
+    the products over the batch."""
+    _three_tensors(args)
+    product = matmul(sub(args[1]), sub(args[2]))
+    if batch_summed:
+        product = sum_over(product, [0], False)
+    return _plus_scaled(sub, args[0], _coefficient(kwargs, "beta"), scale(product, _coefficient(kwargs, "alpha")))
+
+
+def _h_addbmm(sub, args, kwargs):
+    return _h_baddbmm(sub, args, kwargs, batch_summed=True)
+
+
+def _h_addr(sub, args, kwargs):
+    """addr(input, u, v, beta=b, alpha=a) = b * input + a * outer(u, v)."""
+    _three_tensors(args)
+    product = scale(_h_outer(sub, args[1:], {}), _coefficient(kwargs, "alpha"))
+    return _plus_scaled(sub, args[0], _coefficient(kwargs, "beta"), product)
 
 
 def _h_mul(sub, args, kwargs):
@@ -547,6 +635,9 @@ _FUNCTIONS = {
     torch.matmul: _h_matmul, operator.matmul: _h_matmul, torch.bmm: _h_matmul, torch.mm: _h_matmul,
     aten.bmm: _h_matmul, aten.mm: _h_matmul, aten.matmul: _h_matmul,
     torch.outer: _h_outer, torch.ger: _h_outer,
+    torch.addcmul: _h_addcmul, aten.addcmul: _h_addcmul, torch.baddbmm: _h_baddbmm, aten.baddbmm: _h_baddbmm,
+    torch.addmm: _h_baddbmm, aten.addmm: _h_baddbmm, torch.addbmm: _h_addbmm, aten.addbmm: _h_addbmm,
+    torch.addr: _h_addr, aten.addr: _h_addr,
     operator.getitem: _h_getitem,
     torch.clone: _h_same, aten.clone: _h_same, aten.alias: _h_same, aten._to_copy: _h_to,
     torch.ops.prims.convert_element_type: _h_to,
@@ -559,5 +650,6 @@ _METHODS = {
     "matmul": _h_matmul, "bmm": _h_matmul, "mm": _h_matmul, "outer": _h_outer, "ger": _h_outer,
     "contiguous": _h_same, "clone": _h_same, "float": _h_to, "double": _h_to, "half": _h_to,
     "bfloat16": _h_to, "to": _h_to, "type_as": _h_to,
+    "addcmul": _h_addcmul, "baddbmm": _h_baddbmm, "addmm": _h_baddbmm, "addbmm": _h_addbmm, "addr": _h_addr,
 }
 

@@ -68,7 +68,7 @@ class RecogniseGLA(GraphPass):
 
     def _rewrite(self, gm: torch.fx.GraphModule, chain: Chain) -> RecurrenceRecord:
         shape = list(chain.first.shape)
-        record = RecurrenceRecord("", chain.first.node.name, len(chain.steps), shape, "declined")
+        record = RecurrenceRecord("", chain.first.node.name, chain.tokens, shape, "declined")
         memo: dict = {}
         try:
             if chain.mismatch:
@@ -86,12 +86,12 @@ class RecogniseGLA(GraphPass):
             check_on_random_inputs(gm, loop, memo, min(loop.T, self.validation_steps))
             _replace(gm, loop, memo, record.form)
         except Declined as declined:
-            record.reason = f"a {len(chain.steps)}-step loop carrying a {shape} state, but {declined.reason}"
+            record.reason = f"a {chain.tokens}-step loop carrying a {shape} state, but {declined.reason}"
             return record
         except Exception as error:  # noqa: BLE001 (a pass never breaks a user's compile: it declines)
             if strict_mode():  # NOTE [a failing pass declines]: the suite finds such failures
                 raise
-            record.reason = (f"a {len(chain.steps)}-step loop carrying a {shape} state, left alone after an "
+            record.reason = (f"a {chain.tokens}-step loop carrying a {shape} state, left alone after an "
                              f"internal error while rewriting it: {type(error).__name__}: {error}")
             return record
         record.status = "GLA site"

@@ -12,7 +12,11 @@ both. A readout of S_t is a node of the form `c * q_t . S_t` summed over the
 key dimension. `find_chains` links steps through their previous states into
 chains (one per loop, however the loop was written) and finds their readouts;
 a step that carries a state but is not of this form is kept with the reason
-(`Chain.mismatch`), so the report can say why such a loop was left alone.
+(`Chain.mismatch`), so the report can say why such a loop was left alone. A
+loop whose update the algebra cannot read at all (an in-place write, a
+reshape that merges dimensions, an op it does not know) is found by its
+states instead, nodes of one shape read out and carried to the next step
+(`_opaque_steps`), and kept with what the algebra could not read.
 """
 
 from __future__ import annotations
@@ -23,17 +27,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
-from laplace_passes.fx.per_step import pattern
+from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
+from laplace_passes.fx.in_place_writes import written_operands
+from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, pattern, step_index
 from laplace_passes.infra.fx_helpers import fake_tensor
 
 Node = torch.fx.Node
 aten = torch.ops.aten
 
-# What a state update is written with at its top: a sum (S * a + k v, torch.add, addcmul, baddbmm).
+# What a state update is written with at its top: a sum (S * a + k v, torch.add), or a fused multiply-add that
+# the canonical algebra reads as one (addcmul, baddbmm, addmm, addbmm, addr: beta * S + alpha * k v).
 _ADDS = frozenset({operator.add, operator.sub, torch.add, torch.sub, aten.add.Tensor, aten.sub.Tensor,
-                   operator.iadd, operator.isub})
-_ADD_METHODS = frozenset({"add", "sub"})
+                   operator.iadd, operator.isub, torch.addcmul, torch.baddbmm, torch.addmm, torch.addbmm,
+                   torch.addr, aten.addcmul.default, aten.baddbmm.default, aten.addmm.default,
+                   aten.addbmm.default, aten.addr.default})
+_ADD_METHODS = frozenset({"add", "sub", "addcmul", "baddbmm", "addmm", "addbmm", "addr"})
 MAX_READOUT_DEPTH = 4  # ops between a state and its readout's contraction: [..., None], *, .sum, a scale
 
 
@@ -53,6 +61,7 @@ class Step:
     value_axis: int = -1
     rows: Index | None = None  # a chunked update's summed rows (None: one token per step)
     mismatch: str = ""
+    unread: dict = field(default_factory=dict)  # node -> why the algebra read it as a leaf (`why_unread`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,6 +83,13 @@ class Chain:
     steps: list[Step]
     readouts: list[Readout] = field(default_factory=list)  # one per step, or none at all
     mismatch: str = ""
+    unlinked: int = 0  # steps the loop runs before its first step here, not read as steps of it
+
+    @property
+    def tokens(self) -> int:
+        """The steps the user's loop runs: the chain's, and a first step (from a zero state, say) written or
+        read differently, which a report that counted only the chain would leave out."""
+        return len(self.steps) + self.unlinked
 
     @property
     def first(self) -> Step:
@@ -123,7 +139,7 @@ def read_step(node: Node, memo: dict) -> Step | None:
     if not carried:
         return None
     prev_nodes = {f.node for _, f in carried}
-    step = Step(node, carried[0][1].node, expr)
+    step = Step(node, carried[0][1].node, expr, unread=memo[("step", node)].get(UNREAD, {}))
     if len(prev_nodes) > 1:
         step.mismatch = f"its update reads {len(prev_nodes)} earlier states ({', '.join(n.name for n in prev_nodes)})"
         return step
@@ -195,7 +211,24 @@ def _assign_axes(step: Step, decay_coef: float, decay: tuple[Factor, ...], term)
         step.key_axis, step.value_axis = key_axis, value_axis
         step.rows = next(iter(summed), None)
         return
-    step.mismatch = _why_not_outer(expr, term, decay, per_factor, reads)
+    step.mismatch = _unread_input(step, term) or _why_not_outer(expr, term, decay, per_factor, reads)
+
+
+def _unread_input(step: Step, term) -> str:
+    """Why the update's input term is not a product of the step's inputs when the algebra could not read one
+    of its factors (an op it does not read, or a spelling of one it does that it cannot): that, not a guess.
+    A step's own input (k[:, t]) and an elementwise op of one (exp(g_t)) are leaves as they should be."""
+    for factor in term.factors:
+        node, why = factor.node, step.unread.get(factor.node)
+        if why is not None and not _plain_leaf(node):
+            return f"its update adds {node.name}, which the algebra does not read as a product: {why}"
+    return ""
+
+
+def _plain_leaf(node: Node) -> bool:
+    if step_index(node, {}) is not None or node.target is operator.getitem:
+        return True
+    return node.target in ELEMENTWISE_METHODS if node.op == "call_method" else node.target in ELEMENTWISE
 
 
 def _axis_pairs(n: int, position: dict[Index, int]) -> list[tuple[int, int]]:
@@ -230,7 +263,117 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
     for chain in chains:
         if not chain.mismatch and chain.first.rows is None:  # a chunked chain's outputs: fx/chunk_loop.py
             _attach_readouts(chain, memo)
-    return chains
+    opaque = _link(_opaque_steps(graph, steps, {s.node for c in chains for s in c.steps}), memo)
+    chains += [c for c in opaque if len(c.steps) >= min_steps and _over_positions(c, memo)]
+    for chain in chains:
+        chain.unlinked = _unlinked_first_step(chain, memo)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(chains, key=lambda c: order[c.first.node])
+
+
+def _unlinked_first_step(chain: Chain, memo: dict) -> int:
+    """1 when the first step's previous state is computed from the loop's inputs at one position: the
+    loop's first step, written so that it was not read as a step (S_1 = k_1 (x) v_1 in another spelling)."""
+    prev = chain.first.prev
+    if prev is None or prev.op not in ("call_function", "call_method"):
+        return 0
+    return int(pattern(prev, memo.setdefault("patterns", {})).varies)
+
+
+# -- loops whose updates the algebra does not read ----------------------------------------------------------
+
+MAX_UPDATE_DEPTH = 6  # ops between a state and the next: S * a, a reshape, the update, a reshape back
+
+
+def _opaque_steps(graph: torch.fx.Graph, steps: dict[Node, Step], chained: set[Node]) -> dict[Node, Step]:
+    """The updates of loops that carry a state through ops the algebra does not read as a sum (an in-place
+    write, a reshape that merges heads into the batch and back, an op it does not know), so that the report
+    still lists such a loop, with the reason. A state here is a node read twice (read out and updated),
+    whose previous state is the nearest earlier such node of its shape; the last state is read once."""
+    found: dict[Node, Step] = {}
+    for node in graph.nodes:
+        if node in steps or not _state_candidate(node) or len(node.users) < 2:
+            continue
+        prev = _previous_state(node, steps, chained)
+        if prev is not False:
+            found[node] = _opaque_step(node, prev)
+    carried = {s.prev for s in found.values()}
+    for node in [n for n in found if n not in carried]:
+        last = _next_update(node)
+        if last is not None and last not in steps and last not in found:
+            found[last] = _opaque_step(last, node)
+    return {s.node: s for s in found.values() if s.mismatch}
+
+
+def _state_candidate(node: Node) -> bool:
+    value = fake_tensor(node)
+    return node.op in ("call_function", "call_method") and value is not None and value.dim() >= 2 \
+        and value.dtype.is_floating_point
+
+
+def _previous_state(node: Node, steps: dict, chained: set[Node]):
+    """The nearest earlier state of `node`'s shape (None: none, the loop's first step), or False when `node`
+    is part of a loop already read (it reaches one of its steps)."""
+    shape, frontier, seen = _shape(node), list(node.all_input_nodes), set()
+    for _ in range(MAX_UPDATE_DEPTH):
+        following = []
+        for n in frontier:
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in chained:
+                return False
+            if _shape(n) == shape and n not in steps and (len(n.users) > 1 or n.op == "placeholder"):
+                return n
+            following += n.all_input_nodes
+        frontier = following
+    return None
+
+
+def _next_update(node: Node) -> Node | None:
+    """The loop's last update after the state `node`: the nearest later node of its shape and op."""
+    shape, frontier, seen = _shape(node), list(node.users), set()
+    for _ in range(MAX_UPDATE_DEPTH):
+        following = []
+        for n in frontier:
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == node.op and n.target == node.target and _shape(n) == shape:
+                return n
+            following += n.users
+        frontier = following
+    return None
+
+
+def _opaque_step(node: Node, prev: Node | None) -> Step:
+    """A step whose "form" is one product of what it reads besides its state (the nodes between the two),
+    for `_over_positions`: the state itself reads every earlier position, the step's inputs its own."""
+    inputs, frontier = [], list(node.all_input_nodes)
+    for _ in range(MAX_UPDATE_DEPTH):
+        frontier = [n for n in frontier if n is not prev and n not in inputs]
+        inputs += frontier
+        frontier = [i for n in frontier for i in n.all_input_nodes]
+    expr = Expr((), (Term(1.0, tuple(Factor(n, ()) for n in inputs)),))
+    return Step(node, prev, expr, mismatch=_why_opaque(node, prev))
+
+
+def _why_opaque(node: Node, prev: Node | None) -> str:
+    for user in node.users:
+        if any(w is node for w in written_operands(user)):
+            return f"its state {node.name} is written in place by {user.name}, which the algebra does not read"
+    memo: dict = {}
+    try:
+        read(node, lambda n: n is prev, memo)
+    except NotAlgebraic as error:
+        return f"its update {node.name} is not read as a sum of products: {error}"
+    frontier = [node]
+    for _ in range(MAX_UPDATE_DEPTH):
+        for n in frontier:
+            if why_unread(memo, n) is not None:
+                return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
+        frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or _reaches(prev, i)]
+    return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"
 
 
 def first_step(node: Node, memo: dict) -> Step | None:

@@ -1,0 +1,162 @@
+"""GLA token loops in more spellings of their update: fused multiply-adds and einsum with an ellipsis.
+
+`torch.addcmul(S * a, k, v)`, `torch.baddbmm(S * a, k, v)` with heads merged into the batch, and
+`torch.einsum("...k,...v->...kv", k, v)` compute the same update as `S * a + k (x) v`: each becomes one GLA
+site whose outputs and input gradients equal eager's. A spelling the canonical algebra still does not
+read keeps its eager numbers and gets a row in the report's recurrences table that says why, counting
+the steps the user wrote.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import laplace_passes
+
+B, T, H, K, V = 2, 12, 2, 8, 16
+
+
+def inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
+    return [x.requires_grad_() for x in (q, k, v, g)]
+
+
+def _readout(q_t, S):
+    return torch.einsum("bhk,bhkv->bhv", q_t, S)
+
+
+def addcmul(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.addcmul(S * g[:, t].exp()[..., None], k[:, t][..., None], v[:, t][..., None, :], value=0.5)
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def addcmul_method(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = (g[:, t].exp()[..., None] * S).addcmul(k[:, t].unsqueeze(-1), v[:, t].unsqueeze(-2))
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def baddbmm_merged_heads(q, k, v, g):
+    """The state [B * H, K, V]: heads merged into the batch, baddbmm with a beta and an alpha."""
+    q, k, v, g = (x.transpose(1, 2).reshape(B * H, T, -1) for x in (q, k, v, g))
+    S = torch.zeros(B * H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.baddbmm(S * g[:, t].exp()[..., None], k[:, t].unsqueeze(-1), v[:, t].unsqueeze(-2),
+                          beta=0.9, alpha=2.0)
+        outs.append(torch.bmm(q[:, t].unsqueeze(1), S).squeeze(1))
+    return torch.stack(outs, 1), S
+
+
+def einsum_ellipsis(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + torch.einsum("...k,...v->...kv", k[:, t], v[:, t])
+        outs.append(torch.einsum("...k,...kv", q[:, t], S))  # an implicit output: "...v"
+    return torch.stack(outs, 1), S
+
+
+RECOGNISED = [addcmul, addcmul_method, baddbmm_merged_heads, einsum_ellipsis]
+
+
+def outputs_and_grads(fn, args):
+    out = fn(*args)
+    weights = [torch.linspace(-1, 1, o.numel()).view_as(o) for o in out]
+    loss = sum((o * w).sum() for o, w in zip(out, weights))
+    return [o.detach() for o in out], torch.autograd.grad(loss, args)
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="laplace", options={"target": "cpu", "inner": "eager"})
+
+
+def relative_error(found, expected) -> float:
+    return float((found - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("fn", RECOGNISED, ids=lambda f: f.__name__)
+def test_a_fused_or_ellipsis_update_becomes_one_gla_site_equal_to_eager(fn):
+    args = inputs()
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    out, grads = outputs_and_grads(compiled(fn), args)
+    report = laplace_passes.last_report()
+    (row,) = report.recurrences
+    assert row.status == "GLA site" and row.steps == T, row
+    assert len(report.sites) == 1
+    for found, expected in zip([*out, *grads], [*expected_out, *expected_grads]):
+        assert relative_error(found, expected) < 1e-4
+
+
+def einsum_diagonal(q, k, v, g):
+    """k (x) v through a diagonal einsum: the algebra does not read repeated letters."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + torch.einsum("bhkk,bhv->bhkv", torch.diag_embed(k[:, t]), v[:, t])
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def baddbmm_round_trip(q, k, v, g):
+    """Heads merged into the batch and split again at every step: a reshape the algebra does not read."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.baddbmm((S * g[:, t].exp()[..., None]).reshape(B * H, K, V), k[:, t].reshape(B * H, K, 1),
+                          v[:, t].reshape(B * H, 1, V)).reshape(B, H, K, V)
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def addcmul_in_place(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        S.addcmul_(k[:, t][..., None], v[:, t][..., None, :])
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def lerp(q, k, v, g):
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.lerp(S, k[:, t][..., None] * v[:, t][..., None, :], 0.1)
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+NOT_READ = {
+    einsum_diagonal: "which the algebra does not read as a product: einsum with a repeated index (a diagonal)",
+    baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
+    addcmul_in_place: "is written in place by addcmul_",
+    lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",
+}
+
+
+@pytest.mark.parametrize("fn", list(NOT_READ), ids=lambda f: f.__name__)
+def test_an_update_the_algebra_does_not_read_is_a_declined_row_with_its_reason(fn):
+    args = inputs()
+    with torch.no_grad():
+        expected = fn(*args)
+        found = compiled(fn)(*args)
+    for f, e in zip(found, expected):
+        torch.testing.assert_close(f, e, rtol=0, atol=0)
+    report = laplace_passes.last_report()
+    (row,) = report.recurrences
+    assert row.status == "declined" and not report.sites
+    assert row.reason.startswith(f"a {T}-step loop carrying a [2, 2, 8, 16] state, but "), row.reason
+    assert NOT_READ[fn] in row.reason, row.reason
