@@ -294,6 +294,52 @@ def test_a_quadratic_near_miss_is_declined_with_unchanged_numbers(name):
     assert row.status == "declined" and QUADRATIC_NEAR_MISSES[name] in row.reason, row.reason
 
 
+def in_place_state(q, k, v, g):
+    """The state updated in place (under no_grad; eager refuses it with gradients): no chain of states."""
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        S.mul_(g[:, t].exp()[..., None]).add_(k[:, t, :, :, None] * v[:, t, :, None, :])
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1)
+
+
+def test_a_state_updated_in_place_gets_a_row_saying_how_to_write_it():
+    args = cases.inputs("bthk", "key")
+    with torch.no_grad():
+        expected = in_place_state(*args)
+        model = compiled(in_place_state)
+        torch.testing.assert_close(model(*args), expected, rtol=0, atol=0)
+    (row,) = model.laplace_report.recurrences
+    assert (row.status, row.steps, row.state) == ("declined", cases.T, [cases.B, cases.H, cases.K, cases.V]), row
+    assert row.reason.startswith(f"a {cases.T}-step loop carrying a {row.state} state, but its state S is updated "
+                                 "in place (add_, mul_): recognition follows a state passed from step to step as a "
+                                 "new value; write S = S * a + k v"), row.reason
+
+
+def test_a_loop_over_a_dynamic_batch_is_declined_naming_the_symbolic_sizes():
+    """The canonical algebra reads static sizes: the row says which inputs' sizes are symbolic, and how to get
+    graphs of static sizes (the same loop with a static batch is a GLA site: test above)."""
+    def elementwise_any_batch(q, k, v, g):  # cases.elementwise, its batch read off q
+        S = q.new_zeros(q.shape[0], cases.H, cases.K, cases.V)
+        outs = []
+        for t in range(cases.T):
+            S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1)
+
+    args = [a.clone() for a in cases.inputs("bthk", "key")]
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 0)
+    model = compiled(elementwise_any_batch)
+    torch.testing.assert_close(model(*args), elementwise_any_batch(*args), rtol=0, atol=0)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "declined" and "a symbolic size (the graph's inputs have symbolic sizes: " in row.reason
+    assert " dim 0 = s" in row.reason and "dim 1" not in row.reason, row.reason
+    assert row.reason.endswith("torch.compile(..., dynamic=False) compiles one graph per shape in which it can)")
+
+
 class QuadraticWithAMaskBuffer(torch.nn.Module):
     """The causal mask kept as a buffer, as attention modules often keep it: its values are not in the graph."""
 

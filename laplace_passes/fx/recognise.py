@@ -34,6 +34,7 @@ from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
 from laplace_passes.fx.quadratic import QuadraticForm, describe_quadratic, find_quadratic_forms
 from laplace_passes.fx.recurrence import Chain, find_chains
 from laplace_passes.fx.token_loop import TokenLoop, describe, plan_token_loop
+from laplace_passes.fx.unread_loops import in_place_state_rows, symbolic_size_hint
 from laplace_passes.fx.validate import check_on_random_inputs
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
@@ -56,11 +57,17 @@ class RecogniseGLA(GraphPass):
         self.validation_steps = validation_steps
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        records = []
-        for chain in find_chains(gm.graph, self.min_steps):
+        chains = find_chains(gm.graph, self.min_steps)
+        # Found before any rewrite changes the graph: loops no chain follows, so that they still get a row.
+        records = in_place_state_rows(gm.graph, {s.node for c in chains for s in c.steps}, self.min_steps)
+        hint = symbolic_size_hint(gm.graph)
+        for chain in chains:
             records.append(self._rewrite(gm, chain))
         for form in find_quadratic_forms(gm.graph):
             records.append(_rewrite_quadratic(gm, form))
+        for record in records:
+            if record.status == "declined" and hint:
+                record.reason += hint
         found = sum(r.status == "GLA site" for r in records)
         declined = [f"{r.node}: {r.reason}" for r in records if r.status == "declined"]
         summary = f"{found} of {len(records)} loops carrying a state rewritten as GLA sites"
