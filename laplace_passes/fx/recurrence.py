@@ -314,34 +314,41 @@ def _state_candidate(node: Node) -> bool:
 def _previous_state(node: Node, steps: dict, chained: set[Node]):
     """The nearest earlier state of `node`'s shape (None: none, the loop's first step), or False when `node`
     is part of a loop already read (it reaches one of its steps)."""
-    shape, frontier, seen = _shape(node), list(node.all_input_nodes), set()
-    for _ in range(MAX_UPDATE_DEPTH):
-        following = []
-        for n in frontier:
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in chained:
-                return False
-            if _shape(n) == shape and n not in steps and (len(n.users) > 1 or n.op == "placeholder"):
-                return n
-            following += n.all_input_nodes
-        frontier = following
-    return None
+    shape = _shape(node)
+
+    def verdict(n: Node):
+        if n in chained:
+            return False
+        state = _shape(n) == shape and n not in steps and (len(n.users) > 1 or n.op == "placeholder")
+        return n if state else None
+
+    return _nearest(node.all_input_nodes, lambda n: n.all_input_nodes, verdict)
 
 
 def _next_update(node: Node) -> Node | None:
     """The loop's last update after the state `node`: the nearest later node of its shape and op."""
-    shape, frontier, seen = _shape(node), list(node.users), set()
+    shape = _shape(node)
+
+    def verdict(n: Node):
+        return n if n.op == node.op and n.target == node.target and _shape(n) == shape else None
+
+    return _nearest(list(node.users), lambda n: list(n.users), verdict)
+
+
+def _nearest(frontier: list[Node], neighbours, verdict):
+    """Breadth first from `frontier` through `neighbours`, up to MAX_UPDATE_DEPTH levels: the first verdict
+    that is not None (None when none is)."""
+    seen: set[Node] = set()
     for _ in range(MAX_UPDATE_DEPTH):
         following = []
         for n in frontier:
             if n in seen:
                 continue
             seen.add(n)
-            if n.op == node.op and n.target == node.target and _shape(n) == shape:
-                return n
-            following += n.users
+            found = verdict(n)
+            if found is not None:
+                return found
+            following += neighbours(n)
         frontier = following
     return None
 
