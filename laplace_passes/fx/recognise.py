@@ -168,6 +168,7 @@ def _replace_chunks(gm: torch.fx.GraphModule, loop: ChunkLoop, memo: dict) -> No
         for write in [n for n in loop.aggregate.replaced if _writes(n)]:
             gm.graph.erase_node(write)
     _erase_unused(gm.graph, region | built)
+    _after_their_inputs(gm.graph)
 
 
 def _written_as(chain: Chain) -> str:
@@ -203,6 +204,7 @@ def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str)
         for write in [n for n in aggregate.replaced if _writes(n)]:  # the buffer's setitems: read by nothing
             gm.graph.erase_node(write)
     _erase_unused(gm.graph, region | built)
+    _after_their_inputs(gm.graph)
 
 
 def _replace_aggregate(aggregate: Aggregate, stacked: Node, builder: GlaBuilder) -> None:
@@ -238,6 +240,20 @@ def _erase_unused(graph: torch.fx.Graph, region: set[Node]) -> None:
         if node in region and not node.users and node.op in ("call_function", "call_method") \
                 and not _writes(node):
             graph.erase_node(node)
+
+
+def _after_their_inputs(graph: torch.fx.Graph) -> None:
+    """Move each node that now reads a GLA call's result inserted after it (a loop's view of its last state
+    that the user returns, `S = bmm(..).reshape(..)`, and then what reads that) to just after its last
+    input: one node at a time, each only later, until every node follows its inputs."""
+    while True:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        late = next(((n, max(n.all_input_nodes, key=position.get)) for n in graph.nodes
+                     if any(position[i] > position[n] for i in n.all_input_nodes)), None)
+        if late is None:
+            return
+        node, last_input = late
+        last_input.append(node)
 
 
 def _writes(node: Node) -> bool:

@@ -263,7 +263,9 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
     for chain in chains:
         if not chain.mismatch and chain.first.rows is None:  # a chunked chain's outputs: fx/chunk_loop.py
             _attach_readouts(chain, memo)
-    opaque = _link(_opaque_steps(graph, steps, {s.node for c in chains for s in c.steps}), memo)
+    # A chain's state before its first step is the loop's too: its first update, when read apart (below).
+    chained = {s.node for c in chains for s in c.steps} | {c.first.prev for c in chains if c.first.prev is not None}
+    opaque = _link(_opaque_steps(graph, steps, chained), memo)
     chains += [c for c in opaque if len(c.steps) >= min_steps and _over_positions(c, memo)]
     for chain in chains:
         chain.unlinked = _unlinked_first_step(chain, memo)
@@ -300,7 +302,8 @@ def _opaque_steps(graph: torch.fx.Graph, steps: dict[Node, Step], chained: set[N
     carried = {s.prev for s in found.values()}
     for node in [n for n in found if n not in carried]:
         last = _next_update(node)
-        if last is not None and last not in steps and last not in found:
+        if last is not None and last not in steps and last not in found \
+                and _previous_state(last, steps, chained) is not False:  # not a view of a loop already read
             found[last] = _opaque_step(last, node)
     return {s.node: s for s in found.values() if s.mismatch}
 
