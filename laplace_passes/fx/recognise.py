@@ -60,7 +60,7 @@ class RecogniseGLA(GraphPass):
         chains = find_chains(gm.graph, self.min_steps)
         # Found before any rewrite changes the graph: loops no chain follows, so that they still get a row.
         records = in_place_state_rows(gm.graph, {s.node for c in chains for s in c.steps}, self.min_steps)
-        hint = symbolic_size_hint(gm.graph)
+        hint = symbolic_size_hint(gm)
         for chain in chains:
             records.append(self._rewrite(gm, chain))
         for form in find_quadratic_forms(gm.graph):

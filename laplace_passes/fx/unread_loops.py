@@ -22,7 +22,8 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from laplace_passes.fx.in_place_writes import written_operands
-from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.fx_helpers import dynamic_dims, fake_tensor
+from laplace_passes.infra.op_facts import short_op_name
 from laplace_passes.infra.report import RecurrenceRecord
 
 Node = torch.fx.Node
@@ -38,15 +39,14 @@ def in_place_state_rows(graph: torch.fx.Graph, chained: set[Node], min_steps: in
     `min_steps` times (with one method), unless a chain of states already holds those writes."""
     writes: dict[Node, dict[Node, None]] = {}  # per tensor, its writers in graph order, each once
     for node in graph.nodes:
-        name = _method_name(node)
-        if name not in STATE_WRITES:
+        if not _state_write(node):
             continue
         for operand in written_operands(node):  # the operand, and what shares its memory
             if isinstance(operand, Node):
                 writes.setdefault(_written_root(operand), {})[node] = None
     rows = []
     for root, writers in writes.items():
-        counts = Counter(_method_name(w) for w in writers)
+        counts = Counter(_state_write(w) for w in writers)
         value = fake_tensor(root)
         steps = max(counts.values())
         if steps < min_steps or value is None or value.dim() < 2 or root in chained or chained & set(writers):
@@ -61,14 +61,9 @@ def in_place_state_rows(graph: torch.fx.Graph, chained: set[Node], min_steps: in
     return rows
 
 
-def symbolic_size_hint(graph: torch.fx.Graph) -> str:
+def symbolic_size_hint(gm: torch.fx.GraphModule) -> str:
     """'' when every input's size is static; else what to add to a declined loop's reason."""
-    symbolic = []
-    for node in graph.nodes:
-        value = fake_tensor(node) if node.op == "placeholder" else None
-        if value is None:
-            continue
-        symbolic += [f"{node.name} dim {i} = {d}" for i, d in enumerate(value.shape) if not is_concrete_int(d)]
+    symbolic = dynamic_dims(gm, include_specialised=False)  # a length specialised to one value is static here
     if not symbolic:
         return ""
     return (f" (the graph's inputs have symbolic sizes: {', '.join(symbolic[:4])}"
@@ -76,17 +71,15 @@ def symbolic_size_hint(graph: torch.fx.Graph) -> str:
             "torch.compile(..., dynamic=False) compiles one graph per shape in which it can)")
 
 
-def _method_name(node: Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", "")
-    return ""
+def _state_write(node: Node) -> str:
+    """The in-place arithmetic method or function `node` calls (`STATE_WRITES`); '' for anything else."""
+    name = short_op_name(node) if node.op in ("call_method", "call_function") else ""
+    return name if name in STATE_WRITES else ""
 
 
 def _written_root(node: Node) -> Node:
     """The tensor an in-place chain writes: `S.mul_(a).add_(b)` writes S through the node `mul_` returns."""
-    while _method_name(node) in STATE_WRITES and node.args and isinstance(node.args[0], Node):
+    while _state_write(node) and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
 

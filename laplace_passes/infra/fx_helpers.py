@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, optimization_hint
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
@@ -85,15 +85,20 @@ def size_hint(size: Any) -> int:
     return optimization_hint(size, fallback=1) if isinstance(size, torch.SymInt) else int(size)
 
 
-def dynamic_dims(gm: torch.fx.GraphModule) -> list[str]:
-    """The graph's inputs with symbolic sizes, one "input dim i = symbol" entry per dimension."""
+def dynamic_dims(gm: torch.fx.GraphModule, include_specialised: bool = True) -> list[str]:
+    """The graph's inputs with symbolic sizes, one "input dim i = symbol" entry per dimension.
+
+    `include_specialised=False` leaves out the sizes that are symbols with one known value (a length Dynamo
+    specialised to 70, say): what is left can take other values in this graph.
+    """
     found = []
+    symbolic = (lambda s: not isinstance(s, int)) if include_specialised else (lambda s: not is_concrete_int(s))
     for node in gm.graph.find_nodes(op="placeholder"):
         value = fake_value(node)
         if isinstance(value, torch.SymInt):
             continue  # a size passed as an input: named by the tensor dimensions it comes from
         for tensor in tensor_values(value):
-            found += [f"{node.name} dim {i} = {s}" for i, s in enumerate(tensor.shape) if not isinstance(s, int)]
+            found += [f"{node.name} dim {i} = {s}" for i, s in enumerate(tensor.shape) if symbolic(s)]
     return found
 
 
