@@ -261,7 +261,7 @@ def _run_export(args) -> int:
     from laplace_passes.infra.files import check_output_dir
 
     check_output_dir(args.stablehlo, args.force)
-    _check_target(args.target)
+    _check_options(target=args.target)
     if args.muon and args.world_size < 2:
         raise ValueError(f"--muon needs --world-size of at least 2 (got {args.world_size}): with one rank the "
                          "step has no communication to export")
@@ -300,10 +300,6 @@ def _run_export(args) -> int:
         print(f"wrote {count} graph{'' if count == 1 else 's'}{' and the Muon step' if 'muon_step' in manifest else ''} "
               f"and manifest.json to {exported.out_dir}")
     return 0
-
-
-def _check_target(target: str) -> None:
-    _check_options(target=target)
 
 
 def _check_options(**options) -> None:
