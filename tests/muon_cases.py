@@ -22,8 +22,9 @@ def compare_params(tag: str, mine, ref, failures: list[str]) -> None:
 
 
 def step_beside_reference(opt, refs, params, ref_params, rank: int, world_size: int, steps: int, tag: str,
-                          failures: list[str]) -> None:
-    """`steps` steps of `opt` (this rank's gradient) and of the reference optimizers `refs` (the rank average)."""
+                          failures: list[str], after_step=None) -> None:
+    """`steps` steps of `opt` (this rank's gradient) and of the reference optimizers `refs` (the rank average);
+    `after_step()`, if given, after each (a learning-rate schedule's step, say)."""
     shapes = [p.shape for p in params]
     for step in range(steps):
         for p, r, g in zip(params, ref_params, rank_grads(step, world_size, shapes)):
@@ -33,6 +34,8 @@ def step_beside_reference(opt, refs, params, ref_params, rank: int, world_size: 
         for reference in refs:
             reference.step()
         compare_params(f"{tag} step {step}", params, ref_params, failures)
+        if after_step is not None:
+            after_step()
 
 
 def step_with_same_grads(opt, params, refs, ref_params, steps: int) -> None:

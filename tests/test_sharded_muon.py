@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from model_zoo.muon import COMM_MODES, ShardedMuon, ShardedMuonStepError, RowSplit
+from model_zoo.muon import COMM_MODES, MuonHParams, RowSplit, ShardedMuon, ShardedMuonStepError
 from tests._dist import run_ranks
 from tests.muon_cases import compare_params, rank_grads, step_beside_reference, step_with_same_grads
 
@@ -225,16 +225,26 @@ def _body_vectors(rank, world_size):
             ref_params = [t.clone().requires_grad_() for t in init]
             opt = ShardedMuon(params, comm=comm, backend=backend, lr=0.02)
             ref = torch.optim.Muon(ref_params, lr=0.02)
-            step_beside_reference(opt, (ref,), params, ref_params, rank, world_size, 2,
-                                  f"W={world_size} {comm} {name}", failures)
+            # A schedule of lr and momentum (NOTE [step sizes are inputs of the compiled step]): one compile.
+            schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (1 + step)) for o in (opt, ref)]
+
+            def next_settings():
+                for schedule in schedules:
+                    schedule.step()
+                for group in (*opt.param_groups, *ref.param_groups):
+                    group["momentum"] -= 0.05
+
+            step_beside_reference(opt, (ref,), params, ref_params, rank, world_size, 3,
+                                  f"W={world_size} {comm} {name}", failures, after_step=next_settings)
         records[comm] = [(p.modified, p.declined) for p in report.passes if p.name == "muon_all_to_all"]
     return failures, records
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_column_vector_matrices_compile_and_equal_torch_muon(world_size):
-    """[n, 1] parameters in both comm modes: the step compiles, equals the eager step and torch.optim.Muon
-    bit for bit, and the Muon rewrite takes every matrix (no decline)."""
+    """[n, 1] parameters in both comm modes: the step compiles once for 3 steps of a learning-rate and momentum
+    schedule, equals the eager step and torch.optim.Muon bit for bit, and the Muon rewrite takes every matrix
+    (no decline)."""
     results = run_ranks(world_size, _body_vectors, timeout=180)
     failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures)
@@ -368,32 +378,92 @@ def test_single_process_compiled_eager_backend():
     _single_process_compare(CONFIGS["default"], "all_gather", backend="eager", steps=2)
 
 
-def test_a_new_learning_rate_compiles_a_new_step_and_an_old_one_reuses_its_own():
-    """README: the step keeps the learning rate as a constant, so a changed lr recompiles the step.
-
-    A graph compiled at one lr and silently reused at another would update
-    with the old lr: every step is compared with torch.optim.Muon at the lr
-    of that step, and the compiles are counted at the backend.
-    """
+def _counting_backend():
     compiled = []
 
-    def counting_backend(graph_module, example_inputs):
+    def backend(graph_module, example_inputs):
         compiled.append(graph_module)
         return graph_module.forward
 
+    return backend, compiled
+
+
+# (lr, weight_decay, momentum) per step: a schedule changes them all; step 3 returns to step 0's values.
+SCHEDULE = [(0.02, 0.1, 0.95), (0.011, 0.1, 0.9), (0.005, 0.03, 0.85), (0.02, 0.1, 0.95), (0.0, 0.0, 0.0)]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_learning_rate_weight_decay_and_momentum_changes_run_one_compiled_step(nesterov):
+    """NOTE [step sizes are inputs of the compiled step]: changing lr, weight decay and momentum between steps
+    (what a schedule does) runs the step compiled first, and every step equals torch.optim.Muon's at that step's
+    settings. A graph reused with the values of its first compile would update with the old lr: each step is
+    compared bit for bit, and the compiles are counted at the backend."""
+    backend, compiled = _counting_backend()
     torch._dynamo.reset()
     torch.manual_seed(5)
+    ps = [torch.randn(8, 4), torch.randn(3, 6)]
+    a = [p.clone().requires_grad_() for p in ps]
+    b = [p.clone().requires_grad_() for p in ps]
+    settings = dict(ns_steps=1, nesterov=nesterov)  # one Newton-Schulz step: the compile traces less
+    opt, ref = ShardedMuon(a, **settings, backend=backend), torch.optim.Muon(b, **settings)
+    for step, (lr, weight_decay, momentum) in enumerate(SCHEDULE):
+        for group in (*opt.param_groups, *ref.param_groups):
+            group.update(lr=lr, weight_decay=weight_decay, momentum=momentum)
+        step_with_same_grads(opt, a, [ref], b, steps=1)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: the step differs from torch.optim.Muon's"
+        for x, y in zip(a, b):
+            assert torch.equal(opt.state[x]["momentum_buffer"], ref.state[y]["momentum_buffer"]), f"step {step}"
+    assert len(compiled) == 1, f"{len(compiled)} compiles for {len(SCHEDULE)} steps of a schedule"
+    placeholders = [n for n in compiled[0].graph.nodes if n.op == "placeholder"]
+    assert any(tuple(n.meta["example_value"].shape) == (2, 4) for n in placeholders), "no step-size input"
+
+
+def test_a_new_newton_schulz_setting_compiles_a_new_step_and_an_old_one_reuses_its_own():
+    """The Newton-Schulz settings stay constants of the graph: a changed ns_steps compiles a step of its own, and
+    going back reuses the first (Dynamo's guards tell them apart); each step equals torch.optim.Muon's."""
+    backend, compiled = _counting_backend()
+    torch._dynamo.reset()
+    torch.manual_seed(6)
     ps = [torch.randn(8, 4)]
     a = [p.clone().requires_grad_() for p in ps]
     b = [p.clone().requires_grad_() for p in ps]
-    settings = dict(lr=0.02, ns_steps=1)  # one Newton-Schulz step: each compile traces less
-    opt, ref = ShardedMuon(a, **settings, backend=counting_backend), torch.optim.Muon(b, **settings)
-    for lr, compiles in [(0.02, 1), (0.02, 1), (0.005, 2), (0.02, 2), (0.005, 2)]:
+    opt, ref = ShardedMuon(a, ns_steps=1, backend=backend), torch.optim.Muon(b, ns_steps=1)
+    for ns_steps, compiles in [(1, 1), (2, 2), (1, 2)]:
         for group in (*opt.param_groups, *ref.param_groups):
-            group["lr"] = lr
+            group["ns_steps"] = ns_steps
         step_with_same_grads(opt, a, [ref], b, steps=1)
-        assert len(compiled) == compiles, f"lr {lr}: {len(compiled)} compiles, expected {compiles}"
-        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"lr {lr}: the step differs from torch.optim.Muon's"
+        assert len(compiled) == compiles, f"ns_steps {ns_steps}: {len(compiled)} compiles, expected {compiles}"
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"ns_steps {ns_steps}: differs from torch.optim.Muon"
+
+
+def test_bfloat16_matrices_keep_their_step_sizes_as_constants():
+    """A bf16 matrix's step sizes stay constants (lerp takes a weight of its input's dtype only): the compiled
+    step equals the eager one at each learning rate, one compile per learning rate."""
+    backend, compiled = _counting_backend()
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    p0 = torch.randn(8, 4).bfloat16()
+    a, b = p0.clone().requires_grad_(), p0.clone().requires_grad_()
+    opt, eager = ShardedMuon([a], ns_steps=1, backend=backend), ShardedMuon([b], ns_steps=1, backend=None)
+    for lr, compiles in [(0.02, 1), (0.01, 2)]:
+        for group in (*opt.param_groups, *eager.param_groups):
+            group["lr"] = lr
+        a.grad = torch.randn(a.shape).bfloat16()
+        b.grad = a.grad.clone()
+        opt.step()
+        eager.step()
+        assert len(compiled) == compiles and torch.equal(a, b), f"lr {lr}: {len(compiled)} compiles"
+
+
+def test_step_sizes_of_the_wrong_shape_are_refused_before_any_collective():
+    from model_zoo.muon import muon_shard_step
+
+    hp = MuonHParams(0.02, 0.1, 0.95, True, (3.4445, -4.775, 2.0315), 1, 1e-7, 0.02)
+    shard = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match=r"step_sizes must be a float32 tensor of shape \(1, 4\).*float64 \(4,\)"):
+        muon_shard_step([shard], [shard], [shard], torch.tensor(0), torch.zeros(4, dtype=torch.float64),
+                        splits=(RowSplit(4, 4, 1),), hparams=(hp,), owners=(0,), comm="all_gather", world_size=1,
+                        group=None)
 
 
 def test_only_muon_params_equals_torch_muon_exactly():

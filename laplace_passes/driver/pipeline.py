@@ -28,7 +28,12 @@ from laplace_passes.fx.recognise import RecogniseGLA
 from laplace_passes.fx.retile import RetileGLA
 from laplace_passes.infra.pass_base import GraphContext, GraphPass
 from laplace_passes.lowering.fold_constants import FoldIndexConstants
-from laplace_passes.lowering.legalize import BoundSliceScatter, ClampGateChecks, DiagonalAsStridedSlice
+from laplace_passes.lowering.legalize import (
+    BoundSliceScatter,
+    ClampGateChecks,
+    DiagonalAsStridedSlice,
+    ExpandScaledAdds,
+)
 from laplace_passes.lowering.preflight import NeuronPreflight, RequireCleanPreflight
 from laplace_passes.lowering.stablehlo import LowerToStableHLO
 from laplace_passes.unroll import FitGraphToBudget, SizeModel, UnrollLoops
@@ -126,6 +131,7 @@ ATEN = (
          lambda b: ClampGateChecks()),
     Step("bound_slice_scatter", "inner compilers that lower", _legalizes, lambda b: BoundSliceScatter()),
     Step("diagonal_as_strided_slice", "inner compilers that lower", _legalizes, lambda b: DiagonalAsStridedSlice()),
+    Step("expand_scaled_adds", "inner compilers that lower", _legalizes, lambda b: ExpandScaledAdds()),
     Step("fold_index_constants", "inner compilers that lower", _legalizes, lambda b: FoldIndexConstants()),
     Step("neuron_preflight", "inner neuron, and preflight()", lambda c: c.inner.preflight != "off",
          lambda b: NeuronPreflight.for_graph(b.context)),

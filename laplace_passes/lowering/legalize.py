@@ -19,6 +19,9 @@ torch-mlir. Two things in our graphs stop it, and each gets one small pass:
   explicit GLA backward takes diagonal blocks with it).
   `DiagonalAsStridedSlice` rewrites it as a strided slice of the flattened
   matrix.
+* `laplace::add_scaled` (torch.add with a tensor alpha, in ShardedMuon's
+  step) is a Python op too. `ExpandScaledAdds` writes it as
+  `input + other * alpha`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.fx
 
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node, provenance_of
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
+from laplace_passes.ops.scaled_add import ADD_SCALED
 
 aten = torch.ops.aten
 CHECK_GATES = torch.ops.laplace.check_gates.default
@@ -222,4 +226,47 @@ def _replace_diagonal(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         for name, op, args, kwargs in steps:
             current = new_node(graph, op, (current, *args), kwargs, name=name)
     node.replace_all_uses_with(current)
+    graph.erase_node(node)
+
+
+class ExpandScaledAdds(GraphPass):
+    """Replace every `laplace::add_scaled(input, other, alpha)` by ATen's `input + other * alpha`.
+
+    NOTE [expand_scaled_adds: before and after]
+    Before (ShardedMuon's step, learning rates as inputs):
+
+        mul = torch.ops.aten.mul.Tensor(arg2_1, select_2)
+        add_scaled = torch.ops.laplace.add_scaled.default(mul, squeeze, select_3)
+
+    After (`other` cast to the result's dtype first, as torch.add computes):
+
+        add_scaled_other = torch.ops.aten._to_copy.default(squeeze, dtype=torch.float32)
+        add_scaled_product = torch.ops.aten.mul.Tensor(add_scaled_other, select_3)
+        add_scaled = torch.ops.aten.add.Tensor(mul, add_scaled_product)
+
+    The sum and the product round separately, where the eager op rounds once;
+    the lowered program's rounding is its device's.
+    """
+
+    name = "expand_scaled_adds"
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        adds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ADD_SCALED]
+        for node in adds:
+            _expand_scaled_add(gm.graph, node)
+        summary = f"{len(adds)} add_scaled op(s) written as input + other * alpha" if adds else "no add_scaled"
+        return PassResult(gm, modified=bool(adds), summary=summary)
+
+
+def _expand_scaled_add(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    input_, other, alpha = node.args
+    dtype = fake_tensor(node).dtype
+    provenance = provenance_of(node)
+    with graph.inserting_before(node):
+        if fake_tensor(other).dtype != dtype:
+            other = new_node(graph, aten._to_copy.default, (other,), {"dtype": dtype}, name="add_scaled_other",
+                             provenance=provenance)
+        product = new_node(graph, aten.mul.Tensor, (other, alpha), name="add_scaled_product", provenance=provenance)
+        total = new_node(graph, aten.add.Tensor, (input_, product), name="add_scaled", provenance=provenance)
+    node.replace_all_uses_with(total)
     graph.erase_node(node)

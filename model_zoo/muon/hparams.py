@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
@@ -26,6 +26,36 @@ ADAMW_DEFAULTS = {
 
 # A param group's Muon settings, in the order `check_muon_hparams` takes them.
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+
+
+class StepSizes(NamedTuple):
+    """The numbers one Muon step scales by, as torch.optim.Muon computes them from a group's settings.
+
+    NOTE [step sizes are inputs of the compiled step]
+    These are what a schedule changes between steps (learning rate, weight
+    decay, momentum). `ShardedMuon` hands them to its compiled shard step as
+    one float32 tensor, a graph input, so a new learning rate runs the same
+    compiled graph instead of recompiling it (and, past Dynamo's recompile
+    limit, running uncompiled). float32 holds each exactly as torch.optim.Muon's
+    eager ops use it: they cast the Python float to float32 before using it.
+    Everything else (Nesterov, Newton-Schulz's coefficients, steps and eps,
+    the shapes) stays a constant of the graph.
+    """
+
+    one_minus_momentum: Any  # momentum buffer: buf.lerp(grad, 1 - momentum)
+    momentum: Any  # Nesterov: grad.lerp(buf, momentum)
+    decay: Any  # param * (1 - lr * weight_decay)
+    neg_adjusted_lr: Any  # param + (-adjusted_lr) * update
+
+
+@dataclass(frozen=True)
+class MuonConstants:
+    """What a compiled shard step is specialised on when its step sizes are inputs (`StepSizes`)."""
+
+    nesterov: bool
+    ns_coefficients: tuple[float, float, float]
+    ns_steps: int
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -55,6 +85,14 @@ class MuonHParams:
             eps=group["eps"],
             adjusted_lr=adjust_lr(lr, group["adjust_lr_fn"], rows, cols),
         )
+
+    def step_sizes(self) -> StepSizes:
+        """This matrix's step sizes as Python floats, computed as torch.optim.Muon computes them."""
+        return StepSizes(1 - self.momentum, self.momentum, 1 - self.lr * self.weight_decay, -self.adjusted_lr)
+
+    def constants(self) -> MuonConstants:
+        """The settings that stay constants of a compiled step whose step sizes are inputs."""
+        return MuonConstants(self.nesterov, self.ns_coefficients, self.ns_steps, self.eps)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:

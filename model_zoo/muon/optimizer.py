@@ -90,12 +90,15 @@ class ShardedMuon(Optimizer):
     graph is the same on every rank (own rows picked by ``index_select``,
     the owner-only Newton-Schulz of ``gather_broadcast`` in a ``torch.cond``),
     and ``backend="laplace"`` rewrites its gathers into two all-to-alls
-    (``laplace_passes.collectives``). The layouts, owners and
-    hyper-parameters are Python constants: a changed learning rate is a new
-    graph (a recompile; Dynamo stops compiling after its recompile limit).
-    Shapes are compiled static (``dynamic=False``). With a learning-rate
-    schedule, pass ``backend=None``: every new learning rate would be a
-    recompile, and past Dynamo's recompile limit the step runs uncompiled.
+    (``laplace_passes.collectives``). Learning rate, weight decay and
+    momentum reach the compiled step as a tensor (NOTE [step sizes are
+    inputs of the compiled step] in ``model_zoo/muon/hparams.py``): a
+    learning-rate schedule, or changing them by hand between steps, runs the
+    one compiled graph. The layouts, owners, Nesterov and the Newton-Schulz
+    settings are Python constants: changing one compiles a new graph (Dynamo
+    stops compiling after its recompile limit). So do the step sizes of
+    matrices that are not float32. Shapes are compiled static
+    (``dynamic=False``).
     """
 
     def __init__(
@@ -259,21 +262,24 @@ class ShardedMuon(Optimizer):
 
         For exporting it, e.g. ``laplace_passes.export_stablehlo(fn, *args, target="trn2", out_dir=...)``
         inside the distributed job. The arguments are this rank's shards of the current momenta, gradients
-        (not averaged over the ranks: only their shapes matter to an export) and parameters, and the rank
-        as a tensor. Needs a ``.grad`` on the Muon parameters; modifies nothing.
+        (not averaged over the ranks: only their shapes matter to an export) and parameters, the rank
+        as a tensor and, where the matrices are float32, the step sizes (learning rate, weight decay and
+        momentum: an input of the exported module, NOTE [step sizes are inputs of the compiled step]).
+        Needs a ``.grad`` on the Muon parameters; modifies nothing.
         """
         muon, _ = self._collect()
         if not muon.params:
             raise ValueError("ShardedMuon.shard_step_call(): no Muon parameter has a .grad (run a backward first)")
         splits = tuple(muon.splits)
-        step = functools.partial(muon_shard_step, splits=splits, hparams=tuple(muon.hparams),
+        step_sizes, hparams = self._step_size_inputs(muon, compiled=True)
+        step = functools.partial(muon_shard_step, splits=splits, hparams=hparams,
                                  owners=assign_owners(splits, self.world_size), comm=self.comm,
                                  world_size=self.world_size,
                                  group=self.process_group.group_name if self.process_group is not None else None)
         own = [lambda full, sp=sp: sp.own(full.detach(), self.rank) for sp in splits]
         args = (self._momentum_shards(muon), [o(g) for o, g in zip(own, muon.grads)],
                 [o(p) for o, p in zip(own, muon.params)], self._rank_tensor(muon.params[0].device))
-        return step, args
+        return step, args if step_sizes is None else (*args, step_sizes)
 
     def _shard_step(self) -> Callable:
         if self._step_fn is None:
@@ -406,11 +412,27 @@ class ShardedMuon(Optimizer):
             return [], []
         param_shards = [sp.own(p.detach(), self.rank) for p, sp in zip(muon.params, muon.splits)]
         splits = tuple(muon.splits)
+        step_sizes, hparams = self._step_size_inputs(muon, compiled=self.backend is not None)
         return self._shard_step()(
-            momentum, grad_shards, param_shards, self._rank_tensor(muon.params[0].device),
-            splits=splits, hparams=tuple(muon.hparams), owners=assign_owners(splits, self.world_size),
+            momentum, grad_shards, param_shards, self._rank_tensor(muon.params[0].device), step_sizes,
+            splits=splits, hparams=hparams, owners=assign_owners(splits, self.world_size),
             comm=self.comm, world_size=self.world_size, group=group,
         )
+
+    @staticmethod
+    def _step_size_inputs(muon: _MuonParams, compiled: bool) -> tuple[Tensor | None, tuple]:
+        """(step sizes, hyper-parameters) for the shard step.
+
+        A compiled step of float32 matrices reads learning rate, weight decay and momentum from a tensor
+        input, so a schedule does not recompile it (NOTE [step sizes are inputs of the compiled step]). Other
+        dtypes keep them as constants: `lerp` takes a tensor weight of its input's dtype only, and a bf16
+        weight would round the momentum where torch.optim.Muon's float32 arithmetic does not.
+        """
+        if not compiled or any(p.dtype != torch.float32 for p in muon.params):
+            return None, tuple(muon.hparams)
+        sizes = torch.tensor([hp.step_sizes() for hp in muon.hparams], dtype=torch.float32,
+                             device=muon.params[0].device)
+        return sizes, tuple(hp.constants() for hp in muon.hparams)
 
     def _step_error(self, phase: str, error: Exception) -> ShardedMuonStepError:
         W = self.world_size

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from laplace_passes.collectives.plan import greedy_owners
+from laplace_passes.ops.scaled_add import add_scaled
 from model_zoo.muon.collectives import RowSplit, all_gather_rows, broadcast
-from model_zoo.muon.hparams import MuonHParams
+from model_zoo.muon.hparams import MuonConstants, MuonHParams, StepSizes
 
 COMM_MODES = ("all_gather", "gather_broadcast")
 
@@ -59,9 +60,10 @@ def muon_shard_step(
     grad_shards: list[Tensor],
     param_shards: list[Tensor],
     rank: Tensor,
+    step_sizes: Tensor | None = None,
     *,
     splits: tuple[RowSplit, ...],
-    hparams: tuple[MuonHParams, ...],
+    hparams: tuple[MuonHParams | MuonConstants, ...],
     owners: tuple[int, ...],
     comm: str,
     world_size: int,
@@ -72,7 +74,12 @@ def muon_shard_step(
     Inputs, per matrix i (all ``[splits[i].shard_rows, cols]``, zero-padded,
     identical shapes on every rank): the momentum buffer shard, the averaged
     gradient shard, the parameter shard; and ``rank``, this rank as a 0-d
-    int64 tensor.  Returns new momentum shards and new parameter shards;
+    int64 tensor; optionally ``step_sizes``, a float32 ``[matrices, 4]``
+    tensor of each matrix's `StepSizes` (NOTE [step sizes are inputs of the
+    compiled step]): then the graph reads learning rate, weight decay and
+    momentum from it, and ``hparams`` may be `MuonConstants`; without it
+    they are the constants of ``hparams`` (`MuonHParams`).
+    Returns new momentum shards and new parameter shards;
     inputs are not modified.  Pure function of tensors apart from the
     collectives on ``group``.
 
@@ -97,7 +104,8 @@ def muon_shard_step(
 
     Then, locally: ``param_i * (1 - lr*wd) - adjusted_lr * mine_i``.
     """
-    new_bufs, updates = _momentum_updates(momentum_shards, grad_shards, hparams)
+    sizes = _step_sizes(hparams, step_sizes)
+    new_bufs, updates = _momentum_updates(momentum_shards, grad_shards, hparams, sizes)
     if not splits:
         ortho: list[Tensor] = []
     elif comm == "all_gather":
@@ -106,29 +114,46 @@ def muon_shard_step(
         ortho = _orthogonalise_gather_broadcast(updates, rank, splits, hparams, owners, world_size, group)
     else:
         raise ValueError(f"unknown comm {comm!r}; expected one of {COMM_MODES}")
-    new_params: list[Tensor] = []
-    for shard, mine, hp in zip(param_shards, ortho, hparams):
-        p = shard.mul(1 - hp.lr * hp.weight_decay)
-        p.add_(mine, alpha=-hp.adjusted_lr)
-        new_params.append(p)
-    return new_bufs, new_params
+    return new_bufs, [_updated(shard, mine, size) for shard, mine, size in zip(param_shards, ortho, sizes)]
 
 
-def _momentum_updates(momentum_shards, grad_shards, hparams) -> tuple[list[Tensor], list[Tensor]]:
+def _updated(shard: Tensor, mine: Tensor, size: StepSizes) -> Tensor:
+    """torch.optim.Muon's ``param.mul_(1 - lr * wd); param.add_(update, alpha=-adjusted_lr)``, out of place."""
+    p = shard.mul(size.decay)
+    if isinstance(size.neg_adjusted_lr, Tensor):  # torch.add's alpha takes numbers only; add_scaled, same rounding
+        return add_scaled(p, mine, size.neg_adjusted_lr)
+    return p.add_(mine, alpha=size.neg_adjusted_lr)
+
+
+def _step_sizes(hparams, step_sizes: Tensor | None) -> list[StepSizes]:
+    """Each matrix's step sizes: from the constants of `hparams`, or read from the tensor `step_sizes`."""
+    if step_sizes is None:
+        return [hp.step_sizes() for hp in hparams]
+    expected = (len(hparams), len(StepSizes._fields))
+    if tuple(step_sizes.shape) != expected or step_sizes.dtype != torch.float32:
+        raise ValueError(f"step_sizes must be a float32 tensor of shape {expected} (one row of StepSizes per "
+                         f"matrix), got {step_sizes.dtype} {tuple(step_sizes.shape)}")
+    if torch.compiler.is_compiling():
+        return [StepSizes(*row.unbind()) for row in step_sizes]  # 0-d tensors: graph inputs, not constants
+    # Eagerly, Python floats: the ops cast each back to the same float32 value, as with MuonHParams' floats.
+    return [StepSizes(*row) for row in step_sizes.tolist()]
+
+
+def _momentum_updates(momentum_shards, grad_shards, hparams, sizes) -> tuple[list[Tensor], list[Tensor]]:
     """New momentum shards and the (bf16) Nesterov updates to orthogonalise."""
     new_bufs: list[Tensor] = []
     updates: list[Tensor] = []
-    for m, g, hp in zip(momentum_shards, grad_shards, hparams):
-        buf = m.lerp(g, 1 - hp.momentum)
+    for m, g, hp, size in zip(momentum_shards, grad_shards, hparams, sizes):
+        buf = m.lerp(g, size.one_minus_momentum)
         new_bufs.append(buf)
-        upd = g.lerp(buf, hp.momentum) if hp.nesterov else buf
+        upd = g.lerp(buf, size.momentum) if hp.nesterov else buf
         # Newton-Schulz casts to bf16 first; casting the shards before the
         # gather is elementwise-identical and halves the bytes sent.
         updates.append(upd.bfloat16())
     return new_bufs, updates
 
 
-def _ns(x: Tensor, hp: MuonHParams) -> Tensor:
+def _ns(x: Tensor, hp: MuonHParams | MuonConstants) -> Tensor:
     return newton_schulz(x, hp.ns_coefficients, hp.ns_steps, hp.eps)
 
 
@@ -137,7 +162,7 @@ def _orthogonalise_all_gather(updates, rank, splits, hparams, world_size, group)
     return [sp.own_rows(_ns(f, hp), rank) for f, sp, hp in zip(full, splits, hparams)]
 
 
-def _owner_only_ns(full: Tensor, hp: MuonHParams, rank: Tensor, owner: int) -> Tensor:
+def _owner_only_ns(full: Tensor, hp: MuonHParams | MuonConstants, rank: Tensor, owner: int) -> Tensor:
     """NS(full) on the owner rank, zeros elsewhere (the value other ranks send is ignored)."""
     if torch.compiler.is_compiling():
         # A Python branch on the rank would specialise the graph per rank.
