@@ -321,8 +321,9 @@ def test_inspect_passes_prints_the_declared_pipeline_for_the_inner_compiler(caps
     for text, steps in ((dynamo, DYNAMO), (aten, ATEN)):
         positions = [text.index(f" {step.name} ") for step in steps]
         assert positions == sorted(positions), text
-    assert "+ 10. lower_to_stablehlo" in lowered and "- 10. lower_to_stablehlo" in eager
-    assert "+  3. clamp_gate_checks" in lowered and "-  7. neuron_preflight" in lowered
+    assert "+ 11. lower_to_stablehlo" in lowered and "- 11. lower_to_stablehlo" in eager
+    assert "+  3. clamp_gate_checks" in lowered and "+  6. expand_scaled_adds" in lowered
+    assert "-  8. neuron_preflight" in lowered
     assert "target trn2, inner eager" in eager
 
 
