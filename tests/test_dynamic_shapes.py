@@ -323,3 +323,29 @@ def test_symbolic_batch_with_static_length_unrolls_one_graph_for_every_batch():
     assert [(loop.kind, loop.trip_count, loop.status) for loop in loops] == [
         ("laplace.chunked_gla", 3, "unrolled"), ("laplace.chunked_gla_backward", 3, "unrolled")]
     assert any(not is_static(n.meta["val"]) for n in seen[0].graph.find_nodes(op="placeholder"))
+
+
+def _token_loop(q, k, v, a):
+    """GLA written as a token loop: `range(T)` makes Dynamo fix T to the traced length of q."""
+    B, T, K = q.shape
+    S = q.new_zeros(B, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        S = a[:, t, :, None] * S + k[:, t, :, None] * v[:, t, None, :]
+        outs.append((q[:, t, :, None] * S).sum(1))
+    return torch.stack(outs, 1)
+
+
+def test_a_size_dynamo_specialised_to_one_value_is_not_reported_dynamic():
+    """A second length makes Dynamo trace T as a symbol, and the token loop's range(T) fixes q's to the traced
+    value: the report lists the sizes that can still change (the other inputs' T, which only need to be as long),
+    not "l_q_ dim 1 = 24"; the per-shape compile still runs, and the results are eager's."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_token_loop, backend="laplace")
+    for T in (20, 24):
+        inputs = [torch.randn(2, T, 8), torch.randn(2, T, 8), torch.randn(2, T, 4), torch.rand(2, T, 8)]
+        torch.testing.assert_close(compiled(*inputs), _token_loop(*inputs), **TOL)
+    report = laplace_passes.last_report()
+    assert report.dynamic_dims and not [d for d in report.dynamic_dims if d.startswith("l_q_")], report.dynamic_dims
+    assert all(d.split(" = ")[1].startswith("s") for d in report.dynamic_dims), report.dynamic_dims
+    assert report.specialised and "l_q_ [2, 24, 8]" in report.specialised[0]

@@ -54,13 +54,19 @@ def static_shapes_reason(config: CompileConfig) -> str:
 
 
 def report_dynamic_dims(gm: torch.fx.GraphModule, config: CompileConfig) -> list[str]:
-    """Record the graph's dynamic dimensions in the report (and, for Neuron, what to do); return them."""
-    dims = dynamic_dims(gm)
+    """Record the graph's dynamic dimensions in the report (and, for Neuron, what to do); return every
+    symbolic size.
+
+    The report leaves out sizes Dynamo traced as symbols and then specialised to one value (a token loop's
+    `range(T)` fixes T): they take no other value in this graph. They are still symbols in it, so they are
+    returned, and a static-shape compile still goes through the per-shape compiler.
+    """
     report = config.report
-    report.dynamic_dims += [d for d in dims if d not in report.dynamic_dims]
-    if dims and _neuron(config) and NEURON_ADVICE not in report.notes:
+    shown = dynamic_dims(gm, include_specialised=False)
+    report.dynamic_dims += [d for d in shown if d not in report.dynamic_dims]
+    if shown and _neuron(config) and NEURON_ADVICE not in report.notes:
         report.notes.append(NEURON_ADVICE)
-    return dims
+    return dynamic_dims(gm)
 
 
 def _neuron(config: CompileConfig) -> bool:
@@ -114,7 +120,7 @@ class PerShapeCompiler:
 
     def _warn_many_shapes(self) -> None:
         """Too many static compiles of one graph: say so in the report and as a warning."""
-        dims = "; ".join(dynamic_dims(self.gm))
+        dims = "; ".join(dynamic_dims(self.gm, include_specialised=False))
         message = (
             f"laplace_passes: one graph has now been compiled for {len(self.compiled)} shapes, more than "
             f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}), each a static "
