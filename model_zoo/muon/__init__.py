@@ -78,24 +78,27 @@ size (at W=1 it is the same as ``torch.optim.Muon``'s, and
 ``torch.distributed.checkpoint`` path, loadable at any world size
 (``checkpoint``).
 
-Modules: ``hparams`` (Muon's and AdamW's settings and checks),
+Modules: ``hparams`` (Muon's and AdamW's settings and checks; ``StepSizes``,
+what a compiled step takes as an input so that a schedule does not recompile it),
 ``collectives`` (the row layout over ranks and the collectives that move
 rows), ``shard_step`` (``muon_shard_step``, what is compiled),
 ``optimizer`` (``ShardedMuon``), ``checkpoint`` (its state for DCP).
 """
 
 from model_zoo.muon.collectives import RowSplit
-from model_zoo.muon.hparams import MuonHParams, adjust_lr
+from model_zoo.muon.hparams import MuonConstants, MuonHParams, StepSizes, adjust_lr
 from model_zoo.muon.optimizer import ShardedMuon, ShardedMuonGradLayoutError, ShardedMuonStepError
 from model_zoo.muon.shard_step import COMM_MODES, assign_owners, muon_shard_step, newton_schulz
 
 __all__ = [
     "COMM_MODES",
+    "MuonConstants",
     "MuonHParams",
     "RowSplit",
     "ShardedMuon",
     "ShardedMuonGradLayoutError",
     "ShardedMuonStepError",
+    "StepSizes",
     "adjust_lr",
     "assign_owners",
     "muon_shard_step",
