@@ -137,3 +137,25 @@ def test_the_first_slow_compile_says_once_what_took_the_time(monkeypatch):
     assert len(hints) == 1, [r.getMessage() for r in records]
     assert re.fullmatch(r"first compile took \d+ s \(eager on forward_0\); later calls with the same shapes reuse "
                         r"it; set TORCH_LOGS=laplace for progress", hints[0].getMessage())
+
+
+def test_no_graph_is_printed_for_a_trace_torch_s_handler_has_no_folder_for(monkeypatch, tmp_path):
+    """torch's trace handler is installed without TORCH_TRACE too (folderless until its first write): the passes
+    print no graph for it. A handler with a folder gets each graph before and after each pass."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    printed = []
+    monkeypatch.setattr(logs, "_readable", lambda gm: printed.append(gm) or "")
+
+    def attention(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    q, k, v, gk = (torch.randn(1, 100, 2, 8) for _ in range(4))
+    folderless, with_folder = LazyTraceHandler(None), LazyTraceHandler(str(tmp_path))
+    for handler, expect_prints in ((folderless, False), (with_folder, True)):
+        monkeypatch.setattr(trace_log, "handlers", [handler])
+        assert logs.writing_a_trace() is expect_prints
+        printed.clear()
+        laplace_passes.inspect(attention, q, k, v, -gk.abs(), target="cpu")
+        assert bool(printed) is expect_prints, (handler.root_dir, len(printed))
+    with_folder.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Iterator
 
@@ -103,5 +104,25 @@ def _readable(gm: torch.fx.GraphModule) -> str:
 
 
 def _trace(name: str, gm: torch.fx.GraphModule) -> None:
-    # The payload is built only when a trace is being written (TORCH_TRACE).
-    trace_structured("graph_dump", metadata_fn=lambda: {"name": name}, payload_fn=lambda: _readable(gm))
+    if writing_a_trace():  # printing a graph of thousands of nodes takes a tenth of a second, twice per pass
+        trace_structured("graph_dump", metadata_fn=lambda: {"name": name}, payload_fn=lambda: _readable(gm))
+
+
+def writing_a_trace() -> bool:
+    """Whether torch's structured trace has somewhere to write (TORCH_TRACE=DIR, or a handler of the user's).
+
+    torch installs its trace handler whatever the environment, and `trace_structured` builds the payload
+    whenever a handler is installed; the handler finds out only when it first writes that it has no folder
+    (no TORCH_TRACE) and removes itself. Until then, and in processes where that removal does not happen
+    (pytest's, for one), each pass printed its graph twice for nothing.
+    """
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    return any(not isinstance(handler, LazyTraceHandler) or handler.root_dir is not None
+               or handler.stream is not None or _trace_folder_found_later()
+               for handler in trace_log.handlers)
+
+
+def _trace_folder_found_later() -> bool:
+    """torch's handler without TORCH_TRACE still writes into /logs in Meta's builds and jobs (its emit())."""
+    return not hasattr(torch.version, "git_version") or os.environ.get("MAST_HPC_JOB_NAME") is not None
