@@ -536,3 +536,18 @@ def test_bf16_matmuls_and_sums_accumulate_in_f32_and_their_scalars_are_bf16_cons
     FileCheck().check("stablehlo.dot_general").check("-> tensor<8x4xf32>").check("stablehlo.convert").run(text)
     FileCheck().check("stablehlo.reduce").check("tensor<f32>").run(text)
     assert "f64" not in text and "(tensor<8x4xbf16>, tensor<bf16>) -> tensor<bf16>" not in text
+
+
+def test_walk_ops_lists_nested_ops_in_the_order_they_appear():
+    """An op before the ops of its regions, then the next op; the module itself is not listed."""
+    from torch_mlir import ir
+
+    from laplace_passes.lowering.clean_stablehlo import walk_ops
+
+    context = ir.Context()
+    context.allow_unregistered_dialects = True
+    module = ir.Module.parse('"t.outer"() ({\n  "t.inner"() ({\n    "t.innermost"() : () -> ()\n  }) : () -> ()\n'
+                             '  "t.second"() : () -> ()\n}) : () -> ()\n"t.after"() : () -> ()', context)
+    names = [op.name for op in walk_ops(module, lambda op: True)]
+    assert names == ["t.outer", "t.inner", "t.innermost", "t.second", "t.after"]
+    assert [op.name for op in walk_ops(module, lambda op: op.name.endswith("er"))] == ["t.outer", "t.inner", "t.after"]

@@ -82,20 +82,21 @@ def _ops_named(module, name: str, accept: Callable = lambda op: True) -> list:
 
 
 def walk_ops(module, accept: Callable) -> list:
-    """Every op of `module`, nested regions included, that `accept` takes, in the order they appear."""
+    """Every op of `module`, nested regions included, that `accept` takes, in the order they appear.
+
+    MLIR's own walk (pre-order: an op before the ops of its regions), not one in Python over regions,
+    blocks and ops: an export walks its modules a dozen times.
+    """
+    from torch_mlir import ir
+
     found = []
 
-    def visit(region_holder):
-        for region in region_holder.regions:
-            for block in region.blocks:
-                for op in block.operations:
-                    op = op.operation
-                    if accept(op):
-                        found.append(op)
-                    visit(op)
+    def visit(op):
+        found.append(op)
+        return ir.WalkResult.ADVANCE
 
-    visit(module.operation)
-    return found
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return [op for op in found[1:] if accept(op)]  # found[0]: the module itself
 
 
 def _owner_name(value) -> str | None:
