@@ -31,6 +31,7 @@ from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic,
 from laplace_passes.fx.in_place_writes import written_operands
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, pattern, step_index
 from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.guards import same_shape
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -111,14 +112,14 @@ def _state_like(node: Node, shape: tuple) -> bool:
     twice (read out and updated), or a sum (an earlier update) unless its one user is a sum of the same
     shape (`S * a + k v + b` is one update written as two sums)."""
     value = fake_tensor(node)
-    if value is None or tuple(value.shape) != shape:
+    if value is None or not same_shape(value.shape, shape):
         return False
     if len(node.users) > 1:
         return True
     if not is_sum_node(node):
         return False
     (user,) = node.users if node.users else (None,)
-    return not (user is not None and is_sum_node(user) and _shape(user) == shape)
+    return not (user is not None and is_sum_node(user) and same_shape(_shape(user), shape))
 
 
 def read_step(node: Node, memo: dict) -> Step | None:
@@ -133,7 +134,8 @@ def read_step(node: Node, memo: dict) -> Step | None:
         expr = read(node, lambda n: n is not node and _state_like(n, shape), memo.setdefault(("step", node), {}))
     except NotAlgebraic:
         return None
-    carried = [(t, f) for t in expr.terms for f in t.factors if f.axes == expr.axes and _shape(f.node) == shape]
+    carried = [(t, f) for t in expr.terms for f in t.factors
+               if f.axes == expr.axes and same_shape(_shape(f.node), shape)]
     states = [(t, f) for t, f in carried if _state_like(f.node, shape)]
     carried = states or (carried if len({f.node for _, f in carried}) == 1 else [])
     if not carried:
@@ -322,7 +324,7 @@ def _previous_state(node: Node, steps: dict, chained: set[Node]):
     def verdict(n: Node):
         if n in chained:
             return False
-        state = _shape(n) == shape and n not in steps and (len(n.users) > 1 or n.op == "placeholder")
+        state = same_shape(_shape(n), shape) and n not in steps and (len(n.users) > 1 or n.op == "placeholder")
         return n if state else None
 
     return _nearest(node.all_input_nodes, lambda n: n.all_input_nodes, verdict)
@@ -333,7 +335,7 @@ def _next_update(node: Node) -> Node | None:
     shape = _shape(node)
 
     def verdict(n: Node):
-        return n if n.op == node.op and n.target == node.target and _shape(n) == shape else None
+        return n if n.op == node.op and n.target == node.target and same_shape(_shape(n), shape) else None
 
     return _nearest(list(node.users), lambda n: list(n.users), verdict)
 
@@ -396,7 +398,7 @@ def first_step(node: Node, memo: dict) -> Step | None:
         expr = read(node, lambda n: n is not node and _state_like(n, shape), memo.setdefault(("step", node), {}))
     except NotAlgebraic:
         return None
-    if len(expr.terms) != 1 or any(_shape(f.node) == shape for f in expr.terms[0].factors):
+    if len(expr.terms) != 1 or any(same_shape(_shape(f.node), shape) for f in expr.terms[0].factors):
         return None
     step = Step(node, None, expr)
     _assign_axes(step, 1.0, (), expr.terms[0])

@@ -18,6 +18,11 @@ passes that rewrite in place fit (all but the budget pass, which returns a
 new module of partitions: refused here). `uuid` keys Inductor's FX graph
 cache: the pass's class, its module's source and its plain settings, so a
 cached compile is reused only with the same pass.
+
+A pass that would specialise a dynamic graph's sizes (NOTE [passes add no
+guards]) declines, its reason in `results`, as long as it had not changed the
+graph yet; past that point its error is raised, as any other pass error is
+here: Inductor compiles the graph it was handed, half rewritten or not.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import inspect
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from laplace_passes.infra.pass_base import GraphPass, PassResult, run_pass
+from laplace_passes.infra.guards import WouldSpecialise
+from laplace_passes.infra.pass_base import GraphPass, PassResult, failure_reason, run_pass
 
 
 class InductorPass(CustomGraphPass):
@@ -43,7 +49,15 @@ class InductorPass(CustomGraphPass):
         gm = graph.owning_module
         if not isinstance(gm, torch.fx.GraphModule):
             raise TypeError(f"laplace pass {self.graph_pass.name!r} needs a graph owned by a GraphModule")
-        result = run_pass(self.graph_pass, gm, f"inductor graph {len(self.results)}")
+        name = f"inductor graph {len(self.results)}"
+        before = str(graph)
+        try:
+            result = run_pass(self.graph_pass, gm, name)
+        except WouldSpecialise as error:  # NOTE [passes add no guards]
+            if str(graph) != before:  # the graph is Inductor's to compile: one half rewritten cannot go on
+                raise
+            result = PassResult(gm, False, summary="declined: it would specialise the graph's sizes",
+                                declined=[failure_reason(error)])
         if result.graph_module is not gm:
             raise RuntimeError(f"laplace pass {self.graph_pass.name!r} returned a new graph module; Inductor's "
                                "custom passes must rewrite the graph they are given in place")

@@ -39,7 +39,9 @@ working on, and goes on with the next pass. Two exceptions: passes whose
 failure is the answer the user asked for (`stops_compile_on_error`: the
 lowering the user chose, the preflight the user made a requirement), and
 strict mode (the `strict` option, LAPLACE_PASSES_STRICT=1: the test suite),
-where the exception is raised so that such failures are found.
+where the exception is raised so that such failures are found. A pass that
+would specialise a dynamic graph's sizes fails this way too
+(`laplace_passes.infra.guards`, NOTE [passes add no guards]).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 import torch.fx
 from torch.fx.passes.infra import pass_base as torch_pass_base
 
-from laplace_passes.infra import logs
+from laplace_passes.infra import guards, logs
 from laplace_passes.infra.op_facts import op_name
 from laplace_passes.infra.report import (
     GraphRecord,
@@ -148,7 +150,8 @@ def run_pass(graph_pass: GraphPass, gm: torch.fx.GraphModule, graph_name: str = 
     """Run one pass on one graph, then lint and recompile what it returns."""
     where = f" on graph {graph_name}" if graph_name else ""
     try:
-        result = graph_pass(gm)
+        with guards.refusing_new_guards(guards.shape_env_of(gm)):  # NOTE [passes add no guards]
+            result = graph_pass(gm)
     except Exception as error:  # re-raised: only annotated with where it happened
         error.add_note(f"while running laplace pass {graph_pass.name!r}{where}")
         raise
@@ -195,6 +198,7 @@ def _declined_for_failure(graph_pass: GraphPass, graph: GraphRecord, error: Exce
 
 
 _PACKAGE_DIRECTORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_GUARDS_FILE = os.path.abspath(guards.__file__)
 
 
 def failure_reason(error: BaseException) -> str:
@@ -218,7 +222,8 @@ def _innermost_own_frame(tb) -> tuple:
     the innermost local named `node` (the loops over a graph's nodes name it so), else any Node."""
     own_frame, named, other = None, None, None
     for frame, _ in traceback.walk_tb(tb):
-        if not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIRECTORY + os.sep):
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_PACKAGE_DIRECTORY + os.sep) or path == _GUARDS_FILE:  # where the question was asked
             continue
         own_frame = frame
         local_values = frame.f_locals
