@@ -349,3 +349,45 @@ def test_a_size_dynamo_specialised_to_one_value_is_not_reported_dynamic():
     assert report.dynamic_dims and not [d for d in report.dynamic_dims if d.startswith("l_q_")], report.dynamic_dims
     assert all(d.split(" = ")[1].startswith("s") for d in report.dynamic_dims), report.dynamic_dims
     assert report.specialised and "l_q_ [2, 24, 8]" in report.specialised[0]
+
+
+def test_a_scan_over_a_changing_length_compiles_per_length_and_is_retiled():
+    """plain-tiny scans over its tokens. Its second length makes Dynamo hand over a scan of symbolic
+    length, which torch's AOT Autograd cannot trace (NOTE [scans over a dynamic length]): on the cpu
+    target too, each shape gets a static compile, whose scan is recognised and re-tiled (chunked, with the
+    gradients flowing through it), and the results equal eager."""
+    torch.manual_seed(0)
+    model = model_zoo.build("plain-tiny", num_layers=1)
+    inner, seen = capture_inner()
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", options={"target": "cpu", "inner": inner, "report": report})
+    calls = [(2, 20), (2, 70), (3, 48)]
+    for B, T in calls:
+        ids = tokens(T, batch=B, seed=T)
+        expected_logits, expected_grads = loss_and_grads(model, ids)
+        logits, grads = loss_and_grads(model, ids, compiled)
+        torch.testing.assert_close(logits, expected_logits, **TOL)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=name)
+
+    assert len(report.specialised) == len(calls) - 1  # the first call is static
+    assert any("compiled once per shape" in note and "scans over a dynamic length" in note for note in report.notes)
+    assert [r.status for r in report.recurrences] == ["GLA site"] * len(calls)
+    assert [s.plan["T"] for s in report.sites] == [T for _, T in calls]
+    assert all(s.form.startswith("chunked") for s in report.sites)
+    assert "scan" not in {n.target.__name__ for gm in seen for n in gm.graph.nodes if n.op == "call_function"
+                          and hasattr(n.target, "__name__")}
+
+
+def test_a_shape_compiled_on_its_own_keeps_what_needs_gradients():
+    """A static copy of a dynamic graph gets new fake values; the passes read from them whether gradients
+    flow (on trn2 a site of at most 8 tokens takes the recurrent form only when none do). At T = 5 with
+    gradients: chunked, as the first, static compile at T = 6 chose."""
+    model = one_layer_tiny()
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", options={"target": "trn2", "report": report})
+    for T in (6, 5):
+        loss_and_grads(model, tokens(T, seed=T), compiled)
+    assert len(report.specialised) == 1
+    forms = [s.form for s in report.sites]
+    assert len(forms) == 2 and all(f.startswith("chunked") and "gradients flow" in f for f in forms), forms

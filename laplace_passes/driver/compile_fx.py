@@ -49,8 +49,11 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileCo
     """
     remember(config.report)
     config.inner.start()
-    if report_dynamic_dims(gm, config) and static_shapes_reason(config):
-        return PerShapeCompiler(gm, functools.partial(_compile_graph, config=config), config)
+    reason = static_shapes_reason(config, gm) if report_dynamic_dims(gm, config) else ""
+    if reason:
+        if not static_shapes_reason(config):  # the graph's own reason, not the compile's: say it
+            config.report.notes.append(f"a graph with symbolic sizes is compiled once per shape: {reason}")
+        return PerShapeCompiler(gm, functools.partial(_compile_graph, config=config), config, reason)
     return _compile_graph(gm, example_inputs, config)
 
 

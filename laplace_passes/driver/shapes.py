@@ -16,6 +16,8 @@ it depends on what the compile is for:
   [specialising per shape]. That is what TorchNeuron does itself (it
   rejects dynamic=True and recompiles per shape), and each shape runs the
   same code as a static compile would: unrolled, sized, partitioned.
+  So is a graph that scans over a dynamic length, on any target (NOTE
+  [scans over a dynamic length]).
 
 Either way the report names the dynamic dimensions (`Report.dynamic_dims`),
 counts the shapes specialised (`Report.specialised`) and, for Neuron
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch._dynamo
@@ -35,22 +37,48 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from laplace_passes.driver.config import CompileConfig
-from laplace_passes.infra.fx_helpers import dynamic_dims, fake_value, is_static, replace_uses, tensor_values
+from laplace_passes.infra.fx_helpers import COND, SCAN, WHILE_LOOP, dynamic_dims, fake_value, is_static, replace_uses, tensor_values
 from laplace_passes.lowering.neuron import NEURON_ADVICE
 
 # Dynamo keeps a node's fake value under this key (AOT graphs: "val").
 _DYNAMO_KEY = "example_value"
 
 
-def static_shapes_reason(config: CompileConfig) -> str:
-    """Why this compile needs static shapes ("" when it does not)."""
+def static_shapes_reason(config: CompileConfig, gm: torch.fx.GraphModule | None = None) -> str:
+    """Why this compile (of `gm`, where given) needs static shapes ("" when it does not)."""
     if config.target.static_shapes:
         return f"target {config.target.name} compiles static shapes only"
     if config.inner.static_shapes:
         return f"inner compiler {config.inner.name} takes static shapes only"
     if config.max_graph_instructions is not None:
         return "the graph-instruction budget is measured, and graphs cut, at static shapes"
+    scan = _scan_over_dynamic_length(gm) if gm is not None else None
+    if scan is not None:  # NOTE [scans over a dynamic length]
+        return (f"{scan.name} scans over a dynamic length ({_scanned_length(scan)}), which torch's AOT Autograd "
+                "cannot trace; at a static length the passes can recognise and re-tile it")
     return ""
+
+
+def _scan_over_dynamic_length(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """NOTE [scans over a dynamic length]: AOT Autograd fails on a `scan` whose scanned length is a symbol
+    ("scan might be aliasing the input or the output", torch 2.13, with any backend), which is what Dynamo
+    hands over once a model that scans over its tokens (`plain-tiny`) is called with a second length. Such
+    a graph is compiled once per shape, as for a static-shape target: each length is a static scan that
+    recognition re-tiles (or, when it is not a GLA, that AOT Autograd traces)."""
+    for node in gm.graph.find_nodes(op="call_function", target=SCAN):
+        if _scanned_length(node) is not None:
+            return node
+    return None
+
+
+def _scanned_length(scan: torch.fx.Node) -> torch.SymInt | None:
+    """The symbolic length a scan node runs over (its inputs' leading size); None when it is static."""
+    xs = scan.args[2] if len(scan.args) > 2 else []
+    for x in xs:
+        value = fake_value(x)
+        if isinstance(value, torch.Tensor) and value.dim() and not is_static(value.shape[0]):
+            return value.shape[0]
+    return None
 
 
 def report_dynamic_dims(gm: torch.fx.GraphModule, config: CompileConfig) -> list[str]:
@@ -99,10 +127,12 @@ class PerShapeCompiler:
     compiles: each shape is a compile of its own (a neuronx-cc run on Neuron).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, compile_static: Callable, config: CompileConfig) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, compile_static: Callable, config: CompileConfig,
+                 reason: str) -> None:
         self.gm = gm
         self.compile_static = compile_static  # (static graph module, example inputs) -> callable
         self.config = config
+        self.reason = reason  # why static shapes (`static_shapes_reason`)
         self.compiled: dict[tuple, Callable] = {}
         # Inputs that are numbers (sizes, floats Dynamo made dynamic): constants in each specialised graph.
         self.is_number = [_is_number_input(n) for n in gm.graph.find_nodes(op="placeholder")]
@@ -124,7 +154,7 @@ class PerShapeCompiler:
         message = (
             f"laplace_passes: one graph has now been compiled for {len(self.compiled)} shapes, more than "
             f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}), each a static "
-            f"compile of its own ({static_shapes_reason(self.config)}); dynamic dimensions: {dims}. "
+            f"compile of its own ({self.reason}); dynamic dimensions: {dims}. "
             "Pad token inputs to a few lengths (laplace_passes.compile(model, seq_buckets=[...])) "
             "or keep the changing dimension static"
         )
@@ -156,12 +186,76 @@ def specialise(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
     static.recompile()
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # no ShapeEnv: sizes are ints
     FakeTensorProp(static, mode).propagate(*kept)
-    for node in static.graph.nodes:
-        node.meta[_DYNAMO_KEY] = node.meta.pop("val", None)
+    _take_values(static.graph, gm.graph)
+    _specialise_bodies(static, mode)
     leftover = [n.name for n in static.graph.nodes if not is_static(fake_value(n))]
     if leftover:  # a data-dependent size: fake values alone cannot make it static
         raise RuntimeError(f"specialising a graph per shape left symbolic sizes on {leftover[:5]}")
     return static
+
+
+def _specialise_bodies(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> None:
+    """The loop bodies and branches `gm` calls, copied and given static fake values from their operands'.
+
+    A scan's body keeps the fake values Dynamo traced it with (the batch symbolic, say); the unroll pass
+    copies them with the body's nodes, and recognition reads static sizes only. Copies, so that `gm`'s
+    original graph (shared submodules) keeps its own."""
+    for node in list(gm.graph.nodes):
+        for attr, inputs in _bodies_and_inputs(node):
+            original = getattr(gm, attr.target)
+            body = copy.deepcopy(original)
+            setattr(gm, attr.target, body)
+            with mode:
+                values = [_operand_value(x) for x in inputs]
+            FakeTensorProp(body, mode).propagate_dont_convert_inputs(*values)
+            _take_values(body.graph, original.graph)
+            _specialise_bodies(body, mode)
+
+
+def _bodies_and_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, list]]:
+    """(get_attr node of a body, what the body is called with) for a loop or a cond; [] for other nodes.
+    A scanned or mapped input's body value is its first slice."""
+    def first_slices(xs):
+        return [_FirstSlice(x) for x in xs]
+
+    if node.op != "call_function":
+        return []
+    args = node.args
+    if node.target is SCAN:  # scan(combine_fn, init, xs, additional_inputs)
+        return [(args[0], [*args[1], *first_slices(args[2]), *args[3]])]
+    if node.target is WHILE_LOOP:  # while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)
+        return [(fn, [*args[2], *args[3]]) for fn in args[:2]]
+    if node.target is COND:  # cond(pred, true_fn, false_fn, operands)
+        return [(fn, list(args[3])) for fn in args[1:3]]
+    if node.target is torch.ops.higher_order.map_impl:  # map_impl(f, xs, pos_args)
+        return [(args[0], [*first_slices(args[1]), *args[2]])]
+    return []
+
+
+def _take_values(static: torch.fx.Graph, original: torch.fx.Graph) -> None:
+    """Put the fake values FakeTensorProp left under "val" where Dynamo's graphs keep them, marked as
+    requiring grad where the original graph's values were: FakeTensorProp keeps detached values, and the
+    passes read from `requires_grad` whether gradients flow through a value (a GLA site's form)."""
+    requiring = {node.name for node in original.nodes
+                 if any(t.requires_grad for t in tensor_values(node.meta.get(_DYNAMO_KEY)))}
+    for node in static.nodes:
+        value = node.meta[_DYNAMO_KEY] = node.meta.pop("val", None)
+        if node.name in requiring:
+            for tensor in tensor_values(value):
+                if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+                    tensor.requires_grad_(True)
+
+
+class _FirstSlice(NamedTuple):
+    """A scanned (or mapped) operand: the body sees its first slice."""
+
+    node: torch.fx.Node
+
+
+def _operand_value(operand: Any) -> Any:
+    if isinstance(operand, _FirstSlice):
+        return fake_value(operand.node)[0]
+    return fake_value(operand) if isinstance(operand, torch.fx.Node) else operand
 
 
 def _replace_by_constant(node: torch.fx.Node, value: int | float) -> None:
