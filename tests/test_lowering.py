@@ -150,6 +150,28 @@ def test_export_writes_one_file_per_graph_and_a_manifest(exported):
     )
 
 
+def test_an_export_for_neuron_carries_the_preflight_s_findings(tmp_path):
+    """The Neuron preflight's checks run on the exported graphs: the same findings as a separate
+    `laplace_passes.preflight` of the same model (float64 here), in the manifest and on the export; a clean
+    model gets an empty list; a target that is not Neuron's gets no such entry."""
+    torch.manual_seed(0)
+    in_double = torch.nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    exported = laplace_passes.export_stablehlo(in_double, x, target="trn2", out_dir=tmp_path / "double")
+    separate = laplace_passes.preflight(in_double, x, target="trn2")
+    # Its graphs' own findings (its list also names the float64 parameters and inputs the model is given).
+    graph_checks = [(f.check, f.graph, f.node) for record in separate.report.passes
+                    if record.name == "neuron_preflight" for f in record.findings]
+    assert graph_checks and [(f.check, f.graph, f.node) for f in exported.findings] == graph_checks
+    assert exported.manifest["neuron_preflight"] == [str(f) for f in exported.findings]
+    clean = laplace_passes.export_stablehlo(torch.nn.Linear(4, 4), torch.randn(3, 4), target="trn2",
+                                            out_dir=tmp_path / "clean")
+    assert clean.findings == [] and clean.manifest["neuron_preflight"] == []
+    cpu = laplace_passes.export_stablehlo(torch.nn.Linear(4, 4), torch.randn(3, 4), target="cpu",
+                                          out_dir=tmp_path / "cpu")
+    assert "neuron_preflight" not in cpu.manifest and cpu.findings == []
+
+
 def test_the_manifest_notes_only_what_applies_to_its_modules(tmp_path):
     """A model computing in float64 is noted (neuronx-cc has no FP64); a model without GLA gets no gate note;
     a GLA site whose gates are checked at run time gets the note that the lowering clamps them."""

@@ -77,7 +77,7 @@ def _muon_step_on_a_rank(rank, world_size, out_root):
     inputs, other_inputs = ([to_numpy(_argument(a, spec["source"])) for spec in entry["inputs"]]
                             for a in (args, other_args))
     plans = exported.report.traffic[0].plans
-    findings = [str(f) for f in laplace_passes.preflight(step, *args, target="trn2").findings]
+    findings = [str(f) for f in exported.findings]  # the Neuron preflight's checks, run on the exported graphs
     return MuonRank(text, inputs, _eager_outputs(step, args), to_numpy_list(args[2]), plans, findings,
                     other_inputs, _eager_outputs(step, other_args))
 

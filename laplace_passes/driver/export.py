@@ -13,7 +13,11 @@ lists, per graph: its name and kind, both files, its inputs and outputs
 (name, shape, dtype, and for forward and inference graphs the user's name for it, "args[0][3]",
 "self.lm_head.weight"), its op counts by op name and its collectives, and for Trainium targets
 the neuronx-cc command (`neuronx_cc_command`: the target's --lnc and
---auto-cast, then $NEURON_CC_FLAGS) on the bytecode.
+--auto-cast, then $NEURON_CC_FLAGS) on the bytecode. For those targets the
+Neuron preflight's checks (`laplace_passes.preflight`) run on the graphs as
+they are lowered, and their findings are the manifest's `neuron_preflight`
+list and `StableHLOExport.findings` (empty: nothing found); no second
+capture is needed to check an export.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from laplace_passes.infra.files import check_output_dir, staged_directory
 from laplace_passes.lowering._deps import torch_mlir_fx
 from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
+from laplace_passes.lowering.preflight import NeuronPreflight
 from laplace_passes.infra.report import Report
 from laplace_passes.infra.targets import HardwareTarget
 
@@ -48,6 +53,12 @@ class StableHLOExport:
     out_dir: Path
     manifest: dict
     report: Report
+
+    @property
+    def findings(self) -> list:
+        """The Neuron preflight's findings on the exported graphs (`laplace_passes.preflight`'s checks, run on
+        the graphs as lowered); [] when clean or when the target is not a Neuron target."""
+        return preflight_findings(self.report)
 
     def path(self, graph: str) -> Path:
         for entry in self.manifest["graphs"]:
@@ -73,11 +84,18 @@ def export_stablehlo(
     check_output_dir(out_dir, overwrite)
     compiler = _ExportCompiler()
     config = CompileConfig.from_options(entry_point_options("export_stablehlo", options, target=target, inner=compiler))
+    if config.target.logical_cores is not None:  # a Neuron target: check what neuronx-cc would reject
+        compiler.preflight = "report"
     report = capture_graphs(model_or_fn, example_inputs, config)
     captured = compiler.captured
     with staged_directory(out_dir, overwrite) as staging:
         manifest = _write_export(staging, report, config.target, captured)
     return StableHLOExport(Path(out_dir), manifest, report)
+
+
+def preflight_findings(report: Report) -> list:
+    """The findings the Neuron preflight pass filed in `report`, every graph's, in order."""
+    return [f for record in report.passes if record.name == NeuronPreflight.name for f in record.findings]
 
 
 def _refuse_meta_tensors(model_or_fn: Callable, example_inputs: tuple) -> None:
@@ -104,6 +122,8 @@ def _write_export(out_dir: Path, report: Report, target: HardwareTarget, capture
         "notes": _notes(report, entries, captured),
         "graphs": entries,
     }
+    if target.logical_cores is not None:
+        manifest["neuron_preflight"] = [str(f) for f in preflight_findings(report)]
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
