@@ -41,6 +41,17 @@ def one_layer_tiny(seed=0):
     return model_zoo.build("tiny", num_layers=1)
 
 
+def assert_equals_eager(model, compiled, calls):
+    """Logits and every parameter gradient of `compiled` equal the model's own, call by call ((B, T) each)."""
+    for B, T in calls:
+        ids = tokens(T, batch=B, seed=T)
+        expected_logits, expected_grads = loss_and_grads(model, ids)
+        logits, grads = loss_and_grads(model, ids, compiled)
+        torch.testing.assert_close(logits, expected_logits, **TOL)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=name)
+
+
 def ops_of(graphs) -> set[str]:
     return {op_name(n) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
 
@@ -53,13 +64,7 @@ def test_tiny_over_changing_batch_and_length_equals_eager(target, dynamic):
     report = laplace_passes.Report()
     compiled = torch.compile(model, backend="laplace", dynamic=dynamic,
                              options={"target": target, "inner": inner, "report": report})
-    for B, T in CALLS:
-        ids = tokens(T, batch=B, seed=T)
-        expected_logits, expected_grads = loss_and_grads(model, ids)
-        logits, grads = loss_and_grads(model, ids, compiled)
-        torch.testing.assert_close(logits, expected_logits, **TOL)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=name)
+    assert_equals_eager(model, compiled, CALLS)
 
     assert not ops_of(seen) & set(TOKEN_RECURRENCE)
     assert report.dynamic_dims and all("l_input_ids_ dim" in d for d in report.dynamic_dims)
@@ -362,13 +367,7 @@ def test_a_scan_over_a_changing_length_compiles_per_length_and_is_retiled():
     report = laplace_passes.Report()
     compiled = torch.compile(model, backend="laplace", options={"target": "cpu", "inner": inner, "report": report})
     calls = [(2, 20), (2, 70), (3, 48)]
-    for B, T in calls:
-        ids = tokens(T, batch=B, seed=T)
-        expected_logits, expected_grads = loss_and_grads(model, ids)
-        logits, grads = loss_and_grads(model, ids, compiled)
-        torch.testing.assert_close(logits, expected_logits, **TOL)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, expected_grads[name], **TOL, msg=name)
+    assert_equals_eager(model, compiled, calls)
 
     assert len(report.specialised) == len(calls) - 1  # the first call is static
     assert any("compiled once per shape" in note and "scans over a dynamic length" in note for note in report.notes)

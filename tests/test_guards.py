@@ -18,8 +18,8 @@ from laplace_passes.infra.guards import (
     same_shape,
     same_size,
     shape_env_of,
-    static_int,
 )
+from laplace_passes.infra.inductor_passes import InductorPass
 from laplace_passes.infra.pass_base import GraphPass, PassResult, run_passes
 from laplace_passes.infra.report import Report
 
@@ -31,8 +31,9 @@ def batch_of(x):
 
 
 def tensor_input(gm):
-    """The fake tensor of the graph's tensor input (Dynamo also passes the batch's symbol as an input)."""
-    values = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
+    """The fake tensor of the graph's tensor input (Dynamo also passes the batch's symbol as an input; a
+    post-grad graph keeps it under "val")."""
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
     (x,) = [v for v in values if isinstance(v, torch.Tensor)]
     return x
 
@@ -62,10 +63,10 @@ def test_sizes_compare_without_guards():
     def inside(gm, env, x):
         b, width = x.shape
         return (same_size(b, 64), same_size(b, b), same_size(width, WIDTH), same_shape(x.shape, (64, WIDTH)),
-                same_shape(x.shape, x.shape), same_shape(x.shape, None), static_int(b), static_int(width))
+                same_shape(x.shape, x.shape), same_shape(x.shape, None))
 
     result, added = compile_with(inside)
-    assert result == (False, True, True, False, True, False, None, WIDTH)
+    assert result == (False, True, True, False, True, False)
     assert added == []
 
 
@@ -134,6 +135,37 @@ def test_a_pass_that_would_specialise_declines(strict):
     (record,) = report.passes
     assert not record.modified and record.summary.startswith("failed and skipped: WouldSpecialise")
     assert "would specialise the graph to this call's sizes" in record.declined[0]
+
+
+class RewritesThenAsks(AsksForTheBatch):
+    """Changes the graph (relu -> sigmoid), then asks about the batch: too late to decline."""
+
+    name = "rewrites_then_asks"
+
+    def call(self, gm):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "relu" in str(node.target):
+                node.target = torch.ops.aten.sigmoid.default
+        return super().call(gm)
+
+
+def test_a_pass_in_a_user_s_inductor_compile_declines_or_raises():
+    """Inside a user's own Inductor compile (`InductorPass`), a pass that would specialise declines if it
+    had not changed the graph yet; one that had raises, as Inductor would compile a half-rewritten graph."""
+    asks = InductorPass(AsksForTheBatch())
+    x = torch.randn(64, WIDTH)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=asks, fx_graph_cache=False):
+        torch.testing.assert_close(torch.compile(batch_of, backend="inductor")(x), batch_of(x))
+    (result,) = asks.results
+    assert not result.modified and "WouldSpecialise" in result.declined[0]
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=InductorPass(RewritesThenAsks()),
+                                      fx_graph_cache=False):
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="WouldSpecialise"):
+            torch.compile(batch_of, backend="inductor")(x)
 
 
 @pytest.mark.parametrize("sequences", [64, 128])

@@ -37,7 +37,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from laplace_passes.driver.config import CompileConfig
-from laplace_passes.infra.fx_helpers import COND, SCAN, WHILE_LOOP, dynamic_dims, fake_value, is_static, replace_uses, tensor_values
+from laplace_passes.infra.fx_helpers import (
+    COND, SCAN, WHILE_LOOP, dynamic_dims, fake_value, is_static, replace_uses, tensor_values,
+)
 from laplace_passes.lowering.neuron import NEURON_ADVICE
 
 # Dynamo keeps a node's fake value under this key (AOT graphs: "val").

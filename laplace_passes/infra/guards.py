@@ -15,13 +15,13 @@ and 128 sequences.
 What a pass decides must hold for every size the graph will run at. So:
 
 * passes compare sizes with `same_size` and `same_shape`, true only where the
-  ShapeEnv proves it without a guard (`s0 == s0`; never `s0 == 64`), and
-  read a size as a number with `static_int` (None for a symbolic one);
-* `run_passes` runs every pass under `refusing_new_guards`: a question only a
-  guard could answer raises `WouldSpecialise` before anything is recorded,
-  and the pass declines for that graph (NOTE [a failing pass declines]) with
-  the question in the report, the user's graph going on unspecialised. In
-  strict mode (the test suite) it raises, so that such questions are found.
+  ShapeEnv proves it without a guard (`s0 == s0`; never `s0 == 64`);
+* `run_pass` (which `run_passes` calls for each pass) runs every pass under
+  `refusing_new_guards`: a question only a guard could answer raises
+  `WouldSpecialise` before anything is recorded, and the pass declines for
+  that graph (NOTE [a failing pass declines]) with the question in the
+  report, the user's graph going on unspecialised. In strict mode (the test
+  suite) it raises, so that such questions are found.
 """
 
 from __future__ import annotations
@@ -96,17 +96,9 @@ def same_shape(a: Sequence | None, b: Sequence | None) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
 
 
-def static_int(size: Any) -> int | None:
-    """`size` as an int where it is one for every call (a SymInt the ShapeEnv has specialised counts);
-    None for a symbolic size. Adds no guard."""
-    if isinstance(size, int):
-        return size
-    if isinstance(size, torch.SymInt) and size.node.expr.is_number:
-        return int(size.node.expr)
-    return None
-
-
 def _known(shape_env: ShapeEnv, expression: Any, size_oblivious: bool) -> bool:
+    """Whether the ShapeEnv answers `expression` without a guard: the static evaluation its own
+    `evaluate_expr` tries first (torch 2.13; tests/test_guards.py shows it still answers `s0 >= 2`)."""
     if isinstance(expression, (sympy.logic.boolalg.BooleanTrue, sympy.logic.boolalg.BooleanFalse)) \
             or getattr(expression, "is_number", False):
         return True
