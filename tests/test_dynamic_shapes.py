@@ -390,3 +390,30 @@ def test_a_shape_compiled_on_its_own_keeps_what_needs_gradients():
     assert len(report.specialised) == 1
     forms = [s.form for s in report.sites]
     assert len(forms) == 2 and all(f.startswith("chunked") and "gradients flow" in f for f in forms), forms
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["batch_left_to_dynamo", "batch_marked_dynamic"])
+def test_a_token_loop_over_a_changing_batch(marked):
+    """NOTE [loops declined at symbolic sizes]: after a second batch, Dynamo makes the batch symbolic and
+    recognition, which reads static sizes only, declines the loop. Left to Dynamo, the graph is compiled once
+    per batch instead, each re-tiled, the first batch's included when it comes back; marked dynamic by the
+    user, it stays one graph, the loop declined with the reason. Equal to eager either way."""
+    report = laplace_passes.Report()
+    compiled = torch.compile(_token_loop, backend="laplace", options={"target": "cpu", "report": report})
+    for B in (4, 3, 4):
+        gen = torch.Generator().manual_seed(B)
+        inputs = [torch.randn(B, 20, 8, generator=gen), torch.randn(B, 20, 8, generator=gen),
+                  torch.randn(B, 20, 4, generator=gen), torch.rand(B, 20, 8, generator=gen)]
+        if marked and B == 3:
+            torch._dynamo.mark_dynamic(inputs[0], 0)
+        torch.testing.assert_close(compiled(*inputs), _token_loop(*inputs), **TOL)
+    declined = [r for r in report.recurrences if r.status == "declined"]
+    assert declined and all(": a symbolic size" in r.reason for r in declined)
+    retiled = [s.shape["B"] for s in report.sites if s.status == "retiled"]
+    if marked:
+        assert retiled == [4] and report.specialised == []
+        assert not [note for note in report.notes if "compiled once per shape" in note]
+    else:
+        assert retiled == [4, 3, 4] and len(report.specialised) == 2
+        (note,) = [note for note in report.notes if "compiled once per shape" in note]
+        assert "declined 1 loop(s)" in note and "after a second shape" in note

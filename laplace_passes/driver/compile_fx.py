@@ -33,7 +33,9 @@ from laplace_passes.infra import logs
 from laplace_passes.infra.pass_base import run_passes
 from laplace_passes.driver.pipeline import aten_passes, compiles_loop_bodies, dynamo_passes, graph_context
 from laplace_passes.infra.report import GraphRecord, Report, remember
-from laplace_passes.driver.shapes import PerShapeCompiler, report_dynamic_dims, static_shapes_reason
+from laplace_passes.driver.shapes import (
+    PerShapeCompiler, loops_declined_at_symbolic_sizes, report_dynamic_dims, sizes_left_to_dynamo, static_shapes_reason,
+)
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS
 from laplace_passes.unroll import compile_graph
 from laplace_passes.unroll.body_helper import HELPER
@@ -99,8 +101,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
         )
     record = report.new_graph("dynamo", gm)
     record.input_sources = [input_source(n) for n in gm.graph.find_nodes(op="placeholder")]
+    left_to_dynamo = sizes_left_to_dynamo(gm)
     with logs.progress(f"{record.name}: the passes"):
         gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report, strict=config.strict)
+    if left_to_dynamo and loops_declined_at_symbolic_sizes(report, record.name):
+        return _per_shape_instead(record, config)
     ahead = BackwardAhead.for_graph(config, example_inputs)
     if _backward_bodies_ahead(gm, example_inputs, config):
         HELPER.start()  # its imports overlap AOT Autograd (NOTE [bodies compiled in a helper process])
@@ -117,6 +122,17 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     if config.inner.keep_inference_input_mutations:
         kwargs["keep_inference_input_mutations"] = True
     return aot_autograd(**kwargs)(gm, example_inputs)
+
+
+def _per_shape_instead(record: GraphRecord, config: CompileConfig) -> PerShapeCompiler:
+    """The Dynamo graph `record` as it came in, compiled once per shape: NOTE [loops declined at symbolic
+    sizes] in `laplace_passes.driver.shapes`."""
+    declined = loops_declined_at_symbolic_sizes(config.report, record.name)
+    dims = "; ".join(report_dynamic_dims(record.before, config))
+    reason = (f"recognition reads loops of static sizes and declined {len(declined)} loop(s) of {record.name} "
+              f"at the sizes Dynamo made symbolic after a second shape ({dims})")
+    config.report.notes.append(f"{record.name} is compiled once per shape: {reason}")
+    return PerShapeCompiler(record.before, functools.partial(_compile_graph, config=config), config, reason)
 
 
 def _backward_bodies_ahead(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> bool:

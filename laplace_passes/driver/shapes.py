@@ -37,6 +37,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from laplace_passes.driver.config import CompileConfig
+from laplace_passes.fx.algebra_terms import SYMBOLIC_SIZE
+from laplace_passes.infra.report import RecurrenceRecord, Report
 from laplace_passes.infra.fx_helpers import (
     COND, SCAN, WHILE_LOOP, dynamic_dims, fake_value, is_static, replace_uses, tensor_values,
 )
@@ -81,6 +83,36 @@ def _scanned_length(scan: torch.fx.Node) -> torch.SymInt | None:
         if isinstance(value, torch.Tensor) and value.dim() and not is_static(value.shape[0]):
             return value.shape[0]
     return None
+
+
+def loops_declined_at_symbolic_sizes(report: Report, graph: str) -> list[RecurrenceRecord]:
+    """The loops of `graph` that recognition declined because a size was symbolic
+    (NOTE [loops declined at symbolic sizes])."""
+    return [r for r in report.recurrences
+            if r.graph == graph and r.status == "declined" and f": {SYMBOLIC_SIZE}" in (r.reason or "")]
+
+
+def sizes_left_to_dynamo(gm: torch.fx.GraphModule) -> bool:
+    """Whether Dynamo chose the graph's symbolic sizes itself (automatic dynamic shapes, after a second
+    shape), not the user: no `dynamic=True`, no input marked with `torch._dynamo.mark_dynamic`.
+
+    NOTE [loops declined at symbolic sizes]: recognition reads loops of static sizes only. A model with a
+    GLA written as a token loop or a scan, trained at batch 32 and then given one batch of 20 (an epoch's
+    last), gets from Dynamo a graph with a symbolic batch, whose loops recognition declines; that graph
+    then serves every later batch, 32 included, so training would go on with the loop un-tiled. Where the
+    symbolic sizes were Dynamo's choice, the backend compiles such a graph once per shape instead (NOTE
+    [specialising per shape]), each shape's loops re-tiled, and says so in the report's notes. Where the
+    user asked for a dynamic graph, the graph stays one graph and its loops are declined with the reason.
+    """
+    if not torch._dynamo.config.assume_static_by_default:  # torch.compile(dynamic=True)
+        return False
+    for node in gm.graph.find_nodes(op="placeholder"):
+        grapharg = node.meta.get("grapharg")
+        example = getattr(grapharg, "_example", None)
+        example = example() if callable(example) else example  # a weak reference to the user's tensor
+        if isinstance(example, torch.Tensor) and getattr(example, "_dynamo_dynamic_indices", None):
+            return False
+    return True
 
 
 def report_dynamic_dims(gm: torch.fx.GraphModule, config: CompileConfig) -> list[str]:

@@ -68,6 +68,10 @@ class Expr:
         return term.indices() - {a for a in self.axes if a is not None}
 
 
+# Why a loop of symbolic sizes is not read (the driver compiles such graphs per shape where it may).
+SYMBOLIC_SIZE = "a symbolic size"
+
+
 class NotAlgebraic(Exception):
     """This node is read as a leaf."""
 
@@ -85,7 +89,7 @@ def leaf(node: Node) -> Expr:
 
 def _size(d) -> int:
     if not isinstance(d, int):
-        raise NotAlgebraic("a symbolic size")
+        raise NotAlgebraic(SYMBOLIC_SIZE)
     return d
 
 
