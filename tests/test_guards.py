@@ -38,9 +38,9 @@ def tensor_input(gm):
     return x
 
 
-def compile_with(inside, batch=64, fn=batch_of):
-    """Compile `fn` on a [batch, WIDTH] input, batch marked dynamic, calling `inside(gm, env, x)` on Dynamo's
-    graph (x: the placeholder's fake tensor); returns what `inside` returned and the guards it added."""
+def compile_with(inside):
+    """Compile `batch_of` on a [64, WIDTH] input, the batch marked dynamic, calling `inside(gm, env, x)` on
+    Dynamo's graph (x: the placeholder's fake tensor); returns what `inside` returned and the guards it added."""
     seen = {}
 
     def backend(gm, example_inputs):
@@ -52,10 +52,10 @@ def compile_with(inside, batch=64, fn=batch_of):
         return gm.forward
 
     torch._dynamo.reset()
-    x = torch.randn(batch, WIDTH)
+    x = torch.randn(64, WIDTH)
     torch._dynamo.mark_dynamic(x, 0)
-    out = torch.compile(fn, backend=backend)(x)
-    torch.testing.assert_close(out, fn(x))
+    out = torch.compile(batch_of, backend=backend)(x)
+    torch.testing.assert_close(out, batch_of(x))
     return seen["result"], seen["added"]
 
 
