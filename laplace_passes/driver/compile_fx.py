@@ -31,10 +31,16 @@ from laplace_passes.fla.install import install as install_fla_replacements
 from laplace_passes.fla.late_import import install_after_import
 from laplace_passes.infra import logs
 from laplace_passes.infra.pass_base import run_passes
+from laplace_passes.infra.fx_helpers import dynamic_dims
 from laplace_passes.driver.pipeline import aten_passes, compiles_loop_bodies, dynamo_passes, graph_context
 from laplace_passes.infra.report import GraphRecord, Report, remember
 from laplace_passes.driver.shapes import (
-    PerShapeCompiler, loops_declined_at_symbolic_sizes, report_dynamic_dims, sizes_left_to_dynamo, static_shapes_reason,
+    PerShapeCompiler,
+    loops_declined_at_symbolic_sizes,
+    report_dynamic_dims,
+    scan_over_dynamic_length,
+    sizes_left_to_dynamo,
+    static_shapes_reason,
 )
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS
 from laplace_passes.unroll import compile_graph
@@ -51,11 +57,12 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileCo
     """
     remember(config.report)
     config.inner.start()
-    reason = static_shapes_reason(config, gm) if report_dynamic_dims(gm, config) else ""
-    if reason:
-        if not static_shapes_reason(config):  # the graph's own reason, not the compile's: say it
+    if report_dynamic_dims(gm, config):
+        reason = static_shapes_reason(config)
+        if not reason and (reason := scan_over_dynamic_length(gm)):  # the graph's own reason: say it
             config.report.notes.append(f"a graph with symbolic sizes is compiled once per shape: {reason}")
-        return PerShapeCompiler(gm, functools.partial(_compile_graph, config=config), config, reason)
+        if reason:
+            return PerShapeCompiler(gm, functools.partial(_compile_graph, config=config), config, reason)
     return _compile_graph(gm, example_inputs, config)
 
 
@@ -104,8 +111,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     left_to_dynamo = sizes_left_to_dynamo(gm)
     with logs.progress(f"{record.name}: the passes"):
         gm = run_passes(gm, dynamo_passes(config, gm, record.name), record, report, strict=config.strict)
-    if left_to_dynamo and loops_declined_at_symbolic_sizes(report, record.name):
-        return _per_shape_instead(record, config)
+    declined = loops_declined_at_symbolic_sizes(report, record.name) if left_to_dynamo else []
+    if declined:
+        return _per_shape_instead(record, len(declined), config)
     ahead = BackwardAhead.for_graph(config, example_inputs)
     if _backward_bodies_ahead(gm, example_inputs, config):
         HELPER.start()  # its imports overlap AOT Autograd (NOTE [bodies compiled in a helper process])
@@ -124,12 +132,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     return aot_autograd(**kwargs)(gm, example_inputs)
 
 
-def _per_shape_instead(record: GraphRecord, config: CompileConfig) -> PerShapeCompiler:
-    """The Dynamo graph `record` as it came in, compiled once per shape: NOTE [loops declined at symbolic
-    sizes] in `laplace_passes.driver.shapes`."""
-    declined = loops_declined_at_symbolic_sizes(config.report, record.name)
-    dims = "; ".join(report_dynamic_dims(record.before, config))
-    reason = (f"recognition reads loops of static sizes and declined {len(declined)} loop(s) of {record.name} "
+def _per_shape_instead(record: GraphRecord, declined: int, config: CompileConfig) -> PerShapeCompiler:
+    """The Dynamo graph `record` as it came in, compiled once per shape; `declined`: its loops recognition
+    declined at symbolic sizes (NOTE [loops declined at symbolic sizes] in `laplace_passes.driver.shapes`)."""
+    dims = "; ".join(dynamic_dims(record.before, include_specialised=False))
+    reason = (f"recognition reads loops of static sizes and declined {declined} loop(s) of {record.name} "
               f"at the sizes Dynamo made symbolic after a second shape ({dims})")
     config.report.notes.append(f"{record.name} is compiled once per shape: {reason}")
     return PerShapeCompiler(record.before, functools.partial(_compile_graph, config=config), config, reason)

@@ -34,11 +34,11 @@ from functorch.compile import make_boxed_func
 
 from laplace_passes.driver.compile_fx import capture_graphs, check_callable
 from laplace_passes.driver.config import CompileConfig, entry_point_options
+from laplace_passes.driver.preflight import preflight_records
 from laplace_passes.infra.files import check_output_dir, staged_directory
 from laplace_passes.lowering._deps import torch_mlir_fx
 from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
-from laplace_passes.lowering.preflight import NeuronPreflight
 from laplace_passes.infra.report import Report
 from laplace_passes.infra.targets import HardwareTarget
 
@@ -58,7 +58,7 @@ class StableHLOExport:
     def findings(self) -> list:
         """The Neuron preflight's findings on the exported graphs (`laplace_passes.preflight`'s checks, run on
         the graphs as lowered); [] when clean or when the target is not a Neuron target."""
-        return preflight_findings(self.report)
+        return [f for record in preflight_records(self.report) for f in record.findings]
 
     def path(self, graph: str) -> Path:
         for entry in self.manifest["graphs"]:
@@ -93,11 +93,6 @@ def export_stablehlo(
     return StableHLOExport(Path(out_dir), manifest, report)
 
 
-def preflight_findings(report: Report) -> list:
-    """The findings the Neuron preflight pass filed in `report`, every graph's, in order."""
-    return [f for record in report.passes if record.name == NeuronPreflight.name for f in record.findings]
-
-
 def _refuse_meta_tensors(model_or_fn: Callable, example_inputs: tuple) -> None:
     """A meta-device model has no weights to lower: torch-mlir would fail on some op, naming only the op."""
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -123,7 +118,7 @@ def _write_export(out_dir: Path, report: Report, target: HardwareTarget, capture
         "graphs": entries,
     }
     if target.logical_cores is not None:
-        manifest["neuron_preflight"] = [str(f) for f in preflight_findings(report)]
+        manifest["neuron_preflight"] = [str(f) for record in preflight_records(report) for f in record.findings]
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

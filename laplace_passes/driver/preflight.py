@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from laplace_passes.driver.compile_fx import capture_graphs
 from laplace_passes.driver.config import CompileConfig, entry_point_options
-from laplace_passes.infra.report import Report
+from laplace_passes.infra.report import PassRecord, Report
 from laplace_passes.lowering.checks import Finding, check_float64_entries, float64_refusal
 from laplace_passes.lowering.neuron import NEURON_ADVICE
 from laplace_passes.lowering.preflight import NeuronPreflight, PreflightCompiler
@@ -78,11 +78,16 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
             raise
         return PreflightReport(config.report.target, f64_entries or [refusal], [], config.report,
                                not_checked=_not_captured(error))
-    checked = [record for record in report.passes if record.name == NeuronPreflight.name]
+    checked = preflight_records(report)
     findings = [f for record in checked for f in record.findings]
     if f64_entries:  # they name the parameters and inputs the graphs' f64 placeholders stand for
         findings = [f for f in findings if not (f.check == "f64" and f.op == "input")]
     return PreflightReport(report.target, f64_entries + findings, [record.graph for record in checked], report)
+
+
+def preflight_records(report: Report) -> list[PassRecord]:
+    """The Neuron preflight pass's records in `report`, one per graph it checked, each with its findings."""
+    return [record for record in report.passes if record.name == NeuronPreflight.name]
 
 
 def _not_captured(error: Exception) -> str:

@@ -16,8 +16,8 @@ it depends on what the compile is for:
   [specialising per shape]. That is what TorchNeuron does itself (it
   rejects dynamic=True and recompiles per shape), and each shape runs the
   same code as a static compile would: unrolled, sized, partitioned.
-  So is a graph that scans over a dynamic length, on any target (NOTE
-  [scans over a dynamic length]).
+  So is a graph that scans over a dynamic length, on any target
+  (`scan_over_dynamic_length`, NOTE [scans over a dynamic length]).
 
 Either way the report names the dynamic dimensions (`Report.dynamic_dims`),
 counts the shapes specialised (`Report.specialised`) and, for Neuron
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch._dynamo
@@ -40,7 +40,7 @@ from laplace_passes.driver.config import CompileConfig
 from laplace_passes.fx.algebra_terms import SYMBOLIC_SIZE
 from laplace_passes.infra.report import RecurrenceRecord, Report
 from laplace_passes.infra.fx_helpers import (
-    COND, SCAN, WHILE_LOOP, dynamic_dims, fake_value, is_static, replace_uses, tensor_values,
+    COND, SCAN, WHILE_LOOP, dynamic_dims, fake_value, is_static, replace_uses, subgraph, tensor_values,
 )
 from laplace_passes.lowering.neuron import NEURON_ADVICE
 
@@ -48,31 +48,31 @@ from laplace_passes.lowering.neuron import NEURON_ADVICE
 _DYNAMO_KEY = "example_value"
 
 
-def static_shapes_reason(config: CompileConfig, gm: torch.fx.GraphModule | None = None) -> str:
-    """Why this compile (of `gm`, where given) needs static shapes ("" when it does not)."""
+def static_shapes_reason(config: CompileConfig) -> str:
+    """Why this compile needs static shapes ("" when it does not)."""
     if config.target.static_shapes:
         return f"target {config.target.name} compiles static shapes only"
     if config.inner.static_shapes:
         return f"inner compiler {config.inner.name} takes static shapes only"
     if config.max_graph_instructions is not None:
         return "the graph-instruction budget is measured, and graphs cut, at static shapes"
-    scan = _scan_over_dynamic_length(gm) if gm is not None else None
-    if scan is not None:  # NOTE [scans over a dynamic length]
-        return (f"{scan.name} scans over a dynamic length ({_scanned_length(scan)}), which torch's AOT Autograd "
-                "cannot trace; at a static length the passes can recognise and re-tile it")
     return ""
 
 
-def _scan_over_dynamic_length(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
-    """NOTE [scans over a dynamic length]: AOT Autograd fails on a `scan` whose scanned length is a symbol
+def scan_over_dynamic_length(gm: torch.fx.GraphModule) -> str:
+    """Why `gm` itself needs static shapes whatever the compile ("" when it does not).
+
+    NOTE [scans over a dynamic length]: AOT Autograd fails on a `scan` whose scanned length is a symbol
     ("scan might be aliasing the input or the output", torch 2.13, with any backend), which is what Dynamo
     hands over once a model that scans over its tokens (`plain-tiny`) is called with a second length. Such
     a graph is compiled once per shape, as for a static-shape target: each length is a static scan that
     recognition re-tiles (or, when it is not a GLA, that AOT Autograd traces)."""
-    for node in gm.graph.find_nodes(op="call_function", target=SCAN):
-        if _scanned_length(node) is not None:
-            return node
-    return None
+    for scan in gm.graph.find_nodes(op="call_function", target=SCAN):
+        length = _scanned_length(scan)
+        if length is not None:
+            return (f"{scan.name} scans over a dynamic length ({length}), which torch's AOT Autograd cannot "
+                    "trace; at a static length the passes can recognise and re-tile it")
+    return ""
 
 
 def _scanned_length(scan: torch.fx.Node) -> torch.SymInt | None:
@@ -235,34 +235,35 @@ def _specialise_bodies(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> None:
     copies them with the body's nodes, and recognition reads static sizes only. Copies, so that `gm`'s
     original graph (shared submodules) keeps its own."""
     for node in list(gm.graph.nodes):
-        for attr, inputs in _bodies_and_inputs(node):
-            original = getattr(gm, attr.target)
+        for attr, values in _body_calls(node):
+            original = subgraph(gm, attr)
             body = copy.deepcopy(original)
             setattr(gm, attr.target, body)
-            with mode:
-                values = [_operand_value(x) for x in inputs]
             FakeTensorProp(body, mode).propagate_dont_convert_inputs(*values)
             _take_values(body.graph, original.graph)
             _specialise_bodies(body, mode)
 
 
-def _bodies_and_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, list]]:
-    """(get_attr node of a body, what the body is called with) for a loop or a cond; [] for other nodes.
-    A scanned or mapped input's body value is its first slice."""
-    def first_slices(xs):
-        return [_FirstSlice(x) for x in xs]
+def _body_calls(node: torch.fx.Node) -> list[tuple[torch.fx.Node, list]]:
+    """(get_attr node of a body, the fake values the body is called with) for a loop or a cond; [] for any
+    other node. A scanned or mapped input's value in the body is its first slice."""
+    def values(operands):
+        return [fake_value(x) if isinstance(x, torch.fx.Node) else x for x in operands]
+
+    def first_slices(operands):
+        return [fake_value(x)[0] for x in operands]
 
     if node.op != "call_function":
         return []
     args = node.args
     if node.target is SCAN:  # scan(combine_fn, init, xs, additional_inputs)
-        return [(args[0], [*args[1], *first_slices(args[2]), *args[3]])]
+        return [(args[0], [*values(args[1]), *first_slices(args[2]), *values(args[3])])]
     if node.target is WHILE_LOOP:  # while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)
-        return [(fn, [*args[2], *args[3]]) for fn in args[:2]]
+        return [(fn, values([*args[2], *args[3]])) for fn in args[:2]]
     if node.target is COND:  # cond(pred, true_fn, false_fn, operands)
-        return [(fn, list(args[3])) for fn in args[1:3]]
+        return [(fn, values(args[3])) for fn in args[1:3]]
     if node.target is torch.ops.higher_order.map_impl:  # map_impl(f, xs, pos_args)
-        return [(args[0], [*first_slices(args[1]), *args[2]])]
+        return [(args[0], [*first_slices(args[1]), *values(args[2])])]
     return []
 
 
@@ -278,18 +279,6 @@ def _take_values(static: torch.fx.Graph, original: torch.fx.Graph) -> None:
             for tensor in tensor_values(value):
                 if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
                     tensor.requires_grad_(True)
-
-
-class _FirstSlice(NamedTuple):
-    """A scanned (or mapped) operand: the body sees its first slice."""
-
-    node: torch.fx.Node
-
-
-def _operand_value(operand: Any) -> Any:
-    if isinstance(operand, _FirstSlice):
-        return fake_value(operand.node)[0]
-    return fake_value(operand) if isinstance(operand, torch.fx.Node) else operand
 
 
 def _replace_by_constant(node: torch.fx.Node, value: int | float) -> None:

@@ -32,6 +32,9 @@ from typing import Any, Iterator, Sequence
 import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
+from torch.utils import _pytree as pytree
+
+from laplace_passes.infra.fx_helpers import fake_value
 
 
 class WouldSpecialise(RuntimeError):
@@ -51,11 +54,10 @@ class WouldSpecialise(RuntimeError):
 def shape_env_of(gm: torch.fx.GraphModule) -> ShapeEnv | None:
     """The ShapeEnv behind the symbolic sizes in `gm`'s fake values; None when every size is static."""
     for node in gm.graph.nodes:
-        for key in ("val", "example_value"):
-            for value in _flat(node.meta.get(key)):
-                env = _shape_env_of_value(value)
-                if env is not None:
-                    return env
+        for value in pytree.tree_leaves(fake_value(node)):
+            env = _shape_env_of_value(value)
+            if env is not None:
+                return env
     return None
 
 
@@ -112,9 +114,3 @@ def _shape_env_of_value(value: Any) -> ShapeEnv | None:
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return value.node.shape_env
     return None
-
-
-def _flat(value: Any) -> list:
-    if isinstance(value, (tuple, list)):
-        return [leaf for item in value for leaf in _flat(item)]
-    return [value]
