@@ -130,3 +130,15 @@ def test_each_call_that_compiles_gets_a_report_of_its_own():
     second = laplace_passes.last_report()
     assert second is not first and len(second.graphs) == len(first.graphs)
     assert [site.plan["T"] for site in first.sites] == [32] and [site.plan["T"] for site in second.sites] == [16]
+
+
+def test_a_call_under_activation_checkpointing_is_listed_with_the_body_it_is_in():
+    """torch.utils.checkpoint puts the call in a body graph (NOTE [run-once bodies]): it is listed all the same."""
+    import torch.utils.checkpoint as checkpoint
+
+    def checkpointed(*args):
+        return checkpoint.checkpoint(value_gated, *args, use_reentrant=False)
+
+    report = laplace_passes.inspect(checkpointed, *inputs(), target="cpu")
+    (line,) = [d for p in report.passes if p.name == "fla_calls" for d in p.declined]
+    assert line.startswith("fla.fused_recurrent_gla (node wrap_body_0.") and "value gates (gv)" in line, line

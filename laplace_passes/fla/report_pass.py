@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch.fx
 
 from laplace_passes.fla.not_replaced import MARKER
+from laplace_passes.infra.fx_helpers import run_once_bodies
 from laplace_passes.infra.pass_base import GraphPass, PassResult
 
 
@@ -32,16 +33,18 @@ class ReportFlaCalls(GraphPass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         lines = []
-        for node in gm.graph.nodes:
+        # The graph and the bodies it calls once (a checkpointed layer): NOTE [run-once bodies].
+        nodes = [(where, node) for where, module in [("", gm), *run_once_bodies(gm)] for node in module.graph.nodes]
+        for where, node in nodes:
             if node.op != "call_function":
                 continue
             if node.target is MARKER:
                 _, call, reason = node.args
-                lines.append(f"{call} (node {node.name}{_module_path(node)}): not replaced: {reason}")
+                lines.append(f"{call} (node {where}{node.name}{_module_path(node)}): not replaced: {reason}")
             elif "triton_kernel_wrapper" in str(node.target):
                 kernel = node.kwargs.get("kernel_idx", "?")
-                lines.append(f"Triton kernel #{kernel} (node {node.name}): not replaced: Dynamo captured a Triton "
-                             f"kernel that no laplace replacement covers")
+                lines.append(f"Triton kernel #{kernel} (node {where}{node.name}): not replaced: Dynamo captured a "
+                             f"Triton kernel that no laplace replacement covers")
         summary = f"{len(lines)} fla call(s) left to fla" if lines else "no fla call left to fla"
         return PassResult(gm, modified=False, summary=summary, declined=lines)
 

@@ -36,7 +36,7 @@ from laplace_passes.fx.recurrence import Chain, find_chains
 from laplace_passes.fx.token_loop import TokenLoop, describe, plan_token_loop
 from laplace_passes.fx.unread_loops import in_place_state_rows, symbolic_size_hint
 from laplace_passes.fx.validate import check_on_random_inputs
-from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
+from laplace_passes.infra.fx_helpers import ancestors, fake_tensor, run_once_bodies
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import RecurrenceRecord
 from laplace_passes.infra.strict import strict_mode
@@ -57,6 +57,20 @@ class RecogniseGLA(GraphPass):
         self.validation_steps = validation_steps
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        records = []
+        # The graph and the bodies it calls once (activation checkpointing): NOTE [run-once bodies].
+        for where, graph_module in [("", gm), *run_once_bodies(gm)]:
+            found_here = self._recognise_in(graph_module)
+            for record in found_here:
+                record.node = where + record.node
+            records += found_here
+        found = sum(r.status == "GLA site" for r in records)
+        declined = [f"{r.node}: {r.reason}" for r in records if r.status == "declined"]
+        summary = f"{found} of {len(records)} loops carrying a state rewritten as GLA sites"
+        return PassResult(gm, modified=found > 0, summary=summary, declined=declined, recurrences=records)
+
+    def _recognise_in(self, gm: torch.fx.GraphModule) -> list[RecurrenceRecord]:
+        """A record for each loop carrying a state in `gm`'s own graph, each one rewritten or declined."""
         chains = find_chains(gm.graph, self.min_steps)
         # Found before any rewrite changes the graph: loops no chain follows, so that they still get a row.
         records = in_place_state_rows(gm.graph, {s.node for c in chains for s in c.steps}, self.min_steps)
@@ -68,10 +82,7 @@ class RecogniseGLA(GraphPass):
         for record in records:
             if record.status == "declined" and hint:
                 record.reason += hint
-        found = sum(r.status == "GLA site" for r in records)
-        declined = [f"{r.node}: {r.reason}" for r in records if r.status == "declined"]
-        summary = f"{found} of {len(records)} loops carrying a state rewritten as GLA sites"
-        return PassResult(gm, modified=found > 0, summary=summary, declined=declined, recurrences=records)
+        return records
 
     def _rewrite(self, gm: torch.fx.GraphModule, chain: Chain) -> RecurrenceRecord:
         shape = list(chain.first.shape)

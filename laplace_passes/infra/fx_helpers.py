@@ -290,6 +290,37 @@ def subgraph(gm: torch.fx.GraphModule, attr: Node) -> torch.fx.GraphModule:
     return operator.attrgetter(attr.target)(gm)
 
 
+# Higher-order ops that call their body once, in the node's place: activation checkpointing
+# (`torch.utils.checkpoint`) and the autocast and grad-mode regions Dynamo wraps in a body of their own.
+# A rewrite inside such a body is a rewrite of the computation around it: NOTE [run-once bodies].
+RUN_ONCE_OPS = (torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap,
+                torch.ops.higher_order.wrap_with_autocast, torch.ops.higher_order.wrap_with_set_grad_enabled)
+
+
+def run_once_bodies(gm: torch.fx.GraphModule, prefix: str = "") -> list[tuple[str, torch.fx.GraphModule]]:
+    """("wrap_body_0.", body) for the body of each run-once op of `gm` (`RUN_ONCE_OPS`), nested ones too.
+
+    NOTE [run-once bodies]: Dynamo puts the code under `torch.utils.checkpoint`
+    (and under an autocast or grad-mode region inside one) into a body graph
+    that the higher-order op calls once. A GLA written in plain PyTorch is
+    there, not in the graph: the passes that look for loops walk these bodies
+    as they walk the graph, and their records name the body
+    ("wrap_body_0.mul_3"). Bodies of loops (scan, while_loop) are not listed:
+    they run many times and are unrolled first.
+    """
+    found, seen = [], set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in RUN_ONCE_OPS:
+            continue
+        for attr in node.all_input_nodes:
+            body = subgraph(gm, attr) if attr.op == "get_attr" else None
+            if isinstance(body, torch.fx.GraphModule) and id(body) not in seen:
+                seen.add(id(body))
+                name = f"{prefix}{attr.target}."
+                found += [(name, body), *run_once_bodies(body, name)]
+    return found
+
+
 def output_values(gm: torch.fx.GraphModule) -> list:
     """What the graph returns, as a list (a single value becomes a one-element list)."""
     result = gm.graph.output_node().args[0]

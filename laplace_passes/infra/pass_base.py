@@ -156,8 +156,10 @@ def run_pass(graph_pass: GraphPass, gm: torch.fx.GraphModule, graph_name: str = 
         error.add_note(f"while running laplace pass {graph_pass.name!r}{where}")
         raise
     try:
-        result.graph_module.graph.lint()
-        result.graph_module.recompile()
+        for module in result.graph_module.modules():  # the graph and its bodies (loops, checkpointed regions)
+            if isinstance(module, torch.fx.GraphModule):
+                module.graph.lint()
+                module.recompile()
     except RuntimeError as error:
         raise PassLintError(f"laplace pass {graph_pass.name!r} left graph {graph_name or '(unnamed)'} "
                             f"ill-formed: {error}") from error

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.fx
 
+from laplace_passes.infra.fx_helpers import run_once_bodies
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import LoopRecord
 from laplace_passes.unroll import chunk_loops, compiled_bodies, hop_loops
@@ -58,6 +59,24 @@ class UnrollLoops(GraphPass):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records: list[LoopRecord] = []
         self._sites_per_signature = _sites_per_signature(gm) if self.compile_bodies else Counter()
+        for where, graph_module in self._graphs(gm):
+            found_here = self._unroll_all(graph_module)
+            for record in found_here:
+                record.node = where + record.node
+            records += found_here
+        declined = [f"{r.node} ({r.kind}): {r.reason}" for r in records if r.status == "declined"]
+        modified = any(r.status != "declined" for r in records)
+        return PassResult(gm, modified=modified, summary=_summary(records), declined=declined, loops=records)
+
+    def _graphs(self, gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
+        """The graph, and on Dynamo graphs the bodies it calls once (NOTE [run-once bodies] in
+        `laplace_passes.infra.fx_helpers`): a loop under activation checkpointing is in one of those.
+        AOT Autograd inlines them, so an ATen graph has none."""
+        return [("", gm), *(run_once_bodies(gm) if self.level == "dynamo" else [])]
+
+    def _unroll_all(self, gm: torch.fx.GraphModule) -> list[LoopRecord]:
+        """Every loop of `gm`'s own graph unrolled or declined, the loops its bodies bring in included."""
+        records: list[LoopRecord] = []
         declined_nodes: set[torch.fx.Node] = set()
         while True:  # inlining a body can bring nested loops into the graph
             pending = [n for n in gm.graph.nodes if self._is_loop(n) and n not in declined_nodes]
@@ -73,16 +92,14 @@ class UnrollLoops(GraphPass):
                     node.meta[DECLINED_META_KEY] = record.reason
                 else:
                     erase_unused([n for n in gm.graph.nodes if n not in before] + bodies)
-        unrolled = [r for r in records if r.status == "unrolled"]
-        if unrolled:
+        if any(r.status == "unrolled" for r in records):
             gm.delete_all_unused_submodules()
-        declined = [f"{r.node} ({r.kind}): {r.reason}" for r in records if r.status == "declined"]
-        modified = any(r.status != "declined" for r in records)
-        return PassResult(gm, modified=modified, summary=_summary(records), declined=declined, loops=records)
+        return records
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         # Only declined loops may remain; anything else means a rewrite was skipped.
-        left = [n.name for n in gm.graph.nodes if self._is_loop(n) and DECLINED_META_KEY not in n.meta]
+        left = [where + n.name for where, graph_module in self._graphs(gm) for n in graph_module.graph.nodes
+                if self._is_loop(n) and DECLINED_META_KEY not in n.meta]
         if left:
             raise RuntimeError(f"unroll_loops left loops it did not decline: {left}")
 

@@ -1,0 +1,126 @@
+"""GLA written in plain PyTorch under activation checkpointing (`torch.utils.checkpoint`) is found too.
+
+Dynamo puts a checkpointed region into a body graph that a higher-order op
+calls once (NOTE [run-once bodies] in `laplace_passes.infra.fx_helpers`).
+The loop is there, not in the graph: without looking into bodies, a token
+loop went through un-tiled with an empty "recurrences" table, and a
+`while_loop` or `scan` under checkpointing failed in AOT Autograd (as it does
+with torch's own `aot_eager`). Each case is compared with the same loop run
+eagerly (outputs and every input or parameter gradient); the report must
+name the body the loop was found in.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+
+import laplace_passes
+import model_zoo
+from model_zoo.gla_lm import GatedLinearAttention, GLALM
+from tests import recognise_cases as cases
+from tests.test_recognise import assert_close, case_inputs, compiled, outputs_and_grads
+
+
+def checkpointed(fn, use_reentrant=False):
+    def run(*args):
+        return checkpoint.checkpoint(fn, *args, use_reentrant=use_reentrant)
+
+    return run
+
+
+# name -> the eager reference: torch 2.13's eager scan fails under checkpointing and its eager while_loop gives
+# wrong input gradients, so those two are compared with the same loop written elementwise.
+CASES = {
+    "elementwise": cases.elementwise,
+    "while_looped": cases.elementwise,
+    "scanned": cases.elementwise,
+    "quadratic_key_gates": cases.quadratic_key_gates,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_loop_under_checkpointing_becomes_a_gla_site_in_its_body(name):
+    args = case_inputs(name)
+    expected_out, expected_grads = outputs_and_grads(CASES[name], args)
+    model = compiled(checkpointed(getattr(cases, name)))
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+
+    report = model.laplace_report
+    (row,) = report.recurrences
+    assert row.status == "GLA site" and row.node.startswith("wrap_body_0."), row
+    (site,) = report.sites
+    assert site.status == "retiled" and site.node.startswith("wrap_body_0."), site
+    body = report.graph("after", "dynamo_0").wrap_body_0
+    assert [n.target for n in body.graph.nodes if n.op == "call_function"].count(
+        torch.ops.laplace.chunked_gla.default) == 1
+    assert len(body.graph.nodes) < 60, len(body.graph.nodes)  # no T-step chain left in the body
+
+
+def test_a_reentrant_checkpoint_trains_through_backward():
+    """use_reentrant=True (the default of older code) cannot be differentiated with autograd.grad: .backward()."""
+    args = case_inputs("elementwise")
+    expected_out, expected_grads = outputs_and_grads(cases.elementwise, args)
+    model = compiled(checkpointed(cases.elementwise, use_reentrant=True))
+    out, state = model(*args)
+    torch.testing.assert_close(out, expected_out[0], rtol=2e-5, atol=2e-5)
+    weights = [torch.linspace(-1, 1, o.numel()).view_as(o) for o in (out, state)]
+    sum((o * w).sum() for o, w in zip((out, state), weights)).backward()
+    assert_close([a.grad for a in args], expected_grads)
+    assert [r.status for r in model.laplace_report.recurrences] == ["GLA site"]
+
+
+def test_a_near_miss_in_a_body_is_declined_with_its_reason_and_unchanged_numbers():
+    args = case_inputs("extra_term")
+    expected_out, expected_grads = outputs_and_grads(checkpointed(cases.extra_term), args)
+    model = compiled(checkpointed(cases.extra_term))
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "declined" and row.node.startswith("wrap_body_0.")
+    assert "its update adds 2 terms besides the decayed state" in row.reason
+    assert not model.laplace_report.sites
+
+
+class TokenLoopAttention(GatedLinearAttention):
+    """GLA's recurrence as a team would write it: a Python loop over the tokens, no call to this project."""
+
+    def recurrence(self, q, k, v, gk, initial_state, output_final_state):
+        B, T, H, K = q.shape
+        S = q.new_zeros(B, H, K, v.shape[-1])
+        outputs = []
+        for t in range(T):
+            S = S * gk[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outputs.append((q[:, t, :, :, None] * S).sum(-2) * K ** -0.5)
+        return torch.stack(outputs, 1), (S if output_final_state else None)
+
+
+class CheckpointedTokenLoopLM(GLALM):
+    """`tiny` with `TokenLoopAttention` and every block under torch.utils.checkpoint, as a training run does."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.layers:
+            layer.attn.__class__ = TokenLoopAttention
+            forward = layer.forward
+            layer.forward = lambda *a, _f=forward, **kw: checkpoint.checkpoint(_f, *a, use_reentrant=False, **kw)
+
+
+def test_a_checkpointed_language_model_trains_like_tiny_through_recognised_sites():
+    torch.manual_seed(0)
+    model, reference = CheckpointedTokenLoopLM(model_zoo.config("tiny")), model_zoo.build("tiny")
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    F.cross_entropy(reference(ids).flatten(0, 1), ids.flatten()).backward()
+    torch._dynamo.reset()
+    compiled_model = laplace_passes.compile(model, target="cpu", chunk_size=16)
+    F.cross_entropy(compiled_model(ids).flatten(0, 1), ids.flatten()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    report = compiled_model.laplace_report
+    assert [(r.status, r.steps) for r in report.recurrences] == [("GLA site", 40)] * 2
+    assert sorted(s.node.split(".")[0] for s in report.sites) == ["wrap_body_0", "wrap_body_1"]
+    assert [(s.status, s.plan["n_chunks"]) for s in report.sites] == [("retiled", 3)] * 2
