@@ -1,4 +1,4 @@
-"""GLA written in plain PyTorch under activation checkpointing (`torch.utils.checkpoint`) is found too.
+"""GLA in regions Dynamo gives a body of their own: activation checkpointing, nested compile regions.
 
 Dynamo puts a checkpointed region into a body graph that a higher-order op
 calls once (NOTE [run-once bodies] in `laplace_passes.infra.fx_helpers`).
@@ -8,6 +8,12 @@ loop went through un-tiled with an empty "recurrences" table, and a
 with torch's own `aot_eager`). Each case is compared with the same loop run
 eagerly (outputs and every input or parameter gradient); the report must
 name the body the loop was found in.
+
+A `torch.compiler.nested_compile_region` is a body called at every use:
+the `inline_regions` pass copies it in at each call (NOTE [nested compile
+regions: before and after] in `laplace_passes.unroll.regions`), so that
+recognition finds its loops and, on trn2, each site's chunk loop is
+unrolled and counted in the graph's size.
 """
 
 import pytest
@@ -19,7 +25,9 @@ import laplace_passes
 import model_zoo
 from model_zoo.gla_lm import GatedLinearAttention, GLALM
 from tests import recognise_cases as cases
-from tests.test_recognise import assert_close, case_inputs, compiled, outputs_and_grads
+from laplace_passes.infra.pass_base import run_pass
+from laplace_passes.unroll import InlineRegions
+from tests.test_recognise import assert_close, case_inputs, compiled, dynamo_graph, outputs_and_grads
 
 
 def checkpointed(fn, use_reentrant=False):
@@ -124,3 +132,74 @@ def test_a_checkpointed_language_model_trains_like_tiny_through_recognised_sites
     assert [(r.status, r.steps) for r in report.recurrences] == [("GLA site", 40)] * 2
     assert sorted(s.node.split(".")[0] for s in report.sites) == ["wrap_body_0", "wrap_body_1"]
     assert [(s.status, s.plan["n_chunks"]) for s in report.sites] == [("retiled", 3)] * 2
+
+
+region = torch.compiler.nested_compile_region(cases.elementwise)
+
+
+def region_twice(q, k, v, g):
+    o, state = region(q, k, v, g)
+    o_doubled, _ = region(q * 2, k, v, g)
+    return o + o_doubled, state
+
+
+def elementwise_twice(q, k, v, g):
+    o, state = cases.elementwise(q, k, v, g)
+    return o + cases.elementwise(q * 2, k, v, g)[0], state
+
+
+def test_a_loop_in_a_nested_compile_region_is_found_at_each_call():
+    args = case_inputs("elementwise")
+    expected_out, expected_grads = outputs_and_grads(elementwise_twice, args)
+    model = compiled(region_twice)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    report = model.laplace_report
+    (inlined,) = [p for p in report.passes if p.name == "inline_regions"]
+    assert inlined.summary == "inlined 2 call(s) of 1 nested compile region(s): subgraph_0" and inlined.modified
+    assert [r.status for r in report.recurrences] == ["GLA site"] * 2
+    assert [s.status for s in report.sites] == ["retiled"] * 2
+    after = report.graph("after", "dynamo_0")
+    assert not [n for n in after.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+
+
+class RegionBlock(model_zoo.GLABlock):
+    """tiny's block as a nested compile region: traced once, called per layer."""
+
+    @torch.compiler.nested_compile_region
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_tiny_with_region_blocks_on_trn2_unrolls_every_site_s_chunk_loop():
+    """Without inlining, the one re-tiled site stayed inside the region: unrolled nowhere, not measured."""
+    torch.manual_seed(0)
+    model, reference = model_zoo.build("tiny"), model_zoo.build("tiny")
+    reference.load_state_dict(model.state_dict())
+    for layer in model.layers:
+        layer.__class__ = RegionBlock
+    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(3))
+    F.cross_entropy(reference(ids).flatten(0, 1), ids.flatten()).backward()
+    torch._dynamo.reset()
+    compiled_model = laplace_passes.compile(model, target="trn2")
+    F.cross_entropy(compiled_model(ids).flatten(0, 1), ids.flatten()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    report = compiled_model.laplace_report
+    assert [(s.status, s.plan["n_chunks"]) for s in report.sites] == [("retiled", 2)] * 2
+    unrolled = sorted((g.name, loop.kind, loop.trip_count) for g in report.graphs for loop in g.loops
+                      if loop.status == "unrolled")
+    assert unrolled == ([("backward_0", "laplace.chunked_gla_backward", 2)] * 2
+                        + [("forward_0", "laplace.chunked_gla", 2)] * 2)
+
+
+def test_a_call_whose_result_is_read_whole_is_declined_and_left():
+    gm, _ = dynamo_graph(region_twice, *case_inputs("elementwise"))
+    call = next(n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph)
+    output = gm.graph.output_node()
+    output.args = ((*output.args[0], call),)
+    outcome = run_pass(InlineRegions(), gm)
+    assert outcome.declined == [f"{call.name}: its results are read whole, not element by element"]
+    assert outcome.summary == "inlined 1 call(s) of 1 nested compile region(s): subgraph_0"
+    assert call.graph is gm.graph

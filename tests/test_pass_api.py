@@ -52,7 +52,7 @@ def gla_in_a_scan(q, k, v, gk, w):
 
 def test_every_pass_of_the_pipeline_is_a_torch_pass():
     config = compile_config({"target": "trn2", "inner": "eager"})
-    assert [s.name for s in DYNAMO][:3] == ["unroll_loops", "recognise_gla", "retile_gla"]
+    assert [s.name for s in DYNAMO][:4] == ["inline_regions", "unroll_loops", "recognise_gla", "retile_gla"]
     for step in (*DYNAMO, *ATEN):
         assert step.name in describe(config)
     for cls in (RetileGLA, UnrollLoops, FitGraphToBudget):

@@ -36,7 +36,8 @@ from laplace_passes.lowering.legalize import (
 )
 from laplace_passes.lowering.preflight import NeuronPreflight, RequireCleanPreflight
 from laplace_passes.lowering.stablehlo import LowerToStableHLO
-from laplace_passes.unroll import FitGraphToBudget, SizeModel, UnrollLoops
+from laplace_passes.unroll import FitGraphToBudget, InlineRegions, SizeModel, UnrollLoops
+from laplace_passes.unroll.regions import calls_a_region
 
 
 @dataclass
@@ -77,6 +78,9 @@ def _retile(build: Build) -> GraphPass:
 
 
 DYNAMO = (
+    # Calls of a nested compile region become the region's nodes, so that every later pass reads one graph.
+    Step("inline_regions", "graphs calling a torch.compiler.nested_compile_region: each call -> the region's nodes",
+         _always, lambda b: InlineRegions(), lambda b: calls_a_region(b.gm)),
     # User scan / while_loop: unrolled before AOT Autograd, which cannot differentiate a scan in torch 2.13,
     # and before recognition, which then reads every token loop as straight-line steps.
     Step("unroll_loops", "always: user scan / while_loop with a static trip count", _always,

@@ -1,5 +1,6 @@
 """Static unrolling of sequential loops, and keeping every graph under the compiler's size budget.
 
+    InlineRegions      calls of a nested compile region (Dynamo graphs) -> the region's nodes
     UnrollLoops        scan / while_loop with a static trip count (Dynamo and ATen graphs) and
                        the GLA chunk-loop ops (ATen graphs) -> straight-line code
     SizeModel          node count and an instruction estimate per graph, from shapes
@@ -14,12 +15,14 @@ from laplace_passes.unroll.budget import FitGraphToBudget, backward_activation_b
 from laplace_passes.unroll.partition import PartitionPlan, plan_partitions
 from laplace_passes.unroll.size import GraphSize, SizeModel
 from laplace_passes.unroll.split import PARTITION_PREFIX, compile_graph, partition_calls, split_graph
+from laplace_passes.unroll.regions import InlineRegions
 from laplace_passes.unroll.unroll_pass import UnrollLoops
 
 __all__ = [
     "PARTITION_PREFIX",
     "FitGraphToBudget",
     "GraphSize",
+    "InlineRegions",
     "PartitionPlan",
     "SizeModel",
     "UnrollLoops",
