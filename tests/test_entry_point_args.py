@@ -90,3 +90,14 @@ def test_library_helpers_check_their_arguments():
         laplace_passes.chunk_plan(10, 0)
     with pytest.raises(ValueError, match="seq_len must be a non-negative int, got -1"):
         laplace_passes.chunk_plan(-1, 128)
+
+
+def test_a_torch_compile_mode_is_refused_saying_where_the_settings_go():
+    """torch.compile passes mode= to a custom backend; it was a TypeError from the backend's signature."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + 1, backend="laplace", mode="max-autotune")
+    with pytest.raises(Exception, match=r"mode='max-autotune'\): mode is a setting of Inductor's own backend.*"
+                                        r"options=\{'inner': 'inductor'\}"):
+        compiled(torch.ones(2))
+    torch._dynamo.reset()
+    assert torch.compile(lambda x: x + 1, backend="laplace", mode="default")(torch.ones(2)).tolist() == [2.0, 2.0]

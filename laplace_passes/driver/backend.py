@@ -43,10 +43,23 @@ def compile_config(options: dict[str, Any] | None) -> CompileConfig:
     return CompileConfig.from_options(options, INNER_COMPILERS)
 
 
-def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None) -> Callable:
+def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None,
+                    mode: str | None = None) -> Callable:
+    _refuse_a_mode(mode)
     if not (options or {}).get("report"):
         options = {**(options or {}), "report": report_of_this_call()}
     return compile_fx(gm, example_inputs, compile_config(options))
+
+
+def _refuse_a_mode(mode: str | None) -> None:
+    """torch.compile hands its `mode` to a custom backend, in place of `options` (it takes one or the other)."""
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"torch.compile(..., backend='laplace', mode={mode!r}): mode is a setting of Inductor's own backend; "
+            "the laplace backend takes its settings as options= (target, inner, ...), and torch.compile accepts "
+            "mode or options, not both. For Inductor after the laplace passes: options={'inner': 'inductor'}, "
+            "with Inductor's own settings in torch._inductor.config (e.g. max_autotune = True)"
+        )
 
 
 def report_of_this_call() -> Report:
