@@ -163,6 +163,9 @@ def propagate_fake_value(node: Node) -> None:
     if node.target is COND:  # its branches are get_attr nodes, without values of their own
         _propagate_cond(node)
         return
+    if _takes_an_element(node):  # no op to run: and flattening a T-long tuple per element made T elements T^2
+        node.meta[fake_key(node.graph)] = fake_value(node.args[0])[node.args[1]]
+        return
     missing = []
 
     def to_fake(arg):
@@ -178,6 +181,13 @@ def propagate_fake_value(node: Node) -> None:
         return
     with mode:
         node.meta[fake_key(node.graph)] = node.target(*args, **kwargs)
+
+
+def _takes_an_element(node: Node) -> bool:
+    """`node` is ``source[i]`` of a node whose fake value is a tuple or list (an unbind's rows, a loop's results)."""
+    source, index = (node.args + (None, None))[:2]
+    return (node.target is operator.getitem and isinstance(source, Node) and isinstance(index, int)
+            and isinstance(fake_value(source), (tuple, list)))
 
 
 def _propagate_cond(cond: Node) -> None:

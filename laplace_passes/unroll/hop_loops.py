@@ -99,8 +99,11 @@ def unroll_scan(gm: torch.fx.GraphModule, node: torch.fx.Node, trips: int) -> No
     graph, provenance = gm.graph, {**provenance_of(node), "laplace_unrolled_from": "scan"}
     carries, steps = list(init), []
     with graph.inserting_before(node):
+        # One unbind per scanned input, each trip reading its row: the rows' fake values come from one
+        # op run on fake tensors, not one per trip and input (a select each: most of a long scan's unroll).
+        unbound = [new_node(graph, torch.ops.aten.unbind.int, (x, 0), provenance=provenance) for x in xs]
         for t in range(trips):
-            slices = [new_node(graph, torch.ops.aten.select.int, (x, 0, t), provenance=provenance) for x in xs]
+            slices = [new_node(graph, operator.getitem, (rows, t), provenance=provenance) for rows in unbound]
             outputs = inline_graph(gm, body, [*carries, *slices, *additional], provenance)
             carries, ys = outputs[: len(init)], outputs[len(init):]
             steps.append(ys)
