@@ -6,11 +6,12 @@ Before (Dynamo graph of `scan(combine, init, xs)` over 3 steps):
     scan = torch.ops.higher_order.scan(self.scan_combine_fn_0, [init], [xs], [w])
     carry = scan[0]; ys = scan[1]
 
-After: one copy of the combine function per step, reading xs[t]:
+After: one copy of the combine function per step, reading xs[t] from one unbind of xs:
 
-    select = aten.select.int(xs, 0, 0); mul = child * w; c2 = mul + select; ...   # step 0
-    select_1 = aten.select.int(xs, 0, 1); ...                                    # step 1
-    select_2 = aten.select.int(xs, 0, 2); ...                                    # step 2
+    unbind = aten.unbind.int(xs, 0)
+    getitem = unbind[0]; mul = child * w; c2 = mul + getitem; ...               # step 0
+    getitem_1 = unbind[1]; ...                                                  # step 1
+    getitem_2 = unbind[2]; ...                                                  # step 2
     stack = aten.stack.default([y0, y1, y2])
     carry = c2_2; ys = stack
 
