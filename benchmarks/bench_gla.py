@@ -20,7 +20,11 @@ Reports:
     the median over the repeats, and its spread (the fraction of each
     round, min to max; the calls of a round run back to back, so a change in
     the machine's load hits every path alike); the load average is printed
-    beside them.
+    beside them;
+  * the compiled call's matmuls alone (found by profiling one call, run
+    again at the same shapes in the same rounds, `benchmarks.matmuls_alone`):
+    the same FLOPs over their time, the share the call would reach if
+    everything else it does cost nothing, and their share of its time.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import KEEP_FREED_HELP, allocator_setting, interleaved_samples, once, say
+from benchmarks.matmuls_alone import MatmulsAlone
 import laplace_passes
 from laplace_passes import chunked_gla, gla
 from laplace_passes.infra.targets import CPU
@@ -111,6 +116,9 @@ def measure(shape: dict, chunk_size: int, repeats: int, *, compiled: bool = True
             chunked_gla, inputs, chunk_size=chunk_size, save_residuals=False)
     if compiled:
         candidates["compiled"] = forward_backward(compiled_gla(chunk_size, inner=inner), inputs)
+        candidates["compiled"]()  # compiles, so that the profiled call below is a call like the timed ones
+        matmuls_alone = MatmulsAlone.of(candidates["compiled"])
+        candidates["compiled_matmuls"] = matmuls_alone
         if recompute_residuals:
             candidates["compiled_recomputing"] = forward_backward(compiled_gla(chunk_size, False, inner), inputs)
     load_before = os.getloadavg()[0]
@@ -145,6 +153,8 @@ def measure(shape: dict, chunk_size: int, repeats: int, *, compiled: bool = True
             results[f"{name}_speedup_vs_recurrence"] = results["recurrence_s"] / seconds
         if results["fla_naive_s"] is not None:
             results[f"{name}_speedup_vs_fla_naive"] = results["fla_naive_s"] / seconds
+    if compiled:
+        results.update(_ceiling(samples, flops, matmuls_alone))
     for name in ("chunked", "compiled"):
         if results[f"{name}_recomputing_s"] is not None:
             # Per round, then the median: both were timed back to back in each round.
@@ -152,6 +162,20 @@ def measure(shape: dict, chunk_size: int, repeats: int, *, compiled: bool = True
             results[f"{name}_keeping_residuals_speedup_per_round"] = ratios
             results[f"{name}_keeping_residuals_speedup"] = statistics.median(ratios)
     return results
+
+
+def _ceiling(samples: dict, flops: float, matmuls: MatmulsAlone) -> dict:
+    """The compiled call's matmuls alone, timed in the same rounds: the share of the dense rate the call would
+    reach if everything but its matmuls cost nothing (`benchmarks.matmuls_alone`), round by round."""
+    return {
+        "compiled_matmuls_s": statistics.median(samples["compiled_matmuls"]),
+        "compiled_matmuls_count": len(matmuls),
+        "compiled_matmuls_share_of_call": statistics.median(
+            [m / c for m, c in zip(samples["compiled_matmuls"], samples["compiled"])]),
+        "compiled_matmuls_fraction_per_round": [
+            (flops / t) / (MATMUL_FLOPS / m) for t, m in zip(samples["compiled_matmuls"], samples["matmul"])
+        ],
+    }
 
 
 def _fla_naive_seconds(inputs) -> float | None:
@@ -183,6 +207,13 @@ def _text(r: dict) -> str:
             "faster than the recurrence"
             + (f", x{r[f'{name}_speedup_vs_fla_naive']:.1f} than fla naive" if r["fla_naive_s"] else "")
         )
+    if r.get("compiled_matmuls_s") is not None:
+        ceiling = r["compiled_matmuls_fraction_per_round"]
+        lines.append(
+            f"  {'  its matmuls alone':<24}{r['compiled_matmuls_s'] * 1e3:9.1f} ms  = "
+            f"{statistics.median(ceiling):.1%} of matmul (rounds {min(ceiling):.1%}-{max(ceiling):.1%}): "
+            f"the ceiling if the rest cost nothing; {r['compiled_matmuls_count']} products, "
+            f"{r['compiled_matmuls_share_of_call']:.0%} of the call's time")
     for name, label in (("chunked", "eager"), ("compiled", "laplace + inductor")):
         if f"{name}_keeping_residuals_speedup" in r:
             per_round = r[f"{name}_keeping_residuals_speedup_per_round"]

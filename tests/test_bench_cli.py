@@ -337,10 +337,12 @@ def test_bench_paths_judges_the_gla_row_by_the_share_it_prints(monkeypatch):
     from benchmarks import bench_gla, bench_paths
 
     rounds = [0.44, 0.45, 0.47, 0.55, 0.62]
-    result = {"compiled_fraction_per_round": rounds, "compiled_fraction_of_matmul": 0.51, "compiled_gflops": 87.0}
+    result = {"compiled_fraction_per_round": rounds, "compiled_fraction_of_matmul": 0.51, "compiled_gflops": 87.0,
+              "compiled_matmuls_fraction_per_round": [0.7, 0.8, 0.75]}
     monkeypatch.setattr(bench_gla, "measure", lambda *args, **kwargs: result)
     (gla_row,) = bench_paths.measure_gla(bench_paths.QUICK)
     assert gla_row.figure.startswith("47.0% [44.0%-62.0%]"), gla_row.figure
+    assert gla_row.figure.endswith("(87 GFLOP/s; its matmuls alone 75%)"), gla_row.figure
     assert gla_row.value == 0.47 and not gla_row.met, gla_row
 
 
@@ -393,3 +395,28 @@ def test_bench_loops_refuses_kernels_it_cannot_clock():
               "extern \"C\" void kernel(float* out_ptr0) { out_ptr0[0] = 1; }\n''')")
     with pytest.raises(ValueError, match="cannot be timed"):
         bench_loops.instrument(kernel)
+
+
+def test_matmuls_alone_are_the_products_a_call_ran_each_counted_once():
+    """The ceiling's products: every mm / bmm / addmm / baddbmm at its recorded shapes, none inside another
+    counted again, FLOPs from the shapes; running them again writes outputs of the products' shapes."""
+    import torch
+
+    from benchmarks.matmuls_alone import MatmulsAlone
+
+    a, b, bias = torch.randn(8, 4), torch.randn(4, 5), torch.randn(5)
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 4, 6)
+
+    def call():
+        torch.mm(a, b)
+        torch.addmm(bias, a, b)
+        torch.bmm(x, y)
+        torch.baddbmm(torch.zeros(2, 3, 6), x, y)
+        (a + 1).relu()  # not a product
+
+    matmuls = MatmulsAlone.of(call)
+    assert dict(matmuls.shapes) == {("aten::mm", (8, 4), (4, 5)): 1, ("aten::addmm", (8, 4), (4, 5)): 1,
+                                    ("aten::bmm", (2, 3, 4), (2, 4, 6)): 1, ("aten::baddbmm", (2, 3, 4), (2, 4, 6)): 1}
+    assert len(matmuls) == 4
+    assert matmuls.flops == 2 * (2 * 8 * 4 * 5) + 2 * (2 * 2 * 3 * 4 * 6)
+    matmuls()
