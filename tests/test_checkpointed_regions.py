@@ -203,3 +203,34 @@ def test_a_call_whose_result_is_read_whole_is_declined_and_left():
     assert outcome.declined == [f"{call.name}: its results are read whole, not element by element"]
     assert outcome.summary == "inlined 1 call(s) of 1 nested compile region(s): subgraph_0"
     assert call.graph is gm.graph
+
+
+def fla_loss_and_grads(model, ids):
+    torch._dynamo.reset()
+    compiled_model = laplace_passes.compile(model, target="cpu")
+    compiled_model(input_ids=ids, labels=ids).loss.backward()
+    return compiled_model, {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_fla_retnet_under_gradient_checkpointing_says_how_dynamo_traces_it_then_trains(monkeypatch):
+    """fla's RotaryEmbedding caches on itself in its forward: Dynamo runs such a checkpointed block eagerly,
+    where fla's Triton kernels cannot run. The error names the Dynamo setting; with it, the block is traced
+    and trains as the model without checkpointing does."""
+    pytest.importorskip("fla.models")
+    from laplace_passes.fla import FlaCallNotReplaced
+
+    torch.manual_seed(0)
+    model, reference = model_zoo.build("fla-retnet-tiny"), model_zoo.build("fla-retnet-tiny")
+    reference.load_state_dict(model.state_dict())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 128, (2, 96), generator=torch.Generator().manual_seed(3))
+    _, expected = fla_loss_and_grads(reference, ids)
+    with pytest.raises(FlaCallNotReplaced, match=r"inside torch.utils.checkpoint, eagerly.*"
+                                                 r"skip_fwd_side_effects_in_bwd_under_checkpoint = True"):
+        fla_loss_and_grads(model, ids)
+    model.zero_grad()
+    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
+    compiled_model, grads = fla_loss_and_grads(model, ids)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert sorted(s.node.split(".")[0] for s in compiled_model.laplace_report.sites) == ["wrap_body_0", "wrap_body_1"]

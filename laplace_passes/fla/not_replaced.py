@@ -19,6 +19,7 @@ Two places can meet one:
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -39,13 +40,25 @@ EAGER_FIXES = (
 )
 
 
+# Said first when the eager call ran inside torch.utils.checkpoint: the likeliest cause by far.
+IN_CHECKPOINT = (
+    "It ran inside torch.utils.checkpoint, eagerly: Dynamo could not trace the checkpointed block and ran it as "
+    "it is (TORCH_LOGS=graph_breaks says why). A module that caches a value on itself in its forward, as fla's "
+    "RotaryEmbedding does, is the usual cause: `torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint "
+    "= True` before the first call lets Dynamo trace such a block (the cache is then set in the forward only, "
+    "not again when the backward recomputes the block)."
+)
+
+
 class FlaCallNotReplaced(RuntimeError):
     """An fla call laplace_passes has no PyTorch replacement for, reached where Triton cannot run."""
 
-    def __init__(self, call: str, reason: str, device: str = "cpu"):
+    def __init__(self, call: str, reason: str, device: str = "cpu", in_checkpoint: bool = False):
         self.call, self.reason = call, reason
         where = (f"{EAGER_FIXES} The latest report's 'declined' table lists the call (pass fla_calls, graph "
                  "'eager')." if reason == EAGER else "The report's 'declined' table has its row (pass fla_calls).")
+        if in_checkpoint:
+            where = f"{IN_CHECKPOINT} {where}"
         super().__init__(f"{call} was not replaced by laplace_passes ({reason}), and fla's Triton kernel for it "
                          f"cannot run on {device}. {where}")
 
@@ -129,13 +142,23 @@ def _guard_class(base):
 
             def refuse(*args, **kwargs):
                 device = _first_device(args, kwargs)
-                error = FlaCallNotReplaced(call, EAGER, str(device))
+                error = FlaCallNotReplaced(call, EAGER, str(device), in_checkpoint=_inside_eager_checkpoint())
                 _declined_in_latest_report(f"{call}: not replaced: {EAGER}")
                 raise error
 
             return refuse
 
     return LaplaceTritonGuard
+
+
+def _inside_eager_checkpoint() -> bool:
+    """Whether the Python stack runs torch.utils.checkpoint's own code (a checkpointed block run eagerly)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def triton_error_call(error: BaseException) -> str | None:
