@@ -27,7 +27,9 @@ from model_zoo.gla_lm import GatedLinearAttention, GLALM
 from tests import recognise_cases as cases
 from laplace_passes.infra.pass_base import run_pass
 from laplace_passes.unroll import InlineRegions
-from tests.test_recognise import assert_close, case_inputs, compiled, dynamo_graph, outputs_and_grads
+from tests.test_recognise import (
+    assert_close, case_inputs, compiled, compiled_equal_to, dynamo_graph, outputs_and_grads,
+)
 
 
 def checkpointed(fn, use_reentrant=False):
@@ -49,13 +51,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_loop_under_checkpointing_becomes_a_gla_site_in_its_body(name):
-    args = case_inputs(name)
-    expected_out, expected_grads = outputs_and_grads(CASES[name], args)
-    model = compiled(checkpointed(getattr(cases, name)))
-    out, grads = outputs_and_grads(model, args)
-    assert_close(out, expected_out)
-    assert_close(grads, expected_grads)
-
+    model = compiled_equal_to(CASES[name], checkpointed(getattr(cases, name)), case_inputs(name))
     report = model.laplace_report
     (row,) = report.recurrences
     assert row.status == "GLA site" and row.node.startswith("wrap_body_0."), row
@@ -149,12 +145,7 @@ def elementwise_twice(q, k, v, g):
 
 
 def test_a_loop_in_a_nested_compile_region_is_found_at_each_call():
-    args = case_inputs("elementwise")
-    expected_out, expected_grads = outputs_and_grads(elementwise_twice, args)
-    model = compiled(region_twice)
-    out, grads = outputs_and_grads(model, args)
-    assert_close(out, expected_out)
-    assert_close(grads, expected_grads)
+    model = compiled_equal_to(elementwise_twice, region_twice, case_inputs("elementwise"))
     report = model.laplace_report
     (inlined,) = [p for p in report.passes if p.name == "inline_regions"]
     assert inlined.summary == "inlined 2 call(s) of 1 nested compile region(s): subgraph_0" and inlined.modified

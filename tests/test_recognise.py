@@ -75,18 +75,23 @@ def assert_close(found, expected, rtol=2e-5, atol=2e-5):
         torch.testing.assert_close(f, e, rtol=rtol, atol=atol)
 
 
+def compiled_equal_to(reference, fn, args):
+    """`fn` compiled (`compiled`), its outputs and input gradients checked against `reference` run eagerly."""
+    expected_out, expected_grads = outputs_and_grads(reference, args)
+    model = compiled(fn)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    return model
+
+
 @pytest.mark.parametrize("name", sorted(RECOGNISED))
 def test_a_token_loop_becomes_one_gla_site_with_equal_outputs_and_gradients(name):
     fn = getattr(cases, name)
     # torch's eager while_loop gives wrong input gradients (torch 2.13); the same loop written elementwise is
     # the reference there.
     reference = cases.elementwise if name == "while_looped" else fn
-    args = case_inputs(name)
-    expected_out, expected_grads = outputs_and_grads(reference, args)
-    model = compiled(fn)
-    out, grads = outputs_and_grads(model, args)
-    assert_close(out, expected_out)
-    assert_close(grads, expected_grads)
+    model = compiled_equal_to(reference, fn, case_inputs(name))
 
     report = model.laplace_report
     (row,) = report.recurrences

@@ -13,9 +13,9 @@ Where they run: `laplace_passes.driver.pipeline`. What they record: each graph's
 
 from laplace_passes.unroll.budget import FitGraphToBudget, backward_activation_bytes
 from laplace_passes.unroll.partition import PartitionPlan, plan_partitions
+from laplace_passes.unroll.regions import InlineRegions
 from laplace_passes.unroll.size import GraphSize, SizeModel
 from laplace_passes.unroll.split import PARTITION_PREFIX, compile_graph, partition_calls, split_graph
-from laplace_passes.unroll.regions import InlineRegions
 from laplace_passes.unroll.unroll_pass import UnrollLoops
 
 __all__ = [
