@@ -320,6 +320,9 @@ def test_bench_paths_quick_prints_every_row_of_the_table_with_a_figure(capfd):
         ("prefill", "<=", "1.25", "x"), ("decode", ">=", "60", "%"), ("GLA", ">=", "50", "%"),
         ("compile", "<=", "25", " s"), ("compile", "<=", "40", " s"), ("GLA", ">=", "50", "%")], out
     assert rows[3]["path"].endswith("cpu") and rows[4]["path"].endswith("trn2")
+    # The decode and GLA rows carry their ceiling: the path's matmuls alone, timed in the same run.
+    ceilings = re.findall(r"^(decode|GLA)\b.*; its matmuls alone (\d+)%\)", out, re.M)
+    assert [name for name, _ in ceilings] == ["decode", "GLA", "GLA"] and all(int(p) > 0 for _, p in ceilings), out
     # The GLA row once more, last: after keep_freed_memory, which stays for the rest of the process.
     assert "freed memory kept" in rows[5]["path"] and "freed memory kept" not in rows[2]["path"], out
     for r in rows:
