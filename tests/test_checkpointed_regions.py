@@ -203,7 +203,7 @@ def fla_loss_and_grads(model, ids):
     return compiled_model, {name: p.grad for name, p in model.named_parameters()}
 
 
-def test_fla_retnet_under_gradient_checkpointing_says_how_dynamo_traces_it_then_trains(monkeypatch):
+def test_fla_retnet_under_gradient_checkpointing_says_how_dynamo_traces_it_then_trains():
     """fla's RotaryEmbedding caches on itself in its forward: Dynamo runs such a checkpointed block eagerly,
     where fla's Triton kernels cannot run. The error names the Dynamo setting; with it, the block is traced
     and trains as the model without checkpointing does."""
@@ -220,8 +220,9 @@ def test_fla_retnet_under_gradient_checkpointing_says_how_dynamo_traces_it_then_
                                                  r"skip_fwd_side_effects_in_bwd_under_checkpoint = True"):
         fla_loss_and_grads(model, ids)
     model.zero_grad()
-    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
-    compiled_model, grads = fla_loss_and_grads(model, ids)
+    # Dynamo's own patch: pytest's monkeypatch deletes the setting from Dynamo's config when it restores it.
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        compiled_model, grads = fla_loss_and_grads(model, ids)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
     assert sorted(s.node.split(".")[0] for s in compiled_model.laplace_report.sites) == ["wrap_body_0", "wrap_body_1"]
