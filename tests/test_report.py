@@ -161,3 +161,23 @@ def test_the_text_explains_the_columns_of_the_tables_it_shows(report):
 
 def test_a_report_without_tables_has_no_legend():
     assert "columns:" not in str(laplace_passes.Report(target="cpu", inner="eager"))
+
+
+def test_a_call_past_dynamo_s_recompile_limit_is_noted_on_the_latest_report():
+    """Past the limit the call runs uncompiled and no laplace compile happens: the report says so, once."""
+    torch._dynamo.reset()
+
+    def doubled(x):
+        return x * 2
+
+    compiled = torch.compile(doubled, backend="laplace", options={"target": "cpu"}, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled(torch.ones(2))
+        report = laplace_passes.last_report()
+        assert not report.notes
+        for size in (3, 4):  # each over the limit: eager, and Dynamo warns once
+            assert compiled(torch.ones(size)).tolist() == [2.0] * size
+    assert laplace_passes.last_report() is report
+    (note,) = report.notes
+    assert note.startswith("'doubled' (") and "a later call ran uncompiled, as will every call after it" in note
+    assert "Dynamo hit config.recompile_limit (1)" in note and note in str(report)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import operator
 import re
 from collections import Counter, deque
@@ -491,3 +492,25 @@ def last_report() -> Report:
     if not _RECENT:
         raise LookupError("no laplace compile has run in this process yet")
     return _RECENT[-1]
+
+
+class _RecompileLimitHits(logging.Handler):
+    """NOTE [calls past Dynamo's recompile limit]: once Dynamo has compiled a function its
+    `recompile_limit` times, the function's later calls run uncompiled and no laplace compile takes
+    place, so `last_report()` would go on showing an earlier compile as if it were the latest call's.
+    Dynamo's warning is caught here and becomes a note on the latest report: which function runs
+    uncompiled from then on, and why."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _RECENT or not str(record.msg).startswith("torch._dynamo hit config.") or len(record.args) < 3:
+            return
+        limit_type, limit, function = record.args[:3]
+        _RECENT[-1].notes.append(
+            f"{function}: a later call ran uncompiled, as will every call after it: Dynamo hit "
+            f"config.{limit_type} ({limit}), so no laplace compile took place and this report is of an earlier "
+            "compile (TORCH_LOGS=recompiles says why it recompiled; dynamic shapes or seq_buckets avoid a compile "
+            "per shape)")
+
+
+# Dynamo's logger for the warning; a child of the loggers torch's logging setup clears and configures.
+logging.getLogger("torch._dynamo.convert_frame").addHandler(_RecompileLimitHits())
