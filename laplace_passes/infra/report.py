@@ -502,7 +502,8 @@ class _RecompileLimitHits(logging.Handler):
     uncompiled from then on, and why."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not _RECENT or not str(record.msg).startswith("torch._dynamo hit config.") or len(record.args) < 3:
+        if not (_RECENT and str(record.msg).startswith("torch._dynamo hit config.")
+                and isinstance(record.args, tuple) and len(record.args) >= 3):
             return
         limit_type, limit, function = record.args[:3]
         _RECENT[-1].notes.append(
