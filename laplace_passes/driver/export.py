@@ -58,7 +58,7 @@ class StableHLOExport:
     def findings(self) -> list:
         """The Neuron preflight's findings on the exported graphs (`laplace_passes.preflight`'s checks, run on
         the graphs as lowered); [] when clean or when the target is not a Neuron target."""
-        return [f for record in preflight_records(self.report) for f in record.findings]
+        return _preflight_findings(self.report)
 
     def path(self, graph: str) -> Path:
         for entry in self.manifest["graphs"]:
@@ -93,6 +93,11 @@ def export_stablehlo(
     return StableHLOExport(Path(out_dir), manifest, report)
 
 
+def _preflight_findings(report: Report) -> list:
+    """Every graph's preflight findings in `report`, in order (`preflight_records`)."""
+    return [f for record in preflight_records(report) for f in record.findings]
+
+
 def _refuse_meta_tensors(model_or_fn: Callable, example_inputs: tuple) -> None:
     """A meta-device model has no weights to lower: torch-mlir would fail on some op, naming only the op."""
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -118,7 +123,7 @@ def _write_export(out_dir: Path, report: Report, target: HardwareTarget, capture
         "graphs": entries,
     }
     if target.logical_cores is not None:
-        manifest["neuron_preflight"] = [str(f) for record in preflight_records(report) for f in record.findings]
+        manifest["neuron_preflight"] = [str(f) for f in _preflight_findings(report)]
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

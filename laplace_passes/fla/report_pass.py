@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch.fx
 
 from laplace_passes.fla.not_replaced import MARKER
-from laplace_passes.infra.fx_helpers import run_once_bodies
+from laplace_passes.infra.fx_helpers import graph_and_run_once_bodies
 from laplace_passes.infra.pass_base import GraphPass, PassResult
 
 
@@ -34,7 +34,7 @@ class ReportFlaCalls(GraphPass):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         lines = []
         # The graph and the bodies it calls once (a checkpointed layer): NOTE [run-once bodies].
-        nodes = [(where, node) for where, module in [("", gm), *run_once_bodies(gm)] for node in module.graph.nodes]
+        nodes = [(where, node) for where, module in graph_and_run_once_bodies(gm) for node in module.graph.nodes]
         for where, node in nodes:
             if node.op != "call_function":
                 continue

@@ -36,7 +36,7 @@ from laplace_passes.fx.recurrence import Chain, find_chains
 from laplace_passes.fx.token_loop import TokenLoop, describe, plan_token_loop
 from laplace_passes.fx.unread_loops import in_place_state_rows, symbolic_size_hint
 from laplace_passes.fx.validate import check_on_random_inputs
-from laplace_passes.infra.fx_helpers import ancestors, fake_tensor, run_once_bodies
+from laplace_passes.infra.fx_helpers import ancestors, fake_tensor, graph_and_run_once_bodies
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import RecurrenceRecord
 from laplace_passes.infra.strict import strict_mode
@@ -59,7 +59,7 @@ class RecogniseGLA(GraphPass):
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records = []
         # The graph and the bodies it calls once (activation checkpointing): NOTE [run-once bodies].
-        for where, graph_module in [("", gm), *run_once_bodies(gm)]:
+        for where, graph_module in graph_and_run_once_bodies(gm):
             found_here = self._recognise_in(graph_module)
             for record in found_here:
                 record.node = where + record.node

@@ -331,6 +331,11 @@ def run_once_bodies(gm: torch.fx.GraphModule, prefix: str = "") -> list[tuple[st
     return found
 
 
+def graph_and_run_once_bodies(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
+    """("", gm), then `run_once_bodies(gm)`: what the passes that look for loops walk (NOTE [run-once bodies])."""
+    return [("", gm), *run_once_bodies(gm)]
+
+
 def output_values(gm: torch.fx.GraphModule) -> list:
     """What the graph returns, as a list (a single value becomes a one-element list)."""
     result = gm.graph.output_node().args[0]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from laplace_passes.infra.fx_helpers import provenance_of, run_once_bodies, subgraph
+from laplace_passes.infra.fx_helpers import graph_and_run_once_bodies, provenance_of, subgraph
 from laplace_passes.infra.pass_base import GraphPass, PassResult
 from laplace_passes.unroll.inline import erase_unused, getitem_users, inline_graph, replace_tuple_result
 
@@ -51,7 +51,7 @@ class InlineRegions(GraphPass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         inlined, regions, declined = 0, set(), {}
-        for where, graph_module in _graphs(gm):  # a region in a checkpointed block too
+        for where, graph_module in graph_and_run_once_bodies(gm):  # a region in a checkpointed block too
             while calls := [n for n in graph_module.graph.nodes if _is_region_call(n) and n not in declined]:
                 for node in calls:  # a body that calls a region brings a new call in: hence the loop
                     if getitem_users(node) is None:
@@ -66,20 +66,20 @@ class InlineRegions(GraphPass):
         return PassResult(gm, modified=inlined > 0, summary=summary, declined=list(declined.values()))
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
-        left = [where + n.name for where, graph_module in _graphs(gm) for n in graph_module.graph.nodes
-                if _is_region_call(n) and getitem_users(n) is not None]
+        left = [where + n.name for where, n in _region_calls(gm) if getitem_users(n) is not None]
         if left:
             raise RuntimeError(f"inline_regions left calls it did not decline: {left}")
 
 
 def calls_a_region(gm: torch.fx.GraphModule) -> bool:
     """Whether the graph, or a body it calls once, calls a nested compile region (the pass's graphs)."""
-    return any(_is_region_call(n) for _, graph_module in _graphs(gm) for n in graph_module.graph.nodes)
+    return bool(_region_calls(gm))
 
 
-def _graphs(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
-    """The graph and the bodies it calls once (NOTE [run-once bodies] in `laplace_passes.infra.fx_helpers`)."""
-    return [("", gm), *run_once_bodies(gm)]
+def _region_calls(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node]]:
+    """(where, node) for every region call in the graph and the bodies it calls once."""
+    return [(where, n) for where, graph_module in graph_and_run_once_bodies(gm) for n in graph_module.graph.nodes
+            if _is_region_call(n)]
 
 
 def _is_region_call(node: torch.fx.Node) -> bool:

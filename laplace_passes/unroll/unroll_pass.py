@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from laplace_passes.infra.fx_helpers import run_once_bodies
+from laplace_passes.infra.fx_helpers import graph_and_run_once_bodies
 from laplace_passes.infra.pass_base import Declined, GraphPass, PassResult
 from laplace_passes.infra.report import LoopRecord
 from laplace_passes.unroll import chunk_loops, compiled_bodies, hop_loops
@@ -72,7 +72,7 @@ class UnrollLoops(GraphPass):
         """The graph, and on Dynamo graphs the bodies it calls once (NOTE [run-once bodies] in
         `laplace_passes.infra.fx_helpers`): a loop under activation checkpointing is in one of those.
         AOT Autograd inlines them, so an ATen graph has none."""
-        return [("", gm), *(run_once_bodies(gm) if self.level == "dynamo" else [])]
+        return graph_and_run_once_bodies(gm) if self.level == "dynamo" else [("", gm)]
 
     def _unroll_all(self, gm: torch.fx.GraphModule) -> list[LoopRecord]:
         """Every loop of `gm`'s own graph unrolled or declined, the loops its bodies bring in included."""
