@@ -22,9 +22,9 @@ path, the figure measured, the goal, and whether it is met. Rows (`--rows`):
   over the binding roofline (the lower of memory: weights and states at the
   copy bandwidth, and matmul: FLOPs at the dense rate, both measured in the
   same repeat; `benchmarks.bench_decode`'s); goal >= 60%. Beside it, the
-  step's matmuls alone (found by profiling one compiled step,
-  `benchmarks.matmuls_alone`) over the same roofline, timed in each repeat:
-  what a step whose other kernels and call cost nothing would reach.
+  step's matmuls alone (`benchmarks.bench_decode`'s, one per `nn.Linear` at
+  the step's shapes) over the same roofline, timed in each repeat: what a
+  step whose other kernels and call cost nothing would reach.
 - gla: GLA forward + backward, B=1, T=2048, H=4, K=128, V=256, chunk 128,
   backend="laplace" with inner inductor, its FLOPs (the chunked algorithm's)
   per second over the dense matmul rate measured in the same rounds
@@ -72,9 +72,8 @@ import torch
 
 import model_zoo
 from benchmarks import bench_compile, bench_gla, bench_generate, reference_work
-from benchmarks.bench_decode import copy_bytes_per_s, matmul_flops_per_s, step_costs
+from benchmarks.bench_decode import copy_bytes_per_s, matmul_flops_per_s, matmuls_seconds, step_costs, step_matmuls
 from benchmarks.common import KEEP_FREED_HELP, allocator_setting, machine_lines, print_row, say, stats
-from benchmarks.matmuls_alone import MatmulsAlone
 
 ROWS = ("prefill", "decode", "gla", "compile")
 # Shapes per row: the goal table's, and --quick's.
@@ -259,7 +258,7 @@ def decode_steps_through_generate(model, sequences: int, steps: int, prompt_len:
     short, long = (lambda: model.generate(prompt, 2)), (lambda: model.generate(prompt, steps + 2))
     say("decode: first calls of generate (the decode step compiles) ...")
     short(), long()
-    matmuls = step_matmuls_alone(model, prompt)
+    matmuls = step_matmuls(model, sequences)
     weight_bytes, state_bytes, flops = step_costs(model)
     out = {key: [] for key in ("tokens_per_s", "memory_roofline", "matmul_roofline", "share_of_binding_roofline",
                                "matmuls_alone_share")}
@@ -270,7 +269,7 @@ def decode_steps_through_generate(model, sequences: int, steps: int, prompt_len:
         memory = sequences * bandwidth / (weight_bytes + 2 * sequences * state_bytes)
         matmul = rate / flops
         binding = min(memory, matmul)
-        matmuls_alone = sequences * steps / _seconds(lambda: [matmuls() for _ in range(steps)])
+        matmuls_alone = sequences * steps / matmuls_seconds(matmuls, steps)
         for key, value in (("tokens_per_s", tokens_per_s), ("memory_roofline", memory), ("matmul_roofline", matmul),
                            ("share_of_binding_roofline", tokens_per_s / binding),
                            ("matmuls_alone_share", matmuls_alone / binding)):
@@ -279,16 +278,6 @@ def decode_steps_through_generate(model, sequences: int, steps: int, prompt_len:
     out["binding"] = ("memory" if statistics.median(out["memory_roofline"]) < statistics.median(out["matmul_roofline"])
                       else "matmul")
     return out
-
-
-def step_matmuls_alone(model, prompt) -> MatmulsAlone:
-    """The products one compiled decode step runs (generate's step, after the prompt), to run alone."""
-    with torch.no_grad():
-        logits, states = model(prompt, output_final_states=True)
-    step = model.decode_step
-    decode_loop, token = step.loop(step.state_buffer(states)), logits[:, -1].argmax(-1)
-    decode_loop(token)  # the loop's first step evaluates every guard; the profiled one is like the timed ones
-    return MatmulsAlone.of(lambda: decode_loop(token))
 
 
 def _seconds(fn: Callable[[], object]) -> float:
