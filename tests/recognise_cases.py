@@ -193,6 +193,33 @@ def grouped_broadcast(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+# Where two packed documents meet: the state is reset (decay 0) at these steps, in one sequence or both.
+RESETS = torch.ones(B, T, 1, 1)
+RESETS[:, 7] = 0
+RESETS[1, 13] = 0
+
+
+def masked_reset(q, k, v, g):
+    """A trained decay per key (a sigmoid, not written exp(x)) times a 0/1 mask that resets the state."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        decay = torch.sigmoid(g[:, t]) * RESETS[:, t]
+        S = decay[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def decay_as_given(q, k, v, a):
+    """The decay itself is the input, [B, T, H, K] values in [0, 1]."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = a[:, t, :, :, None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
 # -- near misses: every one must be left alone, with its reason -----------------------------------------
 
 

@@ -123,6 +123,42 @@ def test_a_near_miss_is_declined_with_its_reason_and_unchanged_numbers(name):
     assert "recognise_gla" in {p.name for p in report.passes if any(r.startswith(row.node) for r in p.declined)}
 
 
+def reset_inputs(gates):
+    q, k, v, _ = cases.inputs()
+    return [x.clone().requires_grad_() for x in (q, k, v, gates)]
+
+
+def test_a_reset_in_a_trained_decay_gets_the_loop_s_gradients_not_nan():
+    """NOTE [resets in a trained decay]: the mask's zeros reach log(decay); the gates' gradient there is
+    the loop's own 0, where log's derivative made it NaN."""
+    gates = torch.randn(cases.B, cases.T, cases.H, cases.K, generator=torch.Generator().manual_seed(3)) + 2
+    args = reset_inputs(gates)
+    model = compiled_equal_to(cases.masked_reset, cases.masked_reset, args)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "GLA site", row
+    _, grads = outputs_and_grads(model, args)
+    at_resets = grads[3] * (1 - cases.RESETS)
+    assert torch.isfinite(grads[3]).all() and not at_resets.any()
+
+
+def test_a_decay_given_as_exactly_zero_gets_the_gradient_zero_there():
+    """A decay that is itself the input, 0 at the resets: the outputs and the q, k, v gradients are the
+    loop's; the decay's gradient is the loop's except at the zeros, where it is 0 as for a flushed decay."""
+    # Decays of 0.5 or more elsewhere: the gradient of log(decay) is the gate's over the decay, which
+    # scales the gate's rounding error by 1 / decay.
+    decay = (torch.rand(cases.B, cases.T, cases.H, cases.K, generator=torch.Generator().manual_seed(4)) + 1) / 2
+    decay = decay * cases.RESETS
+    args = reset_inputs(decay)
+    expected_out, expected_grads = outputs_and_grads(cases.decay_as_given, args)
+    out, grads = outputs_and_grads(compiled(cases.decay_as_given), args)
+    assert_close(out, expected_out)
+    assert_close(grads[:3], expected_grads[:3])
+    resets = (decay == 0).expand_as(decay)
+    assert resets.any() and expected_grads[3][resets].abs().min() > 0  # the loop's own is not 0 there
+    assert torch.isfinite(grads[3]).all() and not grads[3][resets].any()
+    torch.testing.assert_close(grads[3][~resets], expected_grads[3][~resets], rtol=2e-5, atol=2e-5)
+
+
 def dynamo_graph(fn, *args) -> tuple[torch.fx.GraphModule, list]:
     """The graph Dynamo captures of `fn(*args)`, and its inputs in the graph's order."""
     captured = []
