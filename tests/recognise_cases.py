@@ -193,6 +193,14 @@ def grouped_broadcast(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def last_token_readout(q, k, v, g):
+    """Only the last state is read out (a classifier on the last token); nothing else is returned."""
+    S = torch.zeros(B, H, K, V)
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+    return torch.einsum("bhk,bhkv->bhv", q[:, -1], S)
+
+
 # Where two packed documents meet: the state is reset (decay 0) at these steps, in one sequence or both.
 RESETS = torch.ones(B, T, 1, 1)
 RESETS[:, 7] = 0

@@ -34,6 +34,7 @@ RECOGNISED = {
     "hgrn2": "per-key gates",
     "grouped_heads": "per-key gates",
     "grouped_broadcast": "per-key gates",
+    "last_token_readout": "per-key gates",
 }
 
 NEAR_MISSES = {

@@ -459,6 +459,10 @@ def _attach_readouts(chain: Chain, memo: dict) -> None:
             chain.mismatch = f"the state {step.node.name} is read out {len(found)} times"
             return
         readouts.append(found[0] if found else None)
+    if readouts[-1] is not None and all(r is None for r in readouts[:-1]):
+        # Only the final state is read out (a classifier's last token): a loop that returns its final state,
+        # whose readout then reads the GLA call's final state like any other use of it.
+        readouts[-1] = None
     if any(r is None for r in readouts) and any(r is not None for r in readouts):
         missing = next(s.node.name for s, r in zip(chain.steps, readouts) if r is None)
         chain.mismatch = f"some states are read out and others ({missing}) are not"
