@@ -218,6 +218,16 @@ def masked_reset(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def saturated_decay(q, k, v, x):
+    """A decay 1 - sigmoid(x): exactly 0 in fp32 once x passes about 17 (a saturated gate)."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = (1 - torch.sigmoid(x[:, t]))[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
 def decay_as_given(q, k, v, a):
     """The decay itself is the input, [B, T, H, K] values in [0, 1]."""
     S = torch.zeros(B, H, K, V)

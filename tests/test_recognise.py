@@ -129,12 +129,16 @@ def reset_inputs(gates):
     return [x.clone().requires_grad_() for x in (q, k, v, gates)]
 
 
-def test_a_reset_in_a_trained_decay_gets_the_loop_s_gradients_not_nan():
-    """NOTE [resets in a trained decay]: the mask's zeros reach log(decay); the gates' gradient there is
-    the loop's own 0, where log's derivative made it NaN."""
-    gates = torch.randn(cases.B, cases.T, cases.H, cases.K, generator=torch.Generator().manual_seed(3)) + 2
-    args = reset_inputs(gates)
-    model = compiled_equal_to(cases.masked_reset, cases.masked_reset, args)
+@pytest.mark.parametrize("name", ["masked_reset", "saturated_decay"])
+def test_a_reset_in_a_trained_decay_gets_the_loop_s_gradients_not_nan(name):
+    """NOTE [resets in a trained decay]: a decay of exactly 0 (the mask's zeros; 1 - sigmoid(20) in fp32)
+    reaches log(decay); the trained input's gradient there is the loop's own 0, where log's derivative
+    made it NaN."""
+    x = torch.randn(cases.B, cases.T, cases.H, cases.K, generator=torch.Generator().manual_seed(3)) + 2
+    x = torch.where(cases.RESETS == 0, 20.0, x) if name == "saturated_decay" else x
+    args = reset_inputs(x)
+    fn = getattr(cases, name)
+    model = compiled_equal_to(fn, fn, args)
     (row,) = model.laplace_report.recurrences
     assert row.status == "GLA site", row
     _, grads = outputs_and_grads(model, args)
