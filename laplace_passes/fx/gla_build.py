@@ -21,26 +21,28 @@ After (the loop's inputs over all steps, one GLA call, its results where the loo
 
 The re-tiling pass then makes the GLA call chunked GLA like any other site.
 
-NOTE [resets in a trained decay]
-A loop whose decay is not written exp(x) gets the gates log(decay). A
-decay of exactly 0 resets the state (packed documents: a trained decay
-times a mask that is 0 where a document starts), and its log is -inf,
-which every GLA form takes as a reset. log's own derivative there is 1/0:
-the GLA backward gives such a gate the gradient 0 (the chunked backward
-knows a gate's gradient only as the decay times the decay's gradient, and
-gives every decay at or below exp(-30) the gradient 0, NOTE [flushing tiny
-decays]), and 0 times inf is NaN, which the mask's own derivative (0)
-then passes on to the trained decay: NaN where the loop's gradient is 0.
-So the log is taken of the decay with its zeros replaced by 1, and -inf
-put back where they were: the same gates, and a gradient of 0 at the
-resets, which is the loop's own gradient wherever the decay reaches its
-parameters through the mask. A decay that is itself a parameter at exactly
-0 gets the gradient 0 there, as a flushed decay does, where the loop's is
-the state's share of the loss (tests/test_recognise.py).
 Each value is built in the graph given (`graph`, with `env` mapping the
 loop's nodes to that graph's): the module's own graph for the rewrite, or a
 small one that checks the rewrite on random inputs first
 (`laplace_passes.fx.recognise`).
+
+NOTE [resets in a trained decay]
+A loop whose decay is not written exp(x) gets the gates log(decay). A
+decay of exactly 0 resets the state (packed documents: a trained decay
+times a mask that is 0 where a document starts; a gate saturated in fp32,
+1 - sigmoid(x) for x above about 17), and its log is -inf, which every GLA
+form takes as a reset. log's own derivative there is 1/0: the GLA backward
+gives such a gate the gradient 0 (the chunked backward knows a gate's
+gradient only as the decay times the decay's gradient, and gives every
+decay at or below exp(-30) the gradient 0, NOTE [flushing tiny decays]),
+and 0 times inf is NaN, which the mask's own derivative (0) (or the
+saturated sigmoid's, 0) passes on: NaN where the loop's is 0. So the log
+is taken of the decay with its zeros replaced by 1, and -inf put back
+where they were: the same gates, and a gradient of 0 at the resets, which
+is the loop's own gradient wherever the decay reaches its parameters
+through a mask or a saturated function. A decay that is itself a parameter
+at exactly 0 gets the gradient 0 there, as a flushed decay does, where the
+loop's is the state's share of the loss (tests/test_recognise.py).
 """
 
 from __future__ import annotations
