@@ -193,6 +193,18 @@ def grouped_broadcast(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def fused_projection(q, k, v, g):
+    """q and k split out of one tensor along a dimension that is not the tokens' (one qk projection), then
+    indexed per token: q is qk.unbind(2)[0] at every step (NOTE [values every step reads])."""
+    q, k = torch.stack([q, k], 2).unbind(2)
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
 def last_token_readout(q, k, v, g):
     """Only the last state is read out (a classifier on the last token); nothing else is returned."""
     S = torch.zeros(B, H, K, V)

@@ -35,6 +35,7 @@ RECOGNISED = {
     "grouped_heads": "per-key gates",
     "grouped_broadcast": "per-key gates",
     "last_token_readout": "per-key gates",
+    "fused_projection": "per-key gates",
 }
 
 NEAR_MISSES = {

@@ -79,6 +79,31 @@ def pattern(node: Node, memo: dict) -> Pattern:
     return memo[node]
 
 
+def shared_by_steps(per_step: list[list[Node]], memo: dict) -> bool:
+    """Read the nodes that two steps both read as step-invariant; whether any pattern changed.
+
+    NOTE [values every step reads]: `step_index` reads x.unbind(d)[i], select(x, d, i) and x[.., i, ..] of a
+    step-invariant x as a step's own input at position i. That is right for a scan's `xs.unbind(0)[t]` and
+    wrong for q, k and v split out of one projection (`qkv.view(B, T, 3, H, K).unbind(2)`), which every step
+    then indexes at its own position (`q[:, t]`): q would read "position 0" at every step, its steps' q[:, t]
+    then keyed by their literal t, and no two steps alike. A node that the values of two steps both read is
+    one value for both, so it reads no position: it is made step-invariant here, and every pattern computed
+    from it is dropped, to be read again.
+    """
+    first, second = (ancestors(nodes) for nodes in per_step[:2])
+    shared = {n for n in first & second if pattern(n, memo).varies}
+    if not shared:
+        return False
+    for node in shared:
+        memo[node] = Pattern(("node", node), ())
+    stale = set(shared)
+    for node in next(iter(shared)).graph.nodes:
+        if node not in shared and any(i in stale for i in node.all_input_nodes):
+            stale.add(node)
+            memo.pop(node, None)
+    return True
+
+
 def step_index(node: Node, memo: dict) -> Pattern | None:
     """x[..., t, ...], select(x, d, t), x.unbind(d)[t] of a step-invariant x: the step's own input."""
     if node.op not in ("call_function", "call_method") or not node.args:

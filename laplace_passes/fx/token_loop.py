@@ -19,7 +19,7 @@ import torch.fx
 
 from laplace_passes.fx.algebra import Factor
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, gate_bound
-from laplace_passes.fx.per_step import pattern, step_index
+from laplace_passes.fx.per_step import pattern, shared_by_steps, step_index
 from laplace_passes.fx.recurrence import Chain
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.pass_base import Declined
@@ -152,7 +152,20 @@ def _positions(state_axes: tuple, factors: tuple[Factor, ...]) -> list[tuple[Nod
 
 
 def _match_steps(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
-    """The role's factors lined up across steps, and the step offsets they index (position - step)."""
+    """The role's factors lined up across steps, and the step offsets they index (position - step).
+
+    Steps that differ are read again with the values they share made step-invariant (NOTE [values every
+    step reads] in `laplace_passes.fx.per_step`).
+    """
+    try:
+        return _line_up(role, per_step, memo)
+    except Declined:
+        if len(per_step) < 2 or not shared_by_steps([[n for n, _ in f] for f in per_step], memo):
+            raise
+    return _line_up(role, per_step, memo)
+
+
+def _line_up(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
     def signature(factors):
         return sorted(((repr(pattern(n, memo).key), pos), n) for n, pos in factors)
 
