@@ -205,6 +205,18 @@ def fused_projection(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def in_place_sum(q, k, v, g):
+    """`S += k (x) v` on the product S * a just computed, which nothing else reads (NOTE [in-place writes to
+    temporaries])."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        S += k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
 def last_token_readout(q, k, v, g):
     """Only the last state is read out (a classifier on the last token); nothing else is returned."""
     S = torch.zeros(B, H, K, V)

@@ -36,6 +36,7 @@ RECOGNISED = {
     "grouped_broadcast": "per-key gates",
     "last_token_readout": "per-key gates",
     "fused_projection": "per-key gates",
+    "in_place_sum": "per-key gates",
 }
 
 NEAR_MISSES = {

@@ -25,9 +25,11 @@ beta and alpha), broadcasting, unsqueeze and `[..., None]`, squeeze,
 transpose / permute, expand, reshapes that only add or drop size-1
 dimensions, contiguous / clone / casts (the same value) are read
 algebraically, in torch-level spellings (Dynamo graphs) and ATen ones
-(unrolled loops). Anything else is a leaf: `exp(g)`, `k[:, t]`, a division
-by a tensor, an in-place write (`S.addcmul_(k, v)`: other nodes read the
-written value under the old name). Which nodes to read as leaves although
+(unrolled loops), and in-place arithmetic on a temporary nothing else reads
+(`S = S * a; S += k v`, NOTE [in-place writes to temporaries]). Anything
+else is a leaf: `exp(g)`, `k[:, t]`, a division by a tensor, any other
+in-place write (`S.addcmul_(k, v)`: other nodes read the written value
+under the old name). Which nodes to read as leaves although
 they are algebraic (a previous state) is the caller's `stop`; why a node
 that computes something was read as a leaf is kept in the memo
 (`why_unread`), for the report.
@@ -44,6 +46,7 @@ from typing import Callable
 import torch
 import torch.fx
 
+from laplace_passes.fx.in_place_writes import storage_of
 from laplace_passes.fx.algebra_terms import (
     Expr, Factor, Index, NotAlgebraic, Term, add, einsum, expand, leaf, matmul, multiply, permute, renamed_fresh,
     reshape, scale, squeeze, sum_over, unsqueeze,
@@ -120,6 +123,10 @@ def _args(node: Node) -> tuple[list, dict]:
 
 
 def _interpret(node: Node, sub) -> Expr:
+    in_place = _IN_PLACE.get(node.target) if node.op in ("call_function", "call_method") else None
+    if in_place is not None and _writes_a_temporary(node):
+        args, kwargs = _args(node)
+        return in_place(sub, args, kwargs)
     if node.op == "call_method":
         handler = _METHODS.get(node.target)
         if handler is None:
@@ -133,6 +140,22 @@ def _interpret(node: Node, sub) -> Expr:
         raise NotAlgebraic(_unknown(getattr(node.target, "__name__", str(node.target))))
     args, kwargs = _args(node)
     return handler(sub, args, kwargs)
+
+
+def _writes_a_temporary(node: Node) -> bool:
+    """Whether `node` writes in place to a value no other node reads: one computed by an op of its own
+    (not a view of another node's memory) whose only reader is `node`.
+
+    NOTE [in-place writes to temporaries]: `S = S * a; S += k (x) v` adds in place to the product it has
+    just computed, which nothing else reads: the write changes no value another node sees, so it is
+    read as the sum it computes (`S * a + k (x) v`). A write to anything else (a graph input, a view, a
+    value read again elsewhere) stays an in-place write, which the algebra does not read.
+    """
+    written = node.args[0] if node.args else None
+    if not isinstance(written, Node) or written.op not in ("call_function", "call_method") or len(written.users) != 1:
+        return False
+    storage = storage_of(written)
+    return storage is not None and all(storage_of(i) != storage for i in written.all_input_nodes)
 
 
 def _unknown(name: str) -> str:
@@ -350,6 +373,13 @@ _FUNCTIONS = {
     operator.getitem: _h_getitem,
     torch.clone: _h_same, aten.clone: _h_same, aten.alias: _h_same, aten._to_copy: _h_to,
     torch.ops.prims.convert_element_type: _h_to,
+}
+
+# In-place arithmetic, read as its out-of-place form where the write is to a temporary (`_writes_a_temporary`).
+_IN_PLACE = {
+    operator.iadd: _h_add, operator.isub: _h_sub, operator.imul: _h_mul, operator.itruediv: _h_div,
+    "add_": _h_add, "sub_": _h_sub, "mul_": _h_mul, "div_": _h_div,
+    "__iadd__": _h_add, "__isub__": _h_sub, "__imul__": _h_mul, "__itruediv__": _h_div, "addcmul_": _h_addcmul,
 }
 
 _METHODS = {
