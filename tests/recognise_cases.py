@@ -217,6 +217,18 @@ def in_place_sum(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def in_place_chain(q, k, v, g):
+    """A copy of the state decayed and summed in place (`*=`, then `.add_` chained): writes to one temporary."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S.clone()
+        S *= g[:, t].exp()[..., None]
+        S = S.add_(k[:, t, :, :, None] * v[:, t, :, None, :])
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
 def last_token_readout(q, k, v, g):
     """Only the last state is read out (a classifier on the last token); nothing else is returned."""
     S = torch.zeros(B, H, K, V)

@@ -37,6 +37,7 @@ RECOGNISED = {
     "last_token_readout": "per-key gates",
     "fused_projection": "per-key gates",
     "in_place_sum": "per-key gates",
+    "in_place_chain": "per-key gates",
 }
 
 NEAR_MISSES = {

@@ -46,14 +46,15 @@ from typing import Callable
 import torch
 import torch.fx
 
-from laplace_passes.fx.in_place_writes import storage_of
 from laplace_passes.fx.algebra_terms import (
     Expr, Factor, Index, NotAlgebraic, Term, add, einsum, expand, leaf, matmul, multiply, permute, renamed_fresh,
     reshape, scale, squeeze, sum_over, unsqueeze,
 )
+from laplace_passes.fx.in_place_writes import storage_of
+from laplace_passes.infra.fx_helpers import fake_tensor
 
 # The form's types are this module's too: the passes read nodes here and take the types from here.
-__all__ = ["UNREAD", "Expr", "Factor", "Index", "NotAlgebraic", "Term", "read", "why_unread"]
+__all__ = ["UNREAD", "Expr", "Factor", "Index", "NotAlgebraic", "Term", "read", "why_unread", "writes_a_temporary"]
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -124,7 +125,7 @@ def _args(node: Node) -> tuple[list, dict]:
 
 def _interpret(node: Node, sub) -> Expr:
     in_place = _IN_PLACE.get(node.target) if node.op in ("call_function", "call_method") else None
-    if in_place is not None and _writes_a_temporary(node):
+    if in_place is not None and writes_a_temporary(node):
         args, kwargs = _args(node)
         return in_place(sub, args, kwargs)
     if node.op == "call_method":
@@ -142,7 +143,7 @@ def _interpret(node: Node, sub) -> Expr:
     return handler(sub, args, kwargs)
 
 
-def _writes_a_temporary(node: Node) -> bool:
+def writes_a_temporary(node: Node) -> bool:
     """Whether `node` writes in place to a value no other node reads: one computed by an op of its own
     (not a view of another node's memory) whose only reader is `node`.
 
@@ -154,8 +155,12 @@ def _writes_a_temporary(node: Node) -> bool:
     written = node.args[0] if node.args else None
     if not isinstance(written, Node) or written.op not in ("call_function", "call_method") or len(written.users) != 1:
         return False
-    storage = storage_of(written)
-    return storage is not None and all(storage_of(i) != storage for i in written.all_input_nodes)
+    if written.target in _IN_PLACE:  # `S = S.clone(); S *= a; S += k v`: its memory is the temporary it wrote
+        return writes_a_temporary(written)
+    value, storage = fake_tensor(written), storage_of(written)
+    if value is None or storage is None or value._is_view():  # a view (of an unbind's tuple too) writes its base
+        return False
+    return all(storage_of(i) is None or not storage_of(i) == storage for i in written.all_input_nodes)
 
 
 def _unknown(name: str) -> str:

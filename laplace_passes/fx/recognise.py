@@ -28,6 +28,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.aggregates import Aggregate, find_aggregate
+from laplace_passes.fx.algebra import writes_a_temporary
 from laplace_passes.fx.chunk_loop import ChunkLoop, describe_chunks, plan_chunk_loop
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
@@ -246,10 +247,11 @@ def _check_sources_before(graph: torch.fx.Graph, loop: TokenLoop, anchor: Node) 
 
 
 def _erase_unused(graph: torch.fx.Graph, region: set[Node]) -> None:
-    """The loop's own nodes, now unread, from the last to the first (no op with a side effect)."""
+    """The loop's own nodes, now unread, from the last to the first (no op with a side effect but a write to
+    a temporary nothing else reads, NOTE [in-place writes to temporaries])."""
     for node in reversed(list(graph.nodes)):
         if node in region and not node.users and node.op in ("call_function", "call_method") \
-                and not _writes(node):
+                and (not _writes(node) or writes_a_temporary(node)):
             graph.erase_node(node)
 
 

@@ -42,7 +42,9 @@ _ADDS = frozenset({operator.add, operator.sub, torch.add, torch.sub, aten.add.Te
                    operator.iadd, operator.isub, torch.addcmul, torch.baddbmm, torch.addmm, torch.addbmm,
                    torch.addr, aten.addcmul.default, aten.baddbmm.default, aten.addmm.default,
                    aten.addbmm.default, aten.addr.default})
-_ADD_METHODS = frozenset({"add", "sub", "addcmul", "baddbmm", "addmm", "addbmm", "addr"})
+# In-place sums too: the algebra reads them where they write to a temporary (NOTE [in-place writes to temporaries]).
+_ADD_METHODS = frozenset({"add", "sub", "addcmul", "baddbmm", "addmm", "addbmm", "addr",
+                          "add_", "sub_", "addcmul_", "__iadd__", "__isub__"})
 MAX_READOUT_DEPTH = 4  # ops between a state and its readout's contraction: [..., None], *, .sum, a scale
 
 
