@@ -141,11 +141,24 @@ def lerp(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def where_skip(q, k, v, g):
+    """Padding tokens skipped by a select: S_t = where(valid_t, a_t S + k v, S). The row names `where`, not
+    the zeros the loop starts from (the reason its first "step" gave)."""
+    valid = torch.arange(T) < T - 3
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.where(valid[t], S * g[:, t].exp()[..., None] + k[:, t][..., None] * v[:, t][..., None, :], S)
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
 NOT_READ = {
     einsum_diagonal: "which the algebra does not read as a product: einsum with a repeated index (a diagonal)",
     baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
     addcmul_in_place: "is written in place by addcmul_",
     lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",
+    where_skip: "not a sum of products the algebra reads (S_1: where, an op the algebra does not read)",
 }
 
 

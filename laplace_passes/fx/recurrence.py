@@ -269,12 +269,22 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
             _attach_readouts(chain, memo)
     # A chain's state before its first step is the loop's too: its first update, when read apart (below).
     chained = {s.node for c in chains for s in c.steps} | {c.first.prev for c in chains if c.first.prev is not None}
-    opaque = _link(_opaque_steps(graph, steps, chained), memo)
+    opaque = [_without_its_start(c, memo) for c in _link(_opaque_steps(graph, steps, chained), memo)]
     chains += [c for c in opaque if len(c.steps) >= min_steps and _over_positions(c, memo)]
     for chain in chains:
         chain.unlinked = _unlinked_first_step(chain, memo)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(chains, key=lambda c: order[c.first.node])
+
+
+def _without_its_start(chain: Chain, memo: dict) -> Chain:
+    """An opaque chain without its first "step" when that is the state the loop starts from (`torch.zeros`:
+    read twice, by the first update's two terms, but computed from no position): its row counts updates."""
+    first = chain.steps[0]
+    if len(chain.steps) > 1 and first.prev is None and not pattern(first.node, memo.setdefault("patterns", {})).varies:
+        chain.steps.pop(0)
+        chain.mismatch = _chain_reason(chain) if chain.mismatch == first.mismatch else chain.mismatch
+    return chain
 
 
 def _unlinked_first_step(chain: Chain, memo: dict) -> int:
@@ -437,11 +447,16 @@ def _link(steps: dict[Node, Step], memo: dict) -> list[Chain]:
             chain.steps.append(next_of[chain.last.node][0])
         if len(next_of.get(chain.last.node, [])) > 1:
             chain.mismatch = f"the state {chain.last.node.name} is updated by two different steps"
-        reasons = [s.mismatch for s in chain.steps if s.mismatch]
-        if reasons and not chain.mismatch:  # the reason most steps give (the first may start from zeros)
-            chain.mismatch = max(reasons, key=reasons.count)
+        if not chain.mismatch:
+            chain.mismatch = _chain_reason(chain)
         chains.append(chain)
     return chains
+
+
+def _chain_reason(chain: Chain) -> str | None:
+    """The reason most steps give; the first step's when each names its own node."""
+    reasons = [s.mismatch for s in chain.steps if s.mismatch]
+    return max(reasons, key=reasons.count) if reasons else None
 
 
 def _branches(step: Step, next_of: dict) -> bool:
