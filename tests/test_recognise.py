@@ -127,6 +127,20 @@ def test_a_near_miss_is_declined_with_its_reason_and_unchanged_numbers(name):
     assert "recognise_gla" in {p.name for p in report.passes if any(r.startswith(row.node) for r in p.declined)}
 
 
+@pytest.mark.parametrize("name", ["per_head_loops", "per_head_loops_bhtk"])
+def test_a_loop_per_head_is_one_gla_site_per_head(name):
+    """NOTE [an index of several numbers]: q[:, t, h] (or q[:, h, t]) holds the token's position and a
+    constant head; the number that changes between two steps is the position."""
+    fn = getattr(cases, name)
+    model = compiled_equal_to(fn, fn, case_inputs("elementwise"))
+    report = model.laplace_report
+    assert [(r.status, r.steps, r.state) for r in report.recurrences] == \
+        [("GLA site", cases.T, [cases.B, cases.K, cases.V])] * cases.H, report.recurrences
+    dynamo = report.graph("after", "dynamo_0")
+    assert len([n for n in dynamo.graph.nodes if n.target is torch.ops.laplace.chunked_gla.default]) == cases.H
+    assert len(dynamo.graph.nodes) < 100, len(dynamo.graph.nodes)  # no T-step chain left, no stack of T steps
+
+
 def reset_inputs(gates):
     q, k, v, _ = cases.inputs()
     return [x.clone().requires_grad_() for x in (q, k, v, gates)]

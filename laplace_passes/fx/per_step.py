@@ -96,11 +96,7 @@ def shared_by_steps(per_step: list[list[Node]], memo: dict) -> bool:
         return False
     for node in shared:
         memo[node] = Pattern(("node", node), ())
-    stale = set(shared)
-    for node in next(iter(shared)).graph.nodes:
-        if node not in shared and any(i in stale for i in node.all_input_nodes):
-            stale.add(node)
-            memo.pop(node, None)
+    _read_again_after(shared, memo)
     return True
 
 
@@ -157,18 +153,92 @@ def _indexed(key: tuple, base: Node, dim: int, index: int, memo: dict) -> Patter
     return Pattern(key, (index % value.shape[dim],))
 
 
-def _getitem_index(node: Node, memo: dict) -> Pattern | None:
+def _getitem_index(node: Node, memo: dict, slot: int | None = None) -> Pattern | None:
+    """x[.., i, ..] as position i; with several numbers, the one at `slot` (NOTE [an index of several
+    numbers]; the others then stay as they are, the same at every step)."""
     base, index = node.args
     items = index if isinstance(index, tuple) else (index,)
-    ints = [i for i, item in enumerate(items) if isinstance(item, int) and not isinstance(item, bool)]
-    if len(ints) != 1 or any(not (item is None or item is Ellipsis or item == slice(None))
-                             for i, item in enumerate(items) if i != ints[0]):
+    ints = _int_items(items)
+    if slot is None:
+        if len(ints) != 1:
+            return None
+        slot = ints[0]
+    if any(not (item is None or item is Ellipsis or item == slice(None))
+           for i, item in enumerate(items) if i not in ints):
         return None
-    dim = source_dim(items, ints[0], fake_tensor(base).dim() if fake_tensor(base) is not None else 0)
+    dim = source_dim(items, slot, fake_tensor(base).dim() if fake_tensor(base) is not None else 0)
     if dim is None:
         return None
-    rest = tuple(STEP if i == ints[0] else _const_key(item) for i, item in enumerate(items))
-    return _indexed(("index", base, rest), base, dim, items[ints[0]], memo)
+    rest = tuple(STEP if i == slot else _const_key(item) for i, item in enumerate(items))
+    return _indexed(("index", base, rest), base, dim, items[slot], memo)
+
+
+def _int_items(items: tuple) -> list[int]:
+    return [i for i, item in enumerate(items) if isinstance(item, int) and not isinstance(item, bool)]
+
+
+def positions_in_several_numbers(per_step: list[list[Node]], memo: dict) -> bool:
+    """Read each index of several numbers at the one number that changes between two steps; whether any
+    pattern changed.
+
+    NOTE [an index of several numbers]: `q[:, t, h]` in a loop over the heads and, inside it, the tokens
+    holds the step's position and a constant head; which is which no one index says. Two steps do: the
+    number that differs between step 0's index and step 1's (of the same tensor, the same other items) is
+    the position. Every index of that tensor and form in the graph is then read at that slot, and every
+    pattern computed from them is read again.
+    """
+    first, second = (_several_numbers(nodes, memo) for nodes in per_step[:2])
+    slots = {}
+    for a, b in zip(first, second):
+        form = _form(a)
+        if form != _form(b):
+            return False
+        differ = [i for i in _int_items(_items(a)) if _items(a)[i] != _items(b)[i]]
+        if len(differ) != 1:
+            return False
+        slots[form] = differ[0]
+    changed = set()
+    for node in (first[0].graph.nodes if first else ()):
+        if node.op == "call_function" and node.target is operator.getitem and _form(node) in slots:
+            found = _getitem_index(node, memo, slots[_form(node)])
+            if found is not None:
+                memo[node] = found
+                changed.add(node)
+    _read_again_after(changed, memo)
+    return bool(changed)
+
+
+def _several_numbers(nodes: list[Node], memo: dict) -> list[Node]:
+    """The step-invariant tensors' indices of two or more numbers that `nodes` read, in graph order."""
+    found = [n for n in ancestors(nodes) if n.op == "call_function" and n.target is operator.getitem
+             and isinstance(n.args[0], Node) and len(_int_items(_items(n))) >= 2
+             and not pattern(n.args[0], memo).varies]
+    order = memo.setdefault("order", {})
+    if found and found[0].graph not in order:
+        order[found[0].graph] = {n: i for i, n in enumerate(found[0].graph.nodes)}
+    return sorted(found, key=lambda n: order[n.graph][n])
+
+
+def _items(node: Node) -> tuple:
+    index = node.args[1]
+    return index if isinstance(index, tuple) else (index,)
+
+
+def _form(node: Node) -> tuple:
+    """An index's tensor and items, its numbers left out: what two steps' indices of one tensor share."""
+    return (node.args[0], tuple("int" if i in _int_items(_items(node)) else _const_key(item)
+                                for i, item in enumerate(_items(node))))
+
+
+def _read_again_after(changed: set[Node], memo: dict) -> None:
+    """Drop the patterns computed from `changed` nodes (their new patterns kept), to be read again."""
+    if not changed:
+        return
+    stale = set(changed)
+    for node in next(iter(changed)).graph.nodes:
+        if node not in changed and any(i in stale for i in node.all_input_nodes):
+            stale.add(node)
+            memo.pop(node, None)
 
 
 def source_dim(items: tuple, position: int, ndim: int) -> int | None:
@@ -246,8 +316,16 @@ class Lifter:
     def _call(self, target, args: tuple, kwargs: dict | None = None) -> Node:
         return new_node(self.graph, target, args, kwargs)
 
+    def _index(self, node: Node) -> Pattern | None:
+        """`step_index`, or the index pattern the loop's steps chose (NOTE [an index of several numbers])."""
+        found = step_index(node, self.memo)
+        chosen = self.memo.get(node)
+        if found is None and isinstance(chosen, Pattern) and chosen.key[0] == "index":
+            return chosen
+        return found
+
     def _liftable(self, node: Node) -> bool:
-        if step_index(node, self.memo) is not None:
+        if self._index(node) is not None:
             return True
         target = node.target
         known = target in ELEMENTWISE if node.op == "call_function" else (
@@ -268,7 +346,7 @@ class Lifter:
         return True
 
     def _lift(self, node: Node) -> Node:
-        index = step_index(node, self.memo)
+        index = self._index(node)
         if index is not None:
             return self._lift_index(node, index)
         if _is_insertion(node):
@@ -289,7 +367,7 @@ class Lifter:
         kind, base = index.key[0], index.key[1]
         if kind == "index":
             items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            position = next(i for i, item in enumerate(items) if isinstance(item, int) and not isinstance(item, bool))
+            position = index.key[2].index(STEP)
             dim = source_dim(items, position, fake_tensor(base).dim())
             rest = items[:position] + items[position + 1:]
         else:

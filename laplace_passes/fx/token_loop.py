@@ -19,7 +19,7 @@ import torch.fx
 
 from laplace_passes.fx.algebra import Factor
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, gate_bound
-from laplace_passes.fx.per_step import pattern, shared_by_steps, step_index
+from laplace_passes.fx.per_step import pattern, positions_in_several_numbers, shared_by_steps, step_index
 from laplace_passes.fx.recurrence import Chain
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.pass_base import Declined
@@ -55,6 +55,9 @@ class TokenLoop:
     coefs: dict[str, float] = field(default_factory=dict)  # "scale", "input", "decay"
     readout_positions: tuple | None = None  # per dimension of a readout: a state dimension or None
     initial_state: Node | None = None
+    # How the steps were read (`per_step.pattern`'s memo), with what matching them chose: NOTE [values every
+    # step reads], NOTE [an index of several numbers]. The sources are read the same way.
+    patterns: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def like(self) -> Node:
@@ -92,10 +95,9 @@ class TokenLoop:
     def source_nodes(self) -> set[Node]:
         """The nodes the loop reads its inputs from (its readouts and updates aside)."""
         found = set()
-        memo: dict = {}
         for factors in self.roles.values():
             for factor in factors:
-                found |= _sources(factor.nodes[0], memo)
+                found |= _sources(factor.nodes[0], self.patterns)
         if self.initial_state is not None:
             found.add(self.initial_state)
         return found
@@ -105,7 +107,7 @@ def _sources(node: Node, memo: dict) -> set[Node]:
     found = pattern(node, memo)
     if not found.varies:
         return {node}
-    if step_index(node, memo) is not None:
+    if step_index(node, memo) is not None or found.key[0] == "index":
         return {found.key[1]}  # the tensor indexed at the step's position
     return {n for arg in node.all_input_nodes for n in _sources(arg, memo)} or {node}
 
@@ -119,7 +121,7 @@ def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
     for index, step in enumerate(chain.steps):
         if (step.key_axis % len(step.shape), step.value_axis % len(step.shape)) != (key_axis, value_axis):
             raise Declined(f"step {index} writes k and v into other dimensions of the state than step 0")
-    loop = TokenLoop(chain, len(chain.steps), 0, first.shape, key_axis, value_axis)
+    loop = TokenLoop(chain, len(chain.steps), 0, first.shape, key_axis, value_axis, patterns=memo)
     positions = {
         "k": [_positions(s.expr.axes, s.keys) for s in chain.steps],
         "v": [_positions(s.expr.axes, s.values) for s in chain.steps],
@@ -154,13 +156,16 @@ def _positions(state_axes: tuple, factors: tuple[Factor, ...]) -> list[tuple[Nod
 def _match_steps(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
     """The role's factors lined up across steps, and the step offsets they index (position - step).
 
-    Steps that differ are read again with the values they share made step-invariant (NOTE [values every
-    step reads] in `laplace_passes.fx.per_step`).
+    Steps that differ are read again with the values they share made step-invariant and each index of
+    several numbers read at the one that changes (NOTE [values every step reads], NOTE [an index of several
+    numbers] in `laplace_passes.fx.per_step`).
     """
     try:
         return _line_up(role, per_step, memo)
     except Declined:
-        if len(per_step) < 2 or not shared_by_steps([[n for n, _ in f] for f in per_step], memo):
+        nodes = [[n for n, _ in f] for f in per_step]
+        # Both readings, each where it applies (`|`, not `or`): one step may need them together.
+        if len(per_step) < 2 or not (shared_by_steps(nodes, memo) | positions_in_several_numbers(nodes, memo)):
             raise
     return _line_up(role, per_step, memo)
 
