@@ -29,7 +29,7 @@ import torch.fx
 
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
 from laplace_passes.fx.in_place_writes import written_operands
-from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, pattern, step_index
+from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, constant_value, pattern, step_index
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
@@ -387,17 +387,24 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
         if any(w is node for w in written_operands(user)):
             return f"its state {node.name} is written in place by {user.name}, which the algebra does not read"
     memo: dict = {}
+    # A first update reads the state the loop starts from (`torch.zeros`), which is no reason to refuse it.
+    starts = (lambda n: constant_value(n) is not None) if prev is None else (lambda n: False)
     try:
-        read(node, lambda n: n is prev, memo)
+        read(node, lambda n: n is prev or starts(n), memo)
     except NotAlgebraic as error:
         return f"its update {node.name} is not read as a sum of products: {error}"
     frontier = [node]
     for _ in range(MAX_UPDATE_DEPTH):
-        for n in frontier:
-            if why_unread(memo, n) is not None:
+        for n in frontier:  # an op on the state's path (as many elements as the state): a gate's exp is a leaf
+            if why_unread(memo, n) is not None and _numel(n) == _numel(node):
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
         frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or _reaches(prev, i)]
     return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"
+
+
+def _numel(node: Node) -> int | None:
+    value = fake_tensor(node)
+    return value.numel() if value is not None else None
 
 
 def first_step(node: Node, memo: dict) -> Step | None:
