@@ -229,31 +229,28 @@ def in_place_chain(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
-def per_head_loops(q, k, v, g):
-    """A loop over the heads and, inside it, over the tokens: q[:, t, h] indexes a token and a head."""
+def _loops_per_head(q, k, v, g, at):
+    """A loop over the heads and, inside it, over the tokens; `at(x, t, h)` reads token t of head h."""
     outs = []
     for h in range(H):
         S = torch.zeros(B, K, V)
         per_token = []
         for t in range(T):
-            S = S * g[:, t, h].exp()[..., None] + k[:, t, h, :, None] * v[:, t, h, None, :]
-            per_token.append((q[:, t, h, :, None] * S).sum(-2))
+            S = S * at(g, t, h).exp()[..., None] + at(k, t, h)[..., None] * at(v, t, h)[..., None, :]
+            per_token.append((at(q, t, h)[..., None] * S).sum(-2))
         outs.append(torch.stack(per_token, 1))
     return torch.stack(outs, 2)
+
+
+def per_head_loops(q, k, v, g):
+    """q[:, t, h]: one index holds a token and a head."""
+    return _loops_per_head(q, k, v, g, lambda x, t, h: x[:, t, h])
 
 
 def per_head_loops_bhtk(q, k, v, g):
-    """The same over [B, H, T, K] inputs: the head's number comes first in q[:, h, t]."""
+    """The same over [B, H, T, K] inputs: the head's number comes first, q[:, h, t]."""
     q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
-    outs = []
-    for h in range(H):
-        S = torch.zeros(B, K, V)
-        per_token = []
-        for t in range(T):
-            S = S * g[:, h, t].exp()[..., None] + k[:, h, t, :, None] * v[:, h, t, None, :]
-            per_token.append((q[:, h, t, :, None] * S).sum(-2))
-        outs.append(torch.stack(per_token, 1))
-    return torch.stack(outs, 2)
+    return _loops_per_head(q, k, v, g, lambda x, t, h: x[:, h, t])
 
 
 def last_token_readout(q, k, v, g):
