@@ -380,7 +380,7 @@ _FUNCTIONS = {
     torch.ops.prims.convert_element_type: _h_to,
 }
 
-# In-place arithmetic, read as its out-of-place form where the write is to a temporary (`_writes_a_temporary`).
+# In-place arithmetic, read as its out-of-place form where the write is to a temporary (`writes_a_temporary`).
 _IN_PLACE = {
     operator.iadd: _h_add, operator.isub: _h_sub, operator.imul: _h_mul, operator.itruediv: _h_div,
     "add_": _h_add, "sub_": _h_sub, "mul_": _h_mul, "div_": _h_div,

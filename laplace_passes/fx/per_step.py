@@ -188,6 +188,8 @@ def positions_in_several_numbers(per_step: list[list[Node]], memo: dict) -> bool
     pattern computed from them is read again.
     """
     first, second = (_several_numbers(nodes, memo) for nodes in per_step[:2])
+    if len(first) != len(second):
+        return False
     slots = {}
     for a, b in zip(first, second):
         form = _form(a)
