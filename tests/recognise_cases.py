@@ -253,6 +253,21 @@ def per_head_loops_bhtk(q, k, v, g):
     return _loops_per_head(q, k, v, g, lambda x, t, h: x[:, h, t])
 
 
+W_PROJ = torch.randn(H * K, H * K, generator=torch.Generator().manual_seed(5)) / (H * K) ** 0.5
+
+
+def projected_in_the_loop(q, k, v, g):
+    """The keys projected inside the loop, token by token (`F.linear(x[:, t]).view(..)`): built once over
+    all tokens in the rewrite, not stacked from T projections."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        k_t = F.linear(k[:, t].reshape(B, H * K), W_PROJ).view(B, H, K)
+        S = S * g[:, t].exp()[..., None] + k_t[..., None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
 def last_token_readout(q, k, v, g):
     """Only the last state is read out (a classifier on the last token); nothing else is returned."""
     S = torch.zeros(B, H, K, V)

@@ -38,6 +38,7 @@ RECOGNISED = {
     "fused_projection": "per-key gates",
     "in_place_sum": "per-key gates",
     "in_place_chain": "per-key gates",
+    "projected_in_the_loop": "per-key gates",
 }
 
 NEAR_MISSES = {

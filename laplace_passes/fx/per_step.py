@@ -8,9 +8,11 @@ abstracted (`Pattern.key`) and the positions it indexes (`Pattern.steps`),
 so that the nodes of the T steps can be checked to be one computation at
 positions 0 .. T-1. `Lifter.lift` then builds that computation once over
 all steps, with the step dimension first: `movedim(k, 1, 0)` for `k[:, t]`,
-`exp(movedim(g, 2, 0))` for `exp(g[:, :, t])`. What it cannot lift (an op
-it does not know to be elementwise) is stacked from the steps' own nodes,
-which is always right and costs a node per step.
+`exp(movedim(g, 2, 0))` for `exp(g[:, :, t])`, one `F.linear` over all
+steps for a projection of each step's input, `x.reshape(T, ..)` for a
+step's `x.view(..)`. What it cannot lift (an op it does not know to act on
+each step alone) is stacked from the steps' own nodes, which is always
+right and costs a node per step.
 """
 
 from __future__ import annotations
@@ -329,6 +331,11 @@ class Lifter:
     def _liftable(self, node: Node) -> bool:
         if self._index(node) is not None:
             return True
+        if node.op == "call_function" and node.target in _ON_THE_LAST_DIM:  # a projection of the step's input
+            x, rest = node.args[0], [a for a in node.all_input_nodes if a is not node.args[0]]
+            return isinstance(x, Node) and not any(pattern(a, self.memo).varies for a in rest) and self._liftable(x)
+        if _reshape_sizes(node) is not None:
+            return self._liftable(node.args[0])
         target = node.target
         known = target in ELEMENTWISE if node.op == "call_function" else (
             node.op == "call_method" and target in ELEMENTWISE_METHODS)
@@ -351,6 +358,9 @@ class Lifter:
         index = self._index(node)
         if index is not None:
             return self._lift_index(node, index)
+        sizes = _reshape_sizes(node)
+        if sizes is not None:  # the step's dimension first, then the step's own shape
+            return self._call(torch.reshape, (self._lift(node.args[0]), (self.T, *sizes)))
         if _is_insertion(node):
             return self._lift_insertion(node)
         args = tuple(self._lifted_arg(a) for a in node.args)
@@ -392,6 +402,25 @@ class Lifter:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
         op = torch.squeeze if _name(node) == "squeeze" else torch.unsqueeze
         return self._call(op, (source, dim + 1 if dim >= 0 else dim))
+
+
+# Ops on the last dimension alone, each row by itself: op(x[t]) == op(x)[t] for a step dimension in front.
+_ON_THE_LAST_DIM = frozenset({torch._C._nn.linear, F.linear, aten.linear.default})
+
+
+def _reshape_sizes(node: Node) -> tuple[int, ...] | None:
+    """The sizes of `x.view(..)`, `x.reshape(..)` or `torch.reshape(x, ..)`, when they are numbers; else None."""
+    if node.op == "call_method" and node.target in ("view", "reshape"):
+        sizes = node.args[1:]
+    elif node.op == "call_function" and node.target is torch.reshape:
+        sizes = node.args[1:]
+    else:
+        return None
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    ok = sizes and all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) and \
+        isinstance(node.args[0], Node)
+    return tuple(sizes) if ok else None
 
 
 def _is_insertion(node: Node) -> bool:
