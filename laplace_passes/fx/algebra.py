@@ -160,7 +160,8 @@ def writes_a_temporary(node: Node) -> bool:
     value, storage = fake_tensor(written), storage_of(written)
     if value is None or storage is None or value._is_view():  # a view (of an unbind's tuple too) writes its base
         return False
-    return all(storage_of(i) is None or not storage_of(i) == storage for i in written.all_input_nodes)
+    others = (storage_of(i) for i in written.all_input_nodes)
+    return all(other is None or not other == storage for other in others)
 
 
 def _unknown(name: str) -> str:

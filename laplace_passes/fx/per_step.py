@@ -67,18 +67,23 @@ def pattern(node: Node, memo: dict) -> Pattern:
         return memo[node]
     # The ancestors first, in graph order: a while_loop's counter is a chain as long as the loop, which a
     # recursion down the arguments would follow to Python's recursion limit.
-    order = memo.setdefault("order", {})
-    if node.graph not in order:
-        order[node.graph] = {n: i for i, n in enumerate(node.graph.nodes)}
     todo, stack = set(), [node]
     while stack:  # the ancestors not read yet
         current = stack.pop()
         if current not in memo and current not in todo:
             todo.add(current)
             stack.extend(current.all_input_nodes)
-    for earlier in sorted(todo, key=order[node.graph].__getitem__):
+    for earlier in sorted(todo, key=_graph_order(node.graph, memo).__getitem__):
         memo[earlier] = step_index(earlier, memo) or _op_pattern(earlier, memo)
     return memo[node]
+
+
+def _graph_order(graph: torch.fx.Graph, memo: dict) -> dict[Node, int]:
+    """Each node's place in `graph`, computed once per memo."""
+    order = memo.setdefault("order", {})
+    if graph not in order:
+        order[graph] = {n: i for i, n in enumerate(graph.nodes)}
+    return order[graph]
 
 
 def shared_by_steps(per_step: list[list[Node]], memo: dict) -> bool:
@@ -102,8 +107,18 @@ def shared_by_steps(per_step: list[list[Node]], memo: dict) -> bool:
     return True
 
 
+_INDEX_KINDS = frozenset({"unbind", "index", "index_select", "select"})  # a step index's `Pattern.key[0]`
+
+
 def step_index(node: Node, memo: dict) -> Pattern | None:
-    """x[..., t, ...], select(x, d, t), x.unbind(d)[t] of a step-invariant x: the step's own input."""
+    """x[..., t, ...], select(x, d, t), x.unbind(d)[t] of a step-invariant x: the step's own input.
+
+    A pattern already in `memo` is the answer: matching steps may have chosen one (NOTE [values every step
+    reads], NOTE [an index of several numbers]), and it holds for every reader of the memo alike.
+    """
+    known = memo.get(node)
+    if isinstance(known, Pattern):
+        return known if known.key[0] in _INDEX_KINDS else None
     if node.op not in ("call_function", "call_method") or not node.args:
         return None
     target, args = node.target, node.args
@@ -217,10 +232,7 @@ def _several_numbers(nodes: list[Node], memo: dict) -> list[Node]:
     found = [n for n in ancestors(nodes) if n.op == "call_function" and n.target is operator.getitem
              and isinstance(n.args[0], Node) and len(_int_items(_items(n))) >= 2
              and not pattern(n.args[0], memo).varies]
-    order = memo.setdefault("order", {})
-    if found and found[0].graph not in order:
-        order[found[0].graph] = {n: i for i, n in enumerate(found[0].graph.nodes)}
-    return sorted(found, key=lambda n: order[n.graph][n])
+    return sorted(found, key=_graph_order(found[0].graph, memo).__getitem__) if found else []
 
 
 def _items(node: Node) -> tuple:
@@ -320,16 +332,8 @@ class Lifter:
     def _call(self, target, args: tuple, kwargs: dict | None = None) -> Node:
         return new_node(self.graph, target, args, kwargs)
 
-    def _index(self, node: Node) -> Pattern | None:
-        """`step_index`, or the index pattern the loop's steps chose (NOTE [an index of several numbers])."""
-        found = step_index(node, self.memo)
-        chosen = self.memo.get(node)
-        if found is None and isinstance(chosen, Pattern) and chosen.key[0] == "index":
-            return chosen
-        return found
-
     def _liftable(self, node: Node) -> bool:
-        if self._index(node) is not None:
+        if step_index(node, self.memo) is not None:
             return True
         if node.op == "call_function" and node.target in _ON_THE_LAST_DIM:  # a projection of the step's input
             x, rest = node.args[0], [a for a in node.all_input_nodes if a is not node.args[0]]
@@ -355,7 +359,7 @@ class Lifter:
         return True
 
     def _lift(self, node: Node) -> Node:
-        index = self._index(node)
+        index = step_index(node, self.memo)
         if index is not None:
             return self._lift_index(node, index)
         sizes = _reshape_sizes(node)
@@ -410,12 +414,10 @@ _ON_THE_LAST_DIM = frozenset({torch._C._nn.linear, F.linear, aten.linear.default
 
 def _reshape_sizes(node: Node) -> tuple[int, ...] | None:
     """The sizes of `x.view(..)`, `x.reshape(..)` or `torch.reshape(x, ..)`, when they are numbers; else None."""
-    if node.op == "call_method" and node.target in ("view", "reshape"):
-        sizes = node.args[1:]
-    elif node.op == "call_function" and node.target is torch.reshape:
-        sizes = node.args[1:]
-    else:
+    if not ((node.op == "call_method" and node.target in ("view", "reshape"))
+            or (node.op == "call_function" and node.target is torch.reshape)):
         return None
+    sizes = node.args[1:]
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
         sizes = tuple(sizes[0])
     ok = sizes and all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) and \
@@ -443,6 +445,14 @@ def _name(node: Node) -> str:
 
 # Fills whose value depends on their input's shape and dtype only: zeros_like(x), x.new_zeros(...).
 _FILLS = {"new_zeros": 0.0, "new_ones": 1.0, "zeros_like": 0.0, "ones_like": 1.0}
+
+
+_SHAPE_FILLS = frozenset({*_FILLS, "new_full", "full_like", "new_empty", "empty_like"})
+
+
+def is_fill(node: Node) -> bool:
+    """A value made from no tensor's values: `torch.zeros(..)` (no tensor input), `x.new_zeros(..)`, `zeros_like(x)`."""
+    return node.op in ("call_function", "call_method") and (not node.all_input_nodes or _name(node) in _SHAPE_FILLS)
 
 
 def constant_value(node: Node):

@@ -29,7 +29,7 @@ import torch.fx
 
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
 from laplace_passes.fx.in_place_writes import written_operands
-from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, pattern, step_index
+from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
@@ -389,7 +389,7 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
     memo: dict = {}
     # A first update reads the state the loop starts from (`torch.zeros`), which is no reason to refuse it.
     try:
-        read(node, lambda n: n is prev or (prev is None and _a_fill(n)), memo)
+        read(node, lambda n: n is prev or (prev is None and is_fill(n)), memo)
     except NotAlgebraic as error:
         return f"its update {node.name} is not read as a sum of products: {error}"
     frontier = [node]
@@ -399,18 +399,6 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
         frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or _reaches(prev, i)]
     return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"
-
-
-_FILLS_OF_A_SHAPE = frozenset({"new_zeros", "zeros_like", "new_ones", "ones_like", "new_full", "full_like",
-                               "new_empty", "empty_like"})
-
-
-def _a_fill(node: Node) -> bool:
-    """A value made from no tensor's values: `torch.zeros(..)`, `x.new_zeros(..)`, `zeros_like(x)`."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return not node.all_input_nodes or name in _FILLS_OF_A_SHAPE
 
 
 def _numel(node: Node) -> int | None:

@@ -107,7 +107,7 @@ def _sources(node: Node, memo: dict) -> set[Node]:
     found = pattern(node, memo)
     if not found.varies:
         return {node}
-    if step_index(node, memo) is not None or found.key[0] == "index":
+    if step_index(node, memo) is not None:
         return {found.key[1]}  # the tensor indexed at the step's position
     return {n for arg in node.all_input_nodes for n in _sources(arg, memo)} or {node}
 
