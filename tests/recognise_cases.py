@@ -229,6 +229,27 @@ def in_place_chain(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def decay_after_sum(q, k, v, g):
+    """S_t = (S_{t-1} + k v) a_t: the token's own term decayed too, GLA with the key scaled by the decay
+    (NOTE [a decay after the sum])."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = (S + k[:, t, :, :, None] * v[:, t, :, None, :]) * g[:, t].exp()[..., None]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def head_decay_after_sum(q, k, v, g):
+    """The same with one decay per head (g [B, T, H]), as a method call."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = (S + k[:, t, :, :, None] * v[:, t, :, None, :]).mul(g[:, t, :, None, None].exp())
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
 def _loops_per_head(q, k, v, g, at):
     """A loop over the heads and, inside it, over the tokens; `at(x, t, h)` reads token t of head h."""
     outs = []
@@ -353,6 +374,25 @@ def vector_state(q, k, v, g):
         S = S * g[:, t].exp() + k[:, t] * q[:, t]
         outs.append(S)
     return torch.stack(outs, 1), S
+
+
+def value_decay_after_sum(q, k, v, g):
+    """(S + k v) decayed per value channel: a decay GLA does not have, whichever way it is multiplied out."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = (S + k[:, t, :, :, None] * v[:, t, :, None, :]) * g[:, t, :, :V].exp()[..., None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def decay_after_sum_final_only(q, k, v, g):
+    """(S + k v) a_t with only the final state returned: each product has one user, so the sums are read as
+    the states (NOTE [a decay after the sum]) and the first step, from the zeros, has no decay."""
+    S = torch.zeros(B, H, K, V)
+    for t in range(T):
+        S = (S + k[:, t, :, :, None] * v[:, t, :, None, :]) * g[:, t].exp()[..., None]
+    return S
 
 
 def backwards(q, k, v, g):

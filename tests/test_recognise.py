@@ -39,6 +39,8 @@ RECOGNISED = {
     "in_place_sum": "per-key gates",
     "in_place_chain": "per-key gates",
     "projected_in_the_loop": "per-key gates",
+    "decay_after_sum": "per-key gates",
+    "head_decay_after_sum": "per-head scalar gates",
 }
 
 NEAR_MISSES = {
@@ -47,11 +49,15 @@ NEAR_MISSES = {
     "reads_previous_output": "a step that depends on the previous output",
     "vector_state": "its update adds a term that is not an outer product of the step's inputs",
     "backwards": "a loop that runs backwards",
+    "decay_after_sum_final_only": "step 1's decay is not computed like step 0's",
+    "value_decay_after_sum": "mul_2, outside the recurrence (not a readout q . S summed over the key "
+                             "dimension, 3: the one its decay and k read)",
 }
 
 
 def case_inputs(name: str, dtype=torch.float32):
-    args = cases.inputs("bhtk" if name == "einsum_bhtk" else "bthk", "head" if name == "head_gates" else "key",
+    gates = "head" if name in ("head_gates", "head_decay_after_sum") else "key"
+    args = cases.inputs("bhtk" if name == "einsum_bhtk" else "bthk", gates,
                         dtype=dtype)
     if name == "with_initial_state":
         args = args + (torch.randn(cases.B, cases.H, cases.K, cases.V, generator=torch.Generator().manual_seed(7)),)

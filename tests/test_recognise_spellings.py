@@ -153,24 +153,12 @@ def where_skip(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
-def decay_after_sum(q, k, v, g):
-    """S_t = (S_{t-1} + k v) a_t: a product of a sum, not GLA's sum. The row says so, not that the zeros the
-    loop starts from are unread."""
-    S = torch.zeros(B, H, K, V)
-    outs = []
-    for t in range(T):
-        S = (S + k[:, t][..., None] * v[:, t][..., None, :]) * g[:, t].exp()[..., None]
-        outs.append(_readout(q[:, t], S))
-    return torch.stack(outs, 1), S
-
-
 NOT_READ = {
     einsum_diagonal: "which the algebra does not read as a product: einsum with a repeated index (a diagonal)",
     baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
     addcmul_in_place: "is written in place by addcmul_",
     lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",
     where_skip: "not a sum of products the algebra reads (S_1: where, an op the algebra does not read)",
-    decay_after_sum: "its update S_1 is not of GLA's form S_t = a_t (.) S_{t-1} + k_t (x) v_t",
 }
 
 

@@ -30,21 +30,13 @@ import torch.fx
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
 from laplace_passes.fx.in_place_writes import written_operands
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
+from laplace_passes.fx.update_tops import is_update_node, value_numel
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
 Node = torch.fx.Node
 aten = torch.ops.aten
 
-# What a state update is written with at its top: a sum (S * a + k v, torch.add), or a fused multiply-add that
-# the canonical algebra reads as one (addcmul, baddbmm, addmm, addbmm, addr: beta * S + alpha * k v).
-_ADDS = frozenset({operator.add, operator.sub, torch.add, torch.sub, aten.add.Tensor, aten.sub.Tensor,
-                   operator.iadd, operator.isub, torch.addcmul, torch.baddbmm, torch.addmm, torch.addbmm,
-                   torch.addr, aten.addcmul.default, aten.baddbmm.default, aten.addmm.default,
-                   aten.addbmm.default, aten.addr.default})
-# In-place sums too: the algebra reads them where they write to a temporary (NOTE [in-place writes to temporaries]).
-_ADD_METHODS = frozenset({"add", "sub", "addcmul", "baddbmm", "addmm", "addbmm", "addr",
-                          "add_", "sub_", "addcmul_", "__iadd__", "__isub__"})
 MAX_READOUT_DEPTH = 4  # ops between a state and its readout's contraction: [..., None], *, .sum, a scale
 
 
@@ -103,31 +95,26 @@ class Chain:
         return self.steps[-1]
 
 
-def is_sum_node(node: Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _ADD_METHODS
-    return node.op == "call_function" and node.target in _ADDS
-
-
 def _state_like(node: Node, shape: tuple) -> bool:
     """A node of the state's shape that a step reads as its previous state rather than through: a value used
-    twice (read out and updated), or a sum (an earlier update) unless its one user is a sum of the same
-    shape (`S * a + k v + b` is one update written as two sums)."""
+    twice (read out and updated), or an update (`is_update_node`) unless its one user is an update of the same
+    shape: `S * a + k v + b` is one update written as two sums, `(S + k v) * a` one written as a sum and a
+    product (NOTE [a decay after the sum] in `laplace_passes.fx.update_tops`)."""
     value = fake_tensor(node)
     if value is None or not same_shape(value.shape, shape):
         return False
     if len(node.users) > 1:
         return True
-    if not is_sum_node(node):
+    if not is_update_node(node):
         return False
     (user,) = node.users if node.users else (None,)
-    return not (user is not None and is_sum_node(user) and same_shape(_shape(user), shape))
+    return not (user is not None and is_update_node(user) and same_shape(_shape(user), shape))
 
 
 def read_step(node: Node, memo: dict) -> Step | None:
     """`node` as a state update; None when it carries no state (no term reads a node of its shape whole)."""
     value = fake_tensor(node)
-    if value is None or value.dim() < 2 or not is_sum_node(node) or not value.dtype.is_floating_point:
+    if value is None or value.dim() < 2 or not is_update_node(node) or not value.dtype.is_floating_point:
         return None
     shape = tuple(value.shape)
     if not _state_like(node, shape):
@@ -395,15 +382,10 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
     frontier = [node]
     for _ in range(MAX_UPDATE_DEPTH):
         for n in frontier:  # an op on the state's path (as many elements as the state): a gate's exp is a leaf
-            if why_unread(memo, n) is not None and _numel(n) == _numel(node):
+            if why_unread(memo, n) is not None and value_numel(n) == value_numel(node):
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
         frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or _reaches(prev, i)]
     return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"
-
-
-def _numel(node: Node) -> int | None:
-    value = fake_tensor(node)
-    return value.numel() if value is not None else None
 
 
 def first_step(node: Node, memo: dict) -> Step | None:
@@ -494,7 +476,10 @@ def _attach_readouts(chain: Chain, memo: dict) -> None:
     for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], readouts):
         extra = _other_uses(step, following, readout)
         if extra:
-            chain.mismatch = f"the state {step.node.name} is also used by {extra.name}, outside the recurrence"
+            key_dim = step.key_axis % len(step.shape)
+            chain.mismatch = (f"the state {step.node.name} is also used by {extra.name}, outside the recurrence "
+                              f"(not a readout q . S summed over the key dimension, {key_dim}: the one its decay "
+                              "and k read)")
             return
 
 

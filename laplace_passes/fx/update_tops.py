@@ -1,0 +1,78 @@
+"""What a state update is written with at its top: the ops `laplace_passes.fx.recurrence` reads as a step.
+
+A step of a recurrence is found by its last op, the one that produces the next state: a sum (`S * a + k v`,
+`torch.add`, the fused multiply-adds), or a product of such a sum (`(S + k v) * a`, NOTE [a decay after the
+sum]). The canonical algebra (`laplace_passes.fx.algebra`) then reads the whole update from there.
+
+NOTE [a decay after the sum]
+`S_t = (S_{t-1} + k_t (x) v_t) * a_t` decays the token's own term too. Multiplied out it is
+
+    S_t = a_t (.) S_{t-1} + (a_t (.) k_t) (x) v_t
+
+GLA's form with the key scaled by the decay, so when a_t reads only the state's batch and key dimensions
+(a decay per key or per head, which is all GLA's decay may read), the step is GLA's and the algebra's
+reading of the product says so: the decay's factor lands in the input term beside k, where `_assign_axes`
+counts it with the key. The same graph also reads as the usual `S * a + k v` with the sums as states, each
+decayed by the next step's product; the two readings differ only where the loop starts and ends. So such a
+product is taken as an update only where it is read as a state is, by more than one user (read out and
+carried to the next step, or read out and returned). A readout `(q[..., None] * S).sum(-2)` is a product
+of the state's shape too, but has one user, its sum. A loop of this spelling whose products have one user
+each (only the final state returned, or the last state read out and not returned) keeps the other reading,
+in which its first or last step differs from the rest: it is declined with that reason, numbers unchanged.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.guards import same_shape
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+# A sum, or a fused multiply-add that the canonical algebra reads as one (addcmul, baddbmm, addmm, addbmm,
+# addr: beta * S + alpha * k v).
+_ADDS = frozenset({operator.add, operator.sub, torch.add, torch.sub, aten.add.Tensor, aten.sub.Tensor,
+                   operator.iadd, operator.isub, torch.addcmul, torch.baddbmm, torch.addmm, torch.addbmm,
+                   torch.addr, aten.addcmul.default, aten.baddbmm.default, aten.addmm.default,
+                   aten.addbmm.default, aten.addr.default})
+# In-place sums too: the algebra reads them where they write to a temporary (NOTE [in-place writes to temporaries]).
+_ADD_METHODS = frozenset({"add", "sub", "addcmul", "baddbmm", "addmm", "addbmm", "addr",
+                          "add_", "sub_", "addcmul_", "__iadd__", "__isub__"})
+_PRODUCTS = frozenset({operator.mul, torch.mul, aten.mul.Tensor})
+
+
+def is_sum_node(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _ADD_METHODS
+    return node.op == "call_function" and node.target in _ADDS
+
+
+def is_update_node(node: Node) -> bool:
+    """A sum, or a product of a sum that only it reads, read as a state is (NOTE [a decay after the sum])."""
+    return is_sum_node(node) or _decayed_sum(node)
+
+
+def _decayed_sum(node: Node) -> bool:
+    is_product = node.target in _PRODUCTS if node.op == "call_function" else \
+        node.op == "call_method" and node.target == "mul"
+    if not is_product:
+        return False
+    shape = _shape(node)
+    summed = [a for a in node.args if isinstance(a, Node) and is_sum_node(a) and len(a.users) == 1
+              and same_shape(_shape(a), shape)]
+    return bool(summed) and len(node.users) > 1
+
+
+def value_numel(node: Node) -> int | None:
+    value = fake_tensor(node)
+    return value.numel() if value is not None else None
+
+
+def _shape(node: Node) -> tuple | None:
+    value = fake_tensor(node)
+    return tuple(value.shape) if value is not None else None
