@@ -51,6 +51,11 @@ PROVEN = {
     "logsigmoid of a tensor written in place": (_write_before_the_source, "logsigmoid / 16"),
     "views and casts": (lambda x: F.logsigmoid(x.double()).transpose(1, 2).contiguous().transpose(1, 2).float(),
                         "logsigmoid"),
+    # A skipped step's gate 0 (NOTE [steps a select skips]), and a select between two bounded gates.
+    "where(x > 0, logsigmoid / 16, 0)": (lambda x: torch.where(x > 0, F.logsigmoid(x) / 16, 0.0),
+                                         "where(c, logsigmoid / 16, 0)"),
+    "where(x > 0, -softplus, logsigmoid)": (lambda x: torch.where(x > 0, -F.softplus(x), F.logsigmoid(x)),
+                                            "where(c, -(softplus), logsigmoid)"),
 }
 
 def _add_in_place(x):
@@ -160,6 +165,9 @@ CHECKED = {
                                     "reads torch.float32 as torch.float16"),
     # softplus returns x itself above its threshold: with a negative one, x in (threshold, 0) comes back negative.
     "-softplus(threshold=-5)": (lambda x: -F.softplus(x, threshold=-5.0), "threshold -5.0"),
+    "where(x < 0, logsigmoid, 0.5)": (lambda x: torch.where(x < 0, F.logsigmoid(x), 0.5),
+                                      "a select between values of opposite signs"),
+    "where(x < 0, logsigmoid, x)": (lambda x: torch.where(x < 0, F.logsigmoid(x), x), "is an input of the graph"),
     # float8_e8m0fnu is floating point without a sign bit: -0.5 comes back as 0.5.
     "logsigmoid through float8_e8m0fnu": (lambda x: F.logsigmoid(x).to(torch.float8_e8m0fnu).float(),
                                           "is torch.float8_e8m0fnu, not a signed floating-point dtype"),

@@ -158,7 +158,6 @@ NOT_READ = {
     baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
     addcmul_in_place: "is written in place by addcmul_",
     lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",
-    where_skip: "not a sum of products the algebra reads (S_1: where, an op the algebra does not read)",
 }
 
 

@@ -16,7 +16,8 @@ unchecked, and the report's "gates" column shows the derivation.
     rules       neg flips the sign; times or over a finite positive number keeps it,
                 a negative one flips it; a product of two bounded factors has their
                 sign product; clamp / clamp_max with a max <= 0 is <= 0, and
-                clamp_min(x <= 0, c <= 0) stays <= 0
+                clamp_min(x <= 0, c <= 0) stays <= 0; torch.where(c, x, y) has the sign
+                x and y share (the number 0 has either)
     unchanged   views, reshapes, transposes, indexing, contiguous, clone, and casts
                 from one floating-point dtype to another
     stops       any value that is not a signed floating-point dtype (a cast to bool
@@ -105,6 +106,7 @@ _CLAMP = _targets(torch.clamp, torch.clip, aten.clamp.default)
 _CLAMP_MAX = _targets(torch.clamp_max, aten.clamp_max.default)
 _CLAMP_MIN = _targets(torch.clamp_min, aten.clamp_min.default)
 _PADS = _targets(F.pad, torch._C._nn.pad, aten.constant_pad_nd.default)
+_SELECTS = _targets(torch.where, aten.where.self)
 _SAME_SIGN = _targets(
     torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unflatten, torch.squeeze,
     torch.unsqueeze, torch.clone, torch.movedim, operator.getitem,
@@ -188,6 +190,8 @@ def _bound(node, depth: int, derivation: list) -> Bound:
         return _clamp(node, depth, derivation)
     if target in _PADS:
         return _padded(node, depth, derivation)
+    if target in _SELECTS and len(node.args) == 3:
+        return _selected(node, depth, derivation)
     return Bound(None, f"{node.name} comes from {name}, whose sign the pass does not bound")
 
 
@@ -202,6 +206,18 @@ def _padded(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
     if mode == "constant" and inner.sign and _finite_number(value) and value * inner.sign >= 0:
         return Bound(inner.sign, f"pad({inner.how}, {value!r})")
     return Bound(None, f"{node.name}: pad with mode {mode!r} and value {value!r} of {inner.how}")
+
+
+def _selected(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
+    """torch.where(c, x, y): the sign its two branches share, a branch that is the number 0 taking the other's
+    (the gate 0 of a step a select skips, NOTE [steps a select skips])."""
+    branches = [b for b in node.args[1:] if not (_finite_number(b) and b == 0)]
+    bounds = [_bound(b, depth - 1, derivation) for b in branches]
+    signs = {b.sign for b in bounds}
+    if bounds and len(signs) == 1 and None not in signs:
+        return Bound(signs.pop(), f"where(c, {', '.join(b.how for b in bounds)}{', 0' if len(bounds) == 1 else ''})")
+    unbounded = [b for b in bounds if not b.sign]
+    return unbounded[0] if unbounded else Bound(None, f"{node.name}: a select between values of opposite signs")
 
 
 def _same_sign(node: torch.fx.Node, dtype: torch.dtype, depth: int, derivation: list) -> Bound:

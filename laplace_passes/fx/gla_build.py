@@ -168,6 +168,9 @@ class GlaBuilder:
         k = self.full(self.role("k", K), K)
         v = self.full(self.role("v", V), V, loop.coefs["input"])
         gk = self.gates()
+        updates = self.updated_steps()
+        if updates is not None:  # NOTE [steps a select skips]: gate 0, k = v = 0 where a step is skipped
+            k, v, gk = ((self.call(torch.where, updates, node, 0.0), width) for node, width in (k, v, gk))
         h0 = None
         if loop.initial_state is not None:
             h0 = self.state_to_gla(self.env(loop.initial_state))
@@ -175,6 +178,13 @@ class GlaBuilder:
                 h0 = self.call(operator.mul, h0, loop.coefs["initial"])
         inputs = [self.to_gla_layout(x, axis) for x, axis in ((q, K), (k, K), (v, V), (gk, K))]
         return (*inputs, h0)
+
+    def updated_steps(self) -> Node | None:
+        """[T, *batch, 1], True where a step updates the state, for a loop whose steps a select skips."""
+        condition = self.role("skip", self.loop.key_axis)
+        if condition is None or self.loop.updates_when:
+            return condition
+        return self.call(torch.logical_not, condition)
 
     def gates(self) -> tuple[Node, int]:
         """log of the decay: exp's exponent itself when the decay is exp(x), else a log."""

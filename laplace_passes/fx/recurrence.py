@@ -30,7 +30,7 @@ import torch.fx
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
 from laplace_passes.fx.in_place_writes import written_operands
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
-from laplace_passes.fx.update_tops import is_update_node, value_numel
+from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, value_numel
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
@@ -57,6 +57,7 @@ class Step:
     rows: Index | None = None  # a chunked update's summed rows (None: one token per step)
     mismatch: str = ""
     unread: dict = field(default_factory=dict)  # node -> why the algebra read it as a leaf (`why_unread`)
+    skip: SkipSelect | None = None  # the select that skips the update at some steps (NOTE [steps a select skips])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -119,8 +120,10 @@ def read_step(node: Node, memo: dict) -> Step | None:
     shape = tuple(value.shape)
     if not _state_like(node, shape):
         return None  # a partial sum of a longer update
+    select = skip_select(node)
+    update = select.update if select is not None else node  # NOTE [steps a select skips]
     try:
-        expr = read(node, lambda n: n is not node and _state_like(n, shape), memo.setdefault(("step", node), {}))
+        expr = read(update, lambda n: n is not update and _state_like(n, shape), memo.setdefault(("step", node), {}))
     except NotAlgebraic:
         return None
     carried = [(t, f) for t in expr.terms for f in t.factors
@@ -130,7 +133,11 @@ def read_step(node: Node, memo: dict) -> Step | None:
     if not carried:
         return None
     prev_nodes = {f.node for _, f in carried}
-    step = Step(node, carried[0][1].node, expr, unread=memo[("step", node)].get(UNREAD, {}))
+    step = Step(node, carried[0][1].node, expr, unread=memo[("step", node)].get(UNREAD, {}), skip=select)
+    if select is not None and select.kept is not step.prev:
+        step.mismatch = (f"its select {node.name} keeps {select.kept.name} where it skips the update, not the "
+                         f"state the update decays ({step.prev.name})")
+        return step
     if len(prev_nodes) > 1:
         step.mismatch = f"its update reads {len(prev_nodes)} earlier states ({', '.join(n.name for n in prev_nodes)})"
         return step

@@ -27,7 +27,6 @@ from laplace_passes.infra.pass_base import Declined
 Node = torch.fx.Node
 aten = torch.ops.aten
 
-ROLES = ("q", "k", "v", "decay")
 TIME = "time"  # in a whole factor's positions: the dimension that runs over the tokens
 CHUNKS, ROW = "chunks", "row"  # or two, chunks then the rows of a chunk (a user's chunked tensors)
 _EXPS = frozenset({torch.exp, aten.exp.default})
@@ -54,6 +53,7 @@ class TokenLoop:
     roles: dict[str, list[RoleFactors]] = field(default_factory=dict)
     coefs: dict[str, float] = field(default_factory=dict)  # "scale", "input", "decay"
     readout_positions: tuple | None = None  # per dimension of a readout: a state dimension or None
+    updates_when: bool = True  # a "skip" role's condition updates the state where it is True (else where False)
     initial_state: Node | None = None
     # How the steps were read (`per_step.pattern`'s memo), with what matching them chose: NOTE [values every
     # step reads], NOTE [an index of several numbers]. The sources are read the same way.
@@ -103,6 +103,11 @@ class TokenLoop:
         return found
 
 
+    def mask_sources(self) -> set[Node]:
+        """The nodes the conditions of the selects that skip steps come from: masks, random ones stand for."""
+        return {n for f in self.roles.get("skip", []) for n in _sources(f.nodes[0], self.patterns)}
+
+
 def _sources(node: Node, memo: dict) -> set[Node]:
     found = pattern(node, memo)
     if not found.varies:
@@ -128,8 +133,12 @@ def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
         "decay": [_positions(s.expr.axes, s.decay) for s in chain.steps],
         "q": [_positions(r.state_axes, r.queries) for r in chain.readouts],
     }
+    skip = _skip_positions(chain, key_axis, value_axis)
+    if skip:
+        positions["skip"] = skip
+        loop.updates_when = chain.first.skip.updates_when
     offsets = set()
-    for role in ROLES:
+    for role in positions:
         per_step = positions[role]
         if per_step:
             loop.roles[role], found = _match_steps(role, per_step, memo)
@@ -141,6 +150,27 @@ def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
     if chain.readouts:
         loop.readout_positions = _readout_layout(chain)
     return loop
+
+
+def _skip_positions(chain: Chain, key_axis: int, value_axis: int) -> list | None:
+    """Per step, the condition of the select that skips it and the state dimensions it reads (NOTE [steps
+    a select skips] in `laplace_passes.fx.update_tops`); None when no step has one."""
+    selects = [s.skip for s in chain.steps]
+    if all(s is None for s in selects):
+        return None
+    if any(s is None for s in selects) or len({s.updates_when for s in selects}) > 1:
+        raise Declined("some of its steps are skipped by a select and others are not, or by its opposite")
+    state = chain.first.shape
+    per_step = []
+    for select in selects:
+        shape = tuple(fake_tensor(select.condition).shape)
+        lead = len(state) - len(shape)
+        positions = tuple(lead + d if size != 1 else None for d, size in enumerate(shape))
+        if lead < 0 or {key_axis, value_axis} & set(positions):
+            raise Declined(f"its select {select.condition.name} {list(shape)} chooses per key or value channel of "
+                           f"the state, not per sequence or head: not one GLA step")
+        per_step.append([(select.condition, positions)])
+    return per_step
 
 
 def _positions(state_axes: tuple, factors: tuple[Factor, ...]) -> list[tuple[Node, tuple]]:
@@ -289,4 +319,6 @@ def describe(loop: TokenLoop, origin: str) -> str:
     else:
         gates = "per-head scalar gates"
     state = list(loop.state_shape)
-    return f"{origin}, {loop.T} steps, {gates}, state {state} (key dim {loop.key_axis}, value dim {loop.value_axis})"
+    skips = ", steps skipped by a select" if "skip" in loop.roles else ""
+    return (f"{origin}, {loop.T} steps, {gates}{skips}, state {state} (key dim {loop.key_axis}, "
+            f"value dim {loop.value_axis})")

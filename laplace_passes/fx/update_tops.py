@@ -2,7 +2,8 @@
 
 A step of a recurrence is found by its last op, the one that produces the next state: a sum (`S * a + k v`,
 `torch.add`, the fused multiply-adds), or a product of such a sum (`(S + k v) * a`, NOTE [a decay after the
-sum]). The canonical algebra (`laplace_passes.fx.algebra`) then reads the whole update from there.
+sum]), or a select that skips the update (`torch.where(c, S * a + k v, S)`, NOTE [steps a select skips]).
+The canonical algebra (`laplace_passes.fx.algebra`) then reads the whole update from there.
 
 NOTE [a decay after the sum]
 `S_t = (S_{t-1} + k_t (x) v_t) * a_t` decays the token's own term too. Multiplied out it is
@@ -19,11 +20,24 @@ carried to the next step, or read out and returned). A readout `(q[..., None] * 
 of the state's shape too, but has one user, its sum. A loop of this spelling whose products have one user
 each (only the final state returned, or the last state read out and not returned) keeps the other reading,
 in which its first or last step differs from the rest: it is declined with that reason, numbers unchanged.
+
+NOTE [steps a select skips]
+`S_t = torch.where(c_t, a_t (.) S_{t-1} + k_t (x) v_t, S_{t-1})` (padding tokens, or documents of several
+lengths in one batch, that leave the state as it was) is GLA's step with, where c_t is false, the gate 0
+(decay 1), k_t = 0 and v_t = 0: exactly S_{t-1} again, and no gradient to that token's a, k or v, as the
+select gives none. So a select between an update and the state it updates is a step: the update is read
+as any other, and `Step.skip` keeps the condition, which the GLA call's inputs then apply
+(`laplace_passes.fx.gla_build`). The condition must be a bool tensor that chooses per sequence or per
+head, not per key or value channel (it would not be one GLA step then: the token's term would be kept in
+some channels of the state and not others); `torch.where(c, S, update)` keeps the state where c is true.
+v is zeroed too, not only k, so that a non-finite v at a skipped token stays out of the state, as the
+select keeps it out.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -44,6 +58,18 @@ _ADDS = frozenset({operator.add, operator.sub, torch.add, torch.sub, aten.add.Te
 _ADD_METHODS = frozenset({"add", "sub", "addcmul", "baddbmm", "addmm", "addbmm", "addr",
                           "add_", "sub_", "addcmul_", "__iadd__", "__isub__"})
 _PRODUCTS = frozenset({operator.mul, torch.mul, aten.mul.Tensor})
+_SELECTS = frozenset({torch.where, aten.where.self})
+
+
+@dataclass(frozen=True)
+class SkipSelect:
+    """`torch.where(condition, update, kept)` (or with the two swapped, `updates_when` False): NOTE [steps a
+    select skips]."""
+
+    condition: Node
+    update: Node
+    kept: Node
+    updates_when: bool = True
 
 
 def is_sum_node(node: Node) -> bool:
@@ -54,7 +80,27 @@ def is_sum_node(node: Node) -> bool:
 
 def is_update_node(node: Node) -> bool:
     """A sum, or a product of a sum that only it reads, read as a state is (NOTE [a decay after the sum])."""
-    return is_sum_node(node) or _decayed_sum(node)
+    return is_sum_node(node) or _decayed_sum(node) or skip_select(node) is not None
+
+
+def skip_select(node: Node) -> SkipSelect | None:
+    """`node` as a select between an update and the state it would update, or None."""
+    if node.op != "call_function" or node.target not in _SELECTS or len(node.args) != 3 or node.kwargs:
+        return None
+    condition, first, second = node.args
+    if not all(isinstance(a, Node) for a in node.args) or not _is_bool(condition):
+        return None
+    shape = _shape(node)
+    for update, kept, updates_when in ((first, second, True), (second, first, False)):
+        if same_shape(_shape(update), shape) and same_shape(_shape(kept), shape) and len(update.users) == 1 \
+                and (is_sum_node(update) or _decayed_sum(update)):
+            return SkipSelect(condition, update, kept, updates_when)
+    return None
+
+
+def _is_bool(node: Node) -> bool:
+    value = fake_tensor(node)
+    return value is not None and value.dtype == torch.bool
 
 
 def _decayed_sum(node: Node) -> bool:

@@ -130,6 +130,9 @@ def _input_value(node: Node, sources: set[Node], loop):
     value = fake_tensor(node)
     if value is None:
         raise Declined(f"the loop reads {node.name}, which is not a tensor of known shape")
+    if value.dtype == torch.bool and node in getattr(loop, "mask_sources", set)():
+        # Which steps a select skips (NOTE [steps a select skips]): any pattern is one the loop may see.
+        return torch.rand([int(d) for d in value.shape]) < 0.75
     if not value.dtype.is_floating_point:
         # A mask kept as a buffer or passed in: its values are not in the graph (nothing says it stays causal),
         # and random values would not be a mask. One built in the graph from sizes is a constant, read above.

@@ -1,0 +1,143 @@
+"""Token loops whose steps a select skips, `S = torch.where(c_t, S * a + k v, S)` (padding, documents of several
+lengths in one batch): one GLA site with the gate 0 and k = v = 0 at the skipped steps (NOTE [steps a select
+skips] in laplace_passes/fx/update_tops.py), checked against the loop run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import laplace_passes
+from tests import recognise_cases as cases
+from tests.test_recognise import assert_close, compiled, outputs_and_grads
+from tests import test_recognise_spellings as spellings
+
+B, T, H, K, V = cases.B, cases.T, cases.H, cases.K, cases.V
+
+
+def valid_tokens(seed: int = 3) -> torch.Tensor:
+    """[B, T] bool: random gaps, sequence 1 padded on the left and sequence 0 on the right."""
+    valid = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < 0.7
+    valid[1, :3] = False
+    valid[0, -4:] = False
+    return valid
+
+
+def per_sequence(valid):
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            update = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            S = torch.where(valid[:, t, None, None, None], update, S)
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
+def kept_where_padded(padded):
+    """The select the other way round (the state kept where `padded` is true), gates one per head."""
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            update = S * g[:, t, :, None, None].exp() + k[:, t, :, :, None] * v[:, t, :, None, :]
+            S = torch.where(padded[:, t, None, None, None], S, update)
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
+def per_key(valid_keys):
+    """A select per key channel: the token's term kept in some channels of the state and not others."""
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            update = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            S = torch.where(valid_keys[:, t, None, :, None], update, S)
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
+def the_site():
+    report = laplace_passes.last_report()
+    (row,) = report.recurrences
+    (site,) = report.sites
+    return row, site
+
+
+@pytest.mark.parametrize("spelling, gates", [(per_sequence, "key"), (kept_where_padded, "head")],
+                         ids=["where(valid, update, S)", "where(padded, S, update)"])
+def test_a_loop_whose_steps_a_select_skips_is_one_gla_site_with_the_loop_s_outputs_and_gradients(spelling, gates):
+    valid = valid_tokens()
+    fn = spelling(valid if spelling is per_sequence else ~valid)
+    args = [a.clone().requires_grad_() for a in cases.inputs(gates=gates)]
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    out, grads = outputs_and_grads(compiled(fn), args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    row, site = the_site()
+    assert row.status == "GLA site" and row.steps == T and "steps skipped by a select" in row.form, row
+    assert site.status == "retiled" and site.plan["n_chunks"] == 3
+    # The skipped tokens pass no gradient to their k, v and gates, as the select passes none (q still reads).
+    skipped = ~valid
+    for grad in grads[1:]:
+        assert grad[skipped].abs().max() == 0
+
+
+def test_the_select_is_recognised_whatever_mask_the_graph_is_traced_with():
+    """The mask is an input of the graph; the rewrite is checked on random masks, so another mask at the next
+    call gets the loop's numbers too."""
+    args = [a.clone().requires_grad_() for a in cases.inputs()]
+    valid = valid_tokens()
+    model = compiled(per_sequence(valid))
+    model(*args)
+    valid.copy_(valid_tokens(seed=11))  # the same tensor, other values: no retrace
+    expected_out, expected_grads = outputs_and_grads(per_sequence(valid), args)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    assert model.laplace_report.recurrences[0].status == "GLA site"
+
+
+def test_a_non_finite_value_at_a_skipped_token_stays_out_of_the_state():
+    """The select never reads a skipped token's update: v = inf there changes nothing in the loop, nor in its
+    GLA site (v is zeroed there, not multiplied by a zero k)."""
+    valid = valid_tokens()
+    q, k, v, g = cases.inputs()
+    v[~valid] = float("inf")
+    with torch.no_grad():
+        expected = per_sequence(valid)(q, k, v, g)
+        found = compiled(per_sequence(valid))(q, k, v, g)
+    assert all(torch.isfinite(e).all() for e in expected)
+    assert_close(found, expected)
+    assert the_site()[0].status == "GLA site"
+
+
+def test_a_mask_built_in_the_function_is_read_as_the_constant_it_is():
+    args = spellings.inputs()
+    with torch.no_grad():
+        expected = spellings.where_skip(*args)
+        found = compiled(spellings.where_skip)(*args)
+    assert_close(found, expected)
+    row, _ = the_site()
+    assert row.status == "GLA site" and "steps skipped by a select" in row.form
+
+
+def test_a_select_per_key_channel_is_declined_with_its_reason_and_unchanged_numbers():
+    valid_keys = torch.rand(B, T, K, generator=torch.Generator().manual_seed(5)) < 0.7
+    fn = per_key(valid_keys)
+    args = [a.clone().requires_grad_() for a in cases.inputs()]
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    out, grads = outputs_and_grads(compiled(fn), args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    report = laplace_passes.last_report()
+    (row,) = report.recurrences
+    assert row.status == "declined" and not report.sites
+    assert f"[{B}, 1, {K}, 1] chooses per key or value channel of the state" in row.reason, row.reason
