@@ -50,6 +50,20 @@ def kept_where_padded(padded):
     return loop
 
 
+def decayed_after_the_sum(valid):
+    """A select around an update whose decay comes after the sum (NOTE [a decay after the sum])."""
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            update = (S + k[:, t, :, :, None] * v[:, t, :, None, :]) * g[:, t].exp()[..., None]
+            S = torch.where(valid[:, t, None, None, None], update, S)
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
 def per_key(valid_keys):
     """A select per key channel: the token's term kept in some channels of the state and not others."""
     def loop(q, k, v, g):
@@ -71,11 +85,12 @@ def the_site():
     return row, site
 
 
-@pytest.mark.parametrize("spelling, gates", [(per_sequence, "key"), (kept_where_padded, "head")],
-                         ids=["where(valid, update, S)", "where(padded, S, update)"])
+@pytest.mark.parametrize("spelling, gates", [(per_sequence, "key"), (kept_where_padded, "head"),
+                                             (decayed_after_the_sum, "key")],
+                         ids=["where(valid, update, S)", "where(padded, S, update)", "where(valid, (S + kv) a, S)"])
 def test_a_loop_whose_steps_a_select_skips_is_one_gla_site_with_the_loop_s_outputs_and_gradients(spelling, gates):
     valid = valid_tokens()
-    fn = spelling(valid if spelling is per_sequence else ~valid)
+    fn = spelling(~valid if spelling is kept_where_padded else valid)
     args = [a.clone().requires_grad_() for a in cases.inputs(gates=gates)]
     expected_out, expected_grads = outputs_and_grads(fn, args)
     out, grads = outputs_and_grads(compiled(fn), args)

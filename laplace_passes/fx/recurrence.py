@@ -30,7 +30,7 @@ import torch.fx
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
 from laplace_passes.fx.in_place_writes import written_operands
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
-from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, value_numel
+from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, value_numel, within_an_update
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
@@ -109,7 +109,7 @@ def _state_like(node: Node, shape: tuple) -> bool:
     if not is_update_node(node):
         return False
     (user,) = node.users if node.users else (None,)
-    return not (user is not None and is_update_node(user) and same_shape(_shape(user), shape))
+    return not (user is not None and within_an_update(user) and same_shape(_shape(user), shape))
 
 
 def read_step(node: Node, memo: dict) -> Step | None:

@@ -25,8 +25,8 @@ NOTE [steps a select skips]
 `S_t = torch.where(c_t, a_t (.) S_{t-1} + k_t (x) v_t, S_{t-1})` (padding tokens, or documents of several
 lengths in one batch, that leave the state as it was) is GLA's step with, where c_t is false, the gate 0
 (decay 1), k_t = 0 and v_t = 0: exactly S_{t-1} again, and no gradient to that token's a, k or v, as the
-select gives none. So a select between an update and the state it updates is a step: the update is read
-as any other, and `Step.skip` keeps the condition, which the GLA call's inputs then apply
+select gives none. So a select between an update and the state it updates is a step: the update (a sum,
+or a product of one, NOTE [a decay after the sum]) is read as any other, and `Step.skip` keeps the condition, which the GLA call's inputs then apply
 (`laplace_passes.fx.gla_build`). The condition must be a bool tensor that chooses per sequence or per
 head, not per key or value channel (it would not be one GLA step then: the token's term would be kept in
 some channels of the state and not others); `torch.where(c, S, update)` keeps the state where c is true.
@@ -83,6 +83,14 @@ def is_update_node(node: Node) -> bool:
     return is_sum_node(node) or _decayed_sum(node) or skip_select(node) is not None
 
 
+def within_an_update(node: Node) -> bool:
+    """An update, or the part of one that a select then chooses (`(S + k v) * a` in `torch.where(c, (S + k v)
+    * a, S)`): a sum whose one user this is belongs to the same update."""
+    if is_update_node(node):
+        return True
+    return _product_of_a_sum(node) and len(node.users) == 1 and skip_select(next(iter(node.users))) is not None
+
+
 def skip_select(node: Node) -> SkipSelect | None:
     """`node` as a select between an update and the state it would update, or None."""
     if node.op != "call_function" or node.target not in _SELECTS or len(node.args) != 3 or node.kwargs:
@@ -93,7 +101,7 @@ def skip_select(node: Node) -> SkipSelect | None:
     shape = _shape(node)
     for update, kept, updates_when in ((first, second, True), (second, first, False)):
         if same_shape(_shape(update), shape) and same_shape(_shape(kept), shape) and len(update.users) == 1 \
-                and (is_sum_node(update) or _decayed_sum(update)):
+                and (is_sum_node(update) or _product_of_a_sum(update)):  # the select's one user is the state
             return SkipSelect(condition, update, kept, updates_when)
     return None
 
@@ -104,14 +112,17 @@ def _is_bool(node: Node) -> bool:
 
 
 def _decayed_sum(node: Node) -> bool:
+    return _product_of_a_sum(node) and len(node.users) > 1
+
+
+def _product_of_a_sum(node: Node) -> bool:
     is_product = node.target in _PRODUCTS if node.op == "call_function" else \
         node.op == "call_method" and node.target == "mul"
     if not is_product:
         return False
     shape = _shape(node)
-    summed = [a for a in node.args if isinstance(a, Node) and is_sum_node(a) and len(a.users) == 1
-              and same_shape(_shape(a), shape)]
-    return bool(summed) and len(node.users) > 1
+    return any(isinstance(a, Node) and is_sum_node(a) and len(a.users) == 1 and same_shape(_shape(a), shape)
+               for a in node.args)
 
 
 def value_numel(node: Node) -> int | None:
