@@ -229,6 +229,18 @@ def in_place_chain(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def add_statement(q, k, v, g):
+    """`S.add_(k v)` as a statement on the product just computed: later reads name the product (NOTE [reads
+    after an in-place statement])."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        S.add_(k[:, t, :, :, None] * v[:, t, :, None, :])
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
 def decay_after_sum(q, k, v, g):
     """S_t = (S_{t-1} + k v) a_t: the token's own term decayed too, GLA with the key scaled by the decay
     (NOTE [a decay after the sum])."""

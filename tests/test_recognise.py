@@ -40,6 +40,7 @@ RECOGNISED = {
     "in_place_chain": "per-key gates",
     "projected_in_the_loop": "per-key gates",
     "decay_after_sum": "per-key gates",
+    "add_statement": "per-key gates",
     "head_decay_after_sum": "per-head scalar gates",
 }
 

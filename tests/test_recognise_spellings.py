@@ -67,7 +67,19 @@ def einsum_ellipsis(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
-RECOGNISED = [addcmul, addcmul_method, baddbmm_merged_heads, einsum_ellipsis]
+def addcmul_in_place(q, k, v, g):
+    """`S.addcmul_(k, v)` as a statement on the product just computed (NOTE [reads after an in-place
+    statement])."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        S.addcmul_(k[:, t][..., None], v[:, t][..., None, :])
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+RECOGNISED = [addcmul, addcmul_method, baddbmm_merged_heads, einsum_ellipsis, addcmul_in_place]
 
 
 def outputs_and_grads(fn, args):
@@ -122,16 +134,6 @@ def baddbmm_round_trip(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
-def addcmul_in_place(q, k, v, g):
-    S = torch.zeros(B, H, K, V)
-    outs = []
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None]
-        S.addcmul_(k[:, t][..., None], v[:, t][..., None, :])
-        outs.append(_readout(q[:, t], S))
-    return torch.stack(outs, 1), S
-
-
 def lerp(q, k, v, g):
     S = torch.zeros(B, H, K, V)
     outs = []
@@ -153,11 +155,23 @@ def where_skip(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def read_before_the_statement(q, k, v, g):
+    """Read out between the decay and an in-place sum: q . (a S), not GLA's q . S_t (NOTE [reads after an
+    in-place statement]: the readout reads the product before the write)."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        outs.append(_readout(q[:, t], S))
+        S.add_(k[:, t][..., None] * v[:, t][..., None, :])
+    return torch.stack(outs, 1), S
+
+
 NOT_READ = {
     einsum_diagonal: "which the algebra does not read as a product: einsum with a repeated index (a diagonal)",
     baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
-    addcmul_in_place: "is written in place by addcmul_",
     lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",
+    read_before_the_statement: "its state S_1 is written in place by add_, which the algebra does not read",
 }
 
 

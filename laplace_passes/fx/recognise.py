@@ -31,6 +31,7 @@ from laplace_passes.fx.aggregates import Aggregate, find_aggregate
 from laplace_passes.fx.algebra import writes_a_temporary
 from laplace_passes.fx.chunk_loop import ChunkLoop, describe_chunks, plan_chunk_loop
 from laplace_passes.fx.gla_build import GlaBuilder
+from laplace_passes.fx.in_place_statements import read_through_in_place_statements
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
 from laplace_passes.fx.quadratic import QuadraticForm, describe_quadratic, find_quadratic_forms
 from laplace_passes.fx.recurrence import Chain, find_chains
@@ -58,9 +59,10 @@ class RecogniseGLA(GraphPass):
         self.validation_steps = validation_steps
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
-        records = []
+        records, moved = [], 0
         # The graph and the bodies it calls once (activation checkpointing): NOTE [run-once bodies].
         for where, graph_module in graph_and_run_once_bodies(gm):
+            moved += read_through_in_place_statements(graph_module.graph)  # NOTE [reads after an in-place ...]
             found_here = self._recognise_in(graph_module)
             for record in found_here:
                 record.node = where + record.node
@@ -68,7 +70,8 @@ class RecogniseGLA(GraphPass):
         found = sum(r.status == "GLA site" for r in records)
         declined = [f"{r.node}: {r.reason}" for r in records if r.status == "declined"]
         summary = f"{found} of {len(records)} loops carrying a state rewritten as GLA sites"
-        return PassResult(gm, modified=found > 0, summary=summary, declined=declined, recurrences=records)
+        return PassResult(gm, modified=found > 0 or moved > 0, summary=summary, declined=declined,
+                          recurrences=records)
 
     def _recognise_in(self, gm: torch.fx.GraphModule) -> list[RecurrenceRecord]:
         """A record for each loop carrying a state in `gm`'s own graph, each one rewritten or declined."""
