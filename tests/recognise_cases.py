@@ -241,6 +241,20 @@ def add_statement(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def mamba2_ssd(q, k, v, g):
+    """Mamba-2's recurrence: h = h exp(dt A) + (dt x) (x) B, y = h C, the state [B, H, P, N] with the
+    summed N last: x is v, B is k, C is q, one decay per head (NOTE [k and v's dimensions chosen by the
+    readout])."""
+    dt = F.softplus(g[..., 0])  # [B, T, H]
+    A = -torch.arange(1, H + 1, dtype=torch.float32)
+    h = torch.zeros(B, H, V, K)
+    ys = []
+    for t in range(T):
+        h = h * torch.exp(dt[:, t] * A)[..., None, None] + (dt[:, t, :, None] * v[:, t])[..., None] * k[:, t, :, None, :]
+        ys.append((h * q[:, t, :, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
+
+
 def decay_after_sum(q, k, v, g):
     """S_t = (S_{t-1} + k v) a_t: the token's own term decayed too, GLA with the key scaled by the decay
     (NOTE [a decay after the sum])."""

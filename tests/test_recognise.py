@@ -41,6 +41,7 @@ RECOGNISED = {
     "projected_in_the_loop": "per-key gates",
     "decay_after_sum": "per-key gates",
     "add_statement": "per-key gates",
+    "mamba2_ssd": "per-head scalar gates, state [2, 2, 6, 8] (key dim 3, value dim 2)",
     "head_decay_after_sum": "per-head scalar gates",
 }
 

@@ -9,7 +9,7 @@ with S_{t-1} a node of S_t's shape read whole, the decay reading only the
 state's batch dimensions and its key dimension, and the input one product of
 factors that read the key dimension (k) or the value dimension (v) but not
 both. A readout of S_t is a node of the form `c * q_t . S_t` summed over the
-key dimension. `find_chains` links steps through their previous states into
+key dimension (`laplace_passes.fx.readouts`). `find_chains` links steps through their previous states into
 chains (one per loop, however the loop was written) and finds their readouts;
 a step that carries a state but is not of this form is kept with the reason
 (`Chain.mismatch`), so the report can say why such a loop was left alone. A
@@ -29,6 +29,7 @@ import torch.fx
 
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
 from laplace_passes.fx.in_place_writes import written_operands
+from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
 from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, value_numel, within_an_update
 from laplace_passes.infra.fx_helpers import fake_tensor
@@ -37,7 +38,6 @@ from laplace_passes.infra.guards import same_shape
 Node = torch.fx.Node
 aten = torch.ops.aten
 
-MAX_READOUT_DEPTH = 4  # ops between a state and its readout's contraction: [..., None], *, .sum, a scale
 
 
 @dataclass
@@ -62,16 +62,6 @@ class Step:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(fake_tensor(self.node).shape)
-
-
-@dataclass
-class Readout:
-    node: Node  # o_t
-    state: Node  # S_t
-    expr: Expr
-    queries: tuple[Factor, ...]
-    coef: float
-    state_axes: tuple  # S_t's indices in `expr`, one per state dimension
 
 
 @dataclass
@@ -260,7 +250,7 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
     chains = [c for c in chains if len(c.steps) >= min_steps and (not c.mismatch or _over_positions(c, memo))]
     for chain in chains:
         if not chain.mismatch and chain.first.rows is None:  # a chunked chain's outputs: fx/chunk_loop.py
-            _attach_readouts(chain, memo)
+            attach_readouts(chain, memo)
     # A chain's state before its first step is the loop's too: its first update, when read apart (below).
     chained = {s.node for c in chains for s in c.steps} | {c.first.prev for c in chains if c.first.prev is not None}
     opaque = [_without_its_start(c, memo) for c in _link(_opaque_steps(graph, steps, chained), memo)]
@@ -391,7 +381,7 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
         for n in frontier:  # an op on the state's path (as many elements as the state): a gate's exp is a leaf
             if why_unread(memo, n) is not None and value_numel(n) == value_numel(node):
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
-        frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or _reaches(prev, i)]
+        frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or reaches(prev, i)]
     return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"
 
 
@@ -456,124 +446,3 @@ def _chain_reason(chain: Chain) -> str | None:
 
 def _branches(step: Step, next_of: dict) -> bool:
     return len(next_of.get(step.node, [])) > 1
-
-
-# -- readouts -------------------------------------------------------------------------------------------
-
-
-def _attach_readouts(chain: Chain, memo: dict) -> None:
-    chain_nodes = {s.node for s in chain.steps}
-    readouts = []
-    for index, step in enumerate(chain.steps):
-        following = chain.steps[index + 1].node if index + 1 < len(chain.steps) else None
-        found = _readouts_of(step, following, chain_nodes, memo)
-        if len(found) > 1:
-            chain.mismatch = f"the state {step.node.name} is read out {len(found)} times"
-            return
-        readouts.append(found[0] if found else None)
-    if readouts[-1] is not None and all(r is None for r in readouts[:-1]):
-        # Only the final state is read out (a classifier's last token): a loop that returns its final state,
-        # whose readout then reads the GLA call's final state like any other use of it.
-        readouts[-1] = None
-    if any(r is None for r in readouts) and any(r is not None for r in readouts):
-        missing = next(s.node.name for s, r in zip(chain.steps, readouts) if r is None)
-        chain.mismatch = f"some states are read out and others ({missing}) are not"
-        return
-    chain.readouts = [r for r in readouts if r is not None]
-    for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], readouts):
-        extra = _other_uses(step, following, readout)
-        if extra:
-            key_dim = step.key_axis % len(step.shape)
-            chain.mismatch = (f"the state {step.node.name} is also used by {extra.name}, outside the recurrence "
-                              f"(not a readout q . S summed over the key dimension, {key_dim}: the one its decay "
-                              "and k read)")
-            return
-
-
-def _readouts_of(step: Step, following: Node | None, chain_nodes: set, memo: dict) -> list[Readout]:
-    """The readouts of `step`'s state: the nodes nearest to it of the form c * q . S summed over the key."""
-    state = step.node
-    found, frontier, seen = [], [(u, 1) for u in state.users if u is not following], set()
-    while frontier:
-        node, depth = frontier.pop(0)
-        if node in seen or node.op == "output" or node in chain_nodes:
-            continue
-        seen.add(node)
-        readout = _as_readout(node, step, memo)
-        if readout == "continue" and depth < MAX_READOUT_DEPTH:
-            frontier += [(u, depth + 1) for u in node.users]
-        elif isinstance(readout, Readout):
-            found.append(_extended(readout, step, memo))
-    return found
-
-
-def _as_readout(node: Node, step: Step, memo: dict):
-    """A Readout, "continue" (S_t read whole so far: a product not yet summed), or None."""
-    state = step.node
-    try:
-        expr = read(node, lambda n: n is state, memo.setdefault(("readout", state, node), {}))
-    except NotAlgebraic:
-        return None
-    if len(expr.terms) != 1:
-        return None
-    (term,) = expr.terms
-    reads = [f for f in term.factors if f.node is state]
-    if len(reads) != 1:
-        return None
-    state_axes = reads[0].axes
-    key, value = state_axes[step.key_axis], state_axes[step.value_axis]
-    summed = expr.summed(term)
-    free = {a for a in expr.axes if a is not None}
-    batch = {a for i, a in enumerate(state_axes) if i not in (step.key_axis % len(state_axes),
-                                                               step.value_axis % len(state_axes)) and a is not None}
-    if key in free:
-        return "continue"
-    if key not in summed or value not in free or not batch <= free:
-        return None
-    queries = tuple(f for f in term.factors if f.node is not state)
-    if any(f.indices() - (batch | {key}) for f in queries):
-        return None
-    return Readout(node, state, expr, queries, term.coef, state_axes)
-
-
-def _extended(readout: Readout, step: Step, memo: dict) -> Readout:
-    """Through the readout's one user while that is still a readout of the state (a scale, a transpose)."""
-    while len(readout.node.users) == 1:
-        (user,) = readout.node.users
-        if user.op != "call_function" and user.op != "call_method":
-            break
-        longer = _as_readout(user, step, memo)
-        if not isinstance(longer, Readout):
-            break
-        readout = longer
-    return readout
-
-
-def _other_uses(step: Step, following: Step, readout: Readout | None) -> Node | None:
-    """A user of an intermediate state outside the next update's ops and the readout's own ops."""
-    allowed = _between(step.node, following.node)
-    if readout is not None:
-        allowed |= _between(step.node, readout.node)
-    return next((u for u in step.node.users if u not in allowed), None)
-
-
-def _between(start: Node, end: Node) -> set[Node]:
-    """Nodes on a path from `start` to `end` (inclusive of `end`)."""
-    found, stack = set(), [end]
-    while stack:
-        node = stack.pop()
-        if node in found or node is start:
-            continue
-        found.add(node)
-        stack.extend(n for n in node.all_input_nodes if _reaches(start, n))
-    return found
-
-
-def _reaches(start: Node, node: Node, limit: int = 12) -> bool:
-    frontier, depth = [node], 0
-    while frontier and depth <= limit:
-        if start in frontier:
-            return True
-        frontier = [i for n in frontier for i in n.all_input_nodes]
-        depth += 1
-    return False
