@@ -102,7 +102,6 @@ class TokenLoop:
             found.add(self.initial_state)
         return found
 
-
     def mask_sources(self) -> set[Node]:
         """The nodes the conditions of the selects that skip steps come from: masks, random ones stand for."""
         return {n for f in self.roles.get("skip", []) for n in _sources(f.nodes[0], self.patterns)}
@@ -168,7 +167,7 @@ def _skip_positions(chain: Chain, key_axis: int, value_axis: int) -> list | None
         positions = tuple(lead + d if size != 1 else None for d, size in enumerate(shape))
         if lead < 0 or {key_axis, value_axis} & set(positions):
             raise Declined(f"its select {select.condition.name} {list(shape)} chooses per key or value channel of "
-                           f"the state, not per sequence or head: not one GLA step")
+                           "the state, not per sequence or head: not one GLA step")
         per_step.append([(select.condition, positions)])
     return per_step
 
