@@ -79,7 +79,8 @@ def is_sum_node(node: Node) -> bool:
 
 
 def is_update_node(node: Node) -> bool:
-    """A sum, or a product of a sum that only it reads, read as a state is (NOTE [a decay after the sum])."""
+    """A sum, a product of a sum that only it reads, read as a state is (NOTE [a decay after the sum]), or a
+    select that skips an update (NOTE [steps a select skips])."""
     return is_sum_node(node) or _decayed_sum(node) or skip_select(node) is not None
 
 
@@ -101,7 +102,7 @@ def skip_select(node: Node) -> SkipSelect | None:
     shape = _shape(node)
     for update, kept, updates_when in ((first, second, True), (second, first, False)):
         if same_shape(_shape(update), shape) and same_shape(_shape(kept), shape) and len(update.users) == 1 \
-                and (is_sum_node(update) or _product_of_a_sum(update)):  # the select's one user is the state
+                and (is_sum_node(update) or _product_of_a_sum(update)):  # the update's one user: this select
             return SkipSelect(condition, update, kept, updates_when)
     return None
 
