@@ -167,11 +167,39 @@ def read_before_the_statement(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def last_state_halved_in_place(q, k, v, g):
+    """The last state halved in place before its readout: the readout reads what the write leaves, which no
+    update says."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        S.add_(k[:, t][..., None] * v[:, t][..., None, :])
+        if t == T - 1:
+            S.mul_(0.5)
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def last_sum_halved_in_place(q, k, v, g):
+    """The same write after the usual `S = S * a + k v`."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t][..., None] * v[:, t][..., None, :]
+        if t == T - 1:
+            S.mul_(0.5)
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
 NOT_READ = {
     einsum_diagonal: "which the algebra does not read as a product: einsum with a repeated index (a diagonal)",
     baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
     lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",
     read_before_the_statement: "its state S_1 is written in place by add_, which the algebra does not read",
+    last_state_halved_in_place: "after its update (what the loop reads out or returns is what that write leaves)",
+    last_sum_halved_in_place: "is written in place by mul_ after its update",
 }
 
 

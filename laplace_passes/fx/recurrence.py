@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
-from laplace_passes.fx.in_place_writes import written_operands
+from laplace_passes.fx.in_place_writes import storage_of, written_operands
 from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
 from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, value_numel, within_an_update
@@ -249,6 +249,8 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
     chains = _link(steps, memo)
     chains = [c for c in chains if len(c.steps) >= min_steps and (not c.mismatch or _over_positions(c, memo))]
     for chain in chains:
+        if not chain.mismatch:
+            chain.mismatch = _written_after_its_update(chain, graph)
         if not chain.mismatch and chain.first.rows is None:  # a chunked chain's outputs: fx/chunk_loop.py
             attach_readouts(chain, memo)
     # A chain's state before its first step is the loop's too: its first update, when read apart (below).
@@ -259,6 +261,24 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
         chain.unlinked = _unlinked_first_step(chain, memo)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(chains, key=lambda c: order[c.first.node])
+
+
+def _written_after_its_update(chain: Chain, graph: torch.fx.Graph) -> str:
+    """Why the chain is not the loop's when a later node writes one of its states in place (`S.mul_(0.5)`
+    after the last update, or through a view of S): its readouts and the state it returns hold what that
+    write leaves, which the updates' algebra does not say. Writes that build the state (`S = S * a; S +=
+    k v`: the sum writes the product's memory) come before or at its update, not after."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    states = {storage_of(s.node): s.node for s in chain.steps if storage_of(s.node) is not None}
+    for node in graph.nodes:
+        if order[node] <= order[chain.first.node]:
+            continue
+        for written in written_operands(node):
+            state = states.get(storage_of(written)) if isinstance(written, Node) else None
+            if state is not None and order[node] > order[state]:
+                return (f"its state {state.name} is written in place by {node.name} after its update (what the "
+                        "loop reads out or returns is what that write leaves)")
+    return ""
 
 
 def _without_its_start(chain: Chain, memo: dict) -> Chain:
