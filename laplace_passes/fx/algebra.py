@@ -50,8 +50,7 @@ from laplace_passes.fx.algebra_terms import (
     Expr, Factor, Index, NotAlgebraic, Term, add, einsum, expand, leaf, matmul, multiply, permute, renamed_fresh,
     reshape, scale, squeeze, sum_over, unsqueeze,
 )
-from laplace_passes.fx.in_place_writes import storage_of
-from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.fx.in_place_writes import owns_its_memory
 
 # The form's types are this module's too: the passes read nodes here and take the types from here.
 __all__ = ["UNREAD", "Expr", "Factor", "Index", "NotAlgebraic", "Term", "read", "why_unread", "writes_a_temporary"]
@@ -157,11 +156,7 @@ def writes_a_temporary(node: Node) -> bool:
         return False
     if written.target in _IN_PLACE:  # `S = S.clone(); S *= a; S += k v`: its memory is the temporary it wrote
         return writes_a_temporary(written)
-    value, storage = fake_tensor(written), storage_of(written)
-    if value is None or storage is None or value._is_view():  # a view (of an unbind's tuple too) writes its base
-        return False
-    others = (storage_of(i) for i in written.all_input_nodes)
-    return all(other is None or not other == storage for other in others)
+    return owns_its_memory(written)  # a view (of an unbind's tuple too) writes its base
 
 
 def _unknown(name: str) -> str:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from laplace_passes.fx.in_place_writes import storage_of
-from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.fx.in_place_writes import owns_its_memory
+from laplace_passes.fx.update_tops import IN_PLACE_SUM_METHODS
 
 Node = torch.fx.Node
 
@@ -35,7 +35,7 @@ def read_through_in_place_statements(graph: torch.fx.Graph) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved = 0
     for node in list(graph.nodes):
-        if node.op != "call_method" or node.target not in _IN_PLACE_SUMS or not _temporary(node.args[0]):
+        if node.op != "call_method" or node.target not in IN_PLACE_SUM_METHODS or not _temporary(node.args[0]):
             continue
         written = node.args[0]
         later = [u for u in written.users if order[u] > order[node]]
@@ -47,20 +47,6 @@ def read_through_in_place_statements(graph: torch.fx.Graph) -> int:
     return moved
 
 
-# The in-place sums a state update is written with (`laplace_passes.fx.update_tops`).
-_IN_PLACE_SUMS = frozenset({"add_", "sub_", "addcmul_", "baddbmm_", "addmm_", "addbmm_", "addr_"})
-
-
-def _in_place_method(node: Node) -> bool:
-    name = node.target if node.op == "call_method" else ""
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__") and not name.startswith("_")
-
-
 def _temporary(node) -> bool:
-    """A tensor an out-of-place op of its own computed: not a view, not sharing memory with its inputs."""
-    if not isinstance(node, Node) or node.op not in ("call_function", "call_method") or _in_place_method(node):
-        return False
-    value, storage = fake_tensor(node), storage_of(node)
-    if value is None or storage is None or value._is_view():
-        return False
-    return all(storage_of(i) is None or not storage_of(i) == storage for i in node.all_input_nodes)
+    """A tensor an op computed into memory of its own (an earlier in-place write's value is its input's)."""
+    return isinstance(node, Node) and node.op in ("call_function", "call_method") and owns_its_memory(node)

@@ -80,6 +80,16 @@ def storage_of(value) -> StorageWeakRef | None:
         return None
 
 
+def owns_its_memory(node: torch.fx.Node) -> bool:
+    """Whether `node`'s value lives in memory of its own: not a view, not the storage of any of its inputs
+    (an in-place op's value is its input's memory)."""
+    value, storage = fake_tensor(node), storage_of(node)
+    if value is None or storage is None or value._is_view():  # a view (of an unbind's tuple too) is its base's
+        return False
+    others = (storage_of(i) for i in node.all_input_nodes)
+    return all(other is None or not other == storage for other in others)
+
+
 def _in_place_name(name) -> bool:
     """`add_`, `relu_`, `_foreach_mul_`: PyTorch's spelling of an in-place op (a dunder is not one)."""
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")

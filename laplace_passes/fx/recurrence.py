@@ -31,7 +31,7 @@ from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic,
 from laplace_passes.fx.in_place_writes import storage_of, written_operands
 from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
-from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, value_numel, within_an_update
+from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, within_an_update
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
@@ -269,7 +269,7 @@ def _written_after_its_update(chain: Chain, graph: torch.fx.Graph) -> str:
     write leaves, which the updates' algebra does not say. Writes that build the state (`S = S * a; S +=
     k v`: the sum writes the product's memory) come before or at its update, not after."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    states = {storage_of(s.node): s.node for s in chain.steps if storage_of(s.node) is not None}
+    states = {storage: s.node for s in chain.steps if (storage := storage_of(s.node)) is not None}
     for node in graph.nodes:
         if order[node] <= order[chain.first.node]:
             continue
@@ -399,10 +399,15 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
     frontier = [node]
     for _ in range(MAX_UPDATE_DEPTH):
         for n in frontier:  # an op on the state's path (as many elements as the state): a gate's exp is a leaf
-            if why_unread(memo, n) is not None and value_numel(n) == value_numel(node):
+            if why_unread(memo, n) is not None and _numel(n) == _numel(node):
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
         frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or reaches(prev, i)]
     return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"
+
+
+def _numel(node: Node) -> int | None:
+    value = fake_tensor(node)
+    return value.numel() if value is not None else None
 
 
 def first_step(node: Node, memo: dict) -> Step | None:

@@ -57,6 +57,7 @@ _ADDS = frozenset({operator.add, operator.sub, torch.add, torch.sub, aten.add.Te
 # In-place sums too: the algebra reads them where they write to a temporary (NOTE [in-place writes to temporaries]).
 _ADD_METHODS = frozenset({"add", "sub", "addcmul", "baddbmm", "addmm", "addbmm", "addr",
                           "add_", "sub_", "addcmul_", "__iadd__", "__isub__"})
+IN_PLACE_SUM_METHODS = frozenset(m for m in _ADD_METHODS if m.endswith("_") and not m.endswith("__"))
 _PRODUCTS = frozenset({operator.mul, torch.mul, aten.mul.Tensor})
 _SELECTS = frozenset({torch.where, aten.where.self})
 
@@ -124,11 +125,6 @@ def _product_of_a_sum(node: Node) -> bool:
     shape = _shape(node)
     return any(isinstance(a, Node) and is_sum_node(a) and len(a.users) == 1 and same_shape(_shape(a), shape)
                for a in node.args)
-
-
-def value_numel(node: Node) -> int | None:
-    value = fake_tensor(node)
-    return value.numel() if value is not None else None
 
 
 def _shape(node: Node) -> tuple | None:
