@@ -156,3 +156,30 @@ def test_a_select_per_key_channel_is_declined_with_its_reason_and_unchanged_numb
     (row,) = report.recurrences
     assert row.status == "declined" and not report.sites
     assert f"[{B}, 1, {K}, 1] chooses per key or value channel of the state" in row.reason, row.reason
+
+
+def squashed(valid):
+    """A select around an update the algebra does not read (a tanh of the GLA update)."""
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            update = torch.tanh(S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :])
+            S = torch.where(valid[:, t, None, None, None], update, S)
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
+def test_a_select_around_an_update_the_algebra_does_not_read_is_declined_naming_the_op_inside():
+    """The reason names what the select chooses between (the tanh), not the select, which is read."""
+    fn = squashed(valid_tokens())
+    args = cases.inputs()
+    with torch.no_grad():
+        expected = fn(*args)
+        found = compiled(fn)(*args)
+    assert_close(found, expected, rtol=0, atol=0)
+    (row,) = laplace_passes.last_report().recurrences
+    assert row.status == "declined", row
+    assert "(update: tanh, an op the algebra does not read)" in row.reason, row.reason

@@ -31,7 +31,7 @@ from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic,
 from laplace_passes.fx.in_place_writes import storage_of, written_operands
 from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
-from laplace_passes.fx.update_tops import SkipSelect, is_update_node, skip_select, within_an_update
+from laplace_passes.fx.update_tops import SkipSelect, is_update_node, selects_against, skip_select, within_an_update
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
@@ -391,15 +391,24 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
         if any(w is node for w in written_operands(user)):
             return f"its state {node.name} is written in place by {user.name}, which the algebra does not read"
     memo: dict = {}
-    # A first update reads the state the loop starts from (`torch.zeros`), which is no reason to refuse it.
+
+    def stop(n: Node) -> bool:  # a first update reads the state the loop starts from (`torch.zeros`): no reason
+        return n is prev or (prev is None and is_fill(n))
+
     try:
-        read(node, lambda n: n is prev or (prev is None and is_fill(n)), memo)
+        read(node, stop, memo)
     except NotAlgebraic as error:
         return f"its update {node.name} is not read as a sum of products: {error}"
     frontier = [node]
     for _ in range(MAX_UPDATE_DEPTH):
         for n in frontier:  # an op on the state's path (as many elements as the state): a gate's exp is a leaf
-            if why_unread(memo, n) is not None and _numel(n) == _numel(node):
+            if selects_against(n, prev):  # a select that may skip the step: the reason is in its update, if any
+                for branch in n.args[1:]:
+                    try:
+                        read(branch, stop, memo)
+                    except NotAlgebraic:  # its own reason, if it computes anything, is found below
+                        pass
+            elif why_unread(memo, n) is not None and _numel(n) == _numel(node):
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
         frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or reaches(prev, i)]
     return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"

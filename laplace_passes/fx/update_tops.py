@@ -108,6 +108,11 @@ def skip_select(node: Node) -> SkipSelect | None:
     return None
 
 
+def selects_against(node: Node, state: Node | None) -> bool:
+    """`node` is a select with `state` as one of its branches: a step that may be skipped, whatever its update."""
+    return node.op == "call_function" and node.target in _SELECTS and state is not None and state in node.args[1:]
+
+
 def _is_bool(node: Node) -> bool:
     value = fake_tensor(node)
     return value is not None and value.dtype == torch.bool
