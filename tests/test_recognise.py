@@ -321,11 +321,15 @@ QUADRATIC = {
     "quadratic_linear": "no gate",
     "quadratic_key_gates": "per-key gates summed cumulatively",
     "quadratic_log_mask": "per-head gates summed cumulatively",
+    "quadratic_tril_before_exp": "per-head gates summed cumulatively",
+    "quadratic_constant_decay": "a fixed decay per head raised to i - j",
 }
 QUADRATIC_NEAR_MISSES = {
     "quadratic_unmasked": "no causal mask",
     "quadratic_upper_mask": "keeps the upper triangle",
     "quadratic_log_upper_mask": "on random inputs its GLA form differs",
+    "quadratic_constant_not_powers": "a constant that is not one decay per head raised to the power i - j",
+    "quadratic_tril_before_exp_only": "no causal mask",
 }
 
 

@@ -19,6 +19,22 @@ factors must be masks; the rewrite is checked on random inputs like a token
 loop's (`laplace_passes.fx.validate`), so a mask that is not causal, or a D
 that is not a decay matrix, leaves the graph unchanged. After: one
 `laplace::gla` call, so no T x T tensor is computed or kept for backward.
+A mask written before the exp as well as after it, `(G_i - G_j).tril().exp().tril()`
+(fla's `naive_parallel_simple_gla`), reads as the same cumulative sum: the inner
+tril only makes the entries above the diagonal exp(0) = 1, which the outer one
+then zeroes, so it counts as no mask of its own.
+
+NOTE [a constant decay matrix]
+A D computed from no input at all is read off its values rather than its ops:
+fla's `naive_retention` builds RetNet's from ranges, exp2((i - j) log2(gamma))
+times (i >= j), with no gamma ** (i - j) node to read. Its values (float64,
+the product of D's factors) must be 0 above the diagonal and 1 on it, and
+then gamma = D[.., 1, 0] per head must give every entry as gamma ** (i - j)
+to a relative 1e-4 (D was rounded in its own dtype, an error that grows with
+i - j). All ones below the diagonal is the causal mask alone (linear
+attention, no decay). The gammas become one new constant node, the decay of
+every step; if the rewrite is then declined, that node is erased again. A
+constant D of any other kind is declined with what it is not.
 """
 
 from __future__ import annotations
@@ -34,11 +50,15 @@ import torch.fx
 from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.token_loop import TIME, RoleFactors
-from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.fx_helpers import fake_tensor, new_node
 from laplace_passes.infra.pass_base import Declined
 
 Node = torch.fx.Node
 aten = torch.ops.aten
+# How far a constant decay matrix may be from gamma ** (i - j): it was computed in its dtype (exp2 of a product
+# whose rounding grows with i - j, as RetNet's is), and random inputs check the rewrite's outputs anyway.
+_CONSTANT_DECAY_RTOL = 1e-4
+_CREATED_HERE = "laplace_quadratic_created"  # meta of a node reading a form added to the graph
 
 _CONTRACTIONS = frozenset({torch.matmul, operator.matmul, torch.bmm, torch.einsum, torch.functional.einsum,
                            torch.sum, aten.bmm.default, aten.mm.default, aten.sum.dim_IntList})
@@ -68,6 +88,7 @@ class QuadraticForm:
     offset: int = 0
     initial_state: Node | None = None
     form: str = ""
+    created: list[Node] = field(default_factory=list)  # nodes reading it added (a constant decay): gone if declined
 
     @property
     def like(self) -> Node:
@@ -193,9 +214,11 @@ def _with_gates(node: Node, expr: Expr, coef: float, j: Index, key: Index, roles
     if not roles["D"]:
         raise Declined("no causal mask: every query reads every key, so it is attention over the whole "
                        "sequence, not a recurrence")
-    gate = _gate(roles["D"], i, j, {**where, i: TIME})
+    with node.graph.inserting_before(node):  # where a constant decay's node goes (`_constant_decay`)
+        gate = _gate(roles["D"], i, j, {**where, i: TIME})
     if gate is not None:
         plan.gate_kind, plan.roles["decay"] = gate
+        plan.created = [n for f in gate[1] for n in f.nodes if n.meta.get(_CREATED_HERE)]
     return plan
 
 
@@ -219,10 +242,49 @@ def _gate(decays: list[Factor], i: Index, j: Index, where: dict):
                                    "reads later keys too")
                 kind, node, node_axes = found
                 return kind, [RoleFactors([node], _positions(node_axes, where))]
-    if all(constant_value(f.node) is not None for f in decays):
-        return None  # a constant mask: no decay (linear attention)
+    constants = [constant_value(f.node) for f in decays]
+    if all(c is not None for c in constants):
+        return _constant_decay(decays, constants, i, j, where)
     raise Declined("its decay matrix D is not built from a cumulative sum (exp(G_i - G_j)), a ratio of "
                    "cumulative products, or powers of a decay per head")
+
+
+def _constant_decay(decays: list[Factor], values: list[torch.Tensor], i: Index, j: Index, where: dict):
+    """A D computed from no input (RetNet's, built from ranges): a causal mask, None (no decay: linear attention),
+    or gamma ** (i - j) tril with one gamma per head, read off D's values (NOTE [a constant decay matrix])."""
+    D, axes = _product_over_axes(decays, values)
+    if i not in axes or j not in axes:
+        raise Declined("its decay matrix is a constant that does not read both the query and the key position")
+    others = [a for a in axes if a not in (i, j)]
+    D = D.permute(*(axes.index(a) for a in others), axes.index(i), axes.index(j)).double()
+    T = D.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if T < 2 or D.masked_select(~causal).any() or not torch.all(D.diagonal(dim1=-2, dim2=-1) == 1):
+        raise Declined("its decay matrix is a constant that is not a causal mask of ones on the diagonal")
+    gamma = D[..., 1, 0]
+    if torch.all(gamma == 1) and torch.all(D.masked_select(causal) == 1):
+        return None  # a causal mask of ones: no decay (linear attention)
+    distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(min=0).double()
+    expected = gamma[..., None, None] ** distance * causal
+    if not (gamma > 0).all() or not torch.allclose(D, expected, rtol=_CONSTANT_DECAY_RTOL, atol=0.0):
+        raise Declined("its decay matrix is a constant that is not one decay per head raised to the power i - j")
+    node = new_node(decays[0].node.graph, torch.tensor, (gamma.tolist(),), {"dtype": values[0].dtype})
+    node.meta[_CREATED_HERE] = True
+    return "decay", [RoleFactors([node], _positions(tuple(others), where))]
+
+
+def _product_over_axes(decays: list[Factor], values: list[torch.Tensor]) -> tuple[torch.Tensor, list[Index]]:
+    """The factors' product, one dimension per axis any of them reads (size-1 broadcast dimensions dropped)."""
+    axes: list[Index] = []
+    for factor in decays:
+        axes += [a for a in factor.axes if a is not None and a not in axes]
+    letters = {a: chr(ord("a") + n) for n, a in enumerate(axes)}
+    operands, specs = [], []
+    for factor, value in zip(decays, values):
+        kept = [d for d, a in enumerate(factor.axes) if a is not None]
+        operands.append(value.reshape([value.shape[d] for d in kept]).double())
+        specs.append("".join(letters[factor.axes[d]] for d in kept))
+    return torch.einsum(",".join(specs) + "->" + "".join(letters[a] for a in axes), *operands), axes
 
 
 def _unmasked(node: Node) -> Node:
@@ -285,13 +347,21 @@ def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
     """exp(G_i - G_j) with G = cumsum(g, over the tokens): the gates are g."""
     if _name(node) != "exp" or not isinstance(node.args[0], Node):
         return None
-    found = _two_sided(_log_unmasked(node.args[0]), _cumsum_source, -1.0, i, j, axes)
+    found = _two_sided(_log_unmasked(_through_zero_tril(node.args[0])), _cumsum_source, -1.0, i, j, axes)
     if found is None:
         return None
     cumsum, mapped = found
     gates = _cumsum_source(cumsum)
     # A slice of a cumsum (G[:, :, i] of a chunked G) reads as a leaf of its own: not the cumsum itself.
     return None if gates is None else ("log", gates, mapped)
+
+
+def _through_zero_tril(node: Node) -> Node:
+    """exp((G_i - G_j).tril()).tril(), as fla's parallel simple GLA writes it: the differences above the diagonal
+    are 0 before the exp (exp(0) = 1 there, so this tril is no mask: `_gate` still needs one after the exp)."""
+    if _name(node) == "tril" and isinstance(node.args[0], Node) and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    return node
 
 
 def _cumsum_source(node: Node) -> Node | None:
@@ -357,5 +427,7 @@ def describe_quadratic(form: QuadraticForm) -> str:
     if form.gate_kind == "decay" and not any(TIME in f.positions for f in form.roles.get("decay", [])):
         kind = "a fixed decay per head raised to i - j"
     per = "per-key" if any(form.key_axis in f.positions for f in form.roles.get("decay", [])) else "per-head"
+    if kind.startswith("a fixed decay per head"):
+        per = ""
     return (f"quadratic form (q k^T (.) D) v, {form.T} tokens, {per if form.gate_kind != 'none' else ''} "
             f"{kind}, state {list(form.state_shape)}").replace("  ", " ")

@@ -133,12 +133,14 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
         _replace_whole(gm, form)
     except Declined as declined:
         record.reason = f"a quadratic form over {form.T} tokens, but {declined.reason}"
+        _erase_unused(gm.graph, set(form.created))
         return record
     except Exception as error:  # noqa: BLE001 (a pass never breaks a user's compile: it declines)
         if strict_mode():
             raise
         record.reason = (f"a quadratic form over {form.T} tokens, left alone after an internal error while "
                          f"rewriting it: {type(error).__name__}: {error}")
+        _erase_unused(gm.graph, set(form.created))
         return record
     record.status = "GLA site"
     return record
