@@ -471,21 +471,21 @@ def quadratic_retnet(q, k, v, g):
 
 
 def quadratic_tril_before_exp(q, k, v, g):
-    """fla's naive_parallel_simple_gla spelling: the differences masked with 0 before the exp (exp(0) = 1 above
-    the diagonal), then masked again after it."""
+    """fla's naive_parallel_simple_gla spelling, the diagonal named: the differences masked with 0 before the exp
+    (exp(0) = 1 above the diagonal), then masked again after it."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     G = g.transpose(1, 2).cumsum(-1)
-    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()
+    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril(diagonal=0).exp().tril()
     return ((q @ k.transpose(-1, -2) * K ** -0.5) * D) @ v
 
 
 def quadratic_constant_decay(q, k, v, g):
-    """RetNet's D as fla's naive_retention builds it, from ranges only: exp2((i - j) log2(gamma)) masked by i >= j,
-    so D is a constant of the graph (no gamma ** (i - j) op to read: its values say it)."""
+    """RetNet's D built as fla's naive_retention does, from ranges only, the bool mask first: (i >= j) times
+    exp2((i - j) log2(gamma)), so D is a constant of the graph (no gamma ** (i - j) op to read: its values say it)."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     s = (1 - q.new_tensor(2.0).pow(-5.0 - q.new_tensor(range(H)))).log2()
     n = q.new_tensor(range(T))
-    D = torch.exp2((n.unsqueeze(-1) - n) * s.view(-1, 1, 1)) * n.unsqueeze(-1).ge(n)
+    D = n.unsqueeze(-1).ge(n) * torch.exp2((n.unsqueeze(-1) - n) * s.view(-1, 1, 1))
     return torch.einsum("bhqk,bhkd->bhqd", torch.einsum("bhqd,bhkd,hqk->bhqk", q, k, D), v)
 
 

@@ -493,3 +493,26 @@ def test_a_counter_as_long_as_a_long_loop_is_read_without_recursion():
     graph.output(counter)
     assert int(constant_value(counter)) == 3000
     assert not pattern(counter, {}).varies
+
+
+@pytest.mark.parametrize("gammas, per", [((0.5, 0.9), "head"), ((0.5, 0.7, 0.8, 0.9), "key")])
+def test_a_constant_decay_matrix_is_read_where_its_entries_underflow_and_per_key(gammas, per):
+    """NOTE [a constant decay matrix]: gamma = 0.5 over 160 tokens leaves entries of D that are subnormal or 0 in
+    float32, which are still gamma ** (i - j); a constant D per key channel is read per key."""
+    T, K, V = 160, len(gammas) if per == "key" else 4, 3
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, T, K, generator=gen).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 2, T, V, generator=gen).requires_grad_()
+
+    def retention(q, k, v):
+        n = torch.arange(T, dtype=torch.float32)
+        distance = (n[:, None] - n[None, :]).clamp(min=0)
+        if per == "head":  # [H, T, T]
+            D = torch.exp2(distance * torch.tensor(gammas).log2()[:, None, None]) * (n[:, None] >= n)
+            return ((q @ k.transpose(-1, -2)) * D) @ v
+        D = torch.exp2(distance[..., None] * torch.tensor(gammas).log2()) * (n[:, None] >= n)[..., None]  # [T, T, K]
+        return torch.einsum("bhik,bhjk,ijk,bhjv->bhiv", q, k, D, v)
+
+    compiled_equal_to(retention, retention, [q, k, v])
+    (row,) = laplace_passes.last_report().recurrences
+    assert row.status == "GLA site" and f"a fixed decay per {per} raised to i - j" in row.form, row

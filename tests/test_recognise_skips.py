@@ -183,3 +183,29 @@ def test_a_select_around_an_update_the_algebra_does_not_read_is_declined_naming_
     (row,) = laplace_passes.last_report().recurrences
     assert row.status == "declined", row
     assert "(update: tanh, an op the algebra does not read)" in row.reason, row.reason
+
+
+def read_out_before_the_select(valid):
+    """The update read out before the select keeps or skips it: the select is what the algebra does not read."""
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            update = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * update).sum(-2))
+            S = torch.where(valid[:, t, None, None, None], update, S)
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
+def test_a_select_the_algebra_does_not_read_is_named_when_its_update_is_read():
+    fn = read_out_before_the_select(valid_tokens())
+    args = cases.inputs()
+    with torch.no_grad():
+        expected = fn(*args)
+        found = compiled(fn)(*args)
+    assert_close(found, expected, rtol=0, atol=0)
+    (row,) = laplace_passes.last_report().recurrences
+    assert row.status == "declined", row
+    assert "(S_1: where, an op the algebra does not read)" in row.reason, row.reason

@@ -29,11 +29,15 @@ A D computed from no input at all is read off its values rather than its ops:
 fla's `naive_retention` builds RetNet's from ranges, exp2((i - j) log2(gamma))
 times (i >= j), with no gamma ** (i - j) node to read. Its values (float64,
 the product of D's factors) must be 0 above the diagonal and 1 on it, and
-then gamma = D[.., 1, 0] per head must give every entry as gamma ** (i - j)
-to a relative 1e-4 (D was rounded in its own dtype, an error that grows with
-i - j). All ones below the diagonal is the causal mask alone (linear
-attention, no decay). The gammas become one new constant node, the decay of
-every step; if the rewrite is then declined, that node is erased again. A
+then gamma = D[.., 1, 0] per head (or per key) must give every entry as
+gamma ** (i - j) to a relative 1e-4 (D was rounded in its own dtype, an
+error that grows with i - j; entries that underflowed there, 0 or
+subnormal, to the dtype's smallest normal number). Meta tensors have no
+values: such a D is taken for a mask, as any other constant was before,
+and the random-input check decides. All ones below the diagonal is the causal mask alone (linear
+attention, no decay). The gammas become one new constant node in the form's
+dtype and on its device, the decay of every step; if the rewrite is then
+declined, that node is erased again. A
 constant D of any other kind is declined with what it is not.
 """
 
@@ -52,6 +56,7 @@ from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.token_loop import TIME, RoleFactors
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
 from laplace_passes.infra.pass_base import Declined
+from laplace_passes.infra.strict import strict_mode
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -151,6 +156,11 @@ def find_quadratic_forms(graph: torch.fx.Graph) -> list[QuadraticForm | tuple[No
         except Declined as declined:
             found.append((node, declined.reason))
             continue
+        except Exception as error:  # noqa: BLE001 (a pass never breaks a user's compile: it declines)
+            if strict_mode():
+                raise
+            found.append((node, f"an internal error while reading it: {type(error).__name__}: {error}"))
+            continue
         if plan is not None:
             found.append(plan)
     return found
@@ -215,7 +225,7 @@ def _with_gates(node: Node, expr: Expr, coef: float, j: Index, key: Index, roles
         raise Declined("no causal mask: every query reads every key, so it is attention over the whole "
                        "sequence, not a recurrence")
     with node.graph.inserting_before(node):  # where a constant decay's node goes (`_constant_decay`)
-        gate = _gate(roles["D"], i, j, {**where, i: TIME})
+        gate = _gate(roles["D"], i, j, {**where, i: TIME}, node)
     if gate is not None:
         plan.gate_kind, plan.roles["decay"] = gate
         plan.created = [n for f in gate[1] for n in f.nodes if n.meta.get(_CREATED_HERE)]
@@ -228,8 +238,9 @@ def _positions(axes: tuple, where: dict) -> tuple:
     return tuple(where.get(a) if a is not None else None for a in axes)
 
 
-def _gate(decays: list[Factor], i: Index, j: Index, where: dict):
-    """(kind, [RoleFactors]) of the gates D is built from; None for a D that is a mask only (no decay)."""
+def _gate(decays: list[Factor], i: Index, j: Index, where: dict, like: Node):
+    """(kind, [RoleFactors]) of the gates D is built from; None for a D that is a mask only (no decay). `like`:
+    the form's node."""
     masked = any(_unmasked(f.node) is not f.node or _masked_in_log_space(f.node) or constant_value(f.node) is not None
                  for f in decays)
     for factor in decays:
@@ -244,15 +255,18 @@ def _gate(decays: list[Factor], i: Index, j: Index, where: dict):
                 return kind, [RoleFactors([node], _positions(node_axes, where))]
     constants = [constant_value(f.node) for f in decays]
     if all(c is not None for c in constants):
-        return _constant_decay(decays, constants, i, j, where)
+        return _constant_decay(decays, constants, i, j, where, like)
     raise Declined("its decay matrix D is not built from a cumulative sum (exp(G_i - G_j)), a ratio of "
                    "cumulative products, or powers of a decay per head")
 
 
-def _constant_decay(decays: list[Factor], values: list[torch.Tensor], i: Index, j: Index, where: dict):
-    """A D computed from no input (RetNet's, built from ranges): a causal mask, None (no decay: linear attention),
-    or gamma ** (i - j) tril with one gamma per head, read off D's values (NOTE [a constant decay matrix])."""
-    D, axes = _product_over_axes(decays, values)
+def _constant_decay(decays: list[Factor], values: list[torch.Tensor], i: Index, j: Index, where: dict, like: Node):
+    """A D computed from no input (RetNet's, built from ranges): None for a causal mask of ones (no decay: linear
+    attention), or gamma ** (i - j) tril with one gamma per head (or key), read off D's values (NOTE [a constant
+    decay matrix]); the gammas' node has the dtype and device of `like`, the form's node."""
+    if any(v.device.type == "meta" for v in values):
+        return None  # no values to read: taken for a mask, which the random-input check then tries
+    D, axes = _product_over_axes(decays, [v.cpu() for v in values])
     if i not in axes or j not in axes:
         raise Declined("its decay matrix is a constant that does not read both the query and the key position")
     others = [a for a in axes if a not in (i, j)]
@@ -266,9 +280,12 @@ def _constant_decay(decays: list[Factor], values: list[torch.Tensor], i: Index, 
         return None  # a causal mask of ones: no decay (linear attention)
     distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(min=0).double()
     expected = gamma[..., None, None] ** distance * causal
-    if not (gamma > 0).all() or not torch.allclose(D, expected, rtol=_CONSTANT_DECAY_RTOL, atol=0.0):
+    form = fake_tensor(like)
+    # Entries that underflowed in D's dtype (a strong decay over many tokens) are 0 or subnormal: below `tiny`.
+    if not (gamma > 0).all() or not torch.allclose(D, expected, rtol=_CONSTANT_DECAY_RTOL,
+                                                   atol=torch.finfo(form.dtype).tiny):
         raise Declined("its decay matrix is a constant that is not one decay per head raised to the power i - j")
-    node = new_node(decays[0].node.graph, torch.tensor, (gamma.tolist(),), {"dtype": values[0].dtype})
+    node = new_node(like.graph, torch.tensor, (gamma.tolist(),), {"dtype": form.dtype, "device": form.device})
     node.meta[_CREATED_HERE] = True
     return "decay", [RoleFactors([node], _positions(tuple(others), where))]
 
@@ -358,9 +375,12 @@ def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
 
 def _through_zero_tril(node: Node) -> Node:
     """exp((G_i - G_j).tril()).tril(), as fla's parallel simple GLA writes it: the differences above the diagonal
-    are 0 before the exp (exp(0) = 1 there, so this tril is no mask: `_gate` still needs one after the exp)."""
-    if _name(node) == "tril" and isinstance(node.args[0], Node) and len(node.args) == 1 and not node.kwargs:
-        return node.args[0]
+    are 0 before the exp (exp(0) = 1 there, so this tril is no mask: `_gate` still needs one after the exp).
+    Any diagonal >= -1 zeroes only differences that are 0 (G_i - G_i) or that the mask after the exp drops."""
+    if _name(node) == "tril" and node.args and isinstance(node.args[0], Node):
+        diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+        if isinstance(diagonal, int) and diagonal >= -1:
+            return node.args[0]
     return node
 
 
@@ -424,10 +444,9 @@ def _power_gate(node: Node, axes: tuple, i: Index, j: Index):
 def describe_quadratic(form: QuadraticForm) -> str:
     gates = {"log": "gates summed cumulatively", "decay": "decays multiplied cumulatively", "none": "no gate"}
     kind = gates[form.gate_kind]
+    per_key = any(form.key_axis in f.positions for f in form.roles.get("decay", []))
+    per = "per-key" if per_key else "per-head"
     if form.gate_kind == "decay" and not any(TIME in f.positions for f in form.roles.get("decay", [])):
-        kind = "a fixed decay per head raised to i - j"
-    per = "per-key" if any(form.key_axis in f.positions for f in form.roles.get("decay", [])) else "per-head"
-    if kind.startswith("a fixed decay per head"):
-        per = ""
+        kind, per = f"a fixed decay per {'key' if per_key else 'head'} raised to i - j", ""
     return (f"quadratic form (q k^T (.) D) v, {form.T} tokens, {per if form.gate_kind != 'none' else ''} "
             f"{kind}, state {list(form.state_shape)}").replace("  ", " ")

@@ -399,18 +399,23 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
         read(node, stop, memo)
     except NotAlgebraic as error:
         return f"its update {node.name} is not read as a sum of products: {error}"
-    frontier = [node]
+    frontier, select = [node], None
     for _ in range(MAX_UPDATE_DEPTH):
         for n in frontier:  # an op on the state's path (as many elements as the state): a gate's exp is a leaf
-            if selects_against(n, prev):  # a select that may skip the step: the reason is in its update, if any
-                for branch in n.args[1:]:
-                    try:
-                        read(branch, stop, memo)
-                    except NotAlgebraic:  # its own reason, if it computes anything, is found below
-                        pass
-            elif why_unread(memo, n) is not None and _numel(n) == _numel(node):
+            if why_unread(memo, n) is None or _numel(n) != _numel(node):
+                continue
+            if not selects_against(n, prev):
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
+            # A select that may skip the step: an op inside its branches is the reason, if there is one.
+            select = select or n
+            for branch in n.args[1:]:
+                try:
+                    read(branch, stop, memo)
+                except NotAlgebraic:  # its own reason, if it computes anything, is found below
+                    pass
         frontier = [i for n in frontier for i in n.all_input_nodes if prev is None or reaches(prev, i)]
+    if select is not None:  # the branches read, the select itself not (its update is read out too, say)
+        return f"its update is not a sum of products the algebra reads ({select.name}: {why_unread(memo, select)})"
     return f"its update {node.name} is not of GLA's form S_t = a_t (.) S_{{t-1}} + k_t (x) v_t"
 
 
