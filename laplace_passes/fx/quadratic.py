@@ -32,13 +32,13 @@ the product of D's factors) must be 0 above the diagonal and 1 on it, and
 then gamma = D[.., 1, 0] per head (or per key) must give every entry as
 gamma ** (i - j) to a relative 1e-4 (D was rounded in its own dtype, an
 error that grows with i - j; entries that underflowed there, 0 or
-subnormal, to the dtype's smallest normal number). Meta tensors have no
-values: such a D is taken for a mask, as any other constant was before,
-and the random-input check decides. All ones below the diagonal is the causal mask alone (linear
-attention, no decay). The gammas become one new constant node in the form's
-dtype and on its device, the decay of every step; if the rewrite is then
-declined, that node is erased again. A
-constant D of any other kind is declined with what it is not.
+subnormal, to the dtype's smallest normal number). All ones below the
+diagonal is the causal mask alone (linear attention, no decay). The gammas
+become one new constant node in the form's dtype and on its device, the
+decay of every step; if the rewrite is then declined, that node is erased
+again. A constant D of any other kind is declined with what it is not.
+Meta tensors have no values: such a D is taken for a mask, as any constant
+was before, and the random-input check decides.
 """
 
 from __future__ import annotations

@@ -408,7 +408,7 @@ def _why_opaque(node: Node, prev: Node | None) -> str:
                 return f"its update is not a sum of products the algebra reads ({n.name}: {why_unread(memo, n)})"
             # A select that may skip the step: an op inside its branches is the reason, if there is one.
             select = select or n
-            for branch in n.args[1:]:
+            for branch in (a for a in n.args[1:] if isinstance(a, Node)):  # where(c, S, 0.0): a number
                 try:
                     read(branch, stop, memo)
                 except NotAlgebraic:  # its own reason, if it computes anything, is found below
