@@ -1,6 +1,8 @@
 """Token loops whose steps a select skips, `S = torch.where(c_t, S * a + k v, S)` (padding, documents of several
 lengths in one batch): one GLA site with the gate 0 and k = v = 0 at the skipped steps (NOTE [steps a select
-skips] in laplace_passes/fx/update_tops.py), checked against the loop run eagerly."""
+skips] in laplace_passes/fx/update_tops.py), checked against the loop run eagerly. And loops whose state a select
+resets, `S = torch.where(r_t, 0, S) * a + k v` (documents packed into one sequence): the gate -inf there (NOTE
+[states a select resets])."""
 
 from __future__ import annotations
 
@@ -200,3 +202,79 @@ def test_a_declined_select_names_the_op_the_algebra_does_not_read(spelling, name
     (row,) = laplace_passes.last_report().recurrences
     assert row.status == "declined", row
     assert f"({named}, an op the algebra does not read)" in row.reason, row.reason
+
+
+
+def reset_where_starting(starts):
+    """The state reset where a document starts: `torch.where(starts_t, 0, S)` read by the update."""
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            S = torch.where(starts[:, t, None, None, None], 0.0, S) * g[:, t].exp()[..., None] \
+                + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
+def kept_where_continuing(continues):
+    """The other way round, `torch.where(continues_t, S, torch.zeros_like(S))`, the decay per head and first."""
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            kept = torch.where(continues[:, t, None, None, None], S, torch.zeros_like(S))
+            S = g[:, t, :, None, None].exp() * kept + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+        return torch.stack(outs, 1), S
+
+    return loop
+
+
+def document_starts(seed: int = 4) -> torch.Tensor:
+    starts = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < 0.2
+    starts[:, 0] = True
+    return starts
+
+
+@pytest.mark.parametrize("spelling, gates", [(reset_where_starting, "key"), (kept_where_continuing, "head")],
+                         ids=["where(starts, 0, S) * a + kv", "a * where(continues, S, zeros_like(S)) + kv"])
+def test_a_loop_whose_state_a_select_resets_is_one_gla_site_with_the_loop_s_outputs_and_gradients(spelling, gates):
+    starts = document_starts()
+    fn = spelling(~starts if spelling is kept_where_continuing else starts)
+    args = [a.clone().requires_grad_() for a in cases.inputs(gates=gates)]
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    out, grads = outputs_and_grads(compiled(fn), args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    row, site = the_site()
+    assert row.status == "GLA site" and "states reset by a select" in row.form, row
+    assert site.status == "retiled"
+    # A token after a reset reads nothing from before it: its output is its own k v read by q.
+    q, k, v, _ = (a.detach() for a in args)
+    b, t = 0, int(starts[0, 1:].nonzero()[0]) + 1
+    own = torch.einsum("hk,hk,hv->hv", q[b, t], k[b, t], v[b, t])
+    torch.testing.assert_close(out[0][b, t], own, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reset_per_key_channel_is_declined_with_its_reason():
+    starts = torch.rand(B, T, K, generator=torch.Generator().manual_seed(6)) < 0.2
+
+    def loop(q, k, v, g):
+        S = torch.zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            S = torch.where(starts[:, t, None, :, None], 0.0, S) * g[:, t].exp()[..., None] \
+                + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1), S
+
+    args = cases.inputs()
+    with torch.no_grad():
+        expected = loop(*args)
+        found = compiled(loop)(*args)
+    assert_close(found, expected, rtol=0, atol=0)
+    (row,) = laplace_passes.last_report().recurrences
+    assert row.status == "declined" and "chooses per key or value channel" in row.reason, row.reason

@@ -168,6 +168,9 @@ class GlaBuilder:
         k = self.full(self.role("k", K), K)
         v = self.full(self.role("v", V), V, loop.coefs["input"])
         gk = self.gates()
+        resets = self.reset_states()
+        if resets is not None:  # NOTE [states a select resets]: the gate -inf (a decay of 0) where a state resets
+            gk = (self.call(torch.where, resets, -math.inf, gk[0]), gk[1])
         updates = self.updated_steps()
         if updates is not None:  # NOTE [steps a select skips]: gate 0, k = v = 0 where a step is skipped
             k, v, gk = ((self.call(torch.where, updates, node, 0.0), width) for node, width in (k, v, gk))
@@ -183,6 +186,13 @@ class GlaBuilder:
         """[T, *batch, 1], True where a step updates the state, for a loop whose steps a select skips."""
         condition = self.role("skip", self.loop.key_axis)
         if condition is None or self.loop.updates_when:
+            return condition
+        return self.call(torch.logical_not, condition)
+
+    def reset_states(self) -> Node | None:
+        """[T, *batch, 1], True where a step resets the state it reads, for a loop whose states a select resets."""
+        condition = self.role("reset", self.loop.key_axis)
+        if condition is None or self.loop.resets_when:
             return condition
         return self.call(torch.logical_not, condition)
 

@@ -31,7 +31,9 @@ from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic,
 from laplace_passes.fx.in_place_writes import storage_of, written_operands
 from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
-from laplace_passes.fx.update_tops import SkipSelect, is_update_node, selects_against, skip_select, within_an_update
+from laplace_passes.fx.update_tops import (
+    ResetSelect, SkipSelect, is_update_node, reset_select, selects_against, skip_select, within_an_update,
+)
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 
@@ -58,6 +60,12 @@ class Step:
     mismatch: str = ""
     unread: dict = field(default_factory=dict)  # node -> why the algebra read it as a leaf (`why_unread`)
     skip: SkipSelect | None = None  # the select that skips the update at some steps (NOTE [steps a select skips])
+    reset: ResetSelect | None = None  # the select that resets the state it reads (NOTE [states a select resets])
+
+    @property
+    def state_read(self) -> Node | None:
+        """The node the update reads as its previous state: `prev`, or the select that resets it."""
+        return self.reset.select if self.reset is not None else self.prev
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -123,7 +131,9 @@ def read_step(node: Node, memo: dict) -> Step | None:
     if not carried:
         return None
     prev_nodes = {f.node for _, f in carried}
-    step = Step(node, carried[0][1].node, expr, unread=memo[("step", node)].get(UNREAD, {}), skip=select)
+    reset = reset_select(carried[0][1].node) if len(prev_nodes) == 1 else None
+    prev = reset.state if reset is not None else carried[0][1].node  # NOTE [states a select resets]
+    step = Step(node, prev, expr, unread=memo[("step", node)].get(UNREAD, {}), skip=select, reset=reset)
     if select is not None and select.kept is not step.prev:
         step.mismatch = (f"its select {node.name} keeps {select.kept.name} where it skips the update, not the "
                          f"state the update decays ({step.prev.name})")
@@ -132,6 +142,8 @@ def read_step(node: Node, memo: dict) -> Step | None:
         step.mismatch = f"its update reads {len(prev_nodes)} earlier states ({', '.join(n.name for n in prev_nodes)})"
         return step
     _classify(step)
+    if step.reset is not None and step.rows is not None and not step.mismatch:
+        step.mismatch = f"its chunked update reads a state that the select {step.reset.select.name} resets"
     return step
 
 
@@ -142,7 +154,7 @@ def _shape(node: Node) -> tuple | None:
 
 def _classify(step: Step) -> None:
     """Fill in decay, keys and values, or `mismatch` with the reason."""
-    expr, prev = step.expr, step.prev
+    expr, prev = step.expr, step.state_read
     decays = [t for t in expr.terms if any(f.node is prev and f.axes == expr.axes for f in t.factors)]
     inputs = [t for t in expr.terms if t not in decays]
     if len(decays) > 1:

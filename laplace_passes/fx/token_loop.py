@@ -21,6 +21,7 @@ from laplace_passes.fx.algebra import Factor
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, gate_bound
 from laplace_passes.fx.per_step import pattern, positions_in_several_numbers, shared_by_steps, step_index
 from laplace_passes.fx.recurrence import Chain
+from laplace_passes.fx.update_tops import SkipSelect
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.pass_base import Declined
 
@@ -54,6 +55,7 @@ class TokenLoop:
     coefs: dict[str, float] = field(default_factory=dict)  # "scale", "input", "decay"
     readout_positions: tuple | None = None  # per dimension of a readout: a state dimension or None
     updates_when: bool = True  # a "skip" role's condition updates the state where it is True (else where False)
+    resets_when: bool = True  # a "reset" role's condition resets the state where it is True (else where False)
     initial_state: Node | None = None
     # How the steps were read (`per_step.pattern`'s memo), with what matching them chose: NOTE [values every
     # step reads], NOTE [an index of several numbers]. The sources are read the same way.
@@ -103,8 +105,10 @@ class TokenLoop:
         return found
 
     def mask_sources(self) -> set[Node]:
-        """The nodes the conditions of the selects that skip steps come from: masks, random ones stand for."""
-        return {n for f in self.roles.get("skip", []) for n in _sources(f.nodes[0], self.patterns)}
+        """The nodes the conditions of the selects that skip steps or reset states come from: masks, random
+        ones stand for."""
+        return {n for role in ("skip", "reset") for f in self.roles.get(role, [])
+                for n in _sources(f.nodes[0], self.patterns)}
 
 
 def _sources(node: Node, memo: dict) -> set[Node]:
@@ -132,10 +136,14 @@ def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
         "decay": [_positions(s.expr.axes, s.decay) for s in chain.steps],
         "q": [_positions(r.state_axes, r.queries) for r in chain.readouts],
     }
-    skip = _skip_positions(chain, key_axis, value_axis)
+    skip = _select_positions([s.skip for s in chain.steps], "skipped", first.shape, key_axis, value_axis)
     if skip:
         positions["skip"] = skip
         loop.updates_when = chain.first.skip.updates_when
+    reset = _select_positions([s.reset for s in chain.steps], "reset", first.shape, key_axis, value_axis)
+    if reset:
+        positions["reset"] = reset
+        loop.resets_when = chain.first.reset.resets_when
     offsets = set()
     for role in positions:
         per_step = positions[role]
@@ -151,15 +159,16 @@ def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
     return loop
 
 
-def _skip_positions(chain: Chain, key_axis: int, value_axis: int) -> list | None:
-    """Per step, the condition of the select that skips it and the state dimensions it reads (NOTE [steps
-    a select skips] in `laplace_passes.fx.update_tops`); None when no step has one."""
-    selects = [s.skip for s in chain.steps]
+def _select_positions(selects: list, what: str, state: tuple, key_axis: int, value_axis: int) -> list | None:
+    """Per step, the condition of the select that skips it (or resets its state) and the state dimensions it
+    reads (NOTE [steps a select skips], NOTE [states a select resets] in `laplace_passes.fx.update_tops`);
+    None when no step has one."""
     if all(s is None for s in selects):
         return None
-    if any(s is None for s in selects) or len({s.updates_when for s in selects}) > 1:
-        raise Declined("some of its steps are skipped by a select and others are not, or by its opposite")
-    state = chain.first.shape
+    # Which way round each select is: a skip's `updates_when`, a reset's `resets_when`.
+    senses = {s.updates_when if isinstance(s, SkipSelect) else s.resets_when for s in selects if s is not None}
+    if any(s is None for s in selects) or len(senses) > 1:
+        raise Declined(f"some of its steps are {what} by a select and others are not, or by its opposite")
     per_step = []
     for select in selects:
         shape = tuple(fake_tensor(select.condition).shape)
@@ -319,5 +328,6 @@ def describe(loop: TokenLoop, origin: str) -> str:
         gates = "per-head scalar gates"
     state = list(loop.state_shape)
     skips = ", steps skipped by a select" if "skip" in loop.roles else ""
+    skips += ", states reset by a select" if "reset" in loop.roles else ""
     return (f"{origin}, {loop.T} steps, {gates}{skips}, state {state} (key dim {loop.key_axis}, "
             f"value dim {loop.value_axis})")

@@ -3,7 +3,8 @@
 A step of a recurrence is found by its last op, the one that produces the next state: a sum (`S * a + k v`,
 `torch.add`, the fused multiply-adds), or a product of such a sum (`(S + k v) * a`, NOTE [a decay after the
 sum]), or a select that skips the update (`torch.where(c, S * a + k v, S)`, NOTE [steps a select skips]).
-The canonical algebra (`laplace_passes.fx.algebra`) then reads the whole update from there.
+The canonical algebra (`laplace_passes.fx.algebra`) then reads the whole update from there. A select may
+also reset the state the update reads (`torch.where(r, 0, S) * a + k v`, NOTE [states a select resets]).
 
 NOTE [a decay after the sum]
 `S_t = (S_{t-1} + k_t (x) v_t) * a_t` decays the token's own term too. Multiplied out it is
@@ -32,6 +33,17 @@ head, not per key or value channel (it would not be one GLA step then: the token
 some channels of the state and not others); `torch.where(c, S, update)` keeps the state where c is true.
 v is zeroed too, not only k, so that a non-finite v at a skipped token stays out of the state, as the
 select keeps it out.
+
+NOTE [states a select resets]
+`S_t = a_t (.) torch.where(r_t, 0, S_{t-1}) + k_t (x) v_t` (documents packed into one sequence: the state
+starts again at each document's first token) is GLA's step with the gate -inf where r_t is true: a decay of
+exactly 0, which every GLA form takes as a reset, with no gradient to the earlier state or that token's gate,
+as the select passes none (NOTE [resets in a trained decay] in `laplace_passes.fx.gla_build`). The update
+reads the select where it would read the state; the select's other branch is 0 (a number or a zero fill) and
+its first branch the state itself, so the step's previous state is that branch (`Step.reset`), and the
+select's condition, bool and per sequence or head as a skip's, sets the gates. `torch.where(keep, S, 0)`
+resets where `keep` is false. One difference remains for non-finite values: a state that holds inf or NaN
+before a reset is multiplied by the decay 0 in GLA's forms (NaN after the reset), where the select drops it.
 """
 
 from __future__ import annotations
@@ -71,6 +83,47 @@ class SkipSelect:
     update: Node
     kept: Node
     updates_when: bool = True
+
+
+@dataclass(frozen=True)
+class ResetSelect:
+    """`torch.where(condition, 0, state)` (or the two swapped, `resets_when` False): NOTE [states a select
+    resets]."""
+
+    select: Node
+    condition: Node
+    state: Node
+    resets_when: bool = True
+
+
+def reset_select(node: Node) -> ResetSelect | None:
+    """`node` as a select between a state and 0 that only one update reads, or None."""
+    if node.op != "call_function" or node.target not in _SELECTS or len(node.args) != 3 or node.kwargs:
+        return None
+    condition, first, second = node.args
+    if not isinstance(condition, Node) or not _is_bool(condition) or len(node.users) != 1:
+        return None
+    readings = [(zero, state, resets_when) for zero, state, resets_when in ((first, second, True), (second, first, False))
+                if _is_zero(zero) and isinstance(state, Node) and same_shape(_shape(state), _shape(node))]
+    # Both branches zero (at a loop's zero first state): the 0 is the one made from the other, `zeros_like(S)`.
+    readings.sort(key=lambda r: not (isinstance(r[0], Node) and r[1] in r[0].all_input_nodes))
+    return ResetSelect(node, condition, readings[0][1], readings[0][2]) if readings else None
+
+
+def _is_zero(value) -> bool:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    return isinstance(value, Node) and _name_of(value) in _ZERO_FILLS
+
+
+_ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
+
+
+def _name_of(node: Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet or node.target, "__name__", "") if node.op == "call_function" else ""
 
 
 def is_sum_node(node: Node) -> bool:
