@@ -51,6 +51,7 @@ NEAR_MISSES = {
     "reads_previous_output": "a step that depends on the previous output",
     "vector_state": "its update adds a term that is not an outer product of the step's inputs",
     "backwards": "a loop that runs backwards",
+    "state_through_tanh": "its update reads its previous state through tanh (tanh, an op the algebra does not read)",
     "decay_after_sum_final_only": "step 1's decay is not computed like step 0's",
     "value_decay_after_sum": "mul_2, outside the recurrence (not a readout q . S summed over the key "
                              "dimension, 3: the one its decay and k read)",

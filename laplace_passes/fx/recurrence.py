@@ -131,9 +131,13 @@ def read_step(node: Node, memo: dict) -> Step | None:
     if not carried:
         return None
     prev_nodes = {f.node for _, f in carried}
-    reset = reset_select(carried[0][1].node) if len(prev_nodes) == 1 else None
-    prev = reset.state if reset is not None else carried[0][1].node  # NOTE [states a select resets]
-    step = Step(node, prev, expr, unread=memo[("step", node)].get(UNREAD, {}), skip=select, reset=reset)
+    unread = memo[("step", node)].get(UNREAD, {})
+    prev, reset, through = _state_read_through(carried[0][1].node, unread, shape) if len(prev_nodes) == 1 else \
+        (carried[0][1].node, None, None)
+    step = Step(node, prev, expr, unread=unread, skip=select, reset=reset)
+    if through is not None:
+        step.mismatch = f"its update reads its previous state through {through.name} ({unread[through]})"
+        return step
     if select is not None and select.kept is not step.prev:
         step.mismatch = (f"its select {node.name} keeps {select.kept.name} where it skips the update, not the "
                          f"state the update decays ({step.prev.name})")
@@ -145,6 +149,20 @@ def read_step(node: Node, memo: dict) -> Step | None:
     if step.reset is not None and step.rows is not None and not step.mismatch:
         step.mismatch = f"its chunked update reads a state that the select {step.reset.select.name} resets"
     return step
+
+
+def _state_read_through(carried: Node, unread: dict, shape: tuple) -> tuple[Node, ResetSelect | None, Node | None]:
+    """(S_{t-1}, the select that resets it, the op the update reads it through) for the node an update reads
+    whole as its state: a select that resets the state (NOTE [states a select resets]); an op the algebra does
+    not read applied to the state (`torch.tanh(S) * a + k v`), so that the loop is still followed step by step
+    and declined with that reason, where no row at all said it was there; else the node itself."""
+    reset = reset_select(carried)
+    if reset is not None:
+        return reset.state, reset, None
+    inputs = [i for i in carried.all_input_nodes if same_shape(_shape(i), shape)]
+    if carried in unread and len(inputs) == 1:
+        return inputs[0], None, carried
+    return carried, None, None
 
 
 def _shape(node: Node) -> tuple | None:
