@@ -517,3 +517,22 @@ def test_a_constant_decay_matrix_is_read_where_its_entries_underflow_and_per_key
     compiled_equal_to(retention, retention, [q, k, v])
     (row,) = laplace_passes.last_report().recurrences
     assert row.status == "GLA site" and f"a fixed decay per {per} raised to i - j" in row.form, row
+
+
+def clamped_once(q, k, v, g):
+    """The state clamped at step 10 only: two loops, each one GLA site (a row for the op belongs to loops that
+    read their state through it at every step, `state_through_tanh`)."""
+    B, T, H, K = q.shape
+    S = torch.zeros(B, H, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        if t == 10:
+            S = S.clamp(-5, 5)
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def test_an_op_on_the_state_at_one_step_cuts_the_loop_there():
+    model = compiled_equal_to(clamped_once, clamped_once, case_inputs("elementwise"))
+    assert [r.status for r in model.laplace_report.recurrences] == ["GLA site", "GLA site"]

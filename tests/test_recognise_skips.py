@@ -278,3 +278,49 @@ def test_a_reset_per_key_channel_is_declined_with_its_reason():
     assert_close(found, expected, rtol=0, atol=0)
     (row,) = laplace_passes.last_report().recurrences
     assert row.status == "declined" and "chooses per key or value channel" in row.reason, row.reason
+
+
+def reset_once(q, k, v, g):
+    """One reset select, at step 10 only: the loop is two loops, each from the state it starts from."""
+    starts = document_starts()
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        if t == 10:
+            S = torch.where(starts[:, t, None, None, None], 0.0, S)
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def filled_zero(q, k, v, g):
+    """A zero fill written in place before the select reads it: no reset (it holds 0.5), so not one."""
+    starts = document_starts()
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        z = torch.zeros_like(S)
+        z.fill_(0.5)
+        S = torch.where(starts[:, t, None, None, None], z, S) * g[:, t].exp()[..., None] \
+            + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def test_a_reset_at_some_steps_only_cuts_the_loop_there():
+    args = [a.clone().requires_grad_() for a in cases.inputs()]
+    expected_out, expected_grads = outputs_and_grads(reset_once, args)
+    out, grads = outputs_and_grads(compiled(reset_once), args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    rows = laplace_passes.last_report().recurrences
+    assert [(r.status, r.steps) for r in rows] == [("GLA site", 10), ("GLA site", 10)], rows
+
+
+def test_a_zero_fill_written_in_place_is_no_reset():
+    args = [a.clone().requires_grad_() for a in cases.inputs()]
+    expected_out, expected_grads = outputs_and_grads(filled_zero, args)
+    out, grads = outputs_and_grads(compiled(filled_zero), args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    assert all(r.status == "declined" for r in laplace_passes.last_report().recurrences)

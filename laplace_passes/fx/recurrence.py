@@ -21,6 +21,7 @@ states instead, nodes of one shape read out and carried to the next step
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class Step:
     unread: dict = field(default_factory=dict)  # node -> why the algebra read it as a leaf (`why_unread`)
     skip: SkipSelect | None = None  # the select that skips the update at some steps (NOTE [steps a select skips])
     reset: ResetSelect | None = None  # the select that resets the state it reads (NOTE [states a select resets])
+    through: Node | None = None  # S_{t-1} when `prev` is an op of it the algebra does not read (`tanh(S)`)
 
     @property
     def state_read(self) -> Node | None:
@@ -134,10 +136,7 @@ def read_step(node: Node, memo: dict) -> Step | None:
     unread = memo[("step", node)].get(UNREAD, {})
     prev, reset, through = _state_read_through(carried[0][1].node, unread, shape) if len(prev_nodes) == 1 else \
         (carried[0][1].node, None, None)
-    step = Step(node, prev, expr, unread=unread, skip=select, reset=reset)
-    if through is not None:
-        step.mismatch = f"its update reads its previous state through {through.name} ({unread[through]})"
-        return step
+    step = Step(node, prev, expr, unread=unread, skip=select, reset=reset, through=through)
     if select is not None and select.kept is not step.prev:
         step.mismatch = (f"its select {node.name} keeps {select.kept.name} where it skips the update, not the "
                          f"state the update decays ({step.prev.name})")
@@ -152,17 +151,15 @@ def read_step(node: Node, memo: dict) -> Step | None:
 
 
 def _state_read_through(carried: Node, unread: dict, shape: tuple) -> tuple[Node, ResetSelect | None, Node | None]:
-    """(S_{t-1}, the select that resets it, the op the update reads it through) for the node an update reads
-    whole as its state: a select that resets the state (NOTE [states a select resets]); an op the algebra does
-    not read applied to the state (`torch.tanh(S) * a + k v`), so that the loop is still followed step by step
-    and declined with that reason, where no row at all said it was there; else the node itself."""
+    """(the step's previous state, the select that resets it, S_{t-1} read through an op) for the node an
+    update reads whole as its state: the state a select resets (NOTE [states a select resets]); for an op the
+    algebra does not read applied to one node of the state's shape (`torch.tanh(S) * a + k v`), that op, and
+    the node it reads (`_through_chains`); else the node itself."""
     reset = reset_select(carried)
     if reset is not None:
         return reset.state, reset, None
     inputs = [i for i in carried.all_input_nodes if same_shape(_shape(i), shape)]
-    if carried in unread and len(inputs) == 1:
-        return inputs[0], None, carried
-    return carried, None, None
+    return carried, None, inputs[0] if carried in unread and len(inputs) == 1 else None
 
 
 def _shape(node: Node) -> tuple | None:
@@ -276,7 +273,8 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
         step = read_step(node, memo)
         if step is not None:
             steps[node] = step
-    chains = _link(steps, memo)
+    chains = _split_at_some_resets(_link(steps, memo), memo)
+    chains += _through_chains(steps, chains, min_steps, memo)
     chains = [c for c in chains if len(c.steps) >= min_steps and (not c.mismatch or _over_positions(c, memo))]
     for chain in chains:
         if not chain.mismatch:
@@ -291,6 +289,36 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
         chain.unlinked = _unlinked_first_step(chain, memo)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(chains, key=lambda c: order[c.first.node])
+
+
+def _split_at_some_resets(chains: list[Chain], memo: dict) -> list[Chain]:
+    """A chain whose state a select resets at some steps only (a cached state reset once before the loop, a
+    reset at one step) read as before resets were: each such select a state the loop starts from, the chain
+    cut there (NOTE [states a select resets] needs one at every step)."""
+    out = []
+    for chain in chains:
+        if all(s.reset is None for s in chain.steps) or all(s.reset is not None for s in chain.steps):
+            out.append(chain)
+            continue
+        for step in chain.steps:
+            if step.reset is not None:
+                step.prev, step.reset = step.reset.select, None
+        out += _link({s.node: s for s in chain.steps}, memo)
+    return out
+
+
+def _through_chains(steps: dict[Node, Step], chains: list[Chain], min_steps: int, memo: dict) -> list[Chain]:
+    """Loops whose every update reads the state through an op the algebra does not read (`torch.tanh(S) * a + k
+    v`, `S.detach()`): linked step to step through that op, so that the loop gets a row that says so. Only
+    such steps are linked with each other: one op of a state elsewhere (a readout `tanh(S) + b`, a detach every
+    10 steps) leaves the chains it touches as they were."""
+    chained = {s.node for c in chains if len(c.steps) >= min_steps for s in c.steps}
+    through = {}
+    for node, step in steps.items():
+        if step.through is not None and node not in chained:
+            reason = f"its update reads its previous state through {step.prev.name} ({step.unread[step.prev]})"
+            through[node] = dataclasses.replace(step, prev=step.through, mismatch=reason)
+    return [c for c in _link(through, memo) if len(c.steps) >= min_steps]
 
 
 def _written_after_its_update(chain: Chain, graph: torch.fx.Graph) -> str:

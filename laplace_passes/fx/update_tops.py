@@ -42,7 +42,10 @@ as the select passes none (NOTE [resets in a trained decay] in `laplace_passes.f
 reads the select where it would read the state; the select's other branch is 0 (a number or a zero fill) and
 its first branch the state itself, so the step's previous state is that branch (`Step.reset`), and the
 select's condition, bool and per sequence or head as a skip's, sets the gates. `torch.where(keep, S, 0)`
-resets where `keep` is false. One difference remains for non-finite values: a state that holds inf or NaN
+resets where `keep` is false. The zero is a number or a zero fill that only selects read (one written in
+place holds what that wrote). A select at some steps only (a cached state reset once before the loop, a reset
+at one step) is read as before: a state the loop starts from, the chain cut there
+(`recurrence._split_at_some_resets`). One difference remains for non-finite values: a state that holds inf or NaN
 before a reset is multiplied by the decay 0 in GLA's forms (NaN after the reset), where the select drops it.
 """
 
@@ -111,9 +114,12 @@ def reset_select(node: Node) -> ResetSelect | None:
 
 
 def _is_zero(value) -> bool:
+    """0, or a zero fill that only selects read: a fill written in place (`z.fill_(0.5)`) holds what that
+    wrote, which the graph between the two would not show."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value == 0
-    return isinstance(value, Node) and _name_of(value) in _ZERO_FILLS
+    return isinstance(value, Node) and _name_of(value) in _ZERO_FILLS and \
+        all(u.op == "call_function" and u.target in _SELECTS for u in value.users)
 
 
 _ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
