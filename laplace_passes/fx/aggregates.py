@@ -20,6 +20,7 @@ import torch.fx
 
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.op_facts import base_op_name
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -73,7 +74,7 @@ def _pieces(readouts: list[Node], consumer) -> list[Node] | None:
     pieces = []
     for readout in readouts:
         user = _sole_user(readout)
-        if user is not None and _name(user) == "unsqueeze" and not consumer(user):
+        if user is not None and base_op_name(user) == "unsqueeze" and not consumer(user):
             readout, user = user, _sole_user(user)
         if user is None or not consumer(user):
             return None
@@ -93,13 +94,6 @@ def _concatenated(readouts: list[Node], rank: int) -> Aggregate | None:
     if dim is None or any(fake_tensor(p).shape[dim] != 1 for p in pieces):
         return None
     return Aggregate(cat, dim, replaced=[p for p in pieces if p not in readouts])
-
-
-def _name(node: Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet or node.target, "__name__", "")
 
 
 def _set_items(readouts: list[Node], rank: int) -> Aggregate | None:
@@ -134,14 +128,14 @@ def _written_dim(write: Node, step: int, rank: int) -> int | None:
 def _fresh(buffer: Node, steps: int, dim: int) -> bool:
     """A buffer made for the loop (zeros, empty), exactly `steps` long along `dim`."""
     value = fake_tensor(buffer)
-    made = buffer.op in ("call_function", "call_method") and _name(buffer) in (
+    made = buffer.op in ("call_function", "call_method") and base_op_name(buffer) in (
         "zeros", "empty", "new_zeros", "new_empty", "zeros_like", "empty_like")
     return made and value is not None and value.shape[dim] == steps
 
 
 def _index_copies(readouts: list[Node], rank: int) -> Aggregate | None:
     """out_{t+1} = out_t.index_copy(d, [t], o_t.unsqueeze(d)) from a fresh buffer, t = 0 .. T-1."""
-    pieces = _pieces(readouts, lambda n: _name(n) == "index_copy")
+    pieces = _pieces(readouts, lambda n: base_op_name(n) == "index_copy")
     if pieces is None:
         return None
     copies = [_sole_user(p) for p in pieces]

@@ -26,6 +26,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor, new_node
+from laplace_passes.infra.op_facts import base_op_name
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -404,7 +405,7 @@ class Lifter:
             items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             return self._call(operator.getitem, (source, (slice(None), *items)))
         dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
-        op = torch.squeeze if _name(node) == "squeeze" else torch.unsqueeze
+        op = torch.squeeze if base_op_name(node) == "squeeze" else torch.unsqueeze
         return self._call(op, (source, dim + 1 if dim >= 0 else dim))
 
 
@@ -430,17 +431,9 @@ def _is_insertion(node: Node) -> bool:
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node):
         items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         return all(item is None or item is Ellipsis or item == slice(None) for item in items)
-    if _name(node) in ("unsqueeze", "squeeze") and node.op in ("call_method", "call_function"):
+    if base_op_name(node) in ("unsqueeze", "squeeze") and node.op in ("call_method", "call_function"):
         return isinstance(node.args[0], Node) and isinstance(node.args[1] if len(node.args) > 1 else None, int)
     return False
-
-
-def _name(node: Node) -> str:
-    """"squeeze" for x.squeeze, torch.squeeze and aten.squeeze.dim alike."""
-    if node.op == "call_method":
-        return node.target
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet or node.target, "__name__", "")
 
 
 # Fills whose value depends on their input's shape and dtype only: zeros_like(x), x.new_zeros(...).
@@ -452,12 +445,12 @@ _SHAPE_FILLS = frozenset({*_FILLS, "new_full", "full_like", "new_empty", "empty_
 
 def is_fill(node: Node) -> bool:
     """A value made from no tensor's values: `torch.zeros(..)` (no tensor input), `x.new_zeros(..)`, `zeros_like(x)`."""
-    return node.op in ("call_function", "call_method") and (not node.all_input_nodes or _name(node) in _SHAPE_FILLS)
+    return node.op in ("call_function", "call_method") and (not node.all_input_nodes or base_op_name(node) in _SHAPE_FILLS)
 
 
 def constant_value(node: Node):
     """The value of a node computed from no graph input's values (a zero state, a range, a counter), or None."""
-    fill = _FILLS.get(_name(node)) if node.op in ("call_function", "call_method") else None
+    fill = _FILLS.get(base_op_name(node)) if node.op in ("call_function", "call_method") else None
     value = fake_tensor(node)
     if fill is not None and value is not None and all(isinstance(d, int) for d in value.shape):
         return torch.full(tuple(value.shape), fill, dtype=value.dtype)

@@ -55,6 +55,7 @@ from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.token_loop import TIME, RoleFactors
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
+from laplace_passes.infra.op_facts import base_op_name
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.infra.strict import strict_mode
 
@@ -68,13 +69,6 @@ _CREATED_HERE = "laplace_quadratic_created"  # meta of a node reading a form add
 _CONTRACTIONS = frozenset({torch.matmul, operator.matmul, torch.bmm, torch.einsum, torch.functional.einsum,
                            torch.sum, aten.bmm.default, aten.mm.default, aten.sum.dim_IntList})
 _CONTRACTION_METHODS = frozenset({"matmul", "bmm", "sum", "__matmul__"})
-
-
-def _name(node: Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet or node.target, "__name__", "")
 
 
 @dataclass
@@ -172,7 +166,7 @@ def _is_contraction(node: Node) -> bool:
         return False
     if node.op == "call_method":
         return node.target in _CONTRACTION_METHODS
-    return node.op == "call_function" and (node.target in _CONTRACTIONS or _name(node) in ("bmm", "mm"))
+    return node.op == "call_function" and (node.target in _CONTRACTIONS or base_op_name(node) in ("bmm", "mm"))
 
 
 def _plan(node: Node, expr: Expr) -> QuadraticForm | None:
@@ -307,9 +301,9 @@ def _product_over_axes(decays: list[Factor], values: list[torch.Tensor]) -> tupl
 def _unmasked(node: Node) -> Node:
     """Through tril / masked_fill / where(mask, x, 0) to what is masked."""
     while node.op in ("call_function", "call_method"):
-        name = _name(node)
+        name = base_op_name(node)
         if name == "tril" and node.args and isinstance(node.args[0], Node):
-            if (node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)) != 0:
+            if _tril_diagonal(node) != 0:
                 raise Declined("its mask is tril with another diagonal: not the causal mask i >= j")
             node = node.args[0]
         elif name == "triu":
@@ -325,13 +319,13 @@ def _unmasked(node: Node) -> Node:
 
 def _masked_in_log_space(node: Node) -> bool:
     """exp(masked_fill(x, mask, -inf)) or exp(where(mask, x, -inf)): a mask before the exp, its zeros exp(-inf)."""
-    return _name(node) == "exp" and isinstance(node.args[0], Node) and _log_unmasked(node.args[0]) is not node.args[0]
+    return base_op_name(node) == "exp" and isinstance(node.args[0], Node) and _log_unmasked(node.args[0]) is not node.args[0]
 
 
 def _log_unmasked(node: Node) -> Node:
     """Through masked_fill(mask, -inf) / where(mask, x, -inf) to what is masked (which random inputs then check
     is the causal mask, as for a mask after the exp)."""
-    name = _name(node) if node.op in ("call_function", "call_method") else ""
+    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
     if name in ("masked_fill", "masked_fill_") and isinstance(node.args[0], Node) and node.args[2] == -math.inf:
         return node.args[0]
     if name == "where" and len(node.args) == 3 and isinstance(node.args[1], Node) and node.args[2] == -math.inf:
@@ -362,7 +356,7 @@ def _two_sided(node: Node, source_of, sign: float, i: Index, j: Index, axes: tup
 
 def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
     """exp(G_i - G_j) with G = cumsum(g, over the tokens): the gates are g."""
-    if _name(node) != "exp" or not isinstance(node.args[0], Node):
+    if base_op_name(node) != "exp" or not isinstance(node.args[0], Node):
         return None
     found = _two_sided(_log_unmasked(_through_zero_tril(node.args[0])), _cumsum_source, -1.0, i, j, axes)
     if found is None:
@@ -377,20 +371,25 @@ def _through_zero_tril(node: Node) -> Node:
     """exp((G_i - G_j).tril()).tril(), as fla's parallel simple GLA writes it: the differences above the diagonal
     are 0 before the exp (exp(0) = 1 there, so this tril is no mask: `_gate` still needs one after the exp).
     Any diagonal >= -1 zeroes only differences that are 0 (G_i - G_i) or that the mask after the exp drops."""
-    if _name(node) == "tril" and node.args and isinstance(node.args[0], Node):
-        diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+    if base_op_name(node) == "tril" and node.args and isinstance(node.args[0], Node):
+        diagonal = _tril_diagonal(node)
         if isinstance(diagonal, int) and diagonal >= -1:
             return node.args[0]
     return node
 
 
+def _tril_diagonal(node: Node):
+    """The diagonal a tril keeps from, as written (`x.tril(1)`, `torch.tril(x, diagonal=1)`), 0 when not given."""
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+
+
 def _cumsum_source(node: Node) -> Node | None:
-    return node.args[0] if _name(node) == "cumsum" and isinstance(node.args[0], Node) else None
+    return node.args[0] if base_op_name(node) == "cumsum" and isinstance(node.args[0], Node) else None
 
 
 def _cumprod_gate(node: Node, axes: tuple, i: Index, j: Index):
     """P_i / P_j with P = cumprod(a, over the tokens): the decays are a."""
-    if _name(node) not in ("div", "truediv") or len(node.args) != 2 or not all(isinstance(a, Node) for a in node.args):
+    if base_op_name(node) not in ("div", "truediv") or len(node.args) != 2 or not all(isinstance(a, Node) for a in node.args):
         return None
     numerator = _two_sided_ratio(node, i, j, axes)
     if numerator is None:
@@ -402,14 +401,14 @@ def _cumprod_gate(node: Node, axes: tuple, i: Index, j: Index):
 def _two_sided_ratio(node: Node, i: Index, j: Index, axes: tuple):
     top, bottom = node.args
     try:
-        a = read(top, lambda n: _name(n) == "cumprod", {})
-        b = read(bottom, lambda n: _name(n) == "cumprod", {})
+        a = read(top, lambda n: base_op_name(n) == "cumprod", {})
+        b = read(bottom, lambda n: base_op_name(n) == "cumprod", {})
     except NotAlgebraic:
         return None
     if len(a.terms) != 1 or len(b.terms) != 1 or len(a.terms[0].factors) != 1 or len(b.terms[0].factors) != 1:
         return None
     fa, fb = a.terms[0].factors[0], b.terms[0].factors[0]
-    if fa.node is not fb.node or _name(fa.node) != "cumprod":
+    if fa.node is not fb.node or base_op_name(fa.node) != "cumprod":
         return None
     n = len(axes)
     ra = {x: y for x, y in zip(((None,) * (n - len(a.axes)) + a.axes), axes) if x is not None}
@@ -421,7 +420,7 @@ def _two_sided_ratio(node: Node, i: Index, j: Index, axes: tuple):
 
 def _power_gate(node: Node, axes: tuple, i: Index, j: Index):
     """gamma ** (i - j), the exponent a constant: the decay is gamma at every step (RetNet)."""
-    if _name(node) not in ("pow", "__pow__") or len(node.args) != 2 or not isinstance(node.args[0], Node):
+    if base_op_name(node) not in ("pow", "__pow__") or len(node.args) != 2 or not isinstance(node.args[0], Node):
         return None
     exponent = node.args[1]
     value = constant_value(exponent) if isinstance(exponent, Node) else None

@@ -59,6 +59,7 @@ import torch.fx
 
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
+from laplace_passes.infra.op_facts import base_op_name
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -118,18 +119,11 @@ def _is_zero(value) -> bool:
     wrote, which the graph between the two would not show."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value == 0
-    return isinstance(value, Node) and _name_of(value) in _ZERO_FILLS and \
+    return isinstance(value, Node) and base_op_name(value) in _ZERO_FILLS and \
         all(u.op == "call_function" and u.target in _SELECTS for u in value.users)
 
 
 _ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
-
-
-def _name_of(node: Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet or node.target, "__name__", "") if node.op == "call_function" else ""
 
 
 def is_sum_node(node: Node) -> bool:

@@ -97,6 +97,15 @@ def short_op_name(node: Node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
+def base_op_name(node: Node) -> str:
+    """"squeeze" for x.squeeze, torch.squeeze and aten.squeeze.dim alike: the method's name, or the name of the
+    function or of an overload's packet; "" for a node that calls nothing (a placeholder, a get_attr)."""
+    if node.op == "call_method":
+        return node.target
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet or node.target, "__name__", "")
+
+
 def overload_packet_name(node: Node) -> str:
     """"aten.mm" for an op overload; "" for anything else."""
     target = node.target
