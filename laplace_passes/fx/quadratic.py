@@ -39,6 +39,18 @@ decay of every step; if the rewrite is then declined, that node is erased
 again. A constant D of any other kind is declined with what it is not.
 Meta tensors have no values: such a D is taken for a mask, as any constant
 was before, and the random-input check decides.
+
+NOTE [a segment sum]
+transformers' Mamba-2 builds D without a difference: `segment_sum(g)`
+broadcasts the gates along the keys, g[.., i, None].expand(.., C, C), zeroes
+the entries with j >= i (a constant bool mask), and sums cumulatively over i,
+so entry (i, j) is g_(j+1) + .. + g_i = G_i - G_j for i >= j; a -inf mask
+above the diagonal then goes into the exp. `_segment_sum_gate` reads that:
+the cumsum's dimension must be the query position, the summed tensor one
+factor that does not read the key position (those are the gates), and the
+zero mask's values exactly j < i (a meta mask has none: the random-input
+check decides). Another inner mask (one keeping the diagonal gives
+G_i - G_(j-1)) is declined with the message that names the segment sum.
 """
 
 from __future__ import annotations
@@ -250,8 +262,8 @@ def _gate(decays: list[Factor], i: Index, j: Index, where: dict, like: Node):
     constants = [constant_value(f.node) for f in decays]
     if all(c is not None for c in constants):
         return _constant_decay(decays, constants, i, j, where, like)
-    raise Declined("its decay matrix D is not built from a cumulative sum (exp(G_i - G_j)), a ratio of "
-                   "cumulative products, or powers of a decay per head")
+    raise Declined("its decay matrix D is not built from a cumulative sum (exp(G_i - G_j), or one segment sum "
+                   "that keeps j < i), a ratio of cumulative products, or powers of a decay per head")
 
 
 def _constant_decay(decays: list[Factor], values: list[torch.Tensor], i: Index, j: Index, where: dict, like: Node):
@@ -358,13 +370,65 @@ def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
     """exp(G_i - G_j) with G = cumsum(g, over the tokens): the gates are g."""
     if base_op_name(node) != "exp" or not isinstance(node.args[0], Node):
         return None
-    found = _two_sided(_log_unmasked(_through_zero_tril(node.args[0])), _cumsum_source, -1.0, i, j, axes)
+    inner = _log_unmasked(_through_zero_tril(node.args[0]))
+    found = _two_sided(inner, _cumsum_source, -1.0, i, j, axes)
     if found is None:
-        return None
+        return _segment_sum_gate(inner, axes, i, j)
     cumsum, mapped = found
     gates = _cumsum_source(cumsum)
     # A slice of a cumsum (G[:, :, i] of a chunked G) reads as a leaf of its own: not the cumsum itself.
     return None if gates is None else ("log", gates, mapped)
+
+
+def _segment_sum_gate(node: Node, axes: tuple, i: Index, j: Index):
+    """The differences G_i - G_j as one cumulative sum (NOTE [a segment sum]): the gates are what it sums."""
+    value = fake_tensor(node)
+    if base_op_name(node) != "cumsum" or not isinstance(node.args[0], Node) or value is None or value.dim() != len(axes):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(dim, int) or axes[dim % value.dim()] is not i or j not in axes:
+        return None
+    unmasked, kept = _zero_masked(node.args[0])
+    if kept is None or not _keeps_earlier_keys(kept, value.shape, axes.index(i), axes.index(j)):
+        return None
+    try:
+        expr = read(unmasked, lambda n: False, {})
+    except NotAlgebraic:
+        return None
+    if len(expr.terms) != 1 or len(expr.terms[0].factors) != 1 or expr.terms[0].coef != 1.0:
+        return None
+    factor = expr.terms[0].factors[0]
+    rename = {a: b for a, b in zip(expr.axes, axes) if a is not None}
+    mapped = tuple(rename.get(a) if a is not None else None for a in factor.axes)
+    return ("log", factor.node, mapped) if i in mapped and j not in mapped else None
+
+
+def _zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
+    """masked_fill(x, m, 0) or where(m, x, 0): x and where it is kept (a constant bool tensor), else (node, None)."""
+    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
+    args = node.args
+    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and isinstance(args[1], Node) and args[2] == 0:
+        x, mask, kept_where = args[0], args[1], False
+    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[1], Node) and args[2] == 0:
+        x, mask, kept_where = args[1], args[0], True
+    else:
+        return node, None
+    value = constant_value(mask)
+    if not isinstance(x, Node) or value is None or value.dtype != torch.bool:
+        return node, None
+    return x, value if kept_where else ~value
+
+
+def _keeps_earlier_keys(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> bool:
+    """Whether a mask keeps entry (i, j) exactly when j < i (meta masks have no values: the random check decides)."""
+    if kept.device.type == "meta":
+        return True
+    try:
+        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
+    except RuntimeError:
+        return False
+    T = shape[i_dim]
+    return torch.equal(kept, torch.ones(T, T, dtype=torch.bool).tril(-1).expand_as(kept))
 
 
 def _through_zero_tril(node: Node) -> Node:

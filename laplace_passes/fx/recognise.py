@@ -30,6 +30,7 @@ import torch.fx
 from laplace_passes.fx.aggregates import Aggregate, find_aggregate
 from laplace_passes.fx.algebra import writes_a_temporary
 from laplace_passes.fx.chunk_loop import ChunkLoop, describe_chunks, plan_chunk_loop
+from laplace_passes.fx.chunked_quadratic import ChunkedQuadratic, describe_over_chunks, over_chunks
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.in_place_statements import read_through_in_place_statements
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
@@ -128,8 +129,14 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
                                 reason=f"a quadratic form (q k^T (.) D) v of shape {shape}, but {reason}")
     record = RecurrenceRecord("", form.node.name, form.T, list(form.state_shape), "declined")
     try:
-        record.form = form.form = describe_quadratic(form)
-        check_on_random_inputs(gm, form, {}, form.T)
+        whole = _over_chunks(gm, form)
+        if whole is not None:  # NOTE [a chunked form without a loop]: already checked on random inputs
+            record = RecurrenceRecord("", whole.node.name, whole.T, list(whole.state_shape), "declined",
+                                      form=whole.form)
+            form = whole
+        else:
+            record.form = form.form = describe_quadratic(form)
+            check_on_random_inputs(gm, form, {}, form.T)
         _replace_whole(gm, form)
     except Declined as declined:
         record.reason = f"a quadratic form over {form.T} tokens, but {declined.reason}"
@@ -144,6 +151,19 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
         return record
     record.status = "GLA site"
     return record
+
+
+def _over_chunks(gm: torch.fx.GraphModule, form: QuadraticForm) -> ChunkedQuadratic | None:
+    """The whole chunked form an intra-chunk `form` is part of, the first candidate that passes the random-input
+    check; None (the form is then rewritten alone) when there is none or none passes."""
+    for whole in over_chunks(form):
+        whole.form = describe_over_chunks(whole, describe_quadratic(whole))
+        try:
+            check_on_random_inputs(gm, whole, {}, whole.T)
+        except Declined:
+            continue
+        return whole
+    return None
 
 
 def _replace_whole(gm: torch.fx.GraphModule, form: QuadraticForm) -> None:

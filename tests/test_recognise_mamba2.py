@@ -1,0 +1,182 @@
+"""A chunked GLA written with no loop over its chunks, found whole: transformers' Mamba-2 and a spelling of ours.
+
+transformers' `mamba2_chunk_scan` (Mamba-2, and the copies Bamba, Zamba2, FalconH1, NemotronH and
+GraniteMoeHybrid carry) computes every chunk at once: an intra-chunk quadratic form whose decay matrix is
+`exp(segment_sum(A))` (NOTE [a segment sum] in laplace_passes/fx/quadratic.py), plus the states passed between
+chunks, added. The sum must become one GLA site over all the tokens, re-tiled at the target's chunk whatever chunk
+the user chose (NOTE [a chunked form without a loop] in laplace_passes/fx/chunked_quadratic.py), with outputs and
+input gradients equal to the function run eagerly; near misses stay as written, bit for bit, with a reason.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import laplace_passes
+from tests.test_recognise import assert_close, outputs_and_grads
+
+pytest.importorskip("transformers")
+from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan  # noqa: E402
+
+B, H, P, N, GROUPS = 2, 4, 8, 16, 2
+TARGET_CHUNK = 16
+
+
+def inputs(T: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, P, generator=gen)
+    dt = torch.randn(B, T, H, generator=gen)
+    A = -torch.rand(H, generator=gen) - 0.1  # Mamba-2's A = -exp(A_log) < 0
+    b, c = (torch.randn(B, T, GROUPS, N, generator=gen) for _ in range(2))
+    D = torch.randn(H, generator=gen)
+    return [t.requires_grad_() for t in (x, dt, A, b, c, D)]
+
+
+def scan(chunk: int, **kwargs):
+    def call(x, dt, A, b, c, D):
+        return mamba2_chunk_scan(x, dt, A, b, c, chunk, D=D, dt_softplus=True, **kwargs)
+    return call
+
+
+def compiled_like_eager(fn, args, rtol=1e-4, atol=1e-4):
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    torch._dynamo.reset()
+    model = laplace_passes.compile(fn, target="cpu", chunk_size=TARGET_CHUNK)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=rtol, atol=atol)
+    assert_close(grads, expected_grads, rtol=rtol, atol=atol)
+    return model.laplace_report
+
+
+@pytest.mark.parametrize("chunk, T", [(16, 64), (32, 72)])  # 72 tokens pad to 3 chunks of 32
+def test_transformers_mamba2_chunk_scan_is_one_gla_site_over_all_its_tokens(chunk, T):
+    report = compiled_like_eager(scan(chunk), inputs(T))
+    chunks = -(-T // chunk)
+    (row,) = report.recurrences
+    assert row.status == "GLA site", row
+    assert row.form.startswith(f"chunked form with no loop over its {chunks} chunks of {chunk} tokens"), row.form
+    assert "per-head gates summed cumulatively" in row.form and row.steps == chunks * chunk
+    (site,) = report.sites
+    assert site.status == "retiled" and site.plan["n_chunks"] == chunks * chunk // TARGET_CHUNK, site.plan
+
+
+def test_the_final_state_a_caller_reads_stays_equal_to_eager():
+    def with_final_state(*args):
+        return scan(16, return_final_states=True)(*args)
+
+    report = compiled_like_eager(with_final_state, inputs(48))
+    assert [r.status for r in report.recurrences] == ["GLA site"]
+    assert report.recurrences[0].steps == 48
+
+
+def test_a_given_initial_state_leaves_the_intra_chunk_form_alone_as_a_site():
+    gen = torch.Generator().manual_seed(1)
+    initial = torch.randn(B, H, P, N, generator=gen)
+
+    def from_a_state(*args):
+        return scan(16, initial_states=initial)(*args)
+
+    report = compiled_like_eager(from_a_state, inputs(48))
+    (row,) = report.recurrences
+    assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 16 tokens"), row
+
+
+# -- a spelling of our own: [B, H, T, D], matmuls, the decay matrices from differences of cumulative sums ---------
+
+
+def own_chunked(q, k, v, g, chunk=8, off_diagonal=1.0, inner_mask_diagonal=-1, segment_sum=True):
+    """GLA with a gate per head, all chunks at once. `off_diagonal` scales the states' term (1: GLA);
+    `inner_mask_diagonal` is the diagonal the segment sum's inner mask keeps below (-1: the segment sum);
+    without `segment_sum`, the decay matrix is exp(G_i - G_j) instead."""
+    Bq, Hq, T, K = q.shape
+    n = T // chunk
+    q, k, v = (t.reshape(Bq, Hq, n, chunk, t.shape[-1]) for t in (q, k, v))
+    g = g.reshape(Bq, Hq, n, chunk)
+    G = g.cumsum(-1)
+    kept = torch.tril(torch.ones(chunk, chunk, dtype=torch.bool), diagonal=inner_mask_diagonal)
+    segsum = torch.where(kept, g[..., :, None].expand(*g.shape, chunk), 0).cumsum(-2)
+    if not segment_sum:
+        segsum = G[..., :, None] - G[..., None, :]
+    D = torch.exp(segsum.masked_fill(~torch.tril(torch.ones(chunk, chunk, dtype=torch.bool)), float("-inf")))
+    intra = ((q @ k.transpose(-1, -2)) * D) @ v
+    own = (k * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2) @ v  # [B, H, n, K, V]
+    last = F.pad(G[..., -1], (1, 0)).cumsum(-1)  # decay up to each chunk's start, [B, H, n + 1]
+    across = torch.exp(last[..., :-1, None] - last[..., None, 1:]).tril(-1)  # chunk z's own state entering c > z
+    entering = torch.einsum("bhcz,bhzkv->bhckv", across, own)
+    inter = (q * torch.exp(G)[..., None]) @ entering
+    return (intra + off_diagonal * inter).reshape(Bq, Hq, T, v.shape[-1])
+
+
+def own_inputs(T=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, 2, T, 4, generator=gen) for _ in range(2))
+    v = torch.randn(1, 2, T, 6, generator=gen)
+    g = F.logsigmoid(torch.randn(1, 2, T, generator=gen) + 1)
+    return [t.requires_grad_() for t in (q, k, v, g)]
+
+
+@pytest.mark.parametrize("segment_sum", [True, False], ids=["segment_sum", "differences"])
+def test_our_own_loop_free_chunked_spelling_is_one_gla_site(segment_sum):
+    report = compiled_like_eager(lambda *a: own_chunked(*a, segment_sum=segment_sum), own_inputs())
+    (row,) = report.recurrences
+    assert row.status == "GLA site" and row.form.startswith("chunked form with no loop over its 4 chunks of 8"), row
+
+
+def test_an_off_diagonal_term_that_is_not_gla_leaves_the_intra_chunk_forms_as_sites():
+    report = compiled_like_eager(lambda *a: own_chunked(*a, off_diagonal=0.5), own_inputs())
+    (row,) = report.recurrences
+    assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 8 tokens"), row
+
+
+def test_a_segment_sum_with_the_wrong_inner_mask_is_declined_and_left_as_written():
+    def near_miss(*a):
+        return own_chunked(*a, inner_mask_diagonal=0)
+
+    args = own_inputs()
+    expected_out, expected_grads = outputs_and_grads(near_miss, args)
+    torch._dynamo.reset()
+    model = laplace_passes.compile(near_miss, target="cpu", chunk_size=TARGET_CHUNK)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "declined" and "segment sum" in row.reason, row
+
+
+# -- whole models ------------------------------------------------------------------------------------------------
+
+
+def _mamba2():
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+    return Mamba2ForCausalLM(Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                                          state_size=16, n_groups=1, chunk_size=16, expand=2))
+
+
+def _bamba():
+    from transformers import BambaConfig, BambaForCausalLM
+    return BambaForCausalLM(BambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, intermediate_size=32, mamba_n_heads=4,
+                                        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
+                                        attn_layer_indices=[1], mamba_expand=2))
+
+
+@pytest.mark.parametrize("build", [_mamba2, _bamba], ids=["mamba2", "bamba"])
+def test_a_training_step_of_a_transformers_model_equals_eager_with_every_mamba_layer_a_site(build):
+    torch.manual_seed(0)
+    model = build().float()
+    ids = torch.randint(0, 64, (2, 48))
+    expected = model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="laplace")(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for name, grad in expected_grads.items():
+        # A_log's gradient sums every token's gate gradient: 3e-5 relative here against float64, eager 6e-7
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-3, atol=1e-5, msg=name)
+    rows = laplace_passes.last_report().recurrences
+    mamba_layers = sum(1 for m in model.modules() if type(m).__name__.endswith("Mixer"))
+    assert [r.status for r in rows] == ["GLA site"] * mamba_layers, rows
+    assert all(r.form.startswith("chunked form with no loop over its 3 chunks of 16 tokens") for r in rows), rows
