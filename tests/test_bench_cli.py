@@ -1,4 +1,4 @@
-"""`laplace-passes bench unroll|muon|decode|recognise|compile|paths` run with their smallest arguments, and their figures agree.
+"""`laplace-passes bench unroll|muon|decode|recognise|compile|paths|mamba2`, smallest arguments: their figures agree.
 
 Performance is never asserted: each check is that a printed figure is what
 the other printed figures (or a formula written here) make it, so a ratio
@@ -423,3 +423,16 @@ def test_matmuls_alone_are_the_products_a_call_ran_each_counted_once():
     assert len(matmuls) == 4
     assert matmuls.flops == 2 * (2 * 8 * 4 * 5) + 2 * (2 * 2 * 3 * 4 * 6)
     matmuls()
+
+
+def test_bench_mamba2_times_the_scan_as_written_and_as_one_gla_site(capfd):
+    pytest.importorskip("transformers")
+    from benchmarks import bench_mamba2
+
+    result = bench_mamba2.main(["--paths", "eager", "laplace", "--T", "64", "--H", "2", "--P", "8", "--N", "8",
+                                "--chunk", "16", "--repeats", "2"])
+    out, err = capfd.readouterr()
+    assert "laplace: GLA site: chunked form with no loop over its 4 chunks of 16 tokens" in err, err
+    assert set(result["ms"]) == {"eager", "laplace"} and all(ms > 0 for ms in result["ms"].values())
+    for path, ms in result["ms"].items():
+        assert f"{path:<17} {ms:8.1f} ms  {result['ms']['eager'] / ms:5.2f}x eager" in out, out

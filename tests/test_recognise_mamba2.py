@@ -69,16 +69,19 @@ def test_the_final_state_a_caller_reads_stays_equal_to_eager():
     assert report.recurrences[0].steps == 48
 
 
-def test_a_given_initial_state_leaves_the_intra_chunk_form_alone_as_a_site():
+@pytest.mark.parametrize("value_size", [P, N], ids=["P=8,N=16", "P=N=16"])  # P = N: two layouts fit the sizes
+def test_a_given_initial_state_is_read_into_the_site_with_its_gradient(value_size):
     gen = torch.Generator().manual_seed(1)
-    initial = torch.randn(B, H, P, N, generator=gen)
+    x, *rest = inputs(48)
+    x = torch.randn(B, 48, H, value_size, generator=gen).requires_grad_()
+    initial = torch.randn(B, H, value_size, N, generator=gen).requires_grad_()
 
-    def from_a_state(*args):
-        return scan(16, initial_states=initial)(*args)
+    def from_a_state(x, dt, A, b, c, D, initial):
+        return scan(16, initial_states=initial)(x, dt, A, b, c, D)
 
-    report = compiled_like_eager(from_a_state, inputs(48))
+    report = compiled_like_eager(from_a_state, [x, *rest, initial])
     (row,) = report.recurrences
-    assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 16 tokens"), row
+    assert row.status == "GLA site" and row.form.startswith("chunked form with no loop over its 3 chunks"), row
 
 
 # -- a spelling of our own: [B, H, T, D], matmuls, the decay matrices from differences of cumulative sums ---------
@@ -180,3 +183,25 @@ def test_a_training_step_of_a_transformers_model_equals_eager_with_every_mamba_l
     mamba_layers = sum(1 for m in model.modules() if type(m).__name__.endswith("Mixer"))
     assert [r.status for r in rows] == ["GLA site"] * mamba_layers, rows
     assert all(r.form.startswith("chunked form with no loop over its 3 chunks of 16 tokens") for r in rows), rows
+
+
+def test_greedy_generate_with_the_cache_gives_eager_s_tokens_with_each_prefill_layer_a_site():
+    torch.manual_seed(0)
+    model = _mamba2().eval()
+    prompt = torch.randint(0, 64, (2, 40))
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, backend="laplace")
+        rows = []
+
+        def forward(*args, **kwargs):
+            out = compiled(*args, **kwargs)
+            rows.extend(laplace_passes.last_report().recurrences)
+            return out
+
+        model.forward = forward
+        tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, expected)
+    prefill = [r for r in rows if r.steps == 48]  # 40 prompt tokens in 3 chunks of 16; decode steps have no row
+    assert len(prefill) == 2 and all(r.status == "GLA site" and r.form.startswith("chunked form") for r in prefill)

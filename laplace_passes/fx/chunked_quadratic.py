@@ -19,7 +19,11 @@ chunk index and the row merged into the tokens (chunk-major), its other
 batch dimensions as before, a zero initial state. Which batch dimension is
 the chunk index is not read off the ops: each is tried in turn and the
 random-input check (`laplace_passes.fx.validate`) decides, as for every
-recognised site; when none passes, the intra-chunk form is rewritten alone.
+recognised site. Then the same with a given initial state (Mamba-2's cache
+passes one at prefill): a tensor the sum reads that reads none of the
+form's sources and is no constant, with the state's sizes, in each order
+its sizes allow (`_initial_states`, at most six tries). When none passes,
+the intra-chunk form is rewritten alone.
 
 Before: the graph above. After: one `laplace::gla` call over N C tokens,
 re-tiled at the target's chunk (128 on trn2) whatever chunk the user chose;
@@ -30,12 +34,15 @@ user's code computes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
 
 from laplace_passes.fx.algebra import Index
+from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.quadratic import QuadraticForm
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
@@ -53,6 +60,7 @@ class ChunkedQuadratic(QuadraticForm):
 
     chunk: Index | None = None
     positions: tuple = ()  # per dimension of the sum: CHUNKS, ROW, a batch or the value position, or None
+    initial_order: tuple[int, ...] | None = None  # the initial state's dimensions: batch, key, value, size-1 ones
 
     @property
     def chunks(self) -> int:
@@ -69,6 +77,9 @@ class ChunkedQuadratic(QuadraticForm):
     def output_positions(self) -> tuple:
         return self.positions
 
+    def source_nodes(self) -> set[Node]:
+        return super().source_nodes() | ({self.initial_state} if self.initial_state is not None else set())
+
 
 def over_chunks(form: QuadraticForm) -> list[ChunkedQuadratic]:
     """The whole chunked forms `form` may be the diagonal part of, one per batch index that may be the chunk
@@ -77,7 +88,9 @@ def over_chunks(form: QuadraticForm) -> list[ChunkedQuadratic]:
     total = _sum_with_off_diagonal(form)
     if total is None:
         return []
-    return [whole for chunk in form.batch if (whole := _with_chunk_index(form, total, chunk)) is not None]
+    wholes = [whole for chunk in form.batch if (whole := _with_chunk_index(form, total, chunk)) is not None]
+    return wholes + [replace(whole, initial_state=node, initial_order=order)
+                     for whole in wholes for node, order in _initial_states(whole)]
 
 
 def _sum_with_off_diagonal(form: QuadraticForm) -> Node | None:
@@ -117,6 +130,42 @@ def _with_chunk_index(form: QuadraticForm, total: Node, chunk: Index) -> Chunked
     return ChunkedQuadratic(total, form.expr, form.time, [b for b in form.batch if b is not chunk], form.key,
                             form.value, roles=roles, gate_kind=form.gate_kind, coefs=dict(form.coefs),
                             offset=form.offset, created=list(form.created), chunk=chunk, positions=positions)
+
+
+def _initial_states(whole: ChunkedQuadratic, most: int = 6) -> list[tuple[Node, tuple[int, ...]]]:
+    """Where the initial state may come from (a given state, as a Mamba-2 cache passes it), each with a layout:
+    a tensor the sum reads that reads none of the form's sources, not a constant, with the state's sizes in
+    some order. At most `most` of them, the random-input check trying each."""
+    sources = whole.source_nodes()
+    reads_a_source: set[Node] = set()
+    for node in sorted(ancestors([whole.node]), key=_position(whole.node.graph)):
+        if node in sources or any(i in reads_a_source for i in node.all_input_nodes):
+            reads_a_source.add(node)
+    found = []
+    for node in sorted(reads_a_source, key=_position(whole.node.graph)):
+        for given in node.all_input_nodes:
+            if given in reads_a_source or constant_value(given) is not None:
+                continue
+            found += [(given, order) for order in _layouts(given, whole) if (given, order) not in found]
+    return found[:most]
+
+
+def _layouts(node: Node, whole: ChunkedQuadratic) -> list[tuple[int, ...]]:
+    """Each way `node`'s dimensions of size > 1 can be the state's (batch, key, value), sizes matching."""
+    value = fake_tensor(node)
+    if value is None or not value.dtype.is_floating_point or value.numel() != math.prod(whole.state_shape):
+        return []
+    wide = [d for d, size in enumerate(value.shape) if size != 1]
+    ones = [d for d, size in enumerate(value.shape) if size == 1]
+    if 1 in whole.state_shape:  # a state dimension of size 1 has no dimension of its own to find
+        return []
+    return [(*dims, *ones) for dims in itertools.permutations(wide)
+            if [value.shape[d] for d in dims] == list(whole.state_shape)]
+
+
+def _position(graph: torch.fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
 
 
 def describe_over_chunks(whole: ChunkedQuadratic, as_quadratic: str) -> str:

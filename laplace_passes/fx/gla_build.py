@@ -176,7 +176,7 @@ class GlaBuilder:
             k, v, gk = ((self.call(torch.where, updates, node, 0.0), width) for node, width in (k, v, gk))
         h0 = None
         if loop.initial_state is not None:
-            h0 = self.state_to_gla(self.env(loop.initial_state))
+            h0 = self.state_to_gla(self.env(loop.initial_state), getattr(loop, "initial_order", None))
             if loop.coefs["initial"] != 1.0:
                 h0 = self.call(operator.mul, h0, loop.coefs["initial"])
         inputs = [self.to_gla_layout(x, axis) for x, axis in ((q, K), (k, K), (v, V), (gk, K))]
@@ -220,9 +220,10 @@ class GlaBuilder:
         logged = self.call(torch.log, self.call(torch.where, reset, 1.0, decay))
         return self.call(torch.where, reset, -math.inf, logged)
 
-    def state_to_gla(self, state: Node) -> Node:
-        """A state in the loop's layout -> [B, H, K, V] in the compute dtype."""
-        order = [*self.batch, self.loop.key_axis, self.loop.value_axis]
+    def state_to_gla(self, state: Node, order: tuple[int, ...] | None = None) -> Node:
+        """A state in the loop's layout -> [B, H, K, V] in the compute dtype. `order`, when given, says where the
+        state's dimensions are instead: the dimensions of the batch, key and value, then any of size 1."""
+        order = order or [*self.batch, self.loop.key_axis, self.loop.value_axis]
         batch = [self.sizes[p] for p in self.batch]
         B, H = (batch[0], math.prod(batch[1:])) if batch else (1, 1)
         moved = self.call(torch.permute, state, order)
