@@ -329,9 +329,13 @@ class IntraChunk:
             blocks = torch.cat([top, bottom], dim=-2)  # [.., n, 2h, 2h]
         return blocks.reshape(*self.lead, self.chunk, self.chunk)
 
-    def gradients(self, d_scores: Tensor) -> tuple[Tensor, Tensor]:
-        """Gradients of (scaled) q and k, [.., C, K] each, given the gradient of tril(A).
+    def gradients(self, d_scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of (scaled) q and k through tril(A) below its diagonal, [.., C, K] each, and the diagonal's
+        gradient dA[c, c], [.., C, 1], given the gradient of tril(A).
 
+        The whole gradients are dq + dA[c, c] * k and dk + dA[c, c] * q; the
+        diagonal is kept apart for the gates' gradient, which it does not
+        reach (NOTE [the diagonal apart] in laplace_passes/ops/chunked_backward.py).
         Only the entries tril(A) is built from are read: the upper triangle of
         `d_scores` is ignored.
         """
@@ -346,14 +350,14 @@ class IntraChunk:
             dk = (d_lower_left.transpose(-1, -2) @ level.q_anchored) * level.k_decay  # rows of the first halves
             level_gradients.append((h, dq, dk))
             blocks = torch.stack([quarters[..., 0, :, 0, :], quarters[..., 1, :, 1, :]], dim=-3)
-        dq, dk = self._leaf_gradients(blocks.reshape(*lead, C // self.leaf, self.leaf, self.leaf))
+        dq, dk, diagonal = self._leaf_gradients(blocks.reshape(*lead, C // self.leaf, self.leaf, self.leaf))
         # From the leaves up, each level's gradients added to the rows they belong to as the
         # blocks double (no zero-padded [.., C, K] copy per level to sum: eager 1.2x).
         for h, dq_level, dk_level in reversed(level_gradients):
             dq, dk = (x.reshape(*lead, C // (2 * h), 2, h, x.shape[-1]) for x in (dq, dk))  # K may be 0
             dq = torch.stack([dq[..., 0, :, :], dq[..., 1, :, :] + dq_level], dim=-3)
             dk = torch.stack([dk[..., 0, :, :] + dk_level, dk[..., 1, :, :]], dim=-3)
-        return dq.reshape(*lead, C, dq.shape[-1]), dk.reshape(*lead, C, dk.shape[-1])
+        return dq.reshape(*lead, C, dq.shape[-1]), dk.reshape(*lead, C, dk.shape[-1]), diagonal.reshape(*lead, C, 1)
 
     def _leaf_scores(self) -> Tensor:
         """The leaves' lower triangles, [.., n, leaf, leaf], one diagonal at a time."""
@@ -365,17 +369,23 @@ class IntraChunk:
             blocks = placed if blocks is None else blocks + placed
         return blocks
 
-    def _leaf_gradients(self, d_leaf: Tensor) -> tuple[Tensor, Tensor]:
-        """The gradients of q and k through the leaves' scores, [.., n, leaf, K] each: every diagonal's share summed."""
-        L, dq, dk = self.leaf, None, None
+    def _leaf_gradients(self, d_leaf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The gradients of q and k through the leaves' scores below the diagonal, [.., n, leaf, K] each (every
+        diagonal's share summed), and the main diagonal's dA[c, c], [.., n, leaf, 1], apart."""
+        L, dq, dk, main = self.leaf, None, None, None
         for d, (decay, diagonal) in enumerate(zip(self.diagonal_decays, self.diagonals)):
             d_scores = (d_leaf * diagonal).sum(-1)[..., d:].unsqueeze(-1)  # [.., n, L - d, 1]: dA[c, c - d]
+            if d == 0:
+                main = d_scores
+                continue
             weights = d_scores if decay is None else d_scores * decay
             dq_part = _pad_rows(weights * self.k_leaf[..., : L - d, :], d, 0)  # rows c
             dk_part = _pad_rows(weights * self.q_leaf[..., d:, :], 0, d)  # rows c - d
             dq = dq_part if dq is None else dq + dq_part
             dk = dk_part if dk is None else dk + dk_part
-        return dq, dk
+        if dq is None:  # leaves of one row: nothing below the diagonal
+            dq, dk = torch.zeros_like(self.q_leaf), torch.zeros_like(self.k_leaf)
+        return dq, dk, main
 
 
 def _pad_rows(x: Tensor, before: int, after: int) -> Tensor:
