@@ -328,7 +328,7 @@ QUADRATIC = {
 QUADRATIC_NEAR_MISSES = {
     "quadratic_unmasked": "no causal mask",
     "quadratic_upper_mask": "keeps the upper triangle",
-    "quadratic_log_upper_mask": "on random inputs its GLA form differs",
+    "quadratic_log_upper_mask": "its mask drops keys at or before the query and keeps later ones: not causal",
     "quadratic_constant_not_powers": "a constant that is not one decay per head raised to the power i - j",
     "quadratic_tril_before_exp_only": "no causal mask",
 }

@@ -87,11 +87,13 @@ def test_a_given_initial_state_is_read_into_the_site_with_its_gradient(value_siz
 # -- a spelling of our own: [B, H, T, D], matmuls, the decay matrices from differences of cumulative sums ---------
 
 
-def own_chunked(q, k, v, g, chunk=8, off_diagonal=1.0, inner_mask_diagonal=-1, segment_sum=True):
-    """GLA with a gate per head, all chunks at once. `off_diagonal` scales the states' term (1: GLA);
+def own_parts(q, k, v, g, chunk=8, inner_mask_diagonal=-1, segment_sum=True, detach=False, lookback_only=False):
+    """GLA with a gate per head, all chunks at once: the intra-chunk form and the states' term, [B, H, n, C, V].
+
     `inner_mask_diagonal` is the diagonal the segment sum's inner mask keeps below (-1: the segment sum);
-    without `segment_sum`, the decay matrix is exp(G_i - G_j) instead."""
-    Bq, Hq, T, K = q.shape
+    without `segment_sum`, the decay matrix is exp(G_i - G_j) instead. Near misses: `detach`, the chunks'
+    own states detached (truncated backpropagation); `lookback_only`, only the previous chunk's state enters."""
+    Bq, Hq, T, _ = q.shape
     n = T // chunk
     q, k, v = (t.reshape(Bq, Hq, n, chunk, t.shape[-1]) for t in (q, k, v))
     g = g.reshape(Bq, Hq, n, chunk)
@@ -103,11 +105,18 @@ def own_chunked(q, k, v, g, chunk=8, off_diagonal=1.0, inner_mask_diagonal=-1, s
     D = torch.exp(segsum.masked_fill(~torch.tril(torch.ones(chunk, chunk, dtype=torch.bool)), float("-inf")))
     intra = ((q @ k.transpose(-1, -2)) * D) @ v
     own = (k * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2) @ v  # [B, H, n, K, V]
+    own = own.detach() if detach else own
     last = F.pad(G[..., -1], (1, 0)).cumsum(-1)  # decay up to each chunk's start, [B, H, n + 1]
     across = torch.exp(last[..., :-1, None] - last[..., None, 1:]).tril(-1)  # chunk z's own state entering c > z
+    across = across - across.tril(-2) if lookback_only else across
     entering = torch.einsum("bhcz,bhzkv->bhckv", across, own)
-    inter = (q * torch.exp(G)[..., None]) @ entering
-    return (intra + off_diagonal * inter).reshape(Bq, Hq, T, v.shape[-1])
+    return intra, (q * torch.exp(G)[..., None]) @ entering
+
+
+def own_chunked(q, k, v, g, off_diagonal=1.0, **kwargs):
+    """The sum of `own_parts` as [B, H, T, V] (GLA when `off_diagonal` is 1)."""
+    intra, inter = own_parts(q, k, v, g, **kwargs)
+    return (intra + off_diagonal * inter).flatten(2, 3)
 
 
 def own_inputs(T=32, seed=0):
@@ -144,6 +153,67 @@ def test_a_segment_sum_with_the_wrong_inner_mask_is_declined_and_left_as_written
     assert_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
     (row,) = model.laplace_report.recurrences
     assert row.status == "declined" and "segment sum" in row.reason, row
+
+
+def own_compiled_equal(fn, args, **tolerance):
+    """`fn` compiled for the cpu target, outputs and input gradients equal to eager; its recurrence rows."""
+    return compiled_like_eager(fn, args, **tolerance).recurrences
+
+
+def test_a_detached_states_term_is_not_taken_whole_and_keeps_its_gradients():
+    (row,) = own_compiled_equal(lambda *a: own_chunked(*a, detach=True), own_inputs())
+    assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 8 tokens"), row
+    assert "through detach" in row.form and "passes no gradient" in row.form, row.form
+
+
+def test_a_one_chunk_lookback_is_seen_by_the_check_with_weak_gates_at_chunks_of_32():
+    args = own_inputs(T=128)
+    with torch.no_grad():
+        args[3].mul_(0.01)  # decays near 1, as Mamba-2's dt * A often are
+    (row,) = own_compiled_equal(lambda *a: own_chunked(*a, chunk=32, lookback_only=True), args)
+    assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 32 tokens"), row
+    assert "not taken whole" in row.form and "differs" in row.form, row.form
+
+
+def test_a_bf16_chunked_form_is_not_taken_whole():
+    args = [t.detach().bfloat16().requires_grad_() for t in own_inputs()]
+    (row,) = own_compiled_equal(own_chunked, args, rtol=5e-2, atol=1e-1)  # bf16's rounding, eagerly
+    assert row.status == "GLA site" and "computes in torch.bfloat16" in row.form, row
+
+
+def test_an_in_place_sum_another_name_still_reads_is_left_to_the_intra_chunk_form():
+    def aliased(*args):
+        intra, inter = own_parts(*args)
+        total = intra
+        total += inter  # intra is the sum too
+        return total.flatten(2, 3), intra.flatten(2, 3)
+
+    (row,) = own_compiled_equal(aliased, own_inputs())
+    assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 8 tokens"), row
+
+
+@pytest.mark.parametrize("segment_sum", [True, False], ids=["segment_sum", "differences"])
+def test_a_window_of_recent_keys_is_declined_and_left_as_written(segment_sum):
+    def windowed(q, k, v, g):
+        T = g.shape[-1]
+        ones = torch.ones(T, T, dtype=torch.bool)
+        if segment_sum:
+            x = g[..., :, None].expand(*g.shape, T).masked_fill(~ones.tril(-1), 0).cumsum(-2)
+        else:
+            G = g.cumsum(-1)
+            x = G[..., :, None] - G[..., None, :]
+        D = torch.exp(x.masked_fill(~(ones.tril() & ~ones.tril(-32)), float("-inf")))  # the 32 latest keys
+        return ((q @ k.transpose(-1, -2)) * D) @ v
+
+    args = own_inputs(T=64)
+    expected_out, expected_grads = outputs_and_grads(windowed, args)
+    torch._dynamo.reset()
+    model = laplace_passes.compile(windowed, target="cpu", chunk_size=TARGET_CHUNK)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=0, atol=0)
+    assert_close(grads, expected_grads, rtol=0, atol=0)
+    (row,) = model.laplace_report.recurrences
+    assert row.status == "declined" and "drops keys at or before the query" in row.reason, row
 
 
 # -- whole models ------------------------------------------------------------------------------------------------

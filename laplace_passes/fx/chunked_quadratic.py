@@ -23,7 +23,19 @@ recognised site. Then the same with a given initial state (Mamba-2's cache
 passes one at prefill): a tensor the sum reads that reads none of the
 form's sources and is no constant, with the state's sizes, in each order
 its sizes allow (`_initial_states`, at most six tries). When none passes,
-the intra-chunk form is rewritten alone.
+the intra-chunk form is rewritten alone, its row saying why the whole was not.
+
+What the check cannot see is read off the graph instead (`_why_not_whole`):
+it runs forward, so a term between chunks that passes no gradient (a
+`detach`, truncated backpropagation; an op under `no_grad`) keeps the sum
+from being taken whole; in bf16 its tolerance (4e-2) would take a term
+scaled by 0.9 for rounding, so only a sum computed in float32 is (Mamba-2's
+reference computes in float32 whatever its inputs). Its random gates leave
+nothing of a state after some 20 tokens, so each candidate is checked a
+second time with gates whose decay over all T tokens stays above exp(-1)
+(`with_weak_gates`): a state that skips a chunk is seen at chunks of 256.
+An in-place sum (`y = intra; y += inter`) is taken only where nothing else
+reads the form, since another name for it holds the sum too.
 
 Before: the graph above. After: one `laplace::gla` call over N C tokens,
 re-tiled at the target's chunk (128 on trn2) whatever chunk the user chose;
@@ -43,8 +55,9 @@ import torch.fx
 
 from laplace_passes.fx.algebra import Index
 from laplace_passes.fx.per_step import constant_value
-from laplace_passes.fx.quadratic import QuadraticForm
+from laplace_passes.fx.quadratic import QuadraticForm, gate_words
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors
+from laplace_passes.fx.validate import LOG_GATES
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.op_facts import base_op_name
 
@@ -61,6 +74,13 @@ class ChunkedQuadratic(QuadraticForm):
     chunk: Index | None = None
     positions: tuple = ()  # per dimension of the sum: CHUNKS, ROW, a batch or the value position, or None
     initial_order: tuple[int, ...] | None = None  # the initial state's dimensions: batch, key, value, size-1 ones
+    log_gate_range: tuple[float, float] = LOG_GATES  # where the random-input check draws the gates
+
+    def with_weak_gates(self) -> ChunkedQuadratic:
+        """The same plan, checked with gates whose decay over all T tokens stays above exp(-1): the random-input
+        check's default gates leave nothing of a state after some 20 tokens, so it could not see the terms
+        between chunks of Mamba-2's 256 tokens."""
+        return replace(self, log_gate_range=(-1.0 / self.T, -0.1 / self.T))
 
     @property
     def chunks(self) -> int:
@@ -81,24 +101,32 @@ class ChunkedQuadratic(QuadraticForm):
         return super().source_nodes() | ({self.initial_state} if self.initial_state is not None else set())
 
 
-def over_chunks(form: QuadraticForm) -> list[ChunkedQuadratic]:
-    """The whole chunked forms `form` may be the diagonal part of, one per batch index that may be the chunk
-    index (NOTE [a chunked form without a loop]); none when its output is not added to a term reading its
-    queries."""
+def over_chunks(form: QuadraticForm) -> tuple[list[ChunkedQuadratic], str]:
+    """The whole chunked forms `form` may be the diagonal part of, each to be checked on random inputs (NOTE [a
+    chunked form without a loop]): one per batch index that may be the chunk index, the likeliest first, then
+    each with a given initial state; and, when there are none, why not ("" when nothing adds to the form)."""
     total = _sum_with_off_diagonal(form)
     if total is None:
-        return []
-    wholes = [whole for chunk in form.batch if (whole := _with_chunk_index(form, total, chunk)) is not None]
+        return [], ""
+    why_not = _why_not_whole(form, total)
+    if why_not:
+        return [], why_not
+    wholes = [whole for chunk in _likeliest_chunk_first(form)
+              if (whole := _with_chunk_index(form, total, chunk)) is not None]
     return wholes + [replace(whole, initial_state=node, initial_order=order)
-                     for whole in wholes for node, order in _initial_states(whole)]
+                     for whole in wholes for node, order in _initial_states(whole)], ""
 
 
 def _sum_with_off_diagonal(form: QuadraticForm) -> Node | None:
-    """The node adding `form` to another term of its shape that reads the form's queries, or None."""
+    """The node adding `form` to another term that reads the form's queries (the sum of `form`'s shape), or
+    None. In place (`y += inter`) only where nothing else reads the form: another name for it would see the sum."""
     shape = fake_tensor(form.node).shape
     queries = {n for f in form.roles.get("q", []) for n in f.nodes}
     for user in form.node.users:
-        if base_op_name(user) not in ("add", "iadd") or len(user.args) != 2 or user.kwargs.get("alpha", 1) != 1:
+        name = base_op_name(user)
+        if name not in ("add", "iadd") or len(user.args) != 2 or user.kwargs.get("alpha", 1) != 1:
+            continue
+        if name == "iadd" and len(form.node.users) > 1:
             continue
         other = user.args[1] if user.args[0] is form.node else user.args[0]
         if not isinstance(other, Node) or other is form.node or fake_tensor(user).shape != shape:
@@ -106,6 +134,52 @@ def _sum_with_off_diagonal(form: QuadraticForm) -> Node | None:
         if queries and queries <= ancestors([other]):
             return user
     return None
+
+
+# Ops after which a value passes no gradient back: a sum computed through one is not GLA's gradients, though
+# its values are (the random-input check runs forward only).
+_GRADIENT_STOPS = frozenset({"detach", "detach_"})
+
+
+def _why_not_whole(form: QuadraticForm, total: Node) -> str:
+    """Why the sum is not taken whole whatever the check says, or "": what a forward check cannot see."""
+    region = ancestors([total]) - ancestors(list(form.source_nodes()))
+    stop = next((n for n in region if base_op_name(n) in _GRADIENT_STOPS or _stops_gradients(n)), None)
+    if stop is not None:
+        return (f"the term it is added to reads the inputs through {base_op_name(stop)} ({stop.name}), which "
+                "passes no gradient; GLA's would")
+    narrow = next((n for n in region if (v := fake_tensor(n)) is not None and v.dtype in (torch.bfloat16,
+                                                                                        torch.float16)), None)
+    if narrow is not None:
+        return (f"it computes in {fake_tensor(narrow).dtype} ({narrow.name}), where the random-input check's "
+                "tolerance could not tell a wrong term between chunks from rounding")
+    return ""
+
+
+# Ops whose value does not depend on their input's values: no gradient to stop (a zero state built like one).
+_FILLS_LIKE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                         "new_full", "rand_like", "randn_like"})
+
+
+def _stops_gradients(node: Node) -> bool:
+    """A float value traced without requires_grad from one that has it (a detach, an op under no_grad)."""
+    value = fake_tensor(node)
+    if not isinstance(value, torch.Tensor) or value.requires_grad or not value.dtype.is_floating_point:
+        return False
+    if base_op_name(node) in _FILLS_LIKE:
+        return False
+    return any(isinstance(v := fake_tensor(i), torch.Tensor) and v.requires_grad for i in node.all_input_nodes)
+
+
+def _likeliest_chunk_first(form: QuadraticForm) -> list[Index]:
+    """The form's batch indices, the one just before the query position in q's layout (chunks then rows, as
+    a [B, T] tensor reshaped to [B, N, C] has them) first: each candidate costs a random-input check."""
+    ahead = []
+    for factor in form.roles.get("q", [])[:1]:
+        if TIME in factor.positions and factor.positions.index(TIME) > 0:
+            before = factor.positions[factor.positions.index(TIME) - 1]
+            ahead = [form.batch[before]] if isinstance(before, int) and before < len(form.batch) else []
+    return ahead + [b for b in form.batch if b not in ahead]
 
 
 def _with_chunk_index(form: QuadraticForm, total: Node, chunk: Index) -> ChunkedQuadratic | None:
@@ -168,8 +242,8 @@ def _position(graph: torch.fx.Graph):
     return order.__getitem__
 
 
-def describe_over_chunks(whole: ChunkedQuadratic, as_quadratic: str) -> str:
-    """The report's form, from `describe_quadratic`'s text for `whole` (its tokens and state are the whole's)."""
-    return as_quadratic.replace("quadratic form (q k^T (.) D) v,", f"chunked form with no loop over its {whole.chunks} "
-                                f"chunks of {whole.rows} tokens (quadratic forms inside chunks, states between "
-                                "them),", 1)
+def describe_over_chunks(whole: ChunkedQuadratic) -> str:
+    """The report's form: the chunks the user wrote, the tokens in all, the gates, the state."""
+    return (f"chunked form with no loop over its {whole.chunks} chunks of {whole.rows} tokens (quadratic forms "
+            f"inside chunks, states between them), {whole.T} tokens, {gate_words(whole)}, "
+            f"state {list(whole.state_shape)}")

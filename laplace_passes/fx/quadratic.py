@@ -65,7 +65,7 @@ import torch.fx
 
 from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
 from laplace_passes.fx.per_step import constant_value
-from laplace_passes.fx.token_loop import TIME, RoleFactors
+from laplace_passes.fx.token_loop import ROW, TIME, RoleFactors
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
 from laplace_passes.infra.op_facts import base_op_name
 from laplace_passes.infra.pass_base import Declined
@@ -250,6 +250,8 @@ def _gate(decays: list[Factor], i: Index, j: Index, where: dict, like: Node):
     masked = any(_unmasked(f.node) is not f.node or _masked_in_log_space(f.node) or constant_value(f.node) is not None
                  for f in decays)
     for factor in decays:
+        _check_masks_keep_the_past(factor, i, j)
+    for factor in decays:
         inner, axes = _unmasked(factor.node), factor.axes
         for reader in (_cumsum_gate, _cumprod_gate, _power_gate):
             found = reader(inner, axes, i, j)
@@ -327,6 +329,50 @@ def _unmasked(node: Node) -> Node:
         else:
             break
     return node
+
+
+def _check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
+    """Decline a constant mask on D (0 after the exp, -inf before it) that drops a key j <= i: a window of
+    recent keys is no recurrence, and the random-input check, whose decays leave little of a key some 20
+    tokens back, would not see what it drops. Which future keys a mask drops the check does see."""
+    value = fake_tensor(factor.node)
+    if value is None or i not in factor.axes or j not in factor.axes:
+        return
+    node = factor.node
+    for _ in range(8):  # the masks, trils and exp between D and what it is built from
+        name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
+        mask, inner = None, None
+        if name in ("masked_fill", "masked_fill_") and len(node.args) == 3 and isinstance(node.args[1], Node):
+            mask, inner = node.args[1], node.args[0]
+            kept = constant_value(mask)
+            kept = None if kept is None else ~kept.bool()
+        elif name == "where" and len(node.args) == 3 and isinstance(node.args[0], Node) and isinstance(node.args[1], Node):
+            mask, inner = node.args[0], node.args[1]
+            kept = constant_value(mask)
+        elif name in ("tril", "exp") and node.args and isinstance(node.args[0], Node):
+            inner, kept = node.args[0], None
+        else:
+            return
+        if mask is not None and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
+            _check_kept(kept, value.shape, factor.axes.index(i), factor.axes.index(j))
+        inner_value = fake_tensor(inner) if isinstance(inner, Node) else None
+        if inner_value is None or inner_value.shape != value.shape:
+            return
+        node = inner
+
+
+def _check_kept(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> None:
+    try:
+        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
+    except RuntimeError:
+        return  # not a mask over D's dimensions: the random-input check decides
+    past = torch.ones(kept.shape[-2], kept.shape[-1], dtype=torch.bool).tril()
+    if not (past & ~kept).any():
+        return
+    if (~past & kept).any():
+        raise Declined("its mask drops keys at or before the query and keeps later ones: not causal")
+    raise Declined("its causal mask also drops keys at or before the query (a window of recent keys?), so it is "
+                   "not a recurrence over every earlier token")
 
 
 def _masked_in_log_space(node: Node) -> bool:
@@ -504,12 +550,17 @@ def _power_gate(node: Node, axes: tuple, i: Index, j: Index):
     return "decay", base, mapped
 
 
+def gate_words(form: QuadraticForm) -> str:
+    """How the form's gates are built, as the report says it: "per-head gates summed cumulatively", ..."""
+    kinds = {"log": "gates summed cumulatively", "decay": "decays multiplied cumulatively"}
+    if form.gate_kind not in kinds:
+        return "no gate"
+    decays = form.roles.get("decay", [])
+    per = "key" if any(form.key_axis in f.positions for f in decays) else "head"
+    if form.gate_kind == "decay" and not any(p in f.positions for f in decays for p in (TIME, ROW)):
+        return f"a fixed decay per {per} raised to i - j"
+    return f"per-{per} {kinds[form.gate_kind]}"
+
+
 def describe_quadratic(form: QuadraticForm) -> str:
-    gates = {"log": "gates summed cumulatively", "decay": "decays multiplied cumulatively", "none": "no gate"}
-    kind = gates[form.gate_kind]
-    per_key = any(form.key_axis in f.positions for f in form.roles.get("decay", []))
-    per = "per-key" if per_key else "per-head"
-    if form.gate_kind == "decay" and not any(TIME in f.positions for f in form.roles.get("decay", [])):
-        kind, per = f"a fixed decay per {'key' if per_key else 'head'} raised to i - j", ""
-    return (f"quadratic form (q k^T (.) D) v, {form.T} tokens, {per if form.gate_kind != 'none' else ''} "
-            f"{kind}, state {list(form.state_shape)}").replace("  ", " ")
+    return f"quadratic form (q k^T (.) D) v, {form.T} tokens, {gate_words(form)}, state {list(form.state_shape)}"

@@ -129,13 +129,15 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
                                 reason=f"a quadratic form (q k^T (.) D) v of shape {shape}, but {reason}")
     record = RecurrenceRecord("", form.node.name, form.T, list(form.state_shape), "declined")
     try:
-        whole = _over_chunks(gm, form)
+        whole, why_not_whole = _over_chunks(gm, form)
         if whole is not None:  # NOTE [a chunked form without a loop]: already checked on random inputs
             record = RecurrenceRecord("", whole.node.name, whole.T, list(whole.state_shape), "declined",
                                       form=whole.form)
             form = whole
         else:
             record.form = form.form = describe_quadratic(form)
+            if why_not_whole:  # the row says what stays as written around the site
+                record.form += f"; not taken whole with the term added to it, since {why_not_whole}"
             check_on_random_inputs(gm, form, {}, form.T)
         _replace_whole(gm, form)
     except Declined as declined:
@@ -153,17 +155,26 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
     return record
 
 
-def _over_chunks(gm: torch.fx.GraphModule, form: QuadraticForm) -> ChunkedQuadratic | None:
-    """The whole chunked form an intra-chunk `form` is part of, the first candidate that passes the random-input
-    check; None (the form is then rewritten alone) when there is none or none passes."""
-    for whole in over_chunks(form):
-        whole.form = describe_over_chunks(whole, describe_quadratic(whole))
+def _over_chunks(gm: torch.fx.GraphModule, form: QuadraticForm) -> tuple[ChunkedQuadratic | None, str]:
+    """The whole chunked form an intra-chunk `form` is part of (NOTE [a chunked form without a loop]): the first
+    candidate that passes the random-input check with the usual gates and with weak ones; or None (the form is
+    then rewritten alone) and why."""
+    candidates, why_not = over_chunks(form)
+    for whole in candidates:
+        whole.form = describe_over_chunks(whole)
         try:
             check_on_random_inputs(gm, whole, {}, whole.T)
-        except Declined:
+            check_on_random_inputs(gm, whole.with_weak_gates(), {}, whole.T)
+        except Declined as declined:
+            why_not = why_not or declined.reason
             continue
-        return whole
-    return None
+        except Exception as error:  # noqa: BLE001 (a pass never breaks a user's compile: it declines)
+            if strict_mode():
+                raise
+            why_not = why_not or f"an internal error while checking it: {type(error).__name__}: {error}"
+            continue
+        return whole, ""
+    return None, why_not
 
 
 def _replace_whole(gm: torch.fx.GraphModule, form: QuadraticForm) -> None:
