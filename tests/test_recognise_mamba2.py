@@ -60,6 +60,20 @@ def test_transformers_mamba2_chunk_scan_is_one_gla_site_over_all_its_tokens(chun
     assert site.status == "retiled" and site.plan["n_chunks"] == chunks * chunk // TARGET_CHUNK, site.plan
 
 
+def test_on_trn2_sixteen_chunks_of_the_model_s_16_tokens_become_two_of_128():
+    args = inputs(256)
+    expected_out, expected_grads = outputs_and_grads(scan(16), args)
+    torch._dynamo.reset()
+    model = laplace_passes.compile(scan(16), target="trn2", inner="eager")
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
+    assert_close(grads, expected_grads, rtol=1e-4, atol=1e-4)
+    (row,) = model.laplace_report.recurrences
+    assert row.form.startswith("chunked form with no loop over its 16 chunks of 16 tokens"), row
+    (site,) = model.laplace_report.sites
+    assert site.status == "retiled" and (site.plan["chunk_size"], site.plan["n_chunks"]) == (128, 2), site.plan
+
+
 def test_the_final_state_a_caller_reads_stays_equal_to_eager():
     def with_final_state(*args):
         return scan(16, return_final_states=True)(*args)
