@@ -521,6 +521,19 @@ def quadratic_linear(q, k, v, g):
     return ((q @ k.transpose(-1, -2)) * causal_mask(T)) @ v
 
 
+def quadratic_scores_masked(q, k, v, g):
+    """Causal linear attention with its scores masked as a whole, in place (fla's chunked linear attention):
+    NOTE [a product masked as a whole]."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return (q @ k.transpose(-1, -2)).masked_fill_(torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1), 0) @ v
+
+
+def quadratic_scores_masked_upper(q, k, v, g):
+    """A near miss: the scores masked as a whole, but below the diagonal (each query reads the keys after it)."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return torch.where(causal_mask(T).T, q @ k.transpose(-1, -2), 0) @ v
+
+
 def quadratic_unmasked(q, k, v, g):
     """A near miss: exp(G_i - G_j) without a mask, so every query reads every later key too."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))

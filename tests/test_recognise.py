@@ -324,6 +324,7 @@ QUADRATIC = {
     "quadratic_log_mask": "per-head gates summed cumulatively",
     "quadratic_tril_before_exp": "per-head gates summed cumulatively",
     "quadratic_constant_decay": "a fixed decay per head raised to i - j",
+    "quadratic_scores_masked": "no gate",
 }
 QUADRATIC_NEAR_MISSES = {
     "quadratic_unmasked": "no causal mask",
@@ -331,6 +332,7 @@ QUADRATIC_NEAR_MISSES = {
     "quadratic_log_upper_mask": "its mask drops keys at or before the query and keeps later ones: not causal",
     "quadratic_constant_not_powers": "a constant that is not one decay per head raised to the power i - j",
     "quadratic_tril_before_exp_only": "no causal mask",
+    "quadratic_scores_masked_upper": "a constant that is not a causal mask",
 }
 
 

@@ -16,7 +16,7 @@ import laplace_passes
 from tests.test_recognise import assert_close, outputs_and_grads
 
 pytest.importorskip("fla")
-from fla.ops.linear_attn.naive import naive_recurrent_linear_attn  # noqa: E402
+from fla.ops.linear_attn.naive import naive_chunk_linear_attn, naive_recurrent_linear_attn  # noqa: E402
 from fla.ops.retention.naive import naive_retention  # noqa: E402
 from fla.ops.simple_gla.naive import naive_chunk_simple_gla, naive_parallel_simple_gla  # noqa: E402
 
@@ -57,6 +57,17 @@ CASES = {
 }
 
 
+def compiled_like_eager(fn, args):
+    """`fn` compiled for the cpu target at chunks of CHUNK: outputs and input gradients as eager's; its report."""
+    expected_out, expected_grads = outputs_and_grads(fn, args)
+    torch._dynamo.reset()
+    model = laplace_passes.compile(fn, target="cpu", chunk_size=CHUNK)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
+    assert_close(grads, expected_grads, rtol=1e-4, atol=1e-4)
+    return model.laplace_report
+
+
 @pytest.mark.parametrize("fn", list(CASES), ids=lambda fn: fn.__name__)
 def test_fla_s_naive_function_is_one_gla_site_with_its_outputs_and_gradients(fn):
     form, read = CASES[fn]
@@ -70,14 +81,27 @@ def test_fla_s_naive_function_is_one_gla_site_with_its_outputs_and_gradients(fn)
         out = fn(*full)
         return tuple(o for o in out if o is not None) if isinstance(out, tuple) else out
 
-    expected_out, expected_grads = outputs_and_grads(call, differentiable)
-    torch._dynamo.reset()
-    model = laplace_passes.compile(call, target="cpu", chunk_size=CHUNK)
-    out, grads = outputs_and_grads(model, differentiable)
-    assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
-    assert_close(grads, expected_grads, rtol=1e-4, atol=1e-4)
-    report = model.laplace_report
+    report = compiled_like_eager(call, differentiable)
     (row,) = report.recurrences
     assert row.status == "GLA site" and row.form.startswith(form), row
     (site,) = report.sites
     assert site.status == "retiled" and site.plan["n_chunks"] == T // CHUNK, site.plan
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_fla_s_chunked_linear_attention_with_no_loop_over_chunks_is_one_gla_site(normalize):
+    """`naive_chunk_linear_attn` masks its scores as a whole, `(q @ k^T).masked_fill_(triu(ones, 1), 0) @ v`
+    (NOTE [a product masked as a whole]), and passes the states between its 64-token chunks by a cumulative
+    sum with no loop (NOTE [a chunked form without a loop]); with `normalize`, the sum is then divided."""
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, 128, H, K, generator=gen).requires_grad_() for _ in range(3)]
+
+    def chunk_linear_attn(q, k, v):
+        return naive_chunk_linear_attn(q, k, v, normalize=normalize)
+
+    report = compiled_like_eager(chunk_linear_attn, args)
+    (row,) = report.recurrences
+    assert row.status == "GLA site", row
+    assert row.form.startswith("chunked form with no loop over its 2 chunks of 64 tokens") and "no gate" in row.form
+    (site,) = report.sites
+    assert site.status == "retiled" and site.plan["n_chunks"] == 128 // CHUNK, site.plan

@@ -65,6 +65,9 @@ import torch.fx
 
 from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
 from laplace_passes.fx.per_step import constant_value
+from laplace_passes.fx.quadratic_masks import (
+    CREATED_HERE, check_masks_keep_the_past, keeps_earlier_keys, with_zero_masks_read, zero_masked,
+)
 from laplace_passes.fx.token_loop import ROW, TIME, RoleFactors
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
 from laplace_passes.infra.op_facts import base_op_name
@@ -76,7 +79,6 @@ aten = torch.ops.aten
 # How far a constant decay matrix may be from gamma ** (i - j): it was computed in its dtype (exp2 of a product
 # whose rounding grows with i - j, as RetNet's is), and random inputs check the rewrite's outputs anyway.
 _CONSTANT_DECAY_RTOL = 1e-4
-_CREATED_HERE = "laplace_quadratic_created"  # meta of a node reading a form added to the graph
 
 _CONTRACTIONS = frozenset({torch.matmul, operator.matmul, torch.bmm, torch.einsum, torch.functional.einsum,
                            torch.sum, aten.bmm.default, aten.mm.default, aten.sum.dim_IntList})
@@ -185,6 +187,23 @@ def _plan(node: Node, expr: Expr) -> QuadraticForm | None:
     """None when `node` is not shaped like the form at all; Declined when it is but something does not fit."""
     if len(expr.terms) != 1:
         return None
+    plan = _plan_term(node, expr)
+    masked = None if plan is not None else with_zero_masks_read(node, expr)  # NOTE [a product masked as a whole]
+    if masked is None:
+        return plan
+    expr, created = masked
+    try:
+        plan = _plan_term(node, expr)
+    finally:
+        if plan is None:  # declined or not the form: the nodes added for it go
+            for added in reversed(created):
+                node.graph.erase_node(added)
+    if plan is not None:
+        plan.created += created
+    return plan
+
+
+def _plan_term(node: Node, expr: Expr) -> QuadraticForm | None:
     (term,) = expr.terms
     summed = expr.summed(term)
     free = {a for a in expr.axes if a is not None}
@@ -234,7 +253,7 @@ def _with_gates(node: Node, expr: Expr, coef: float, j: Index, key: Index, roles
         gate = _gate(roles["D"], i, j, {**where, i: TIME}, node)
     if gate is not None:
         plan.gate_kind, plan.roles["decay"] = gate
-        plan.created = [n for f in gate[1] for n in f.nodes if n.meta.get(_CREATED_HERE)]
+        plan.created = [n for f in gate[1] for n in f.nodes if n.meta.get(CREATED_HERE)]
     return plan
 
 
@@ -250,7 +269,7 @@ def _gate(decays: list[Factor], i: Index, j: Index, where: dict, like: Node):
     masked = any(_unmasked(f.node) is not f.node or _masked_in_log_space(f.node) or constant_value(f.node) is not None
                  for f in decays)
     for factor in decays:
-        _check_masks_keep_the_past(factor, i, j)
+        check_masks_keep_the_past(factor, i, j)
     for factor in decays:
         inner, axes = _unmasked(factor.node), factor.axes
         for reader in (_cumsum_gate, _cumprod_gate, _power_gate):
@@ -294,7 +313,7 @@ def _constant_decay(decays: list[Factor], values: list[torch.Tensor], i: Index, 
                                                    atol=torch.finfo(form.dtype).tiny):
         raise Declined("its decay matrix is a constant that is not one decay per head raised to the power i - j")
     node = new_node(like.graph, torch.tensor, (gamma.tolist(),), {"dtype": form.dtype, "device": form.device})
-    node.meta[_CREATED_HERE] = True
+    node.meta[CREATED_HERE] = True
     return "decay", [RoleFactors([node], _positions(tuple(others), where))]
 
 
@@ -329,50 +348,6 @@ def _unmasked(node: Node) -> Node:
         else:
             break
     return node
-
-
-def _check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
-    """Decline a constant mask on D (0 after the exp, -inf before it) that drops a key j <= i: a window of
-    recent keys is no recurrence, and the random-input check, whose decays leave little of a key some 20
-    tokens back, would not see what it drops. Which future keys a mask drops the check does see."""
-    value = fake_tensor(factor.node)
-    if value is None or i not in factor.axes or j not in factor.axes:
-        return
-    node = factor.node
-    for _ in range(8):  # the masks, trils and exp between D and what it is built from
-        name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
-        mask, inner = None, None
-        if name in ("masked_fill", "masked_fill_") and len(node.args) == 3 and isinstance(node.args[1], Node):
-            mask, inner = node.args[1], node.args[0]
-            kept = constant_value(mask)
-            kept = None if kept is None else ~kept.bool()
-        elif name == "where" and len(node.args) == 3 and isinstance(node.args[0], Node) and isinstance(node.args[1], Node):
-            mask, inner = node.args[0], node.args[1]
-            kept = constant_value(mask)
-        elif name in ("tril", "exp") and node.args and isinstance(node.args[0], Node):
-            inner, kept = node.args[0], None
-        else:
-            return
-        if mask is not None and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
-            _check_kept(kept, value.shape, factor.axes.index(i), factor.axes.index(j))
-        inner_value = fake_tensor(inner) if isinstance(inner, Node) else None
-        if inner_value is None or inner_value.shape != value.shape:
-            return
-        node = inner
-
-
-def _check_kept(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> None:
-    try:
-        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
-    except RuntimeError:
-        return  # not a mask over D's dimensions: the random-input check decides
-    past = torch.ones(kept.shape[-2], kept.shape[-1], dtype=torch.bool).tril()
-    if not (past & ~kept).any():
-        return
-    if (~past & kept).any():
-        raise Declined("its mask drops keys at or before the query and keeps later ones: not causal")
-    raise Declined("its causal mask also drops keys at or before the query (a window of recent keys?), so it is "
-                   "not a recurrence over every earlier token")
 
 
 def _masked_in_log_space(node: Node) -> bool:
@@ -434,8 +409,8 @@ def _segment_sum_gate(node: Node, axes: tuple, i: Index, j: Index):
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if not isinstance(dim, int) or axes[dim % value.dim()] is not i or j not in axes:
         return None
-    unmasked, kept = _zero_masked(node.args[0])
-    if kept is None or not _keeps_earlier_keys(kept, value.shape, axes.index(i), axes.index(j)):
+    unmasked, kept = zero_masked(node.args[0])
+    if kept is None or not keeps_earlier_keys(kept, value.shape, axes.index(i), axes.index(j)):
         return None
     try:
         expr = read(unmasked, lambda n: False, {})
@@ -447,34 +422,6 @@ def _segment_sum_gate(node: Node, axes: tuple, i: Index, j: Index):
     rename = {a: b for a, b in zip(expr.axes, axes) if a is not None}
     mapped = tuple(rename.get(a) if a is not None else None for a in factor.axes)
     return ("log", factor.node, mapped) if i in mapped and j not in mapped else None
-
-
-def _zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
-    """masked_fill(x, m, 0) or where(m, x, 0): x and where it is kept (a constant bool tensor), else (node, None)."""
-    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
-    args = node.args
-    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and isinstance(args[1], Node) and args[2] == 0:
-        x, mask, kept_where = args[0], args[1], False
-    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[1], Node) and args[2] == 0:
-        x, mask, kept_where = args[1], args[0], True
-    else:
-        return node, None
-    value = constant_value(mask)
-    if not isinstance(x, Node) or value is None or value.dtype != torch.bool:
-        return node, None
-    return x, value if kept_where else ~value
-
-
-def _keeps_earlier_keys(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> bool:
-    """Whether a mask keeps entry (i, j) exactly when j < i (meta masks have no values: the random check decides)."""
-    if kept.device.type == "meta":
-        return True
-    try:
-        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
-    except RuntimeError:
-        return False
-    T = shape[i_dim]
-    return torch.equal(kept, torch.ones(T, T, dtype=torch.bool).tril(-1).expand_as(kept))
 
 
 def _through_zero_tril(node: Node) -> Node:

@@ -1,0 +1,163 @@
+"""The masks on a quadratic form's decay matrix: which keys they keep, read off their constant values.
+
+`laplace_passes.fx.quadratic` reads D from the ops that build it; these
+helpers read the masks on it, whose values the graph holds (a mask built
+inside forward from its sizes is a constant):
+  * `zero_masked`, `keeps_earlier_keys`: a zero mask and whether it keeps
+    exactly the keys before the query (a segment sum's, NOTE [a segment sum]);
+  * `check_masks_keep_the_past`: a mask on D must keep every key at or
+    before the query (a window of recent keys is declined: the random-input
+    check could not see what it drops);
+  * `with_zero_masks_read` (NOTE [a product masked as a whole]).
+
+NOTE [a product masked as a whole]
+fla's `naive_chunk_linear_attn` masks the scores themselves,
+`(q @ k^T).masked_fill_(triu(ones, 1), 0) @ v`, so the masked scores read
+as one leaf and the form has one summed index, not two. Such a factor, a
+product zeroed by a constant mask (`masked_fill(y, m, 0)`, `where(m, y,
+0)`), is read as y times the mask it keeps: a bool node (`m` itself, or
+`logical_not(m)` added to the graph, erased again if the form is
+declined), a constant D that `_constant_decay` then reads (the causal mask
+alone: no decay).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, Term, read
+from laplace_passes.fx.algebra_terms import fresh_sums, rename
+from laplace_passes.fx.per_step import constant_value
+from laplace_passes.infra.fx_helpers import fake_tensor, new_node
+from laplace_passes.infra.op_facts import base_op_name
+from laplace_passes.infra.pass_base import Declined
+
+Node = torch.fx.Node
+CREATED_HERE = "laplace_quadratic_created"  # meta of a node reading a form added to the graph
+
+
+def with_zero_masks_read(node: Node, expr: Expr) -> tuple[Expr, list[Node]] | None:
+    """`expr` (one term) with each factor that zeroes a product by a constant mask read as that product times
+    the mask it keeps (NOTE [a product masked as a whole]), and the nodes added for it; None when none is."""
+    (term,) = expr.terms
+    factors, created = [], []
+    coef = term.coef
+    for factor in term.factors:
+        found = _masked_product(factor)
+        if found is None:
+            factors.append(factor)
+            continue
+        inner, mask, kept_where_true = found
+        if not kept_where_true:
+            with node.graph.inserting_before(node):
+                mask = new_node(node.graph, torch.logical_not, (mask,))
+            mask.meta[CREATED_HERE] = True
+            created.append(mask)
+        factors += [*inner.terms[0].factors, Factor(mask, _trailing(factor.axes, fake_tensor(mask).shape))]
+        coef *= inner.terms[0].coef
+    if not created and len(factors) == len(term.factors):
+        return None
+    return Expr(expr.axes, (Term(coef, tuple(factors)),)), created
+
+
+def _masked_product(factor: Factor) -> tuple[Expr, Node, bool] | None:
+    """(y read with `factor`'s indices, the mask node, whether it keeps where True) for a zero-masked product y."""
+    node = factor.node
+    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
+    args = node.args
+    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and args[2] == 0:
+        y, mask, kept_where_true = args[0], args[1], False
+    elif name == "where" and len(args) == 3 and isinstance(args[1], Node) and args[2] == 0:
+        y, mask, kept_where_true = args[1], args[0], True
+    else:
+        return None
+    value, mask_value = fake_tensor(y) if isinstance(y, Node) else None, constant_value(mask) \
+        if isinstance(mask, Node) else None
+    if value is None or mask_value is None or mask_value.dtype != torch.bool or value.shape != fake_tensor(node).shape:
+        return None
+    try:
+        inner = fresh_sums(read(y, lambda n: False, {}))
+    except NotAlgebraic:
+        return None
+    if len(inner.terms) != 1 or len(inner.terms[0].factors) < 2:
+        return None  # a leaf masked (a mask on D itself) is `_gate`'s to read
+    return rename(inner, {a: b for a, b in zip(inner.axes, factor.axes) if a is not None}), mask, kept_where_true
+
+
+def _trailing(axes: tuple, shape) -> tuple:
+    """A mask's indices: the product's last ones (it broadcasts from the right), none where its size is 1."""
+    last = axes[len(axes) - len(shape):]
+    return tuple(a if size != 1 else None for a, size in zip(last, shape))
+
+
+def zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
+    """masked_fill(x, m, 0) or where(m, x, 0): x and where it is kept (a constant bool tensor), else (node, None)."""
+    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
+    args = node.args
+    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and isinstance(args[1], Node) and args[2] == 0:
+        x, mask, kept_where = args[0], args[1], False
+    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[1], Node) and args[2] == 0:
+        x, mask, kept_where = args[1], args[0], True
+    else:
+        return node, None
+    value = constant_value(mask)
+    if not isinstance(x, Node) or value is None or value.dtype != torch.bool:
+        return node, None
+    return x, value if kept_where else ~value
+
+
+def keeps_earlier_keys(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> bool:
+    """Whether a mask keeps entry (i, j) exactly when j < i (meta masks have no values: the random check decides)."""
+    if kept.device.type == "meta":
+        return True
+    try:
+        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
+    except RuntimeError:
+        return False
+    T = shape[i_dim]
+    return torch.equal(kept, torch.ones(T, T, dtype=torch.bool).tril(-1).expand_as(kept))
+
+
+def check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
+    """Decline a constant mask on D (0 after the exp, -inf before it) that drops a key j <= i: a window of
+    recent keys is no recurrence, and the random-input check, whose decays leave little of a key some 20
+    tokens back, would not see what it drops. Which future keys a mask drops the check does see."""
+    value = fake_tensor(factor.node)
+    if value is None or i not in factor.axes or j not in factor.axes:
+        return
+    node = factor.node
+    for _ in range(8):  # the masks, trils and exp between D and what it is built from
+        name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
+        mask, inner = None, None
+        if name in ("masked_fill", "masked_fill_") and len(node.args) == 3 and isinstance(node.args[1], Node):
+            mask, inner = node.args[1], node.args[0]
+            kept = constant_value(mask)
+            kept = None if kept is None else ~kept.bool()
+        elif name == "where" and len(node.args) == 3 and isinstance(node.args[0], Node) and isinstance(node.args[1], Node):
+            mask, inner = node.args[0], node.args[1]
+            kept = constant_value(mask)
+        elif name in ("tril", "exp") and node.args and isinstance(node.args[0], Node):
+            inner, kept = node.args[0], None
+        else:
+            return
+        if mask is not None and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
+            _check_kept(kept, value.shape, factor.axes.index(i), factor.axes.index(j))
+        inner_value = fake_tensor(inner) if isinstance(inner, Node) else None
+        if inner_value is None or inner_value.shape != value.shape:
+            return
+        node = inner
+
+
+def _check_kept(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> None:
+    try:
+        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
+    except RuntimeError:
+        return  # not a mask over D's dimensions: the random-input check decides
+    past = torch.ones(kept.shape[-2], kept.shape[-1], dtype=torch.bool).tril()
+    if not (past & ~kept).any():
+        return
+    if (~past & kept).any():
+        raise Declined("its mask drops keys at or before the query and keeps later ones: not causal")
+    raise Declined("its causal mask also drops keys at or before the query (a window of recent keys?), so it is "
+                   "not a recurrence over every earlier token")
