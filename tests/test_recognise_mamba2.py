@@ -98,6 +98,21 @@ def test_a_given_initial_state_is_read_into_the_site_with_its_gradient(value_siz
     assert row.status == "GLA site" and row.form.startswith("chunked form with no loop over its 3 chunks"), row
 
 
+@pytest.mark.parametrize("given", ["detached", "bf16"])
+def test_an_initial_state_detached_or_kept_in_bf16_is_still_read_whole(given):
+    """Truncated backpropagation passes `h0.detach()`; a bf16 model's cache holds its state in bf16, which the
+    scan casts to float32. Neither is an op between the form's inputs and the sum: the scan is taken whole."""
+    gen = torch.Generator().manual_seed(1)
+    initial = torch.randn(B, H, P, N, generator=gen).requires_grad_()
+
+    def from_a_state(x, dt, A, b, c, D, initial):
+        state = initial.detach() if given == "detached" else initial.bfloat16()
+        return scan(16, initial_states=state)(x, dt, A, b, c, D)
+
+    (row,) = compiled_like_eager(from_a_state, [*inputs(48), initial]).recurrences
+    assert row.status == "GLA site" and row.form.startswith("chunked form with no loop over its 3 chunks"), row
+
+
 # -- a spelling of our own: [B, H, T, D], matmuls, the decay matrices from differences of cumulative sums ---------
 
 
@@ -204,6 +219,29 @@ def test_an_in_place_sum_another_name_still_reads_is_left_to_the_intra_chunk_for
 
     (row,) = own_compiled_equal(aliased, own_inputs())
     assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 8 tokens"), row
+
+
+def test_a_one_chunk_lookback_with_decays_near_one_is_not_taken_whole():
+    """The same near miss written with decays (ratios of cumulative products): the second check draws weak
+    decays too, so the chunk a state skips shows."""
+
+    def decays_lookback(q, k, v, a, chunk=16):
+        Bq, Hq, T, _ = q.shape
+        n = T // chunk
+        q, k, v = (t.reshape(Bq, Hq, n, chunk, t.shape[-1]) for t in (q, k, v))
+        P = a.reshape(Bq, Hq, n, chunk).cumprod(-1)
+        intra = ((q @ k.transpose(-1, -2)) * (P[..., :, None] / P[..., None, :]).tril()) @ v
+        own = (k * (P[..., -1:] / P)[..., None]).transpose(-1, -2) @ v
+        total = F.pad(P[..., -1], (1, 0), value=1.0).cumprod(-1)  # the decay up to each chunk's start
+        across = (total[..., :-1, None] / total[..., None, 1:]).tril(-1)
+        entering = torch.einsum("bhcz,bhzkv->bhckv", across - across.tril(-2), own)  # the previous chunk's only
+        return (intra + (q * P[..., None]) @ entering).flatten(2, 3)
+
+    q, k, v, _ = own_inputs(T=64)
+    a = (1 - 0.02 * torch.rand(1, 2, 64, generator=torch.Generator().manual_seed(2))).requires_grad_()
+    (row,) = own_compiled_equal(decays_lookback, [q, k, v, a])
+    assert row.status == "GLA site" and row.form.startswith("quadratic form (q k^T (.) D) v, 16 tokens"), row
+    assert "not taken whole" in row.form, row.form
 
 
 @pytest.mark.parametrize("segment_sum", [True, False], ids=["segment_sum", "differences"])

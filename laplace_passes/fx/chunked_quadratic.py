@@ -32,8 +32,11 @@ from being taken whole; in bf16 its tolerance (4e-2) would take a term
 scaled by 0.9 for rounding, so only a sum computed in float32 is (Mamba-2's
 reference computes in float32 whatever its inputs). Its random gates leave
 nothing of a state after some 20 tokens, so each candidate is checked a
-second time with gates whose decay over all T tokens stays above exp(-1)
-(`with_weak_gates`): a state that skips a chunk is seen at chunks of 256.
+second time with gates whose decay over all T tokens stays above exp(-1),
+log-gates and decays alike (`with_weak_gates`): a state that skips a chunk
+is seen at chunks of 256. Only the ops between the form's sources and the
+sum count here: a given initial state detached or kept in bf16 before the
+scan casts it is the state GLA reads as it is.
 An in-place sum (`y = intra; y += inter`) is taken only where nothing else
 reads the form, since another name for it holds the sum too.
 
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -57,7 +60,7 @@ from laplace_passes.fx.algebra import Index
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.quadratic import QuadraticForm, gate_words
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors
-from laplace_passes.fx.validate import LOG_GATES
+from laplace_passes.fx.validate import GATE_RANGES
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.op_facts import base_op_name
 
@@ -74,13 +77,14 @@ class ChunkedQuadratic(QuadraticForm):
     chunk: Index | None = None
     positions: tuple = ()  # per dimension of the sum: CHUNKS, ROW, a batch or the value position, or None
     initial_order: tuple[int, ...] | None = None  # the initial state's dimensions: batch, key, value, size-1 ones
-    log_gate_range: tuple[float, float] = LOG_GATES  # where the random-input check draws the gates
+    gate_ranges: dict = field(default_factory=lambda: dict(GATE_RANGES))  # where the random check draws gates
 
     def with_weak_gates(self) -> ChunkedQuadratic:
         """The same plan, checked with gates whose decay over all T tokens stays above exp(-1): the random-input
         check's default gates leave nothing of a state after some 20 tokens, so it could not see the terms
         between chunks of Mamba-2's 256 tokens."""
-        return replace(self, log_gate_range=(-1.0 / self.T, -0.1 / self.T))
+        weak = (-1.0 / self.T, -0.1 / self.T)
+        return replace(self, gate_ranges={"log": weak, "decay": (math.exp(weak[0]), math.exp(weak[1]))})
 
     @property
     def chunks(self) -> int:
@@ -143,7 +147,7 @@ _GRADIENT_STOPS = frozenset({"detach", "detach_"})
 
 def _why_not_whole(form: QuadraticForm, total: Node) -> str:
     """Why the sum is not taken whole whatever the check says, or "": what a forward check cannot see."""
-    region = ancestors([total]) - ancestors(list(form.source_nodes()))
+    region = _reading_a_source(total, form.source_nodes())  # a given initial state's own ops are not the sum's
     stop = next((n for n in region if base_op_name(n) in _GRADIENT_STOPS or _stops_gradients(n)), None)
     if stop is not None:
         return (f"the term it is added to reads the inputs through {base_op_name(stop)} ({stop.name}), which "
@@ -154,6 +158,15 @@ def _why_not_whole(form: QuadraticForm, total: Node) -> str:
         return (f"it computes in {fake_tensor(narrow).dtype} ({narrow.name}), where the random-input check's "
                 "tolerance could not tell a wrong term between chunks from rounding")
     return ""
+
+
+def _reading_a_source(total: Node, sources: set[Node]) -> set[Node]:
+    """The nodes between the sources and `total`: its ancestors that read a source, directly or not."""
+    reading: set[Node] = set()
+    for node in sorted(ancestors([total]) - sources, key=_position(total.graph)):
+        if any(i in sources or i in reading for i in node.all_input_nodes):
+            reading.add(node)
+    return reading
 
 
 # Ops whose value does not depend on their input's values: no gradient to stop (a zero state built like one).
@@ -211,10 +224,7 @@ def _initial_states(whole: ChunkedQuadratic, most: int = 6) -> list[tuple[Node, 
     a tensor the sum reads that reads none of the form's sources, not a constant, with the state's sizes in
     some order. At most `most` of them, the random-input check trying each."""
     sources = whole.source_nodes()
-    reads_a_source: set[Node] = set()
-    for node in sorted(ancestors([whole.node]), key=_position(whole.node.graph)):
-        if node in sources or any(i in reads_a_source for i in node.all_input_nodes):
-            reads_a_source.add(node)
+    reads_a_source = sources | _reading_a_source(whole.node, sources)
     found = []
     for node in sorted(reads_a_source, key=_position(whole.node.graph)):
         for given in node.all_input_nodes:

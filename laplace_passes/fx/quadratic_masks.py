@@ -23,6 +23,8 @@ alone: no decay).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx
 
@@ -126,27 +128,44 @@ def check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
     value = fake_tensor(factor.node)
     if value is None or i not in factor.axes or j not in factor.axes:
         return
-    node = factor.node
+    node, dropping = factor.node, 0.0  # the fill that drops an entry: 0 after the exp, -inf inside it
     for _ in range(8):  # the masks, trils and exp between D and what it is built from
         name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
-        mask, inner = None, None
-        if name in ("masked_fill", "masked_fill_") and len(node.args) == 3 and isinstance(node.args[1], Node):
-            mask, inner = node.args[1], node.args[0]
-            kept = constant_value(mask)
-            kept = None if kept is None else ~kept.bool()
-        elif name == "where" and len(node.args) == 3 and isinstance(node.args[0], Node) and isinstance(node.args[1], Node):
-            mask, inner = node.args[0], node.args[1]
-            kept = constant_value(mask)
-        elif name in ("tril", "exp") and node.args and isinstance(node.args[0], Node):
-            inner, kept = node.args[0], None
+        if name == "exp" and node.args and isinstance(node.args[0], Node):
+            inner, dropping = node.args[0], -math.inf
+        elif name == "tril" and node.args and isinstance(node.args[0], Node):
+            inner = node.args[0]
         else:
-            return
-        if mask is not None and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
-            _check_kept(kept, value.shape, factor.axes.index(i), factor.axes.index(j))
+            masked = _mask_and_fill(node)
+            if masked is None:
+                return
+            inner, mask, kept_where_true, fill = masked
+            kept = constant_value(mask)
+            if fill == dropping and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
+                _check_kept(kept if kept_where_true else ~kept, value.shape, factor.axes.index(i),
+                            factor.axes.index(j))
         inner_value = fake_tensor(inner) if isinstance(inner, Node) else None
         if inner_value is None or inner_value.shape != value.shape:
             return
         node = inner
+
+
+def _mask_and_fill(node: Node) -> tuple[Node, Node, bool, float] | None:
+    """(x, mask, whether the mask keeps x where True, the fill elsewhere) for masked_fill(x, m, fill), where(m,
+    x, fill) or where(m, fill, x) with a number as the fill; None for anything else."""
+    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
+    args = node.args
+    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and isinstance(args[1], Node):
+        x, mask, kept_where_true, fill = args[0], args[1], False, args[2]
+    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[1], Node):
+        x, mask, kept_where_true, fill = args[1], args[0], True, args[2]
+    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[2], Node):
+        x, mask, kept_where_true, fill = args[2], args[0], False, args[1]
+    else:
+        return None
+    if not isinstance(x, Node) or isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        return None
+    return x, mask, kept_where_true, float(fill)
 
 
 def _check_kept(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> None:

@@ -141,22 +141,23 @@ def _input_value(node: Node, sources: set[Node], loop):
                        "show its values; a causal mask built inside forward from its sizes (torch.ones(T, T, "
                        "dtype=torch.bool).tril()) is read as the constant it is")
     shape = [int(d) for d in value.shape]
-    low, high = random_range(node, loop.gate_sources(), getattr(loop, "log_gate_range", LOG_GATES))
+    low, high = random_range(node, loop.gate_sources(), getattr(loop, "gate_ranges", GATE_RANGES))
     return torch.empty(shape, dtype=value.dtype).uniform_(low, high)
 
 
-LOG_GATES = (-1.0, -0.05)  # where random log-gates are drawn, unless the computation checked asks for others
+# Where random gates are drawn, by kind, unless the computation checked asks for others (`gate_ranges`).
+GATE_RANGES = {"log": (-1.0, -0.05), "decay": (0.1, 0.9)}
 
 
-def random_range(node: Node, gates: dict[str, set[Node]], log_gates: tuple[float, float] = LOG_GATES
-                 ) -> tuple[float, float]:
-    """Where a random input is drawn from: log-gates in `log_gates`, decays in (0.1, 0.9), anything else (-1, 1).
+def random_range(node: Node, gates: dict[str, set[Node]], ranges: dict = GATE_RANGES) -> tuple[float, float]:
+    """Where a random input is drawn from: log-gates in (-1, -0.05), decays in (0.1, 0.9) (or `ranges`), anything
+    else (-1, 1).
 
     `gates` holds the nodes of each kind ("log", "decay"); an input is of a kind when it is read only on the
     way to that kind, or when the kind's per-step values are this input's own, selected (`A[:, t]`, whatever
     else reads A: HGRN2's key 1 - A[:, t] too): its values are then gates and must be in the gates' range.
     """
-    for kind, low_high in (("log", log_gates), ("decay", (0.1, 0.9))):
+    for kind, low_high in ranges.items():
         nodes = gates.get(kind, set())
         if node in nodes or (node.users and all(_feeds_only(u, nodes) for u in node.users)) \
                 or _selected_as(node, nodes):
