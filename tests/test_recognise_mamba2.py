@@ -299,7 +299,7 @@ def test_a_training_step_of_a_transformers_model_equals_eager_with_every_mamba_l
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     for name, grad in expected_grads.items():
-        # A_log's gradient sums every token's gate gradient: 3e-5 relative here against float64, eager 6e-7
+        # A_log's gradient sums every token's gate gradient: 1.5e-5 relative here against float64, eager 6e-7
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-3, atol=1e-5, msg=name)
     rows = laplace_passes.last_report().recurrences
     mamba_layers = sum(1 for m in model.modules() if type(m).__name__.endswith("Mixer"))
