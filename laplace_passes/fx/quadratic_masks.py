@@ -74,8 +74,8 @@ def _masked_product(factor: Factor) -> tuple[Expr, Node, bool] | None:
         y, mask, kept_where_true = args[1], args[0], True
     else:
         return None
-    value, mask_value = fake_tensor(y) if isinstance(y, Node) else None, constant_value(mask) \
-        if isinstance(mask, Node) else None
+    value = fake_tensor(y) if isinstance(y, Node) else None
+    mask_value = constant_value(mask) if isinstance(mask, Node) else None
     if value is None or mask_value is None or mask_value.dtype != torch.bool or value.shape != fake_tensor(node).shape:
         return None
     try:
