@@ -60,7 +60,7 @@ from laplace_passes.fx.algebra import Index
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.quadratic import QuadraticForm, gate_words
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors
-from laplace_passes.fx.validate import GATE_RANGES
+from laplace_passes.fx.validate import GATE_RANGES, graph_order, reading_region
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.op_facts import base_op_name
 
@@ -147,7 +147,7 @@ _GRADIENT_STOPS = frozenset({"detach", "detach_"})
 
 def _why_not_whole(form: QuadraticForm, total: Node) -> str:
     """Why the sum is not taken whole whatever the check says, or "": what a forward check cannot see."""
-    region = _reading_a_source(total, form.source_nodes())  # a given initial state's own ops are not the sum's
+    region = reading_region([total], form.source_nodes())  # a given initial state's own ops are not the sum's
     stop = next((n for n in region if base_op_name(n) in _GRADIENT_STOPS or _stops_gradients(n)), None)
     if stop is not None:
         return (f"the term it is added to reads the inputs through {base_op_name(stop)} ({stop.name}), which "
@@ -158,15 +158,6 @@ def _why_not_whole(form: QuadraticForm, total: Node) -> str:
         return (f"it computes in {fake_tensor(narrow).dtype} ({narrow.name}), where the random-input check's "
                 "tolerance could not tell a wrong term between chunks from rounding")
     return ""
-
-
-def _reading_a_source(total: Node, sources: set[Node]) -> set[Node]:
-    """The nodes between the sources and `total`: its ancestors that read a source, directly or not."""
-    reading: set[Node] = set()
-    for node in sorted(ancestors([total]) - sources, key=_position(total.graph)):
-        if any(i in sources or i in reading for i in node.all_input_nodes):
-            reading.add(node)
-    return reading
 
 
 # Ops whose value does not depend on their input's values: no gradient to stop (a zero state built like one).
@@ -224,9 +215,9 @@ def _initial_states(whole: ChunkedQuadratic, most: int = 6) -> list[tuple[Node, 
     a tensor the sum reads that reads none of the form's sources, not a constant, with the state's sizes in
     some order. At most `most` of them, the random-input check trying each."""
     sources = whole.source_nodes()
-    reads_a_source = sources | _reading_a_source(whole.node, sources)
+    reads_a_source = sources | reading_region([whole.node], sources)
     found = []
-    for node in sorted(reads_a_source, key=_position(whole.node.graph)):
+    for node in sorted(reads_a_source, key=graph_order(whole.node.graph)):
         for given in node.all_input_nodes:
             if given in reads_a_source or constant_value(given) is not None:
                 continue
@@ -245,11 +236,6 @@ def _layouts(node: Node, whole: ChunkedQuadratic) -> list[tuple[int, ...]]:
         return []
     return [(*dims, *ones) for dims in itertools.permutations(wide)
             if [value.shape[d] for d in dims] == list(whole.state_shape)]
-
-
-def _position(graph: torch.fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 def describe_over_chunks(whole: ChunkedQuadratic) -> str:

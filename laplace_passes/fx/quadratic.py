@@ -380,8 +380,7 @@ def _two_sided(node: Node, source_of, sign: float, i: Index, j: Index, axes: tup
     if len(plus) != 1 or len(minus) != 1 or plus[0].factors[0].node is not minus[0].factors[0].node:
         return None
     x = plus[0].factors[0]
-    mapped = tuple(rename.get(a) if a is not None else None for a in x.axes)
-    other = tuple(rename.get(a) if a is not None else None for a in minus[0].factors[0].axes)
+    mapped, other = _renamed(x.axes, rename), _renamed(minus[0].factors[0].axes, rename)
     if i not in mapped or j not in other:
         return None
     return x.node, mapped
@@ -420,8 +419,13 @@ def _segment_sum_gate(node: Node, axes: tuple, i: Index, j: Index):
         return None
     factor = expr.terms[0].factors[0]
     rename = {a: b for a, b in zip(expr.axes, axes) if a is not None}
-    mapped = tuple(rename.get(a) if a is not None else None for a in factor.axes)
+    mapped = _renamed(factor.axes, rename)
     return ("log", factor.node, mapped) if i in mapped and j not in mapped else None
+
+
+def _renamed(axes: tuple, rename: dict) -> tuple:
+    """A factor's axes in the names of the expression it was read for (None where a size-1 dimension is)."""
+    return tuple(rename.get(a) if a is not None else None for a in axes)
 
 
 def _through_zero_tril(node: Node) -> Node:

@@ -24,6 +24,7 @@ alone: no decay).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -66,16 +67,11 @@ def with_zero_masks_read(node: Node, expr: Expr) -> tuple[Expr, list[Node]] | No
 def _masked_product(factor: Factor) -> tuple[Expr, Node, bool] | None:
     """(y read with `factor`'s indices, the mask node, whether it keeps where True) for a zero-masked product y."""
     node = factor.node
-    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
-    args = node.args
-    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and args[2] == 0:
-        y, mask, kept_where_true = args[0], args[1], False
-    elif name == "where" and len(args) == 3 and isinstance(args[1], Node) and args[2] == 0:
-        y, mask, kept_where_true = args[1], args[0], True
-    else:
+    masked = _masking(node)
+    if masked is None or masked.fill_leads or masked.fill != 0:
         return None
-    value = fake_tensor(y) if isinstance(y, Node) else None
-    mask_value = constant_value(mask) if isinstance(mask, Node) else None
+    y, mask, kept_where_true = masked.x, masked.mask, masked.kept_where_true
+    value, mask_value = fake_tensor(y), constant_value(mask)
     if value is None or mask_value is None or mask_value.dtype != torch.bool or value.shape != fake_tensor(node).shape:
         return None
     try:
@@ -95,27 +91,21 @@ def _trailing(axes: tuple, shape) -> tuple:
 
 def zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
     """masked_fill(x, m, 0) or where(m, x, 0): x and where it is kept (a constant bool tensor), else (node, None)."""
-    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
-    args = node.args
-    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and isinstance(args[1], Node) and args[2] == 0:
-        x, mask, kept_where = args[0], args[1], False
-    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[1], Node) and args[2] == 0:
-        x, mask, kept_where = args[1], args[0], True
-    else:
+    masked = _masking(node)
+    if masked is None or masked.fill_leads or masked.fill != 0:
         return node, None
-    value = constant_value(mask)
-    if not isinstance(x, Node) or value is None or value.dtype != torch.bool:
+    value = constant_value(masked.mask)
+    if value is None or value.dtype != torch.bool:
         return node, None
-    return x, value if kept_where else ~value
+    return masked.x, value if masked.kept_where_true else ~value
 
 
 def keeps_earlier_keys(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> bool:
     """Whether a mask keeps entry (i, j) exactly when j < i (meta masks have no values: the random check decides)."""
     if kept.device.type == "meta":
         return True
-    try:
-        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
-    except RuntimeError:
+    kept = _over_query_and_key(kept, shape, i_dim, j_dim)
+    if kept is None:
         return False
     T = shape[i_dim]
     return torch.equal(kept, torch.ones(T, T, dtype=torch.bool).tril(-1).expand_as(kept))
@@ -136,13 +126,12 @@ def check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
         elif name == "tril" and node.args and isinstance(node.args[0], Node):
             inner = node.args[0]
         else:
-            masked = _mask_and_fill(node)
-            if masked is None:
+            masked = _masking(node)
+            if masked is None or isinstance(masked.fill, bool) or not isinstance(masked.fill, (int, float)):
                 return
-            inner, mask, kept_where_true, fill = masked
-            kept = constant_value(mask)
-            if fill == dropping and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
-                _check_kept(kept if kept_where_true else ~kept, value.shape, factor.axes.index(i),
+            inner, kept = masked.x, constant_value(masked.mask)
+            if masked.fill == dropping and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
+                _check_kept(kept if masked.kept_where_true else ~kept, value.shape, factor.axes.index(i),
                             factor.axes.index(j))
         inner_value = fake_tensor(inner) if isinstance(inner, Node) else None
         if inner_value is None or inner_value.shape != value.shape:
@@ -150,28 +139,43 @@ def check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
         node = inner
 
 
-def _mask_and_fill(node: Node) -> tuple[Node, Node, bool, float] | None:
-    """(x, mask, whether the mask keeps x where True, the fill elsewhere) for masked_fill(x, m, fill), where(m,
-    x, fill) or where(m, fill, x) with a number as the fill; None for anything else."""
+class _Masked(NamedTuple):
+    x: Node
+    mask: Node
+    kept_where_true: bool  # the mask keeps x where it is True (masked_fill's: where it is False)
+    fill: object  # what the other entries get, as written (a number, or a node)
+    fill_leads: bool  # where(m, fill, x): the fill is where's first branch
+
+
+def _masking(node: Node) -> _Masked | None:
+    """masked_fill(x, m, fill), where(m, x, fill) or where(m, fill, x), with x and m nodes; None otherwise. The
+    callers say which fills they take."""
     name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
     args = node.args
-    if name in ("masked_fill", "masked_fill_") and len(args) == 3 and isinstance(args[1], Node):
-        x, mask, kept_where_true, fill = args[0], args[1], False, args[2]
-    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[1], Node):
-        x, mask, kept_where_true, fill = args[1], args[0], True, args[2]
-    elif name == "where" and len(args) == 3 and isinstance(args[0], Node) and isinstance(args[2], Node):
-        x, mask, kept_where_true, fill = args[2], args[0], False, args[1]
+    if len(args) != 3:
+        return None
+    if name in ("masked_fill", "masked_fill_") and isinstance(args[1], Node):
+        masked = _Masked(args[0], args[1], False, args[2], False)
+    elif name == "where" and isinstance(args[0], Node) and isinstance(args[1], Node):
+        masked = _Masked(args[1], args[0], True, args[2], False)
+    elif name == "where" and isinstance(args[0], Node) and isinstance(args[2], Node):
+        masked = _Masked(args[2], args[0], False, args[1], True)
     else:
         return None
-    if not isinstance(x, Node) or isinstance(fill, bool) or not isinstance(fill, (int, float)):
+    return masked if isinstance(masked.x, Node) else None
+
+
+def _over_query_and_key(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> torch.Tensor | None:
+    """A mask broadcast to D's shape, the query and key dimensions last; None when it does not broadcast."""
+    try:
+        return kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
+    except RuntimeError:
         return None
-    return x, mask, kept_where_true, float(fill)
 
 
 def _check_kept(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> None:
-    try:
-        kept = kept.broadcast_to(tuple(shape)).movedim((i_dim, j_dim), (-2, -1))
-    except RuntimeError:
+    kept = _over_query_and_key(kept, shape, i_dim, j_dim)
+    if kept is None:
         return  # not a mask over D's dimensions: the random-input check decides
     past = torch.ones(kept.shape[-2], kept.shape[-1], dtype=torch.bool).tril()
     if not (past & ~kept).any():

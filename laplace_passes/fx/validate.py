@@ -54,9 +54,9 @@ def check_on_random_inputs(gm: torch.fx.GraphModule, loop, memo: dict, steps: in
     old = loop.results(steps)
     _check_compute_dtype(old)
     sources = loop.source_nodes()
-    region = _region(old, sources)
+    region = reading_region(old, sources)
     externals = sorted({i for n in region for i in n.all_input_nodes if i not in region} | sources,
-                       key=_order(gm.graph))
+                       key=graph_order(gm.graph))
     graph = torch.fx.Graph()
     env = {n: graph.placeholder(f"input_{i}") for i, n in enumerate(externals)}
     for node in gm.graph.nodes:
@@ -108,15 +108,16 @@ def _switches_autocast(node: Node) -> bool:
     return node.op == "call_function" and node.target in _AUTOCAST_SWITCHES
 
 
-def _order(graph: torch.fx.Graph):
+def graph_order(graph: torch.fx.Graph):
+    """A sort key putting a graph's nodes in the order the graph runs them."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     return lambda n: position[n]
 
 
-def _region(outputs: list[Node], sources: set[Node]) -> set[Node]:
+def reading_region(outputs: list[Node], sources: set[Node]) -> set[Node]:
     """The nodes that compute `outputs` from the sources (ancestors of the outputs that read a source)."""
     candidates = ancestors(outputs) - sources
-    position = _order(outputs[0].graph)
+    position = graph_order(outputs[0].graph)
     reads_source: dict[Node, bool] = {}
     for node in sorted(candidates, key=position):
         reads_source[node] = any(i in sources or reads_source.get(i, False) for i in node.all_input_nodes)

@@ -378,7 +378,7 @@ class IntraChunk:
             if d == 0:
                 main = d_scores
                 continue
-            weights = d_scores if decay is None else d_scores * decay
+            weights = d_scores * decay  # below the diagonal: every decay is a tensor (only d = 0's is None)
             dq_part = _pad_rows(weights * self.k_leaf[..., : L - d, :], d, 0)  # rows c
             dk_part = _pad_rows(weights * self.q_leaf[..., d:, :], 0, d)  # rows c - d
             dq = dq_part if dq is None else dq + dq_part
