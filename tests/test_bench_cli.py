@@ -436,3 +436,23 @@ def test_bench_mamba2_times_the_scan_as_written_and_as_one_gla_site(capfd):
     assert set(result["ms"]) == {"eager", "laplace"} and all(ms > 0 for ms in result["ms"].values())
     for path, ms in result["ms"].items():
         assert f"{path:<17} {ms:8.1f} ms  {result['ms']['eager'] / ms:5.2f}x eager" in out, out
+
+
+def test_bench_recompile_reuses_the_traces_it_says_it_reuses(capfd, monkeypatch):
+    """Of its four compiles (a warm-up and a round of each), the reused one after the warm-up traces no
+    chunk-loop body and the others trace both (the forward's and the backward's); its row is printed."""
+    from benchmarks import bench_recompile
+    from laplace_passes.infra.fx_helpers import GraphsAcrossModes
+    from laplace_passes.unroll import chunk_loops
+
+    traces = []
+    trace_here = chunk_loops.ChunkLoopExpander._traced
+    monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
+                        lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+    monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", GraphsAcrossModes(4))  # none from earlier tests
+    (result,) = bench_recompile.main(["--seq-len", "64", "--targets", "trn2", "--repeats", "1"])
+    assert len(traces) == 3 * 2
+    out, _ = capfd.readouterr()
+    assert result["ratio"] == pytest.approx(result["reused_s"] / result["traced_again_s"])
+    assert (f"trn2  T=64 inner eager: second compile + step {result['reused_s']:.2f} s with traces reused, "
+            f"{result['traced_again_s']:.2f} s traced again ({result['ratio']:.2f}x)") in out, out

@@ -158,18 +158,21 @@ def test_chunk_loop_op_pass_level():
     assert all("val" in n.meta for n in outcome.graph_module.graph.nodes if n.op == "call_function")
 
 
-def test_graphs_of_one_fake_mode_share_a_trace_and_another_mode_or_layout_traces_again(monkeypatch):
+def test_a_trace_is_shared_within_a_fake_mode_reused_across_modes_and_made_again_for_another_layout(monkeypatch):
     """NOTE [traces shared within a fake mode]: a backward passed through the passes twice (sent to the
-    helper, then compiled) traces its body once; a graph of another fake mode, or inputs laid out otherwise,
-    trace their own, and each graph computes what the op does."""
+    helper, then compiled) traces its body once. NOTE [traces reused across fake modes]: a graph of another
+    fake mode takes a copy of that trace, its values that mode's own; inputs laid out otherwise trace their
+    own. Each graph computes what the op does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from laplace_passes.infra.fx_helpers import GraphsAcrossModes
     from laplace_passes.unroll import chunk_loops
 
     traces = []
     trace_here = chunk_loops.ChunkLoopExpander._traced
     monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
                         lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+    monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", GraphsAcrossModes(4))  # none from earlier tests
     q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
     k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # the same values and shape, other strides
 
@@ -184,15 +187,94 @@ def test_graphs_of_one_fake_mode_share_a_trace_and_another_mode_or_layout_traces
         assert_straight_line(outcome.graph_module.code)
         for a, e in zip(outcome.graph_module(q, keys, v, gk, h0), f(q, keys, v, gk, h0)):
             torch.testing.assert_close(a, e)
+        values = [n.meta["val"] for n in outcome.graph_module.graph.nodes if n.op == "call_function"]
+        assert all(t.fake_mode is mode for value in values for t in pytree_tensors(value))
         return outcome.graph_module.code
 
     mode, other_mode = FakeTensorMode(), FakeTensorMode()
     first = unrolled_in(mode, k)
     assert unrolled_in(mode, k) == first and len(traces) == 1  # the second pass took the first's trace
-    unrolled_in(other_mode, k)
-    assert len(traces) == 2
+    assert unrolled_in(other_mode, k) == first and len(traces) == 1  # a copy, its values other_mode's
     unrolled_in(mode, k_strided)
-    assert len(traces) == 3
+    assert len(traces) == 2
+
+
+def pytree_tensors(value) -> list:
+    from torch.utils import _pytree as pytree
+
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def test_graphs_kept_across_modes_hold_no_fake_value_and_each_taker_gets_its_own_copy():
+    """GraphsAcrossModes: what it keeps has no fake value (no mode kept alive); a taker's copy has values of
+    its inputs' mode, with tensor_meta as make_fx leaves; a change to one copy reaches no other; a graph
+    with constants is not kept; the least recently used goes first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from laplace_passes.infra.fx_helpers import GraphsAcrossModes
+
+    def f(x, y):
+        return (x @ y.t()).relu() + x.sum()
+
+    store = GraphsAcrossModes(2)
+    first_mode = FakeTensorMode()
+    traced = make_fx(f, tracing_mode="fake")(*(first_mode.from_tensor(torch.ones(n, 4)) for n in (3, 5)))
+    store.put("f", traced)
+    assert all("val" not in n.meta for n in store._graphs["f"].graph.nodes)
+    assert all("val" in n.meta for n in traced.graph.nodes if n.op != "output")  # the tracer's own graph is left as it was
+    mode = FakeTensorMode()
+    inputs = [mode.from_tensor(torch.randn(3, 4)), mode.from_tensor(torch.randn(5, 4))]
+    copy = store.get("f", inputs)
+    computed = [n for n in copy.graph.nodes if n.op == "call_function"]
+    assert [n.meta["val"].shape for n in computed] == [n.meta["val"].shape for n in traced.graph.nodes
+                                                        if n.op == "call_function"]
+    assert all(n.meta["val"].fake_mode is mode and n.meta["tensor_meta"].shape == n.meta["val"].shape for n in computed)
+    x, y = torch.randn(3, 4), torch.randn(5, 4)
+    torch.testing.assert_close(copy(x, y), f(x, y))
+    computed[0].meta["changed"] = True
+    with copy.graph.inserting_after(computed[0]):
+        copy.graph.call_function(torch.ops.aten.neg.default, (computed[0],))
+    again = [n for n in store.get("f", inputs).graph.nodes if n.op == "call_function"]
+    assert len(again) == len(computed) and "changed" not in again[0].meta
+
+    constant = torch.fx.symbolic_trace(torch.nn.Linear(4, 2))  # reads its weight through get_attr
+    store.put("constant", constant)
+    assert store.get("constant", inputs[:1]) is None
+    store.put("g", traced)
+    store.get("f", inputs)  # f used after g was put: g is the least recently used
+    store.put("h", traced)
+    assert sorted(store._graphs) == ["f", "h"]
+
+
+def test_a_second_compile_of_the_same_shapes_traces_no_body_and_computes_the_same(monkeypatch):
+    """After `torch._dynamo.reset()` (a new fake mode), a GLA of the same shapes compiles again with the
+    traces of the first compile, outputs and gradients equal to the first's."""
+    from laplace_passes.infra.fx_helpers import GraphsAcrossModes
+    from laplace_passes.unroll import chunk_loops
+
+    traces = []
+    trace_here = chunk_loops.ChunkLoopExpander._traced
+    monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
+                        lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+    monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", GraphsAcrossModes(4))
+    q, k, v, gk, h0 = make_inputs(1, 200, 2, 8, 6, gate_divisor=1.0)
+
+    def f(q, k, v, gk, h0):
+        return laplace_passes.gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+
+    def compiled_run():
+        torch._dynamo.reset()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gk, h0)]
+        o, state = laplace_passes.compile(f, target="trn2", chunk_size=64)(*leaves)
+        return [o, state, *torch.autograd.grad(o.sum() + state.sum(), leaves)]
+
+    first = compiled_run()
+    assert len(traces) == 2  # the forward's body and the backward's
+    second = compiled_run()
+    assert len(traces) == 2
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
 
 
 def test_two_sites_of_one_graph_laid_out_otherwise_trace_their_own(monkeypatch):
@@ -206,6 +288,7 @@ def test_two_sites_of_one_graph_laid_out_otherwise_trace_their_own(monkeypatch):
     trace_here = chunk_loops.ChunkLoopExpander._traced
     monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
                         lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+    monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", chunk_loops.GraphsAcrossModes(4))  # none from earlier tests
     q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
     k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)
 

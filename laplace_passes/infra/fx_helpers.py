@@ -16,6 +16,7 @@ the size model and the inner compilers can read shapes from every node.
 
 from __future__ import annotations
 
+import copy
 import operator
 import threading
 from typing import Any, Iterable
@@ -24,8 +25,10 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, optimization_hint
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
@@ -150,6 +153,63 @@ class GraphsByFakeMode:
             if take:
                 del self._graphs[(id(fake_mode), key)]
             return kept[1]
+
+
+class GraphsAcrossModes:
+    """Graphs traced at static shapes, kept by key without their fake values and handed to any fake mode.
+
+    A graph traced at static shapes is the same in every fake mode: only its
+    values belong to one. `get` copies a kept graph and computes its values
+    afresh from `inputs` (fake tensors of the caller's mode), which costs
+    about a third of a make_fx trace; graphs with attributes (constants) are
+    not kept. The newest `size`, least recently used dropped first.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"GraphsAcrossModes keeps at least one graph, got size={size}")
+        self.size = size
+        self._graphs: dict[Any, torch.fx.GraphModule] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def put(self, key: Any, gm: torch.fx.GraphModule) -> None:
+        if any(node.op == "get_attr" for node in gm.graph.nodes):
+            return
+        kept = _copy_graph(gm)
+        for node in kept.graph.nodes:  # no fake values: they would hold their mode alive
+            for name in (*FAKE_KEYS, "tensor_meta"):
+                node.meta.pop(name, None)
+        with self._lock:
+            self._graphs.pop(key, None)
+            while len(self._graphs) >= self.size:
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[key] = kept
+
+    def get(self, key: Any, inputs: list[torch.Tensor]) -> torch.fx.GraphModule | None:
+        with self._lock:
+            kept = self._graphs.pop(key, None)
+            if kept is None:
+                return None
+            self._graphs[key] = kept  # the most recently used last
+        gm = _copy_graph(kept)
+        propagate_from_inputs(gm, inputs)
+        for node in gm.graph.nodes:  # as make_fx leaves them
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+        return gm
+
+
+def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule of a copy of `gm`'s graph: nodes and meta dicts are new, so neither changes the other."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)  # make_fx's: how a call's arguments and outputs are flattened
+    # Its Python code is generated at its first call, if any: the passes read the graph (a tenth of a second
+    # per body otherwise).
+    return _LazyGraphModule(gm, graph)
 
 
 def propagate_fake_value(node: Node) -> None:

@@ -48,6 +48,18 @@ decompositions. So traces are kept across expanders too, for the last
 `SHARED_TRACES` (op, signature, input strides, recurrence, decompositions,
 fake mode): a trace's fake values belong to its fake mode, and a graph of
 another mode traces its own.
+
+NOTE [traces reused across fake modes]
+A body traced at static shapes is the same graph in every fake mode; only
+its fake values belong to one. A later compile of the same shapes in
+another mode (the model compiled again, `inspect` or `preflight` then
+`compile`, a model in eval and then in train mode, a Dynamo recompile
+that keeps the GLA shapes) would trace it again at about a millisecond a
+node. The last `TRACES_ACROSS_MODES` static-shape traces are kept without
+their values, under the same key as above less the mode; a hit copies the
+graph and runs it on the new mode's fake inputs (`GraphsAcrossModes`),
+about a third of a trace. A symbolic batch is traced with the host's own
+symbols and is never reused in another mode.
 """
 
 from __future__ import annotations
@@ -63,7 +75,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunk_recurrence_op
 from laplace_passes.ops.chunked_backward import chunked_backward
 from laplace_passes.ops.chunked_forward import ChunkLayout, chunk_recurrence, chunked_forward
-from laplace_passes.infra.fx_helpers import GraphsByFakeMode, fake_tensor, fake_value, has_fake_value, provenance_of
+from laplace_passes.infra.fx_helpers import (
+    GraphsAcrossModes, GraphsByFakeMode, fake_tensor, fake_value, has_fake_value, provenance_of,
+)
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
 
@@ -158,12 +172,23 @@ class ChunkLoopExpander:
             fake_mode, shared_key = detect_fake_mode(tensors), (*key, self._shared_key)
             traced = _SHARED.get(fake_mode, shared_key)
             if traced is None:
-                body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args],
-                               self.recurrence)
-                traced = self._traced(body, tensors)
+                traced = self._traced_or_reused(node, tensors, shared_key)
                 _SHARED.put(fake_mode, shared_key, traced)
             self._traces[key] = traced
         return self._traces[key]
+
+    def _traced_or_reused(self, node: torch.fx.Node, tensors: list[torch.Tensor], key: tuple) -> torch.fx.GraphModule:
+        """The body traced on `tensors`, or at static shapes a trace of another fake mode given their values
+        (NOTE [traces reused across fake modes])."""
+        static = all(isinstance(size, int) for t in tensors for size in t.shape)
+        reused = _ACROSS_MODES.get(key, tensors) if static else None
+        if reused is not None:
+            return reused
+        body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args], self.recurrence)
+        traced = self._traced(body, tensors)
+        if static:
+            _ACROSS_MODES.put(key, traced)
+        return traced
 
     def _traced(self, body: Callable, tensors: list[torch.Tensor]) -> torch.fx.GraphModule:
         """`body` traced on the host graph's fake tensors, in their fake mode.
@@ -180,6 +205,8 @@ class ChunkLoopExpander:
 
 SHARED_TRACES = 4  # traces kept across expanders (NOTE [traces shared within a fake mode])
 _SHARED = GraphsByFakeMode(SHARED_TRACES)
+TRACES_ACROSS_MODES = 8  # static-shape traces kept for any fake mode (NOTE [traces reused across fake modes])
+_ACROSS_MODES = GraphsAcrossModes(TRACES_ACROSS_MODES)
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
