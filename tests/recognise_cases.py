@@ -565,6 +565,34 @@ def quadratic_log_upper_mask(q, k, v, g):
     return torch.einsum("btsh,bshv->bthv", torch.einsum("bthk,bshk->btsh", q, k) * D, v)
 
 
+def quadratic_fill_first(q, k, v, g):
+    """Both masks written fill first, where(upper, fill, x): -inf inside the exp, then 0 after it."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    upper = ~causal_mask(T)
+    D = torch.where(upper, 0.0, torch.where(upper, float("-inf"), G[..., :, None] - G[..., None, :]).exp())
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_zero_fill_before_exp(q, k, v, g):
+    """The differences zeroed before the exp by a bool mask (the diagonal too, where they are 0 already), the
+    causal mask after it: exp(masked_fill(G_i - G_j, j >= i, 0)).tril()."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(-1), 0).exp().tril()
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_zero_fill_below_before_exp(q, k, v, g):
+    """A near miss: a zero fill before the exp that also zeroes differences below the diagonal (a band of keys
+    2 to 4 tokens back decays by 1, not by its gates)."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    band = torch.ones(T, T, dtype=torch.bool).tril(-2) & ~torch.ones(T, T, dtype=torch.bool).tril(-5)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(band | ~causal_mask(T), 0).exp().tril()
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
 def quadratic_key_gates(q, k, v, g):
     """GLA's own gates (one per key) in the parallel form: D [B, H, T, T, K], one einsum."""
     q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))

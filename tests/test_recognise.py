@@ -325,6 +325,8 @@ QUADRATIC = {
     "quadratic_tril_before_exp": "per-head gates summed cumulatively",
     "quadratic_constant_decay": "a fixed decay per head raised to i - j",
     "quadratic_scores_masked": "no gate",
+    "quadratic_fill_first": "per-head gates summed cumulatively",
+    "quadratic_zero_fill_before_exp": "per-head gates summed cumulatively",
 }
 QUADRATIC_NEAR_MISSES = {
     "quadratic_unmasked": "no causal mask",
@@ -333,6 +335,7 @@ QUADRATIC_NEAR_MISSES = {
     "quadratic_constant_not_powers": "a constant that is not one decay per head raised to the power i - j",
     "quadratic_tril_before_exp_only": "no causal mask",
     "quadratic_scores_masked_upper": "a constant that is not a causal mask",
+    "quadratic_zero_fill_below_before_exp": "not built from a cumulative sum",
 }
 
 

@@ -66,7 +66,8 @@ import torch.fx
 from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.quadratic_masks import (
-    CREATED_HERE, check_masks_keep_the_past, keeps_earlier_keys, with_zero_masks_read, zero_masked,
+    CREATED_HERE, check_masks_keep_the_past, filled, keeps_earlier_keys, keeps_every_earlier_key, with_zero_masks_read,
+    zero_masked,
 )
 from laplace_passes.fx.token_loop import ROW, TIME, RoleFactors
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
@@ -341,10 +342,8 @@ def _unmasked(node: Node) -> Node:
             node = node.args[0]
         elif name == "triu":
             raise Declined("its mask keeps the upper triangle (each query reads the keys after it): not causal")
-        elif name in ("masked_fill", "masked_fill_") and isinstance(node.args[0], Node) and node.args[2] == 0:
-            node = node.args[0]
-        elif name == "where" and len(node.args) == 3 and isinstance(node.args[1], Node) and node.args[2] == 0:
-            node = node.args[1]
+        elif filled(node, 0.0) is not None:  # masked_fill / where, the fill 0 on either side
+            node = filled(node, 0.0)
         else:
             break
     return node
@@ -356,14 +355,9 @@ def _masked_in_log_space(node: Node) -> bool:
 
 
 def _log_unmasked(node: Node) -> Node:
-    """Through masked_fill(mask, -inf) / where(mask, x, -inf) to what is masked (which random inputs then check
-    is the causal mask, as for a mask after the exp)."""
-    name = base_op_name(node) if node.op in ("call_function", "call_method") else ""
-    if name in ("masked_fill", "masked_fill_") and isinstance(node.args[0], Node) and node.args[2] == -math.inf:
-        return node.args[0]
-    if name == "where" and len(node.args) == 3 and isinstance(node.args[1], Node) and node.args[2] == -math.inf:
-        return node.args[1]
-    return node
+    """Through masked_fill(mask, -inf) / where(mask, x, -inf) / where(mask, -inf, x) to what is masked (which
+    random inputs then check is the causal mask, as for a mask after the exp)."""
+    return filled(node, -math.inf) or node
 
 
 def _two_sided(node: Node, source_of, sign: float, i: Index, j: Index, axes: tuple):
@@ -390,7 +384,7 @@ def _cumsum_gate(node: Node, axes: tuple, i: Index, j: Index):
     """exp(G_i - G_j) with G = cumsum(g, over the tokens): the gates are g."""
     if base_op_name(node) != "exp" or not isinstance(node.args[0], Node):
         return None
-    inner = _log_unmasked(_through_zero_tril(node.args[0]))
+    inner = _log_unmasked(_through_zero_tril(node.args[0], axes, i, j))
     found = _two_sided(inner, _cumsum_source, -1.0, i, j, axes)
     if found is None:
         return _segment_sum_gate(inner, axes, i, j)
@@ -428,14 +422,19 @@ def _renamed(axes: tuple, rename: dict) -> tuple:
     return tuple(rename.get(a) if a is not None else None for a in axes)
 
 
-def _through_zero_tril(node: Node) -> Node:
+def _through_zero_tril(node: Node, axes: tuple, i: Index, j: Index) -> Node:
     """exp((G_i - G_j).tril()).tril(), as fla's parallel simple GLA writes it: the differences above the diagonal
     are 0 before the exp (exp(0) = 1 there, so this tril is no mask: `_gate` still needs one after the exp).
-    Any diagonal >= -1 zeroes only differences that are 0 (G_i - G_i) or that the mask after the exp drops."""
+    Any diagonal >= -1 zeroes only differences that are 0 (G_i - G_i) or that the mask after the exp drops; so
+    does a zero fill (masked_fill / where) by a constant mask keeping every j < i."""
     if base_op_name(node) == "tril" and node.args and isinstance(node.args[0], Node):
         diagonal = _tril_diagonal(node)
         if isinstance(diagonal, int) and diagonal >= -1:
             return node.args[0]
+    value = fake_tensor(node)
+    if value is not None and value.dim() == len(axes) and i in axes and j in axes and \
+            keeps_every_earlier_key(node, value.shape, axes.index(i), axes.index(j)):
+        return filled(node, 0.0)
     return node
 
 

@@ -100,6 +100,26 @@ def zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
     return masked.x, value if masked.kept_where_true else ~value
 
 
+def filled(node: Node, fill: float) -> Node | None:
+    """x of masked_fill(x, m, fill), where(m, x, fill) or where(m, fill, x) (the mask either way round); else None.
+    Which entries the mask keeps the callers check, or the random-input check does."""
+    masked = _masking(node)
+    if masked is None or isinstance(masked.fill, bool) or not isinstance(masked.fill, (int, float)):
+        return None
+    return masked.x if masked.fill == fill else None
+
+
+def keeps_every_earlier_key(node: Node, shape, i_dim: int, j_dim: int) -> bool:
+    """Whether `node` is a zero fill (masked_fill / where) by a constant mask that keeps every entry j < i."""
+    masked = _masking(node)
+    kept = None if filled(node, 0.0) is None else constant_value(masked.mask)
+    if kept is None or kept.dtype != torch.bool or kept.device.type == "meta":
+        return False
+    kept = _over_query_and_key(kept if masked.kept_where_true else ~kept, shape, i_dim, j_dim)
+    earlier = torch.ones(shape[i_dim], shape[j_dim], dtype=torch.bool).tril(-1)
+    return kept is not None and not (earlier & ~kept).any()
+
+
 def keeps_earlier_keys(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> bool:
     """Whether a mask keeps entry (i, j) exactly when j < i (meta masks have no values: the random check decides)."""
     if kept.device.type == "meta":
