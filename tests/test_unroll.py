@@ -206,31 +206,52 @@ def pytree_tensors(value) -> list:
 
 
 def test_graphs_kept_across_modes_hold_no_fake_value_and_each_taker_gets_its_own_copy():
-    """GraphsAcrossModes: what it keeps has no fake value (no mode kept alive); a taker's copy has values of
-    its inputs' mode, with tensor_meta as make_fx leaves; a change to one copy reaches no other; a graph
-    with constants is not kept; the least recently used goes first."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """GraphsAcrossModes: what it keeps holds no fake tensor (no mode kept alive: make_fx's `eager_input_vals`
+    on a custom op included); a taker's copy has values of its inputs' mode, with tensor_meta and
+    eager_input_vals as make_fx leaves them; a change to one copy reaches no other; a graph with constants
+    is not kept; the least recently used goes first."""
+    import gc
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils import _pytree as pytree
 
     from laplace_passes.infra.fx_helpers import GraphsAcrossModes
+    from laplace_passes.ops.chunked import chunk_recurrence_op
 
-    def f(x, y):
-        return (x @ y.t()).relu() + x.sum()
+    def f(x, d):
+        states, final = chunk_recurrence_op(x * 2, d, None, False)  # an op whose trace keeps eager_input_vals
+        return states.relu() + x.sum(), final
 
+    def fakes(mode, *tensors):
+        return [mode.from_tensor(t) for t in tensors]
+
+    shapes = torch.randn(1, 2, 3, 4, 5), torch.rand(1, 2, 3, 4, 1)
     store = GraphsAcrossModes(2)
     first_mode = FakeTensorMode()
-    traced = make_fx(f, tracing_mode="fake")(*(first_mode.from_tensor(torch.ones(n, 4)) for n in (3, 5)))
+    traced = make_fx(f, tracing_mode="fake")(*fakes(first_mode, *shapes))
+    assert any("eager_input_vals" in n.meta for n in traced.graph.nodes)
     store.put("f", traced)
-    assert all("val" not in n.meta for n in store._graphs["f"].graph.nodes)
-    assert all("val" in n.meta for n in traced.graph.nodes if n.op != "output")  # the tracer's own graph is left as it was
+    kept = store._graphs["f"][0]
+    assert not any(isinstance(leaf, FakeTensor) for n in kept.graph.nodes for leaf in pytree.tree_leaves(n.meta))
+    alive = weakref.ref(first_mode)
+    del traced, first_mode
+    gc.collect()
+    assert alive() is None
     mode = FakeTensorMode()
-    inputs = [mode.from_tensor(torch.randn(3, 4)), mode.from_tensor(torch.randn(5, 4))]
+    inputs = fakes(mode, *shapes)
     copy = store.get("f", inputs)
     computed = [n for n in copy.graph.nodes if n.op == "call_function"]
-    assert [n.meta["val"].shape for n in computed] == [n.meta["val"].shape for n in traced.graph.nodes
-                                                        if n.op == "call_function"]
-    assert all(n.meta["val"].fake_mode is mode and n.meta["tensor_meta"].shape == n.meta["val"].shape for n in computed)
-    x, y = torch.randn(3, 4), torch.randn(5, 4)
-    torch.testing.assert_close(copy(x, y), f(x, y))
+    values = [leaf for n in computed for name in ("val", "eager_input_vals") for leaf in pytree.tree_leaves(n.meta.get(name))
+              if isinstance(leaf, torch.Tensor)]
+    assert values and all(isinstance(v, FakeTensor) and v.fake_mode is mode for v in values)
+    assert all(n.meta["tensor_meta"].shape == n.meta["val"].shape for n in computed if isinstance(n.meta["val"], torch.Tensor))
+    (recurrence,) = [n for n in computed if n.target is torch.ops.laplace.chunk_recurrence.default]
+    decay = [n for n in copy.graph.nodes if n.op == "placeholder"][1]
+    assert recurrence.meta["eager_input_vals"][0][1] is decay.meta["val"]  # its arguments' values, this mode's
+    x, d = shapes
+    for a, e in zip(copy(x, d), f(x, d)):
+        torch.testing.assert_close(a, e)
     computed[0].meta["changed"] = True
     with copy.graph.inserting_after(computed[0]):
         copy.graph.call_function(torch.ops.aten.neg.default, (computed[0],))
@@ -240,10 +261,37 @@ def test_graphs_kept_across_modes_hold_no_fake_value_and_each_taker_gets_its_own
     constant = torch.fx.symbolic_trace(torch.nn.Linear(4, 2))  # reads its weight through get_attr
     store.put("constant", constant)
     assert store.get("constant", inputs[:1]) is None
-    store.put("g", traced)
+    store.put("g", copy)
     store.get("f", inputs)  # f used after g was put: g is the least recently used
-    store.put("h", traced)
+    store.put("h", copy)
     assert sorted(store._graphs) == ["f", "h"]
+
+
+def test_inspect_then_compile_gives_the_graphs_a_compile_alone_gives(monkeypatch):
+    """`inspect` traces a backward's body with AOT's Python dispatcher on (views recorded as `view`), a compile
+    with it off (`_unsafe_view`): a compile after an inspect of the same shapes traces its own, not inspect's."""
+    from laplace_passes.infra.fx_helpers import GraphsAcrossModes
+    from laplace_passes.unroll import chunk_loops
+
+    q, k, v, gk, h0 = make_inputs(1, 40, 2, 8, 6, gate_divisor=1.0)
+
+    def f(q, k, v, gk):
+        return laplace_passes.gla(q, k, v, gk)[0]
+
+    def compiled_graphs():
+        torch._dynamo.reset()
+        capture, seen = capture_inner()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gk)]
+        laplace_passes.compile(f, target="trn2", chunk_size=16, inner=capture)(*leaves).sum().backward()
+        return [gm.code for gm in seen]
+
+    monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", GraphsAcrossModes(4))
+    alone = compiled_graphs()
+    monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", GraphsAcrossModes(4))
+    torch._dynamo.reset()
+    laplace_passes.inspect(f, *[x.clone().requires_grad_() for x in (q, k, v, gk)], target="trn2", chunk_size=16)
+    assert compiled_graphs() == alone
+    torch._dynamo.reset()
 
 
 def test_a_second_compile_of_the_same_shapes_traces_no_body_and_computes_the_same(monkeypatch):

@@ -161,15 +161,20 @@ class GraphsAcrossModes:
     A graph traced at static shapes is the same in every fake mode: only its
     values belong to one. `get` copies a kept graph and computes its values
     afresh from `inputs` (fake tensors of the caller's mode), which costs
-    about a third of a make_fx trace; graphs with attributes (constants) are
-    not kept. The newest `size`, least recently used dropped first.
+    about a third of a make_fx trace: `val` and `tensor_meta` on every node,
+    and `eager_input_vals` (its arguments' values, which Inductor reads for
+    an op that needs its inputs' exact strides) where the trace had it.
+    `put` keeps no meta entry holding a fake tensor, so no mode is kept
+    alive. Graphs with attributes (constants) are not kept. The newest
+    `size`, least recently used dropped first. The caller's key must say
+    whatever else the trace depends on (`trace_state`).
     """
 
     def __init__(self, size: int) -> None:
         if size < 1:
             raise ValueError(f"GraphsAcrossModes keeps at least one graph, got size={size}")
         self.size = size
-        self._graphs: dict[Any, torch.fx.GraphModule] = {}
+        self._graphs: dict[Any, tuple[torch.fx.GraphModule, frozenset[str]]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -179,14 +184,15 @@ class GraphsAcrossModes:
         if any(node.op == "get_attr" for node in gm.graph.nodes):
             return
         kept = _copy_graph(gm)
-        for node in kept.graph.nodes:  # no fake values: they would hold their mode alive
-            for name in (*FAKE_KEYS, "tensor_meta"):
-                node.meta.pop(name, None)
+        with_input_values = frozenset(n.name for n in kept.graph.nodes if "eager_input_vals" in n.meta)
+        for node in kept.graph.nodes:
+            node.meta = {name: value for name, value in node.meta.items()
+                         if name != "tensor_meta" and not _holds_fake_tensors(value)}
         with self._lock:
             self._graphs.pop(key, None)
             while len(self._graphs) >= self.size:
                 self._graphs.pop(next(iter(self._graphs)))
-            self._graphs[key] = kept
+            self._graphs[key] = (kept, with_input_values)
 
     def get(self, key: Any, inputs: list[torch.Tensor]) -> torch.fx.GraphModule | None:
         with self._lock:
@@ -194,12 +200,27 @@ class GraphsAcrossModes:
             if kept is None:
                 return None
             self._graphs[key] = kept  # the most recently used last
-        gm = _copy_graph(kept)
+        gm = _copy_graph(kept[0])
         propagate_from_inputs(gm, inputs)
         for node in gm.graph.nodes:  # as make_fx leaves them
             if isinstance(node.meta.get("val"), torch.Tensor):
                 node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+            if node.name in kept[1]:
+                node.meta["eager_input_vals"] = torch.fx.node.map_aggregate(
+                    (node.args, node.kwargs), lambda a: a.meta.get("val") if isinstance(a, Node) else a)
         return gm
+
+
+def trace_state() -> tuple:
+    """What a make_fx trace depends on besides its inputs and decompositions: the Python dispatcher (on while
+    AOT Autograd traces the backward for `inspect`, where views trace as `view`; off when the backward
+    compiles at `.backward()`: `_unsafe_view`) and CPU autocast."""
+    python_dispatcher = torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+    return python_dispatcher, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+
+
+def _holds_fake_tensors(value: Any) -> bool:
+    return any(isinstance(leaf, FakeTensor) for leaf in pytree.tree_leaves(value))
 
 
 def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

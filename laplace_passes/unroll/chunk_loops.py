@@ -58,7 +58,10 @@ that keeps the GLA shapes) would trace it again at about a millisecond a
 node. The last `TRACES_ACROSS_MODES` static-shape traces are kept without
 their values, under the same key as above less the mode; a hit copies the
 graph and runs it on the new mode's fake inputs (`GraphsAcrossModes`),
-about a third of a trace. A symbolic batch is traced with the host's own
+about a third of a trace. The key also holds what else a trace depends on
+(`trace_state`: AOT's Python dispatcher, on while `inspect` traces a
+backward and off when `.backward()` compiles one, records views otherwise;
+CPU autocast). A symbolic batch is traced with the host's own
 symbols and is never reused in another mode.
 """
 
@@ -76,7 +79,7 @@ from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunk_recurrence_op
 from laplace_passes.ops.chunked_backward import chunked_backward
 from laplace_passes.ops.chunked_forward import ChunkLayout, chunk_recurrence, chunked_forward
 from laplace_passes.infra.fx_helpers import (
-    GraphsAcrossModes, GraphsByFakeMode, fake_tensor, fake_value, has_fake_value, provenance_of,
+    GraphsAcrossModes, GraphsByFakeMode, fake_tensor, fake_value, has_fake_value, provenance_of, trace_state,
 )
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.unroll.inline import inline_graph, replace_tuple_result
@@ -181,6 +184,7 @@ class ChunkLoopExpander:
         """The body traced on `tensors`, or at static shapes a trace of another fake mode given their values
         (NOTE [traces reused across fake modes])."""
         static = all(isinstance(size, int) for t in tensors for size in t.shape)
+        key = (*key, trace_state())
         reused = _ACROSS_MODES.get(key, tensors) if static else None
         if reused is not None:
             return reused
