@@ -593,6 +593,42 @@ def quadratic_zero_fill_below_before_exp(q, k, v, g):
     return ((q @ k.transpose(-1, -2)) * D) @ v
 
 
+def quadratic_scores_masked_fill_first(q, k, v, g):
+    """Causal linear attention, the scores masked as a whole with the fill written first: where(upper, 0, A)."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return torch.where(~causal_mask(T), 0.0, q @ k.transpose(-1, -2)) @ v
+
+
+def quadratic_mask_changed_in_place(q, k, v, g):
+    """A near miss: the causal mask built, then changed in place (queries from 5 on drop the first 2 keys), before
+    D reads it; the change is no value of the graph's, so neither the reading nor the random check sees it."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    mask = causal_mask(T)
+    mask[5:, :2] = False
+    D = torch.where(mask, G[..., :, None] - G[..., None, :], float("-inf")).exp()
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_decay_changed_in_place(q, k, v, g):
+    """A near miss: D zeroed in place beyond 4 tokens back by a masked_fill_ whose result nothing reads."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    D = torch.exp(G[..., :, None] - G[..., None, :]).masked_fill(~causal_mask(T), 0)
+    D.masked_fill_(torch.ones(T, T, dtype=torch.bool).tril(-5), 0)
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_mask_from_values(q, k, v, g):
+    """A near miss: besides the causal mask, keys with an entry over 1.5 are dropped (a mask computed from the
+    inputs' values, which random inputs in (-1, 1) never trigger)."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    large = (k.abs().amax(-1) > 1.5)[..., None, :]                  # [B, H, 1, T]
+    D = torch.where(~causal_mask(T) | large, float("-inf"), G[..., :, None] - G[..., None, :]).exp()
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
 def quadratic_key_gates(q, k, v, g):
     """GLA's own gates (one per key) in the parallel form: D [B, H, T, T, K], one einsum."""
     q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))

@@ -327,6 +327,7 @@ QUADRATIC = {
     "quadratic_scores_masked": "no gate",
     "quadratic_fill_first": "per-head gates summed cumulatively",
     "quadratic_zero_fill_before_exp": "per-head gates summed cumulatively",
+    "quadratic_scores_masked_fill_first": "no gate",
 }
 QUADRATIC_NEAR_MISSES = {
     "quadratic_unmasked": "no causal mask",
@@ -336,6 +337,10 @@ QUADRATIC_NEAR_MISSES = {
     "quadratic_tril_before_exp_only": "no causal mask",
     "quadratic_scores_masked_upper": "a constant that is not a causal mask",
     "quadratic_zero_fill_below_before_exp": "not built from a cumulative sum",
+    "quadratic_mask_changed_in_place": "setitem writes in place to mask before it is read (a mask or decay changed "
+                                       "in place after it is built)",
+    "quadratic_decay_changed_in_place": "masked_fill_ writes in place to D before it is read",
+    "quadratic_mask_from_values": "is computed from the values of the graph's inputs",
 }
 
 

@@ -80,6 +80,27 @@ def storage_of(value) -> StorageWeakRef | None:
         return None
 
 
+def written_from_outside(region: set[torch.fx.Node], before: torch.fx.Node) -> str | None:
+    """Why the values of `region` are not what its nodes compute: a node outside it, before `before` in graph
+    order, writes in place to memory a node of `region` lives in (`m[i, j] = False` on a mask after it is
+    built, `D.masked_fill_(...)` whose result nothing reads); None when none does."""
+    storages = {storage: node for node in region if (storage := storage_of(node)) is not None}
+    for node in before.graph.nodes:
+        if node is before:
+            return None
+        if node in region:
+            continue  # a write the region reads as a value (`(q @ k^T).masked_fill_(m, 0)` read on)
+        for written in written_operands(node):
+            if not isinstance(written, torch.fx.Node) or is_tensor_free(written):
+                continue
+            storage = storage_of(written)
+            target = written if written in region else storages.get(storage) if storage is not None else None
+            if target is not None:
+                shared = "" if target is written else f", which shares memory with {target.name}"
+                return f"{node.name} writes in place to {written.name}{shared} before it is read"
+    return None
+
+
 def owns_its_memory(node: torch.fx.Node) -> bool:
     """Whether `node`'s value lives in memory of its own: not a view, not the storage of any of its inputs
     (an in-place op's value is its input's memory)."""

@@ -32,7 +32,7 @@ import torch.fx
 from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, Term, read
 from laplace_passes.fx.algebra_terms import fresh_sums, rename
 from laplace_passes.fx.per_step import constant_value
-from laplace_passes.infra.fx_helpers import fake_tensor, new_node
+from laplace_passes.infra.fx_helpers import ancestors, fake_tensor, new_node
 from laplace_passes.infra.op_facts import base_op_name
 from laplace_passes.infra.pass_base import Declined
 
@@ -68,7 +68,7 @@ def _masked_product(factor: Factor) -> tuple[Expr, Node, bool] | None:
     """(y read with `factor`'s indices, the mask node, whether it keeps where True) for a zero-masked product y."""
     node = factor.node
     masked = _masking(node)
-    if masked is None or masked.fill_leads or masked.fill != 0:
+    if masked is None or filled(node, 0.0) is None:
         return None
     y, mask, kept_where_true = masked.x, masked.mask, masked.kept_where_true
     value, mask_value = fake_tensor(y), constant_value(mask)
@@ -92,7 +92,7 @@ def _trailing(axes: tuple, shape) -> tuple:
 def zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
     """masked_fill(x, m, 0) or where(m, x, 0): x and where it is kept (a constant bool tensor), else (node, None)."""
     masked = _masking(node)
-    if masked is None or masked.fill_leads or masked.fill != 0:
+    if masked is None or filled(node, 0.0) is None:
         return node, None
     value = constant_value(masked.mask)
     if value is None or value.dtype != torch.bool:
@@ -150,6 +150,10 @@ def check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
             if masked is None or isinstance(masked.fill, bool) or not isinstance(masked.fill, (int, float)):
                 return
             inner, kept = masked.x, constant_value(masked.mask)
+            if kept is None and _computed_from_values(masked.mask):
+                raise Declined(f"its mask on D ({masked.mask.name}) is computed from the values of the graph's "
+                               "inputs: random inputs cannot show which entries such a mask drops; a causal mask "
+                               "built inside forward from its sizes is read as the constant it is")
             if masked.fill == dropping and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
                 _check_kept(kept if masked.kept_where_true else ~kept, value.shape, factor.axes.index(i),
                             factor.axes.index(j))
@@ -159,12 +163,20 @@ def check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
         node = inner
 
 
+def _computed_from_values(mask: Node) -> bool:
+    """Whether `mask` is computed in the graph from a floating-point input (`k.abs().amax(-1) > 1.5`); a bool mask
+    passed in or held in a buffer is the random-input check's to name (validate.py)."""
+    if mask.op not in ("call_function", "call_method"):
+        return False
+    return any(n.op in ("placeholder", "get_attr") and (v := fake_tensor(n)) is not None and v.dtype.is_floating_point
+               for n in ancestors([mask]))
+
+
 class _Masked(NamedTuple):
     x: Node
     mask: Node
     kept_where_true: bool  # the mask keeps x where it is True (masked_fill's: where it is False)
     fill: object  # what the other entries get, as written (a number, or a node)
-    fill_leads: bool  # where(m, fill, x): the fill is where's first branch
 
 
 def _masking(node: Node) -> _Masked | None:
@@ -175,11 +187,11 @@ def _masking(node: Node) -> _Masked | None:
     if len(args) != 3:
         return None
     if name in ("masked_fill", "masked_fill_") and isinstance(args[1], Node):
-        masked = _Masked(args[0], args[1], False, args[2], False)
+        masked = _Masked(args[0], args[1], False, args[2])
     elif name == "where" and isinstance(args[0], Node) and isinstance(args[1], Node):
-        masked = _Masked(args[1], args[0], True, args[2], False)
+        masked = _Masked(args[1], args[0], True, args[2])
     elif name == "where" and isinstance(args[0], Node) and isinstance(args[2], Node):
-        masked = _Masked(args[2], args[0], False, args[1], True)
+        masked = _Masked(args[2], args[0], False, args[1])  # where(m, fill, x)
     else:
         return None
     return masked if isinstance(masked.x, Node) else None

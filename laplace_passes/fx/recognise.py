@@ -33,6 +33,7 @@ from laplace_passes.fx.chunk_loop import ChunkLoop, describe_chunks, plan_chunk_
 from laplace_passes.fx.chunked_quadratic import ChunkedQuadratic, describe_over_chunks, over_chunks
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.in_place_statements import read_through_in_place_statements
+from laplace_passes.fx.in_place_writes import written_from_outside
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
 from laplace_passes.fx.quadratic import QuadraticForm, describe_quadratic, find_quadratic_forms
 from laplace_passes.fx.recurrence import Chain, find_chains
@@ -129,8 +130,10 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
                                 reason=f"a quadratic form (q k^T (.) D) v of shape {shape}, but {reason}")
     record = RecurrenceRecord("", form.node.name, form.T, list(form.state_shape), "declined")
     try:
+        _check_not_written_from_outside(form)
         whole, why_not_whole = _over_chunks(gm, form)
         if whole is not None:  # NOTE [a chunked form without a loop]: already checked on random inputs
+            _check_not_written_from_outside(whole)
             record = RecurrenceRecord("", whole.node.name, whole.T, list(whole.state_shape), "declined",
                                       form=whole.form)
             form = whole
@@ -153,6 +156,16 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
         return record
     record.status = "GLA site"
     return record
+
+
+def _check_not_written_from_outside(form: QuadraticForm) -> None:
+    """A form is read from how its values are built; a mask or decay written in place after that is not seen,
+    by the reading or by the random-input check (which evaluates the form's ancestors only)."""
+    region = ancestors([form.node]) - ancestors(list(form.source_nodes()))
+    written = written_from_outside(region, form.node)
+    if written is not None:
+        raise Declined(f"{written} (a mask or decay changed in place after it is built): the form is read from "
+                       "how its values are built; write the change as a new value (torch.where, masked_fill)")
 
 
 def _over_chunks(gm: torch.fx.GraphModule, form: QuadraticForm) -> tuple[ChunkedQuadratic | None, str]:
