@@ -171,7 +171,7 @@ def test_a_trace_is_shared_within_a_fake_mode_reused_across_modes_and_made_again
     traces = []
     trace_here = chunk_loops.ChunkLoopExpander._traced
     monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
-                        lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+                        lambda self, *args: traces.append(1) or trace_here(self, *args))
     monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", GraphsAcrossModes(4))  # none from earlier tests
     q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
     k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # the same values and shape, other strides
@@ -303,7 +303,7 @@ def test_a_second_compile_of_the_same_shapes_traces_no_body_and_computes_the_sam
     traces = []
     trace_here = chunk_loops.ChunkLoopExpander._traced
     monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
-                        lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+                        lambda self, *args: traces.append(1) or trace_here(self, *args))
     monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", GraphsAcrossModes(4))
     q, k, v, gk, h0 = make_inputs(1, 200, 2, 8, 6, gate_divisor=1.0)
 
@@ -335,7 +335,7 @@ def test_two_sites_of_one_graph_laid_out_otherwise_trace_their_own(monkeypatch):
     traces = []
     trace_here = chunk_loops.ChunkLoopExpander._traced
     monkeypatch.setattr(chunk_loops.ChunkLoopExpander, "_traced",
-                        lambda self, body, tensors: traces.append(1) or trace_here(self, body, tensors))
+                        lambda self, *args: traces.append(1) or trace_here(self, *args))
     monkeypatch.setattr(chunk_loops, "_ACROSS_MODES", chunk_loops.GraphsAcrossModes(4))  # none from earlier tests
     q, k, v, gk, h0 = make_inputs(1, 300, 2, 8, 6, gate_divisor=0.5)
     k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from laplace_passes.fx.in_place_writes import is_tensor_free, storage_of, written_operands
+from laplace_passes.fx.in_place_writes import in_place_writes, storage_of
 from laplace_passes.infra.fx_helpers import fake_value
 from laplace_passes.infra.op_facts import short_op_name
 
@@ -137,18 +137,14 @@ def gate_bound(node: torch.fx.Node | object) -> Bound:
 def _overwritten(derivation: list[torch.fx.Node], graph: torch.fx.Graph) -> str | None:
     """Why the bound no longer holds when the graph writes in place to memory a step of it lives in."""
     steps = {storage_of(step): step for step in derivation}
-    for node in graph.nodes:
-        for written in written_operands(node):
-            if not isinstance(written, torch.fx.Node) or is_tensor_free(written):
-                continue
-            storage = storage_of(written)
-            if storage is not None and storage not in steps:
-                continue
-            op = short_op_name(node)
-            writer = f"{op}{'' if node.name == op else f' ({node.name})'} writes in place to {written.name}"
-            why = ("whose memory the pass cannot tell" if storage is None
-                   else f"which shares memory with {steps[storage].name}")
-            return f"{writer}, {why}"
+    for node, written, storage in in_place_writes(graph.nodes):
+        if storage is not None and storage not in steps:
+            continue
+        op = short_op_name(node)
+        writer = f"{op}{'' if node.name == op else f' ({node.name})'} writes in place to {written.name}"
+        why = ("whose memory the pass cannot tell" if storage is None
+               else f"which shares memory with {steps[storage].name}")
+        return f"{writer}, {why}"
     return None
 
 

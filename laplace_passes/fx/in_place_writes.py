@@ -19,7 +19,9 @@ Which tensors alias which is read off the nodes' fake tensors, whose views
 from __future__ import annotations
 
 import inspect
+import itertools
 import operator
+from typing import Iterable, Iterator
 
 import torch
 import torch.fx
@@ -80,24 +82,27 @@ def storage_of(value) -> StorageWeakRef | None:
         return None
 
 
+def in_place_writes(nodes: Iterable[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, torch.fx.Node, StorageWeakRef | None]]:
+    """(writer, written, the written memory or None when unknown) for each tensor node one of `nodes` writes in
+    place."""
+    for node in nodes:
+        for written in written_operands(node):
+            if isinstance(written, torch.fx.Node) and not is_tensor_free(written):
+                yield node, written, storage_of(written)
+
+
 def written_from_outside(region: set[torch.fx.Node], before: torch.fx.Node) -> str | None:
     """Why the values of `region` are not what its nodes compute: a node outside it, before `before` in graph
     order, writes in place to memory a node of `region` lives in (`m[i, j] = False` on a mask after it is
-    built, `D.masked_fill_(...)` whose result nothing reads); None when none does."""
+    built, `D.masked_fill_(...)` whose result nothing reads); None when none does. A write the region reads
+    as a value (`(q @ k^T).masked_fill_(m, 0)` read on) is its own."""
     storages = {storage: node for node in region if (storage := storage_of(node)) is not None}
-    for node in before.graph.nodes:
-        if node is before:
-            return None
-        if node in region:
-            continue  # a write the region reads as a value (`(q @ k^T).masked_fill_(m, 0)` read on)
-        for written in written_operands(node):
-            if not isinstance(written, torch.fx.Node) or is_tensor_free(written):
-                continue
-            storage = storage_of(written)
-            target = written if written in region else storages.get(storage) if storage is not None else None
-            if target is not None:
-                shared = "" if target is written else f", which shares memory with {target.name}"
-                return f"{node.name} writes in place to {written.name}{shared} before it is read"
+    earlier = itertools.takewhile(lambda n: n is not before, before.graph.nodes)
+    for node, written, storage in in_place_writes(n for n in earlier if n not in region):
+        target = written if written in region else storages.get(storage)
+        if target is not None:
+            shared = "" if target is written else f", which shares memory with {target.name}"
+            return f"{node.name} writes in place to {written.name}{shared} before it is read"
     return None
 
 

@@ -342,8 +342,8 @@ def _unmasked(node: Node) -> Node:
             node = node.args[0]
         elif name == "triu":
             raise Declined("its mask keeps the upper triangle (each query reads the keys after it): not causal")
-        elif filled(node, 0.0) is not None:  # masked_fill / where, the fill 0 on either side
-            node = filled(node, 0.0)
+        elif (masked := filled(node, 0.0)) is not None:  # masked_fill / where, the fill 0 on either side
+            node = masked
         else:
             break
     return node
@@ -431,10 +431,10 @@ def _through_zero_tril(node: Node, axes: tuple, i: Index, j: Index) -> Node:
         diagonal = _tril_diagonal(node)
         if isinstance(diagonal, int) and diagonal >= -1:
             return node.args[0]
-    value = fake_tensor(node)
-    if value is not None and value.dim() == len(axes) and i in axes and j in axes and \
-            keeps_every_earlier_key(node, value.shape, axes.index(i), axes.index(j)):
-        return filled(node, 0.0)
+    value, (unmasked, kept) = fake_tensor(node), zero_masked(node)
+    if kept is not None and value is not None and value.dim() == len(axes) and i in axes and j in axes and \
+            keeps_every_earlier_key(kept, value.shape, axes.index(i), axes.index(j)):
+        return unmasked
     return node
 
 

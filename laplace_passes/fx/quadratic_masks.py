@@ -68,7 +68,7 @@ def _masked_product(factor: Factor) -> tuple[Expr, Node, bool] | None:
     """(y read with `factor`'s indices, the mask node, whether it keeps where True) for a zero-masked product y."""
     node = factor.node
     masked = _masking(node)
-    if masked is None or filled(node, 0.0) is None:
+    if masked is None or masked.number != 0:
         return None
     y, mask, kept_where_true = masked.x, masked.mask, masked.kept_where_true
     value, mask_value = fake_tensor(y), constant_value(mask)
@@ -92,7 +92,7 @@ def _trailing(axes: tuple, shape) -> tuple:
 def zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
     """masked_fill(x, m, 0) or where(m, x, 0): x and where it is kept (a constant bool tensor), else (node, None)."""
     masked = _masking(node)
-    if masked is None or filled(node, 0.0) is None:
+    if masked is None or masked.number != 0:
         return node, None
     value = constant_value(masked.mask)
     if value is None or value.dtype != torch.bool:
@@ -104,18 +104,14 @@ def filled(node: Node, fill: float) -> Node | None:
     """x of masked_fill(x, m, fill), where(m, x, fill) or where(m, fill, x) (the mask either way round); else None.
     Which entries the mask keeps the callers check, or the random-input check does."""
     masked = _masking(node)
-    if masked is None or isinstance(masked.fill, bool) or not isinstance(masked.fill, (int, float)):
-        return None
-    return masked.x if masked.fill == fill else None
+    return masked.x if masked is not None and masked.number == fill else None
 
 
-def keeps_every_earlier_key(node: Node, shape, i_dim: int, j_dim: int) -> bool:
-    """Whether `node` is a zero fill (masked_fill / where) by a constant mask that keeps every entry j < i."""
-    masked = _masking(node)
-    kept = None if filled(node, 0.0) is None else constant_value(masked.mask)
-    if kept is None or kept.dtype != torch.bool or kept.device.type == "meta":
+def keeps_every_earlier_key(kept: torch.Tensor, shape, i_dim: int, j_dim: int) -> bool:
+    """Whether a mask keeps every entry (i, j) with j < i, the others or not (meta masks have no values: no)."""
+    if kept.device.type == "meta":
         return False
-    kept = _over_query_and_key(kept if masked.kept_where_true else ~kept, shape, i_dim, j_dim)
+    kept = _over_query_and_key(kept, shape, i_dim, j_dim)
     earlier = torch.ones(shape[i_dim], shape[j_dim], dtype=torch.bool).tril(-1)
     return kept is not None and not (earlier & ~kept).any()
 
@@ -147,14 +143,14 @@ def check_masks_keep_the_past(factor: Factor, i: Index, j: Index) -> None:
             inner = node.args[0]
         else:
             masked = _masking(node)
-            if masked is None or isinstance(masked.fill, bool) or not isinstance(masked.fill, (int, float)):
+            if masked is None or masked.number is None:
                 return
             inner, kept = masked.x, constant_value(masked.mask)
             if kept is None and _computed_from_values(masked.mask):
                 raise Declined(f"its mask on D ({masked.mask.name}) is computed from the values of the graph's "
                                "inputs: random inputs cannot show which entries such a mask drops; a causal mask "
                                "built inside forward from its sizes is read as the constant it is")
-            if masked.fill == dropping and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
+            if masked.number == dropping and kept is not None and kept.dtype == torch.bool and kept.device.type != "meta":
                 _check_kept(kept if masked.kept_where_true else ~kept, value.shape, factor.axes.index(i),
                             factor.axes.index(j))
         inner_value = fake_tensor(inner) if isinstance(inner, Node) else None
@@ -177,6 +173,11 @@ class _Masked(NamedTuple):
     mask: Node
     kept_where_true: bool  # the mask keeps x where it is True (masked_fill's: where it is False)
     fill: object  # what the other entries get, as written (a number, or a node)
+
+    @property
+    def number(self) -> float | None:
+        """The fill when it is a number (not a bool, a node or a tensor): the fills the readers compare."""
+        return None if isinstance(self.fill, bool) or not isinstance(self.fill, (int, float)) else self.fill
 
 
 def _masking(node: Node) -> _Masked | None:

@@ -161,8 +161,7 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
 def _check_not_written_from_outside(form: QuadraticForm) -> None:
     """A form is read from how its values are built; a mask or decay written in place after that is not seen,
     by the reading or by the random-input check (which evaluates the form's ancestors only)."""
-    region = ancestors([form.node]) - ancestors(list(form.source_nodes()))
-    written = written_from_outside(region, form.node)
+    written = written_from_outside(_rewritten_region([form.node], form), form.node)
     if written is not None:
         raise Declined(f"{written} (a mask or decay changed in place after it is built): the form is read from "
                        "how its values are built; write the change as a new value (torch.where, masked_fill)")
@@ -190,8 +189,13 @@ def _over_chunks(gm: torch.fx.GraphModule, form: QuadraticForm) -> tuple[Chunked
     return None, why_not
 
 
+def _rewritten_region(outputs: list, computation) -> set:
+    """What a rewrite of `outputs` replaces: their ancestors, less the sources the GLA site reads and theirs."""
+    return ancestors(outputs) - ancestors(list(computation.source_nodes()))
+
+
 def _replace_whole(gm: torch.fx.GraphModule, form: QuadraticForm) -> None:
-    region = ancestors([form.node]) - ancestors(list(form.source_nodes()))
+    region = _rewritten_region([form.node], form)
     anchor = next(n for n in gm.graph.nodes if n in form.node.users)
     with gm.graph.inserting_before(anchor):
         builder = GlaBuilder(gm.graph, form, form.T, {})
@@ -203,7 +207,7 @@ def _replace_whole(gm: torch.fx.GraphModule, form: QuadraticForm) -> None:
 
 def _replace_chunks(gm: torch.fx.GraphModule, loop: ChunkLoop, memo: dict) -> None:
     old = [*loop.outputs, loop.chain.last.node]
-    region = ancestors(old) - ancestors(list(loop.source_nodes()))
+    region = _rewritten_region(old, loop)
     anchor = _anchor(gm.graph, old, region, loop.aggregate)
     _check_sources_before(gm.graph, loop, anchor)
     with gm.graph.inserting_before(anchor):
@@ -244,7 +248,7 @@ def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str)
     readouts = [r.node for r in chain.readouts]
     last = chain.last.node
     old = readouts + [last]
-    region = ancestors(old) - ancestors(list(loop.source_nodes()))
+    region = _rewritten_region(old, loop)
     aggregate = find_aggregate(readouts)
     anchor = _anchor(gm.graph, old, region, aggregate)
     _check_sources_before(gm.graph, loop, anchor)

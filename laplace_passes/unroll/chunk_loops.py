@@ -189,19 +189,19 @@ class ChunkLoopExpander:
         if reused is not None:
             return reused
         body = body_of(node.target, node.args, [isinstance(a, torch.fx.Node) for a in node.args], self.recurrence)
-        traced = self._traced(body, tensors)
+        traced = self._traced(body, tensors, static)
         if static:
             _ACROSS_MODES.put(key, traced)
         return traced
 
-    def _traced(self, body: Callable, tensors: list[torch.Tensor]) -> torch.fx.GraphModule:
+    def _traced(self, body: Callable, tensors: list[torch.Tensor], static: bool) -> torch.fx.GraphModule:
         """`body` traced on the host graph's fake tensors, in their fake mode.
 
         Static shapes: make_fx's fake tracing. A symbolic batch: traced as
         real tensors inside the host's fake mode, so the sizes come from the
         inputs (`sym_size` nodes) with the host's own symbols.
         """
-        if all(isinstance(size, int) for t in tensors for size in t.shape):
+        if static:
             return make_fx(body, decomposition_table=self.decompositions, tracing_mode="fake")(*tensors)
         with detect_fake_mode(tensors):
             return make_fx(body, decomposition_table=self.decompositions, tracing_mode="real")(*tensors)
