@@ -697,3 +697,39 @@ def chunked_gla_without_s0(q, k, v, g):
         update = (k_i * (G_i[:, :, -1:] - G_i).exp()).transpose(-1, -2) @ v_i
         S = update if S is None else S * G_i[:, :, -1, :, None].exp() + update
     return torch.stack(outs, 2).reshape(B, H, T, V).transpose(1, 2), S
+
+
+def gates_changed_after_the_loop(q, k, v, g):
+    """A near miss: the gates doubled in place after the loop and before its outputs are stacked (a GLA call
+    placed where the outputs are read would read the doubled gates)."""
+    g = g * 1.0
+    S = q.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    g.mul_(2.0)
+    return torch.stack(outs, 1), S, g
+
+
+def gates_changed_inside_the_loop(q, k, v, g):
+    """A near miss: the gates doubled in place halfway through the loop (its later steps read the new gates)."""
+    g = g * 1.0
+    S = q.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+        if t == T // 2:
+            g.mul_(2.0)
+    return torch.stack(outs, 1), S
+
+
+def quadratic_gates_changed_after_the_decays(q, k, v, g):
+    """A near miss: the gates doubled in place after D is built from them, before the form is read."""
+    g = g * 1.0
+    G = g.transpose(1, 2).cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal_mask(T), float("-inf")).exp()
+    g.mul_(2.0)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return ((q @ k.transpose(-1, -2)) * D) @ v, g

@@ -55,6 +55,10 @@ NEAR_MISSES = {
     "decay_after_sum_final_only": "step 1's decay is not computed like step 0's",
     "value_decay_after_sum": "mul_2, outside the recurrence (not a readout q . S summed over the key "
                              "dimension, 3: the one its decay and k read)",
+    "gates_changed_after_the_loop": "mul_ writes in place to g after it is first read and before the results are "
+                                    "read: the GLA call, placed where they are read, would read the new values",
+    "gates_changed_inside_the_loop": "mul_ writes in place to g after it is first read and before the results are "
+                                     "read",
 }
 
 
@@ -341,6 +345,8 @@ QUADRATIC_NEAR_MISSES = {
                                        "in place after it is built)",
     "quadratic_decay_changed_in_place": "masked_fill_ writes in place to D before it is read",
     "quadratic_mask_from_values": "is computed from the values of the graph's inputs",
+    "quadratic_gates_changed_after_the_decays": "mul_ writes in place to g (which shares memory with transpose) "
+                                                "after it is first read and before the results are read",
 }
 
 

@@ -106,6 +106,26 @@ def written_from_outside(region: set[torch.fx.Node], before: torch.fx.Node) -> s
     return None
 
 
+def written_while_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], before: torch.fx.Node) -> str | None:
+    """Why a rewrite that reads `sources` just before `before` would not see what `region` read: a node outside
+    `region`, after the region first reads a source and before `before`, writes in place to a source's memory
+    (`g.mul_(2)` after D is built from g, or after a token loop and before its stacked outputs are read); None
+    when none does. A write before the first read is seen by both."""
+    by_storage = {storage: s for s in sources if (storage := storage_of(s)) is not None}
+
+    def reads_a_source(node: torch.fx.Node) -> bool:
+        return node in region and any(i in sources or storage_of(i) in by_storage for i in node.all_input_nodes)
+
+    nodes = itertools.takewhile(lambda n: n is not before, before.graph.nodes)
+    after_first_read = itertools.dropwhile(lambda n: not reads_a_source(n), nodes)
+    for node, written, storage in in_place_writes(n for n in after_first_read if n not in region):
+        source = written if written in sources else by_storage.get(storage)
+        if source is not None:
+            shared = "" if source is written else f" (which shares memory with {source.name})"
+            return f"{node.name} writes in place to {written.name}{shared} after it is first read"
+    return None
+
+
 def owns_its_memory(node: torch.fx.Node) -> bool:
     """Whether `node`'s value lives in memory of its own: not a view, not the storage of any of its inputs
     (an in-place op's value is its input's memory)."""

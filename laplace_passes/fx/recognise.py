@@ -33,7 +33,7 @@ from laplace_passes.fx.chunk_loop import ChunkLoop, describe_chunks, plan_chunk_
 from laplace_passes.fx.chunked_quadratic import ChunkedQuadratic, describe_over_chunks, over_chunks
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.in_place_statements import read_through_in_place_statements
-from laplace_passes.fx.in_place_writes import written_from_outside
+from laplace_passes.fx.in_place_writes import written_from_outside, written_while_read
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
 from laplace_passes.fx.quadratic import QuadraticForm, describe_quadratic, find_quadratic_forms
 from laplace_passes.fx.recurrence import Chain, find_chains
@@ -160,11 +160,14 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
 
 def _check_not_written_from_outside(form: QuadraticForm) -> None:
     """A form is read from how its values are built; a mask or decay written in place after that is not seen,
-    by the reading or by the random-input check (which evaluates the form's ancestors only)."""
-    written = written_from_outside(_rewritten_region([form.node], form), form.node)
+    by the reading or by the random-input check (which evaluates the form's ancestors only). Nor is a source
+    written after the form first reads it: the GLA call reads it where the form's result is first read."""
+    region = _rewritten_region([form.node], form)
+    written = written_from_outside(region, form.node)
     if written is not None:
         raise Declined(f"{written} (a mask or decay changed in place after it is built): the form is read from "
                        "how its values are built; write the change as a new value (torch.where, masked_fill)")
+    _check_sources_unchanged(form, region, next(n for n in form.node.graph.nodes if n in form.node.users))
 
 
 def _over_chunks(gm: torch.fx.GraphModule, form: QuadraticForm) -> tuple[ChunkedQuadratic | None, str]:
@@ -209,7 +212,7 @@ def _replace_chunks(gm: torch.fx.GraphModule, loop: ChunkLoop, memo: dict) -> No
     old = [*loop.outputs, loop.chain.last.node]
     region = _rewritten_region(old, loop)
     anchor = _anchor(gm.graph, old, region, loop.aggregate)
-    _check_sources_before(gm.graph, loop, anchor)
+    _check_sources_before(gm.graph, loop, region, anchor)
     with gm.graph.inserting_before(anchor):
         builder = GlaBuilder(gm.graph, loop, loop.T, memo)
         o, state = builder.gla(loop.form)
@@ -251,7 +254,7 @@ def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str)
     region = _rewritten_region(old, loop)
     aggregate = find_aggregate(readouts)
     anchor = _anchor(gm.graph, old, region, aggregate)
-    _check_sources_before(gm.graph, loop, anchor)
+    _check_sources_before(gm.graph, loop, region, anchor)
     with gm.graph.inserting_before(anchor):
         builder = GlaBuilder(gm.graph, loop, loop.T, memo)
         o, state = builder.gla(origin)
@@ -292,11 +295,22 @@ def _anchor(graph: torch.fx.Graph, old: list[Node], region: set[Node], aggregate
     return next(n for n in graph.nodes if n in readers)
 
 
-def _check_sources_before(graph: torch.fx.Graph, loop: TokenLoop, anchor: Node) -> None:
+def _check_sources_before(graph: torch.fx.Graph, loop: TokenLoop, region: set[Node], anchor: Node) -> None:
     position = {n: i for i, n in enumerate(graph.nodes)}
     late = [n for n in loop.source_nodes() if position[n] >= position[anchor]]
     if late:
         raise Declined(f"{late[0].name}, an input of the loop, is computed after the loop's results are first read")
+    _check_sources_unchanged(loop, region, anchor)
+
+
+def _check_sources_unchanged(computation, region: set[Node], anchor: Node) -> None:
+    """The GLA call goes before `anchor` and reads the sources there: a write in place to one after the
+    computation first read it (a gate doubled after the loop, before its outputs are stacked) would change
+    what the call reads."""
+    written = written_while_read(region, computation.source_nodes(), anchor)
+    if written is not None:
+        raise Declined(f"{written} and before the results are read: the GLA call, placed where they are read, "
+                       "would read the new values; write the change as a new value")
 
 
 def _erase_unused(graph: torch.fx.Graph, region: set[Node]) -> None:
