@@ -4,7 +4,7 @@ Each tiny model (model_zoo's `fla-*-tiny`, fla's default flags) is compiled with
 checked against the same weights run eagerly on fla's own reference code (`fla_family_oracle`): logits,
 loss and every parameter gradient, at a length that takes fla's chunk path (80 > 64) and one that takes
 its fused-recurrent path (24); greedy `generate` with fla's cache, token by token; a few training steps
-lowering the loss; and every recurrence a re-tiled site in the report.
+lowering the loss on the trn2 target; and every recurrence a re-tiled site in the report.
 """
 
 import pytest
@@ -82,21 +82,6 @@ def test_greedy_generate_with_fla_s_cache_gives_the_reference_tokens(name):
     assert all(s.status == "retiled" for s in report.sites)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILY))
-def test_a_few_compiled_training_steps_lower_the_loss(name):
-    model, ids = build(name, seed=4), tokens(4, 32, seed=5)
-    compiled = torch.compile(model, backend="laplace", options={"target": "cpu"})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(4):
-        optimizer.zero_grad()
-        loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.1, losses
-
-
 @pytest.mark.parametrize("T", [80, 24])
 def test_fla_s_simple_gla_layer_with_its_short_convolution(T):
     """fla.layers.simple_gla.SimpleGatedLinearAttention, default flags (a short convolution, per-head gates):
@@ -132,3 +117,15 @@ def test_the_command_that_crashed_each_model_now_trains(name):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert max(relative_rmse(grads[key], ref_grads[key]) for key in grads) < 1e-4
     assert report.sites and all(s.status == "retiled" and s.plan["chunk_size"] == 128 for s in report.sites)
+    # Training goes on through the same compiled graphs, which read the updated weights.
+    assert train(model, compiled, ids, steps=4) < float(loss) - 0.1
+
+
+def train(model, compiled, ids, steps: int) -> float:
+    """The loss after `steps` AdamW steps of `compiled` on `ids`."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return compiled(input_ids=ids, labels=ids).loss.item()
