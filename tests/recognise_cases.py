@@ -733,3 +733,30 @@ def quadratic_gates_changed_after_the_decays(q, k, v, g):
     g.mul_(2.0)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     return ((q @ k.transpose(-1, -2)) * D) @ v, g
+
+
+def gates_changed_while_steps_are_read(q, k, v, g):
+    """A near miss: each step's output added up as it comes (the results' first reader is step 0's sum) and the
+    later half of the gates doubled through a slice halfway through: steps after it read the new gates."""
+    g = g * 1.0
+    S = q.new_zeros(B, H, K, V)
+    total = q.new_zeros(B, H, V)
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        total = total + (q[:, t, :, :, None] * S).sum(-2)
+        if t == T // 2:
+            g[:, T // 2 + 1:] *= 2.0
+    return total, S
+
+
+def gates_changed_before_the_loop_reads_them(q, k, v, g):
+    """Written in place after the state is allocated but before the loop reads the gates: the GLA call sees the
+    write as the loop did (a GLA site)."""
+    g = g * 1.0
+    S = q.new_zeros(B, H, K, V)
+    g.mul_(0.5)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S

@@ -43,6 +43,7 @@ RECOGNISED = {
     "add_statement": "per-key gates",
     "mamba2_ssd": "per-head scalar gates, state [2, 2, 6, 8] (key dim 3, value dim 2)",
     "head_decay_after_sum": "per-head scalar gates",
+    "gates_changed_before_the_loop_reads_them": "per-key gates",
 }
 
 NEAR_MISSES = {
@@ -55,10 +56,10 @@ NEAR_MISSES = {
     "decay_after_sum_final_only": "step 1's decay is not computed like step 0's",
     "value_decay_after_sum": "mul_2, outside the recurrence (not a readout q . S summed over the key "
                              "dimension, 3: the one its decay and k read)",
-    "gates_changed_after_the_loop": "mul_ writes in place to g after it is first read and before the results are "
-                                    "read: the GLA call, placed where they are read, would read the new values",
-    "gates_changed_inside_the_loop": "mul_ writes in place to g after it is first read and before the results are "
-                                     "read",
+    "gates_changed_after_the_loop": "mul_ writes in place to g while it is read: the GLA call reads its inputs "
+                                    "once, where the results are first read",
+    "gates_changed_inside_the_loop": "mul_ writes in place to g while it is read",
+    "gates_changed_while_steps_are_read": "imul writes in place to g (through getitem",
 }
 
 
@@ -341,12 +342,11 @@ QUADRATIC_NEAR_MISSES = {
     "quadratic_tril_before_exp_only": "no causal mask",
     "quadratic_scores_masked_upper": "a constant that is not a causal mask",
     "quadratic_zero_fill_below_before_exp": "not built from a cumulative sum",
-    "quadratic_mask_changed_in_place": "setitem writes in place to mask before it is read (a mask or decay changed "
-                                       "in place after it is built)",
+    "quadratic_mask_changed_in_place": "setitem writes in place to mask before it is read: the form is read from "
+                                       "how its values are built, so a mask, decay or operand changed in place",
     "quadratic_decay_changed_in_place": "masked_fill_ writes in place to D before it is read",
     "quadratic_mask_from_values": "is computed from the values of the graph's inputs",
-    "quadratic_gates_changed_after_the_decays": "mul_ writes in place to g (which shares memory with transpose) "
-                                                "after it is first read and before the results are read",
+    "quadratic_gates_changed_after_the_decays": "mul_ writes in place to g while it is read",
 }
 
 

@@ -91,39 +91,91 @@ def in_place_writes(nodes: Iterable[torch.fx.Node]) -> Iterator[tuple[torch.fx.N
                 yield node, written, storage_of(written)
 
 
-def written_from_outside(region: set[torch.fx.Node], before: torch.fx.Node) -> str | None:
+def written_from_outside(region: set[torch.fx.Node], before: torch.fx.Node,
+                         sources: Iterable[torch.fx.Node] = ()) -> str | None:
     """Why the values of `region` are not what its nodes compute: a node outside it, before `before` in graph
     order, writes in place to memory a node of `region` lives in (`m[i, j] = False` on a mask after it is
     built, `D.masked_fill_(...)` whose result nothing reads); None when none does. A write the region reads
-    as a value (`(q @ k^T).masked_fill_(m, 0)` read on) is its own."""
-    storages = {storage: node for node in region if (storage := storage_of(node)) is not None}
+    as a value (`(q @ k^T).masked_fill_(m, 0)` read on) is its own. Memory of `sources` (read at run time, not
+    from how it was built) is left to `written_while_read`."""
+    theirs = {storage for s in sources if (storage := storage_of(s)) is not None}
+    storages = {storage: node for node in region if (storage := storage_of(node)) is not None and storage not in theirs}
     earlier = itertools.takewhile(lambda n: n is not before, before.graph.nodes)
     for node, written, storage in in_place_writes(n for n in earlier if n not in region):
-        target = written if written in region else storages.get(storage)
-        if target is not None:
-            shared = "" if target is written else f", which shares memory with {target.name}"
-            return f"{node.name} writes in place to {written.name}{shared} before it is read"
+        if storage is not None and storage in theirs:
+            continue
+        if written in region or storages.get(storage) is not None:
+            return f"{node.name} writes in place to {_named(written)} before it is read"
     return None
 
 
-def written_while_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], before: torch.fx.Node) -> str | None:
-    """Why a rewrite that reads `sources` just before `before` would not see what `region` read: a node outside
-    `region`, after the region first reads a source and before `before`, writes in place to a source's memory
-    (`g.mul_(2)` after D is built from g, or after a token loop and before its stacked outputs are read); None
-    when none does. A write before the first read is seen by both."""
-    by_storage = {storage: s for s in sources if (storage := storage_of(s)) is not None}
-
-    def reads_a_source(node: torch.fx.Node) -> bool:
-        return node in region and any(i in sources or storage_of(i) in by_storage for i in node.all_input_nodes)
-
-    nodes = itertools.takewhile(lambda n: n is not before, before.graph.nodes)
-    after_first_read = itertools.dropwhile(lambda n: not reads_a_source(n), nodes)
-    for node, written, storage in in_place_writes(n for n in after_first_read if n not in region):
-        source = written if written in sources else by_storage.get(storage)
-        if source is not None:
-            shared = "" if source is written else f" (which shares memory with {source.name})"
-            return f"{node.name} writes in place to {written.name}{shared} after it is first read"
+def written_while_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], anchor: torch.fx.Node) -> str | None:
+    """Why a rewrite of `region` that reads `sources` just before `anchor` would not see what the region read:
+    a node outside `region` writes in place to a source's memory between two of the reads that must agree, the
+    region's reads of that memory and the rewrite's at `anchor` (`g.mul_(2)` after D is built from g, after a
+    token loop and before its stacked outputs are read, or halfway through a loop whose steps are read one by
+    one); None when none does. A write before every read, or after, is seen alike."""
+    position = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    spans = _spans_read(region, sources, position)
+    if not spans:
+        return None
+    for memory, span in spans.items():
+        span[0], span[1] = min(span[0], position[anchor]), max(span[1], position[anchor])
+    first, last = min(lo for lo, _ in spans.values()), max(hi for _, hi in spans.values())
+    between = (n for n in list(anchor.graph.nodes)[first + 1 : last] if n not in region)
+    for node, written, storage in in_place_writes(between):
+        span = spans.get(_memory(written, storage))
+        if span is not None and span[0] < position[node] < span[1]:
+            return f"{node.name} writes in place to {_named(written)} while it is read"
     return None
+
+
+def _memory(node: torch.fx.Node, storage: StorageWeakRef | None) -> tuple:
+    """What a node's value lives in, as a key: its memory when known, else the node itself."""
+    return ("storage", storage) if storage is not None else ("node", node)
+
+
+# Ops that read a tensor's shape, dtype or device only: `q.new_zeros(...)` before a loop does not read q's values.
+_METADATA_READS = frozenset({
+    "new_zeros", "new_ones", "new_empty", "new_full", "size", "dim", "numel", "zeros_like", "ones_like",
+    "empty_like", "full_like", "sym_size", "sym_numel", "sym_stride", "stride", "storage_offset",
+})
+
+
+def _reads_values(node: torch.fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if isinstance(node.target, torch._ops.OpOverload):
+        name = node.target._schema.name.split("::")[-1]
+    return name not in _METADATA_READS and not (node.op == "call_function" and node.target is getattr)
+
+
+def _spans_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], position: dict) -> dict[tuple, list[int]]:
+    """For each source's memory, the first and last positions at which a node of `region` reads it (directly or
+    through a view)."""
+    memories = {_memory(s, storage_of(s)) for s in sources}
+    spans: dict[tuple, list[int]] = {}
+    for node in filter(_reads_values, region):
+        for read in node.all_input_nodes:
+            memory = _memory(read, storage_of(read))
+            if memory in memories:
+                span = spans.setdefault(memory, [position[node], position[node]])
+                span[0], span[1] = min(span[0], position[node]), max(span[1], position[node])
+    return spans
+
+
+def _named(written: torch.fx.Node) -> str:
+    """The written tensor as the user named it, and the view written through: "g (through getitem_100)"."""
+    base = _base(written)
+    return base.name if base is written else f"{base.name} (through {written.name})"
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory `node` views (`g` for `g[:, 3:]`, `g.view(-1)`, `g.data`): what the user named."""
+    storage = storage_of(node)
+    while storage is not None and node.args and isinstance(node.args[0], torch.fx.Node) \
+            and storage_of(node.args[0]) == storage:
+        node = node.args[0]
+    return node
 
 
 def owns_its_memory(node: torch.fx.Node) -> bool:

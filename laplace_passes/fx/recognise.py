@@ -159,15 +159,17 @@ def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) ->
 
 
 def _check_not_written_from_outside(form: QuadraticForm) -> None:
-    """A form is read from how its values are built; a mask or decay written in place after that is not seen,
-    by the reading or by the random-input check (which evaluates the form's ancestors only). Nor is a source
-    written after the form first reads it: the GLA call reads it where the form's result is first read."""
+    """The GLA call reads the form's sources where its result is first read: a source written in place while the
+    form reads it is declined first. The rest of a form is read from how its values are built; a mask, decay or
+    operand written in place after that is not seen, by the reading or by the random-input check (which
+    evaluates the form's ancestors only)."""
     region = _rewritten_region([form.node], form)
-    written = written_from_outside(region, form.node)
-    if written is not None:
-        raise Declined(f"{written} (a mask or decay changed in place after it is built): the form is read from "
-                       "how its values are built; write the change as a new value (torch.where, masked_fill)")
     _check_sources_unchanged(form, region, next(n for n in form.node.graph.nodes if n in form.node.users))
+    written = written_from_outside(region, form.node, form.source_nodes())
+    if written is not None:
+        raise Declined(f"{written}: the form is read from how its values are built, so a mask, decay or operand "
+                       "changed in place after it is built is not seen; write the change as a new value "
+                       "(torch.where, masked_fill)")
 
 
 def _over_chunks(gm: torch.fx.GraphModule, form: QuadraticForm) -> tuple[ChunkedQuadratic | None, str]:
@@ -304,13 +306,13 @@ def _check_sources_before(graph: torch.fx.Graph, loop: TokenLoop, region: set[No
 
 
 def _check_sources_unchanged(computation, region: set[Node], anchor: Node) -> None:
-    """The GLA call goes before `anchor` and reads the sources there: a write in place to one after the
-    computation first read it (a gate doubled after the loop, before its outputs are stacked) would change
-    what the call reads."""
+    """The GLA call goes before `anchor` and reads the sources there: a write in place to one between the
+    computation's reads of it and the anchor (a gate doubled after the loop, before its outputs are stacked, or
+    halfway through a loop whose outputs are read step by step) would change what the call reads."""
     written = written_while_read(region, computation.source_nodes(), anchor)
     if written is not None:
-        raise Declined(f"{written} and before the results are read: the GLA call, placed where they are read, "
-                       "would read the new values; write the change as a new value")
+        raise Declined(f"{written}: the GLA call reads its inputs once, where the results are first read, and "
+                       "would not see the values each read saw; write the change as a new value")
 
 
 def _erase_unused(graph: torch.fx.Graph, region: set[Node]) -> None:
