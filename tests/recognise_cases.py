@@ -699,30 +699,31 @@ def chunked_gla_without_s0(q, k, v, g):
     return torch.stack(outs, 2).reshape(B, H, T, V).transpose(1, 2), S
 
 
-def gates_changed_after_the_loop(q, k, v, g):
-    """A near miss: the gates doubled in place after the loop and before its outputs are stacked (a GLA call
-    placed where the outputs are read would read the doubled gates)."""
+def _gates_written_in_place(q, k, v, g, halved_before: bool = False, doubled_after_step: int | None = None):
+    """The elementwise loop with its gates written in place: halved before the loop reads them, or doubled after
+    one step (after the last: after the loop, before its outputs are stacked)."""
     g = g * 1.0
     S = q.new_zeros(B, H, K, V)
+    if halved_before:
+        g.mul_(0.5)
     outs = []
     for t in range(T):
         S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
         outs.append((q[:, t, :, :, None] * S).sum(-2))
-    g.mul_(2.0)
+        if t == doubled_after_step:
+            g.mul_(2.0)
     return torch.stack(outs, 1), S, g
+
+
+def gates_changed_after_the_loop(q, k, v, g):
+    """A near miss: the gates doubled in place after the loop and before its outputs are stacked (a GLA call
+    placed where the outputs are read would read the doubled gates)."""
+    return _gates_written_in_place(q, k, v, g, doubled_after_step=T - 1)
 
 
 def gates_changed_inside_the_loop(q, k, v, g):
     """A near miss: the gates doubled in place halfway through the loop (its later steps read the new gates)."""
-    g = g * 1.0
-    S = q.new_zeros(B, H, K, V)
-    outs = []
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append((q[:, t, :, :, None] * S).sum(-2))
-        if t == T // 2:
-            g.mul_(2.0)
-    return torch.stack(outs, 1), S
+    return _gates_written_in_place(q, k, v, g, doubled_after_step=T // 2)
 
 
 def quadratic_gates_changed_after_the_decays(q, k, v, g):
@@ -752,11 +753,4 @@ def gates_changed_while_steps_are_read(q, k, v, g):
 def gates_changed_before_the_loop_reads_them(q, k, v, g):
     """Written in place after the state is allocated but before the loop reads the gates: the GLA call sees the
     write as the loop did (a GLA site)."""
-    g = g * 1.0
-    S = q.new_zeros(B, H, K, V)
-    g.mul_(0.5)
-    outs = []
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append((q[:, t, :, :, None] * S).sum(-2))
-    return torch.stack(outs, 1), S
+    return _gates_written_in_place(q, k, v, g, halved_before=True)
