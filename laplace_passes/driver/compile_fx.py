@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import types
 from typing import Any, Callable
 
@@ -31,7 +30,7 @@ from laplace_passes.fla.install import install as install_fla_replacements
 from laplace_passes.fla.late_import import install_after_import
 from laplace_passes.infra import logs
 from laplace_passes.infra.pass_base import run_passes
-from laplace_passes.infra.fx_helpers import dynamic_dims
+from laplace_passes.infra.fx_helpers import dynamic_dims, input_source
 from laplace_passes.driver.pipeline import aten_passes, compiles_loop_bodies, dynamo_passes, graph_context
 from laplace_passes.infra.report import GraphRecord, Report, remember
 from laplace_passes.driver.shapes import (
@@ -84,17 +83,6 @@ def prepare_to_trace() -> bool:
     added = install_fla_replacements() != covered_before_install()
     install_after_import(lambda: install_fla_replacements(import_fla=True))
     return added
-
-
-def input_source(placeholder: torch.fx.Node) -> str:
-    """Where Dynamo took a graph input from, as the user would write it: "args[0][3]", "self.lm_head.weight"."""
-    graph_arg = placeholder.meta.get("grapharg")
-    name = getattr(getattr(graph_arg, "source", None), "name", None)
-    if not isinstance(name, str):
-        return placeholder.name
-    name = re.sub(r"^L\['(\w+)'\]", r"\1", name)
-    return re.sub(r"\._modules\['(\w+)'\]|\._parameters\['(\w+)'\]|\._buffers\['(\w+)'\]",
-                  lambda m: "." + next(g for g in m.groups() if g), name)
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: CompileConfig) -> Callable:

@@ -28,7 +28,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, tensor_values
+from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, input_source, tensor_values
 
 _IN_PLACE_OPERATORS = frozenset({
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -166,7 +166,8 @@ def _spans_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], positio
 def _named(written: torch.fx.Node) -> str:
     """The written tensor as the user named it, and the view written through: "g (through getitem_100)"."""
     base = _base(written)
-    return base.name if base is written else f"{base.name} (through {written.name})"
+    name = input_source(base) if base.op == "placeholder" else base.name  # "self.gamma", not l_self_buffers_gamma_
+    return name if base is written else f"{name} (through {written.name})"
 
 
 def _base(node: torch.fx.Node) -> torch.fx.Node:

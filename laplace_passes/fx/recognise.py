@@ -311,8 +311,8 @@ def _check_sources_unchanged(computation, region: set[Node], anchor: Node) -> No
     halfway through a loop whose outputs are read step by step) would change what the call reads."""
     written = written_while_read(region, computation.source_nodes(), anchor)
     if written is not None:
-        raise Declined(f"{written}: the GLA call reads its inputs once, where the results are first read, and "
-                       "would not see the values each read saw; write the change as a new value")
+        raise Declined(f"{written}: the GLA call reads its inputs once, where the results are first read, so it "
+                       "would not read the values the recurrence read; write the change as a new value")
 
 
 def _erase_unused(graph: torch.fx.Graph, region: set[Node]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import re
 import threading
 from typing import Any, Iterable
 
@@ -455,3 +456,14 @@ def resolve_process_group(name: Any):
         return _resolve_process_group(name)
     except (RuntimeError, ValueError, KeyError):  # a group name this process does not know
         return None
+
+
+def input_source(placeholder: torch.fx.Node) -> str:
+    """Where Dynamo took a graph input from, as the user would write it: "args[0][3]", "self.lm_head.weight"."""
+    graph_arg = placeholder.meta.get("grapharg")
+    name = getattr(getattr(graph_arg, "source", None), "name", None)
+    if not isinstance(name, str):
+        return placeholder.name
+    name = re.sub(r"^L\['(\w+)'\]", r"\1", name)
+    return re.sub(r"\._modules\['(\w+)'\]|\._parameters\['(\w+)'\]|\._buffers\['(\w+)'\]",
+                  lambda m: "." + next(g for g in m.groups() if g), name)
