@@ -99,12 +99,12 @@ def written_from_outside(region: set[torch.fx.Node], before: torch.fx.Node,
     as a value (`(q @ k^T).masked_fill_(m, 0)` read on) is its own. Memory of `sources` (read at run time, not
     from how it was built) is left to `written_while_read`."""
     theirs = {storage for s in sources if (storage := storage_of(s)) is not None}
-    storages = {storage: node for node in region if (storage := storage_of(node)) is not None and storage not in theirs}
+    owned = {storage for node in region if (storage := storage_of(node)) is not None and storage not in theirs}
     earlier = itertools.takewhile(lambda n: n is not before, before.graph.nodes)
     for node, written, storage in in_place_writes(n for n in earlier if n not in region):
         if storage is not None and storage in theirs:
             continue
-        if written in region or storages.get(storage) is not None:
+        if written in region or (storage is not None and storage in owned):
             return f"{node.name} writes in place to {_named(written)} before it is read"
     return None
 
@@ -119,7 +119,7 @@ def written_while_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], 
     spans = _spans_read(region, sources, position)
     if not spans:
         return None
-    for memory, span in spans.items():
+    for span in spans.values():  # the GLA call's own read, at the anchor
         span[0], span[1] = min(span[0], position[anchor]), max(span[1], position[anchor])
     first, last = min(lo for lo, _ in spans.values()), max(hi for _, hi in spans.values())
     between = (n for n in list(anchor.graph.nodes)[first + 1 : last] if n not in region)
@@ -143,6 +143,7 @@ _METADATA_READS = frozenset({
 
 
 def _reads_values(node: torch.fx.Node) -> bool:
+    """Whether `node` reads its inputs' values, not only their shapes (`_METADATA_READS`, `getattr(x, "shape")`)."""
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if isinstance(node.target, torch._ops.OpOverload):
         name = node.target._schema.name.split("::")[-1]
