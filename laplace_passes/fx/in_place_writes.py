@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, input_source, tensor_values
+from laplace_passes.infra.op_facts import base_op_name
 
 _IN_PLACE_OPERATORS = frozenset({
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -115,14 +116,15 @@ def written_while_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], 
     region's reads of that memory and the rewrite's at `anchor` (`g.mul_(2)` after D is built from g, after a
     token loop and before its stacked outputs are read, or halfway through a loop whose steps are read one by
     one); None when none does. A write before every read, or after, is seen alike."""
-    position = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    nodes = list(anchor.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
     spans = _spans_read(region, sources, position)
     if not spans:
         return None
     for span in spans.values():  # the GLA call's own read, at the anchor
         span[0], span[1] = min(span[0], position[anchor]), max(span[1], position[anchor])
     first, last = min(lo for lo, _ in spans.values()), max(hi for _, hi in spans.values())
-    between = (n for n in list(anchor.graph.nodes)[first + 1 : last] if n not in region)
+    between = (n for n in nodes[first + 1 : last] if n not in region)
     for node, written, storage in in_place_writes(between):
         span = spans.get(_memory(written, storage))
         if span is not None and span[0] < position[node] < span[1]:
@@ -144,10 +146,7 @@ _METADATA_READS = frozenset({
 
 def _reads_values(node: torch.fx.Node) -> bool:
     """Whether `node` reads its inputs' values, not only their shapes (`_METADATA_READS`, `getattr(x, "shape")`)."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if isinstance(node.target, torch._ops.OpOverload):
-        name = node.target._schema.name.split("::")[-1]
-    return name not in _METADATA_READS and not (node.op == "call_function" and node.target is getattr)
+    return base_op_name(node) not in _METADATA_READS and not (node.op == "call_function" and node.target is getattr)
 
 
 def _spans_read(region: set[torch.fx.Node], sources: set[torch.fx.Node], position: dict) -> dict[tuple, list[int]]:
