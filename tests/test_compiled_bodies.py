@@ -57,7 +57,7 @@ def compiled_two_layers():
         return real_run(op, args)
 
     with pytest.MonkeyPatch.context() as patch:
-        if os.environ.get(body_helper.SWITCH) != "0":  # on two cores the helper is off unless switched on
+        if os.environ.get(body_helper.SWITCH) != "0":  # on one core the helper is off unless switched on
             patch.setenv(body_helper.SWITCH, "1")
         patch.setattr(split, "compile_ahead",
                       lambda gm, kind: compiled_ahead.append(real_compile_ahead(gm, kind)))

@@ -44,8 +44,8 @@ cache already holds completes its compile within the send, and nothing is
 sent).
 
 It applies with the inner compiler "inductor", a graph that differentiates,
-the helper on with two usable cores or more (`body_helper.BodyHelper.enabled`,
-MIN_CORES_FOR_GRAPHS) and a forward of MIN_FORWARD_NODES nodes or more
+the helper on (`body_helper.BodyHelper.enabled`: two usable cores or more)
+and a forward of MIN_FORWARD_NODES nodes or more
 after the passes; of a backward the budget pass cut into partitions, the
 first partition is sent (each partition is a codegen of its own).
 """
@@ -64,7 +64,7 @@ from laplace_passes.infra import logs
 from laplace_passes.infra.inner import decomposing_ahead
 from laplace_passes.infra.remote_codegen import answering_codegen, captured_codegen
 from laplace_passes.infra.report import copy_graphs
-from laplace_passes.unroll.body_helper import HELPER, MIN_CORES_FOR_GRAPHS
+from laplace_passes.unroll.body_helper import HELPER
 from laplace_passes.unroll.split import output_strides_unreported
 
 # Below this many nodes in the forward (after the passes) the backward is generated here: the helper's start
@@ -84,7 +84,7 @@ class BackwardAhead:
     def for_graph(cls, config: CompileConfig, example_inputs: list) -> "BackwardAhead | None":
         differentiates = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
         if not (config.inner.codegen_elsewhere and config.inner.partition_fn is not None and differentiates
-                and HELPER.enabled(MIN_CORES_FOR_GRAPHS)):
+                and HELPER.enabled()):
             return None
         return cls(config.inner.partition_fn)
 
@@ -100,7 +100,7 @@ class BackwardAhead:
         backward, self._backward = self._backward, None
         if backward is None or len(forward.graph.nodes) < MIN_FORWARD_NODES:
             return False
-        HELPER.start(MIN_CORES_FOR_GRAPHS)  # its imports overlap the backward's passes below
+        HELPER.start()  # its imports overlap the backward's passes below
         try:
             examples = [n.meta.get("val") for n in backward.graph.find_nodes(op="placeholder")]
             copied = copy_graphs(backward)  # its subgraphs too: the passes change what they are given

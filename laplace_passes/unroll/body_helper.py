@@ -42,12 +42,13 @@ The same helper generates a training step's whole backward graph (NOTE
 [backward graphs generated in the helper process] in
 `laplace_passes/driver/backward_ahead.py`, `submit_codegen`).
 
-Where it runs: for bodies, with four cores or more. On two, the helper's
-imports and codegen take the core this process's g++ runs and probes need,
-and the first call measured the same with it as without (within the
-machine's noise, docs/benchmarks.md). For a whole backward graph, with two
-(its codegen is as long as the forward's: the first call of a Neuron
-target's step took about 0.75x as long). LAPLACE_PASSES_BODY_HELPER=1
+Where it runs: with two usable cores or more, for bodies and whole
+backward graphs alike. On two cores the first call is CPU bound, so the
+helper gains only what its second core adds beside this process's g++
+runs: measured on a 2-core AVX2 machine in fresh processes alternating
+with LAPLACE_PASSES_BODY_HELPER=0, the cpu target's first call of tiny's
+step 0.94x as long, of fla's GLAForCausalLM 0.92x (docs/benchmarks.md).
+With one core it would only take this process's time. LAPLACE_PASSES_BODY_HELPER=1
 turns it on whatever the cores, =0 off.
 """
 
@@ -70,12 +71,9 @@ import torch
 from laplace_passes.infra.threads import mark_background
 
 SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with enough cores
-# Chunk-loop bodies: on two cores the helper and this process share them, and the first call measured the
-# same with and without it (docs/benchmarks.md): it is on where it has a core of its own beside the builds.
-MIN_CORES = 4  # this process, the helper, and two g++ builds beside them
-# A whole backward graph's codegen (laplace_passes.driver.backward_ahead) is as long as the forward's: on two
-# cores the first call of a Neuron target's training step took 0.73x as long with it (docs/benchmarks.md).
-MIN_CORES_FOR_GRAPHS = 2
+# This process and the helper, each on a core of its own (NOTE above: on two cores a training step's
+# first call measured 0.92x to 0.94x as long with it).
+MIN_CORES = 2
 IDLE_EXIT_S = 600.0  # the helper exits after this long without a request
 _LENGTH = struct.Struct("<Q")
 
@@ -96,16 +94,16 @@ class BodyHelper:
         self._connection: _Connection | None = None
 
     @staticmethod
-    def enabled(min_cores: int = MIN_CORES) -> bool:
-        """On: switched on, or not switched off and `min_cores` usable cores (bodies: MIN_CORES)."""
+    def enabled() -> bool:
+        """On: switched on, or not switched off and MIN_CORES usable cores."""
         switch = os.environ.get(SWITCH)
         if switch in ("0", "1"):
             return switch == "1"
-        return _usable_cores() >= min_cores
+        return _usable_cores() >= MIN_CORES
 
-    def start(self, min_cores: int = MIN_CORES) -> bool:
+    def start(self) -> bool:
         """The helper running (started now if need be); False when it is off or could not start."""
-        if not self.enabled(min_cores):
+        if not self.enabled():
             return False
         with self._lock:
             return self._running() is not None
@@ -126,7 +124,7 @@ class BodyHelper:
         The answer is the bytes `remote_codegen.load_answer` loads, sent once the kernels are built into the
         shared cache.
         """
-        future = self._request({"codegen": payload}) if self.enabled(MIN_CORES_FOR_GRAPHS) else None
+        future = self._request({"codegen": payload}) if self.enabled() else None
         if future is None:
             return None
         answer: Future = Future()
