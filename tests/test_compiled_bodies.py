@@ -227,10 +227,12 @@ def test_the_chunk_loop_ops_fake_kernels_give_the_strides_their_bodies_return():
 
 
 def test_each_body_is_compiled_with_its_graph_not_at_its_first_call(compiled_two_layers):
-    """NOTE [kernel builds beside the codegen]: the forward graph's compile compiled the forward body, the
-    backward's the backward body, from the twins' fake arguments; their runs found them (nothing compiled then)."""
+    """NOTE [kernel builds beside the codegen]: the forward graph's compile compiled the forward body, from the
+    twin's fake arguments; the backward's compile the backward body, unless the helper process compiled it
+    (then loaded at the backward's first call, after the backward graph's codegen, not before it)."""
     _, _, _, new_signatures, compiled_ahead, _ = compiled_two_layers
-    assert compiled_ahead == [1, 1] and len(new_signatures) == 2, (compiled_ahead, new_signatures)
+    in_helper = os.environ.get(body_helper.SWITCH) != "0"
+    assert compiled_ahead == [1, 0 if in_helper else 1] and len(new_signatures) == 2, (compiled_ahead, new_signatures)
 
 
 @pytest.mark.skipif(os.environ.get(body_helper.SWITCH) == "0",

@@ -181,6 +181,11 @@ class CompiledBodies:
             self._elsewhere[key] = future
             return True
 
+    def in_helper(self, op, args: tuple) -> bool:
+        """The helper is compiling the body for `args`, not loaded here yet."""
+        with self._lock:
+            return signature(op, args) in self._elsewhere
+
     def _from_helper(self, op, args: tuple, key: tuple, future: Future) -> Callable[[list], Sequence[Tensor]] | None:
         """The body the helper compiled, loaded here; None (and the reason in the log) if it has none."""
         where = f"the body of {loop_name(op)} at {_shapes(args)}"
@@ -258,7 +263,8 @@ def compile_ahead(gm: torch.fx.GraphModule, kind: str = "inference") -> int:
     keep their traced strides (a site whose run-time layout differed would
     compile its own body at its first call, as before). A forward graph
     (`kind`) first sends the bodies its backward will call to the helper
-    process (NOTE [bodies compiled in a helper process]).
+    process (NOTE [bodies compiled in a helper process]); the backward
+    graph leaves those to its first call, which loads them.
     """
     compiled_before = len(BODIES)
     twins = [(op, node) for node in gm.graph.nodes if (op := _OP_OF_TWIN.get(node.target)) is not None]
@@ -303,7 +309,10 @@ def backward_arguments(forward_args: tuple) -> tuple:
 
 def _compile_ahead(op, node: torch.fx.Node) -> None:
     args = static_arguments(node)
-    if args is not None:
+    # A body the helper is compiling is loaded at the host graph's first call: the host graph's codegen
+    # runs meanwhile, not after a wait for the helper (its kernels are built there, nothing is left to
+    # build beside this codegen).
+    if args is not None and not BODIES.in_helper(op, args):
         # Compiled as at a first call: outside the host graph's tracing context (its fake mode, its
         # output strides) and Dynamo's active fake mode, which would otherwise apply to the body's graph.
         with torch._guards.tracing(None), unset_fake_temporarily():
