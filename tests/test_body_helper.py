@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
-from laplace_passes.unroll import body_helper
+from laplace_passes.unroll import body_helper, compiled_bodies
 from laplace_passes.unroll.body_helper import HELPER, BodyHelper
 from laplace_passes.unroll.compiled_bodies import CompiledBodies, backward_arguments, signature, signature_arguments
 from tests.gla_cases import make_inputs
@@ -30,7 +30,7 @@ switched_off = pytest.mark.skipif(os.environ.get(body_helper.SWITCH) == "0",
 
 @pytest.fixture
 def helper_on(monkeypatch):
-    """The helper on whatever the cores: on two it is off by default, and these tests are about it."""
+    """The helper on whatever the cores: on one it is off by default, and these tests are about it."""
     monkeypatch.setenv(body_helper.SWITCH, "1")
 
 
@@ -98,6 +98,54 @@ def test_a_body_the_helper_could_not_compile_is_compiled_here_with_the_reason_lo
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
 
+class PendingHelper:
+    def __init__(self):
+        self.futures = []
+
+    def submit(self, op, layouts):
+        self.futures.append(Future())
+        return self.futures[-1]
+
+
+def test_a_body_pending_in_the_helper_is_left_to_the_first_call_unless_its_request_failed():
+    """compile_ahead skips a body the helper is compiling (loaded at the graph's first call, after its codegen),
+    but not one whose request already failed: that one is compiled with its graph, as without the helper."""
+    args, helper = forward_arguments(), PendingHelper()
+    bodies = CompiledBodies(compile_body=lambda gm, fakes: (lambda tensors: gm(*tensors)), helper=helper)
+    assert bodies.compile_elsewhere(CHUNK_LOOP_OPS[0], args) and bodies.in_helper(CHUNK_LOOP_OPS[0], args)
+    helper.futures[0].set_exception(RuntimeError("the helper process exited"))
+    assert not bodies.in_helper(CHUNK_LOOP_OPS[0], args)
+
+
+def test_a_forked_child_compiles_here_what_its_parent_sent_to_the_helper():
+    """The helper answers the parent: a child forked with a request pending would wait on it forever."""
+    args, helper = forward_arguments(), PendingHelper()
+    bodies = CompiledBodies(compile_body=lambda gm, fakes: (lambda tensors: gm(*tensors)), helper=helper)
+    assert bodies.compile_elsewhere(CHUNK_LOOP_OPS[0], args)
+    bodies.forget_helper_requests()  # what os.register_at_fork runs in the child for compiled_bodies.BODIES
+    assert not bodies.in_helper(CHUNK_LOOP_OPS[0], args)
+    for g, e in zip(bodies.run(CHUNK_LOOP_OPS[0], args), chunked_gla_op(*args)):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+    assert len(bodies.graphs) == 1 and not bodies.from_helper
+
+
+def test_the_process_s_bodies_forget_helper_requests_in_a_forked_child():
+    if not hasattr(os, "fork"):
+        pytest.skip("no os.fork here")
+    args = forward_arguments()
+    key = signature(CHUNK_LOOP_OPS[0], args)
+    compiled_bodies.BODIES._elsewhere[key] = Future()
+    try:
+        child = os.fork()
+        if child == 0:  # the child: exit status 0 when the request was dropped
+            os._exit(0 if not compiled_bodies.BODIES.in_helper(CHUNK_LOOP_OPS[0], args) else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert compiled_bodies.BODIES.in_helper(CHUNK_LOOP_OPS[0], args)  # the parent keeps its own
+    finally:
+        compiled_bodies.BODIES._elsewhere.pop(key, None)
+
+
 class NoSuchOp:
     @staticmethod
     def name():
@@ -137,7 +185,21 @@ def test_the_helper_runs_with_two_cores_or_when_switched_on(monkeypatch, switch,
     assert BodyHelper.enabled() is on
 
 
+@pytest.mark.parametrize("quota, cores", [("max 100000\n", 16), ("100000 100000\n", 1), ("150000 100000", 1),
+                                          ("400000 100000", 4), ("50000 100000", 1), ("", 16), (None, 16)])
+def test_a_container_s_cpu_quota_bounds_the_cores(monkeypatch, tmp_path, quota, cores):
+    """A container limited to one CPU on a 16-core host: the affinity says 16, the cgroup's cpu.max one."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    limits = tmp_path / "cpu.max"
+    if quota is not None:
+        limits.write_text(quota)
+    monkeypatch.setattr(body_helper, "CPU_QUOTA", str(limits))
+    assert body_helper._usable_cores() == cores
+
+
 def test_ranks_on_one_machine_share_its_cores(monkeypatch):
+    monkeypatch.setattr(body_helper, "CPU_QUOTA", "/nonexistent/cpu.max")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert body_helper._usable_cores() == 2

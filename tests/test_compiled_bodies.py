@@ -226,7 +226,7 @@ def test_the_chunk_loop_ops_fake_kernels_give_the_strides_their_bodies_return():
         assert [o.stride() for o in fake] == [o.stride() for o in eager], op
 
 
-def test_each_body_is_compiled_with_its_graph_not_at_its_first_call(compiled_two_layers):
+def test_each_body_is_compiled_with_its_graph_or_in_the_helper_not_at_a_first_call(compiled_two_layers):
     """NOTE [kernel builds beside the codegen]: the forward graph's compile compiled the forward body, from the
     twin's fake arguments; the backward's compile the backward body, unless the helper process compiled it
     (then loaded at the backward's first call, after the backward graph's codegen, not before it)."""

@@ -1,7 +1,9 @@
 """A loop declined because a source is written in place while it is read names that source as the user wrote it.
 
-Dynamo names a module's buffer l_self_buffers_decay_ and a module-level global G['DECAY']; the reason
-says self.decay and DECAY (`laplace_passes.infra.fx_helpers.input_source`). The numbers are eager's:
+Dynamo names a module's buffer l_self_buffers_decay_, a module-level global G['DECAY'] and a global of
+another module, read by a function there, G['__import_tests_dot_recognise_cases'].GATES_KEPT_HERE; the
+reason says self.decay, DECAY and tests.recognise_cases.GATES_KEPT_HERE
+(`laplace_passes.infra.fx_helpers.input_source`). The numbers are eager's:
 the loop runs as written.
 """
 
@@ -70,3 +72,15 @@ def test_a_global_written_while_the_loop_reads_it_is_declined_by_its_name():
         found = model(q, k, v)
     torch.testing.assert_close(DECAY, start * 0.5, rtol=0, atol=0)
     assert_declined_with_eager_numbers(model, found, expected, "DECAY")
+
+
+def test_a_global_of_another_module_is_named_by_its_module():
+    q, k, v, _ = cases.inputs("bthk", "key")
+    start = cases.GATES_KEPT_HERE.clone()
+    with torch.no_grad():
+        expected = cases.gates_kept_here_halved_after_the_loop(q, k, v)
+        cases.GATES_KEPT_HERE.copy_(start)
+        model = compiled(lambda q, k, v: cases.gates_kept_here_halved_after_the_loop(q, k, v))
+        found = model(q, k, v)
+    torch.testing.assert_close(cases.GATES_KEPT_HERE, start * 0.5, rtol=0, atol=0)
+    assert_declined_with_eager_numbers(model, found, expected, "tests.recognise_cases.GATES_KEPT_HERE")

@@ -460,11 +460,13 @@ def resolve_process_group(name: Any):
 
 def input_source(placeholder: torch.fx.Node) -> str:
     """Where Dynamo took a graph input from, as the user would write it: "args[0][3]", "self.lm_head.weight",
-    "DECAY" (a module-level global, G['DECAY'] to Dynamo)."""
+    "DECAY" (a module-level global, G['DECAY'] to Dynamo), "pkg.gates.DECAY" (a global of another module
+    that a function there read, G['__import_pkg_dot_gates'].DECAY to Dynamo)."""
     graph_arg = placeholder.meta.get("grapharg")
     name = getattr(getattr(graph_arg, "source", None), "name", None)
     if not isinstance(name, str):
         return placeholder.name
+    name = re.sub(r"^G\['__import_(\w+)'\]", lambda m: m.group(1).replace("_dot_", "."), name)
     name = re.sub(r"^[LG]\['(\w+)'\]", r"\1", name)
     return re.sub(r"\._modules\['(\w+)'\]|\._parameters\['(\w+)'\]|\._buffers\['(\w+)'\]",
                   lambda m: "." + next(g for g in m.groups() if g), name)

@@ -213,14 +213,31 @@ if hasattr(os, "register_at_fork"):  # a forked child does not own its parent's 
     os.register_at_fork(after_in_child=lambda: HELPER.__init__())
 
 
+CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
+
+
 def _usable_cores() -> int:
     """The cores this process may run on, shared with the other ranks torchrun started on this machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = min(cores, _cores_in_quota() or cores)
     try:
         ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         ranks_here = 1
     return cores // ranks_here
+
+
+def _cores_in_quota() -> int | None:
+    """The CPU time a container's quota allows, in whole cores (at least 1); None without a quota.
+
+    A container limited to one CPU on a large host still sees all the host's cores in its affinity.
+    """
+    try:
+        with open(CPU_QUOTA) as limits:
+            quota, period = limits.read().split()[:2]
+        return max(1, int(quota) // int(period))
+    except (OSError, ValueError):  # no cgroup v2 file, "max" (no quota), or a format not expected
+        return None
 
 
 def load_wrapper(source: str) -> Callable[[list], Sequence[torch.Tensor]]:

@@ -28,7 +28,9 @@ constant arguments) gets the same body the unroll pass would inline
 traced and compiled with Inductor once: just before the host graph, from
 the twins' fake arguments (`compile_ahead`, NOTE [kernel builds beside the
 codegen] in `laplace_passes/infra/kernel_batches.py`), or at a twin's first
-call with a signature not seen before; every later call with that
+call with a signature not seen before; a backward body the helper process
+compiles (NOTE [bodies compiled in a helper process]) is loaded at the
+backward graph's first call. Every later call with that
 signature, from any site, graph or compile in the process, runs that
 compiled body. The values are those of the inlined body
 compiled by Inductor: the same trace, cut at the op's boundary. The twin
@@ -59,6 +61,7 @@ the twin; a symbolic size keeps the inlined body, which takes it.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from concurrent.futures import Future
@@ -182,9 +185,15 @@ class CompiledBodies:
             return True
 
     def in_helper(self, op, args: tuple) -> bool:
-        """The helper is compiling the body for `args`, not loaded here yet."""
+        """The helper is compiling the body for `args` (not failed so far), not loaded here yet."""
         with self._lock:
-            return signature(op, args) in self._elsewhere
+            future = self._elsewhere.get(signature(op, args))
+        return future is not None and not (future.done() and future.exception() is not None)
+
+    def forget_helper_requests(self) -> None:
+        """Drop the requests sent to the helper: in a forked child, whose replies go to the parent."""
+        self._lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+        self._elsewhere.clear()
 
     def _from_helper(self, op, args: tuple, key: tuple, future: Future) -> Callable[[list], Sequence[Tensor]] | None:
         """The body the helper compiled, loaded here; None (and the reason in the log) if it has none."""
@@ -235,6 +244,8 @@ def compiled_source(op, args: tuple) -> str:
 
 
 BODIES = CompiledBodies(helper=HELPER)
+if hasattr(os, "register_at_fork"):  # a forked child compiles here what its parent asked the helper for
+    os.register_at_fork(after_in_child=BODIES.forget_helper_requests)
 
 
 def _traced_body(op, args: tuple, body: Callable) -> tuple[torch.fx.GraphModule, list[Tensor]]:
