@@ -217,7 +217,8 @@ CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microse
 
 
 def _usable_cores() -> int:
-    """The cores this process may run on, shared with the other ranks torchrun started on this machine."""
+    """The cores this process may run on (within a container's CPU quota), shared with the other ranks torchrun
+    started on this machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cores = min(cores, _cores_in_quota() or cores)
     try:
