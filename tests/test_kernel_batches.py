@@ -72,7 +72,8 @@ def assert_bitwise_equal(left, right):
             assert torch.equal(x, y), (x - y).abs().max()
 
 
-def test_a_training_step_is_bit_for_bit_inductors_own_build_with_fewer_libraries():
+def test_a_training_step_is_bit_for_bit_inductors_own_build_with_fewer_libraries(monkeypatch):
+    monkeypatch.setattr(kernel_batches, "MIN_LIBRARY_CHARS", 1)  # small graphs split too: the split is tested
     torch.manual_seed(0)
     inputs = [(torch.randn(24, 40), torch.randn(40, 48), torch.randn(48))]
     BATCHES.clear()
@@ -168,6 +169,19 @@ def test_the_laplace_backend_with_inner_inductor_builds_kernels_together():
 def test_what_a_batch_takes(source, argtypes, reason):
     refusal = batch_refusal(argtypes, source)
     assert refusal == reason if reason is None else reason in refusal
+
+
+def test_a_graph_is_split_into_libraries_of_enough_source_each_up_to_the_compile_threads():
+    """A g++ run's fixed cost is paid per library: a small graph's kernels build in one."""
+    def kernels(*lengths):
+        return [Kernel(("float*",), "x" * n) for n in lengths]
+
+    least = kernel_batches.MIN_LIBRARY_CHARS
+    assert kernel_batches.libraries_for(kernels(least // 2, least // 2 - 1), 2) == 1
+    assert kernel_batches.libraries_for(kernels(least, least), 2) == 2
+    assert kernel_batches.libraries_for(kernels(least, least, least), 2) == 2  # no more than the threads
+    assert kernel_batches.libraries_for(kernels(least, least, least), 8) == 3
+    assert kernel_batches.libraries_for(kernels(1), 4) == 1
 
 
 def test_split_evenly_balances_source_length_and_keeps_kernel_order():

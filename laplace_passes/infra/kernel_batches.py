@@ -1,6 +1,6 @@
 """Inductor's C++ kernels of one graph built together, beside the codegen: a few g++ runs per graph.
 
-    kernels_compiled_together()   within it, a graph's kernels are compiled in `compile_threads` libraries,
+    kernels_compiled_together()   within it, a graph's kernels are compiled in up to `compile_threads` libraries,
                                   in the background from the module's wait to the kernel's first call
     BATCHES                       what was built: kernels per library, and the batches that fell back
 
@@ -16,8 +16,9 @@ Within `kernels_compiled_together()`, `AsyncCompile.cpp_pybinding` (what a
 wrapper module Inductor generates calls once per kernel, before it waits
 for them all) hands back a deferred kernel. The first one the module waits
 for builds every kernel deferred so far: each kernel's text unchanged in a
-namespace of its own, the kernels split into `compile_threads` translation
-units of about equal length, each with one Python entry point per kernel
+namespace of its own, the kernels split into translation units of about
+equal length (up to `compile_threads`, each with at least MIN_LIBRARY_CHARS
+of source: a g++ run's fixed cost is paid per library), each with one Python entry point per kernel
 (`kernel_<i>`, its arguments parsed as Inductor's bindings parse them),
 built side by side through Inductor's own code cache: its compiler, flags,
 precompiled header, vector instruction set and cache folder. The machine
@@ -72,6 +73,9 @@ _ENTRY = re.compile(r'extern "C"\s+void\s+kernel\s*\(')
 # data pointer, or a Python int or float.
 _SCALAR_ARGUMENTS = ("int64_t", "uintptr_t", "float")
 OFF_SWITCH = "LAPLACE_PASSES_KERNEL_BATCHES"  # "0": every kernel left to Inductor's own build
+# The least source a library gets before a graph's kernels are split into more than one: the cpu target's
+# graphs (40k to 180k characters) build in one, a Neuron target's unrolled ones (280k, 490k) in up to two.
+MIN_LIBRARY_CHARS = 200_000
 
 
 def batch_refusal(argtypes: Sequence[str], source: str) -> str | None:
@@ -163,7 +167,7 @@ class Batch:
         wait_for_kernel_header()
         if len(self.kernels) == 1:
             return _one_by_one(self.kernels)
-        groups = split_evenly(self.kernels, self.compile_threads)
+        groups = split_evenly(self.kernels, libraries_for(self.kernels, self.compile_threads))
         try:
             functions = _built_together(groups)
         except Exception as error:  # noqa: BLE001 - Inductor builds them one by one instead, as it would have
@@ -241,6 +245,17 @@ class LazyKernel:
         if self.scope is not None and self.scope.get(self.name) is self:
             self.scope[self.name] = function
         return function(*args)
+
+
+def libraries_for(kernels: Sequence[Kernel], compile_threads: int) -> int:
+    """How many libraries to build `kernels` in: up to `compile_threads`, each with MIN_LIBRARY_CHARS of source.
+
+    A g++ run costs its fixed part (the precompiled header loaded, libtorch linked) whatever it builds, and a
+    first call on two cores is bound by its CPU seconds: a small graph built in one library, not two, made the
+    cpu target's first call of tiny's training step 0.95x as long (docs/benchmarks.md).
+    """
+    source = sum(len(kernel.source) for kernel in kernels)
+    return max(1, min(compile_threads, source // MIN_LIBRARY_CHARS))
 
 
 def split_evenly(kernels: Sequence[Kernel], parts: int) -> list[list[tuple[int, Kernel]]]:
