@@ -756,15 +756,21 @@ def gates_changed_before_the_loop_reads_them(q, k, v, g):
     return _gates_written_in_place(q, k, v, g, halved_before=True)
 
 
-# tests/test_recognise_names.py: gates this module keeps in a global of its own, read by a loop defined here and
-# halved in place after it (Dynamo names the global G['__import_tests_dot_recognise_cases'].GATES_KEPT_HERE).
+def decay_halved_after_the_loop(q, k, v, decay):
+    """Per-key gates [B, T, H, K] given as they are (a buffer, a global), step t reading its own, halved in place
+    after the loop (before its outputs are stacked): tests/test_recognise_names.py."""
+    S, outs = q.new_zeros(B, H, K, V), []
+    for t in range(T):
+        S = S * decay[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    decay.mul_(0.5)
+    return torch.stack(outs, 1), S
+
+
+# Gates this module keeps in a global of its own, read here (Dynamo names the global
+# G['__import_tests_dot_recognise_cases'].GATES_KEPT_HERE when a function of another module calls this one).
 GATES_KEPT_HERE = inputs("bthk", "key")[3].clone()
 
 
 def gates_kept_here_halved_after_the_loop(q, k, v):
-    S, outs = q.new_zeros(B, H, K, V), []
-    for t in range(T):
-        S = S * GATES_KEPT_HERE[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append((q[:, t, :, :, None] * S).sum(-2))
-    GATES_KEPT_HERE.mul_(0.5)
-    return torch.stack(outs, 1), S
+    return decay_halved_after_the_loop(q, k, v, GATES_KEPT_HERE)

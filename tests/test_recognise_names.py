@@ -7,6 +7,7 @@ reason says self.decay, DECAY and tests.recognise_cases.GATES_KEPT_HERE
 the loop runs as written.
 """
 
+import pytest
 import torch
 
 import laplace_passes
@@ -20,28 +21,17 @@ def compiled(fn):
     return laplace_passes.compile(fn, target="cpu", chunk_size=8)
 
 
-def decay_halved_after_the_loop(q, k, v, decay):
-    """Per-key gates [B, T, H, K], step t reading its own, halved in place after the loop (before its outputs
-    are stacked)."""
-    S, outs = q.new_zeros(cases.B, cases.H, cases.K, cases.V), []
-    for t in range(cases.T):
-        S = S * decay[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append((q[:, t, :, :, None] * S).sum(-2))
-    decay.mul_(0.5)
-    return torch.stack(outs, 1), S
-
-
 class DecayInABuffer(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.register_buffer("decay", DECAY.clone())
 
     def forward(self, q, k, v):
-        return decay_halved_after_the_loop(q, k, v, self.decay)
+        return cases.decay_halved_after_the_loop(q, k, v, self.decay)
 
 
 def decay_in_a_global(q, k, v):
-    return decay_halved_after_the_loop(q, k, v, DECAY)
+    return cases.decay_halved_after_the_loop(q, k, v, DECAY)
 
 
 def assert_declined_with_eager_numbers(model, found, expected, name):
@@ -62,25 +52,19 @@ def test_a_buffer_written_while_the_loop_reads_it_is_declined_by_the_name_the_us
     assert_declined_with_eager_numbers(model, found, expected, "self.decay")
 
 
-def test_a_global_written_while_the_loop_reads_it_is_declined_by_its_name():
+@pytest.mark.parametrize("function, gates, name", [
+    (decay_in_a_global, DECAY, "DECAY"),  # this module's global, read by the function compiled
+    # another module's global, read by a function there that the compiled one calls
+    (lambda q, k, v: cases.gates_kept_here_halved_after_the_loop(q, k, v), cases.GATES_KEPT_HERE,
+     "tests.recognise_cases.GATES_KEPT_HERE"),
+], ids=["this-module", "another-module"])
+def test_a_global_written_while_the_loop_reads_it_is_declined_by_its_name(function, gates, name):
     q, k, v, _ = cases.inputs("bthk", "key")
-    start = DECAY.clone()
+    start = gates.clone()
     with torch.no_grad():
-        expected = decay_in_a_global(q, k, v)
-        DECAY.copy_(start)
-        model = compiled(decay_in_a_global)
+        expected = function(q, k, v)
+        gates.copy_(start)
+        model = compiled(function)
         found = model(q, k, v)
-    torch.testing.assert_close(DECAY, start * 0.5, rtol=0, atol=0)
-    assert_declined_with_eager_numbers(model, found, expected, "DECAY")
-
-
-def test_a_global_of_another_module_is_named_by_its_module():
-    q, k, v, _ = cases.inputs("bthk", "key")
-    start = cases.GATES_KEPT_HERE.clone()
-    with torch.no_grad():
-        expected = cases.gates_kept_here_halved_after_the_loop(q, k, v)
-        cases.GATES_KEPT_HERE.copy_(start)
-        model = compiled(lambda q, k, v: cases.gates_kept_here_halved_after_the_loop(q, k, v))
-        found = model(q, k, v)
-    torch.testing.assert_close(cases.GATES_KEPT_HERE, start * 0.5, rtol=0, atol=0)
-    assert_declined_with_eager_numbers(model, found, expected, "tests.recognise_cases.GATES_KEPT_HERE")
+    torch.testing.assert_close(gates, start * 0.5, rtol=0, atol=0)
+    assert_declined_with_eager_numbers(model, found, expected, name)
