@@ -1,10 +1,11 @@
 """Inductor's first compile sooner (laplace_passes.infra.inductor_fast): the same kernels, the same instruction set.
 
-NOTE [index strides without sympy.simplify]: the patch may only make
-Inductor faster, never change what it writes; checked by compiling the
-chunked GLA forward (pads, chunk reshapes, transposes, concatenations:
-indices with FloorDiv and ModularIndexing as well as plain polynomials)
-with and without it and comparing the generated code.
+NOTE [index strides without sympy.simplify], NOTE [dtype rules set up
+once]: the patches may only make Inductor faster, never change what it
+writes; checked by compiling the chunked GLA forward (pads, chunk reshapes,
+transposes, concatenations: indices with FloorDiv and ModularIndexing as
+well as plain polynomials) with and without them and comparing the
+generated code.
 
 NOTE [vector-ISA probes ahead of the codegen]: the backend's background
 probes must leave Inductor with the instruction sets its own probes find,
@@ -13,6 +14,8 @@ build must make the precompiled header a kernel's build asks for; checked
 in fresh processes, whose probe caches start empty.
 """
 
+import contextlib
+import dataclasses
 import functools
 import json
 import subprocess
@@ -21,7 +24,8 @@ import sys
 import sympy
 import torch
 import torch._dynamo
-from torch._inductor import cpu_vec_isa, sizevars
+from torch._inductor import cpu_vec_isa, dtype_propagation, sizevars
+from torch._inductor import utils as inductor_utils
 from torch._inductor.utils import run_and_get_code
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
@@ -37,14 +41,16 @@ def generated_code(fast: bool) -> tuple[torch.Tensor, str]:
     q, k, v, gk, h0 = make_inputs(1, 130, 2, 8, 6, gate_divisor=1.0)
     compiled = torch.compile(functools.partial(chunked_forward, scale=0.3, chunk_size=64, sub_chunk_size=4),
                              backend="inductor")
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        if fast:
-            with inductor_fast.fast_index_simplify():
-                result, code = run_and_get_code(compiled, q, k, v, gk, h0)
-        else:
-            result, code = run_and_get_code(compiled, q, k, v, gk, h0)
+    with torch._inductor.config.patch(fx_graph_cache=False), _fast_compile() if fast else contextlib.nullcontext():
+        result, code = run_and_get_code(compiled, q, k, v, gk, h0)
     # The AOT ID line numbers compiles in order; the rest is what Inductor wrote.
     return result[0], "\n".join(line for text in code for line in text.splitlines() if not line.startswith("# AOT ID"))
+
+
+@contextlib.contextmanager
+def _fast_compile():
+    with inductor_fast.fast_index_simplify(), inductor_fast.dtype_rules_set_once():
+        yield
 
 
 def test_inductor_writes_the_same_kernels_with_polynomials_expanded(monkeypatch):
@@ -57,11 +63,48 @@ def test_inductor_writes_the_same_kernels_with_polynomials_expanded(monkeypatch)
         return real(expr, *args, **kwargs)
 
     monkeypatch.setattr(inductor_fast._SympyWithPolynomialSimplify, "simplify", staticmethod(counting))
+    rules_set = []
+    init = dtype_propagation.DtypePropagationOpsHandler.__init__
+    monkeypatch.setattr(dtype_propagation.DtypePropagationOpsHandler, "__init__",
+                        lambda self: rules_set.append(1) or init(self))
     fast_out, fast_code = generated_code(fast=True)
+    fast_rules_set = len(rules_set)
     plain_out, plain_code = generated_code(fast=False)
     assert len(expanded) > 10  # the patch was on the path Inductor took
+    # Set up at most once in the fast compile (never where an earlier compile of this process left it set up),
+    # once per operation written without the patch.
+    assert fast_rules_set <= 1 and len(rules_set) - fast_rules_set > 100
     assert fast_code == plain_code
     torch.testing.assert_close(fast_out, plain_out, rtol=0, atol=0)
+
+
+def test_the_dtype_handler_is_set_up_again_when_a_rule_changed_and_restored_after_the_last_compile():
+    handler_class = dtype_propagation.DtypePropagationOpsHandler
+    original = vars(handler_class)["__init__"]
+    rules = inductor_utils.op_dtype_propagation_rules
+    set_up = []
+    with inductor_fast.dtype_rules_set_once():
+        with inductor_fast.dtype_rules_set_once():  # a compile within a compile: one patch for both
+            counted = inductor_fast._original_dtype_init
+            inductor_fast._original_dtype_init = lambda self: set_up.append(1) or counted(self)
+            try:
+                handler = handler_class()
+                handler_class()
+                assert len(set_up) <= 1  # at most once, however many handlers are asked for
+                before = len(set_up)
+                inductor_utils.register_op_dtype_propagation_rules("laplace_test_op", rules["add"].type_promotion_kind,
+                                                                    None)
+                assert callable(handler_class().laplace_test_op)  # a rule registered since: set up again
+                assert len(set_up) == before + 1
+                rules["add"] = dataclasses.replace(rules["add"])  # the same name, another object: set up again
+                handler_class()
+                assert len(set_up) == before + 2
+            finally:
+                inductor_fast._original_dtype_init = counted
+                del rules["laplace_test_op"]
+                delattr(handler, "laplace_test_op")
+        assert vars(handler_class)["__init__"] is inductor_fast._init_when_rules_changed  # the outer compile goes on
+    assert vars(handler_class)["__init__"] is original
 
 
 def test_only_plain_polynomials_are_expanded():

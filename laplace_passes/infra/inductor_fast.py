@@ -1,6 +1,7 @@
 """Inductor's first compile, sooner: the same kernels, the same instruction set.
 
     fast_index_simplify()    index strides by expanding plain polynomials, not sympy.simplify
+    dtype_rules_set_once()   Inductor's dtype handler set up once, not once per operation written
     start_isa_probes()       Inductor's vector-ISA probes, then its precompiled header, in the background
     wait_for_isa_probes()    before Inductor's codegen
     wait_for_kernel_header() before the first kernel is built
@@ -28,6 +29,7 @@ lru-cached by Inductor, and equal to the unpatched ones.
 from __future__ import annotations
 
 import contextlib
+import operator
 import platform
 import sys
 import threading
@@ -78,6 +80,71 @@ def fast_index_simplify() -> Iterator[None]:
         return
     with mock.patch.object(sizevars, "sympy", _SYMPY):
         yield
+
+
+# NOTE [dtype rules set up once]
+# Inductor's code generators ask `DtypePropagationOpsHandler()` for the dtype
+# of every operation they write (`CSEProxy._default` in
+# `torch._inductor.codegen.common`). The class is a singleton, but Python runs
+# its `__init__` at each call, and that `__init__` sets one attribute per
+# operation (about 200, then a `dir()` of the instance): 0.1 ms each time,
+# 12,000 times for the forward graph of `tiny`'s training step on the trn2
+# target, more for its backward. That first call took 47.8 s against 50.5 s
+# with it (`benchmarks/bench_compile.py`, docs/benchmarks.md). Within `dtype_rules_set_once()` the `__init__` runs again only when
+# the rules it reads changed since it last ran (a lowering registered since:
+# the rules dict holds other objects, or more of them), so the handler has
+# the attributes the unpatched one would have. The other tables it reads
+# (`pointwise_overrides_data`, `boolean_ops()`) are constants of their modules.
+# The patch is on while any compile of this process is inside the context.
+
+_rules_lock = threading.Lock()
+_rules_users = 0
+_original_dtype_init: Callable | None = None
+
+
+def _dtype_handler_class():
+    """Inductor's `DtypePropagationOpsHandler`, or None when this torch's is not the one described above."""
+    try:
+        from torch._inductor import dtype_propagation, utils
+    except ImportError:
+        return None
+    handler = getattr(dtype_propagation, "DtypePropagationOpsHandler", None)
+    rules = getattr(utils, "op_dtype_propagation_rules", None)
+    if handler is None or "__init__" not in vars(handler) or not isinstance(rules, dict):
+        return None
+    return handler
+
+
+def _init_when_rules_changed(self) -> None:
+    from torch._inductor.utils import op_dtype_propagation_rules as rules
+
+    seen = self.__dict__.get("_laplace_rules_seen")
+    if seen is not None and len(seen) == len(rules) and all(map(operator.is_, seen, rules.values())):
+        return
+    _original_dtype_init(self)
+    self._laplace_rules_seen = list(rules.values())
+
+
+@contextlib.contextmanager
+def dtype_rules_set_once() -> Iterator[None]:
+    """Inductor's dtype handler set up again only when its rules changed (NOTE [dtype rules set up once])."""
+    global _rules_users, _original_dtype_init
+    handler = _dtype_handler_class()
+    if handler is None:
+        yield
+        return
+    with _rules_lock:
+        if _rules_users == 0:
+            _original_dtype_init = vars(handler)["__init__"]
+            handler.__init__ = _init_when_rules_changed
+        _rules_users += 1
+    try:
+        yield
+    finally:
+        with _rules_lock:
+            _rules_users -= 1
+            if _rules_users == 0:
+                handler.__init__ = _original_dtype_init
 
 
 # NOTE [vector-ISA probes ahead of the codegen]

@@ -22,7 +22,8 @@ import torch.fx
 from functorch.compile import make_boxed_func
 
 from laplace_passes.infra.fx_helpers import GraphsByFakeMode
-from laplace_passes.infra.inductor_fast import fast_index_simplify, start_isa_probes, wait_for_isa_probes
+from laplace_passes.infra.inductor_fast import (dtype_rules_set_once, fast_index_simplify, start_isa_probes,
+                                               wait_for_isa_probes)
 
 
 class InnerCompiler:
@@ -128,11 +129,12 @@ def inductor_as_we_run_it() -> Iterator[None]:
     """What `InductorCompiler.compile` runs Inductor's compile within (the helper process too).
 
     The same kernels, sooner: NOTE [index strides without sympy.simplify],
+    NOTE [dtype rules set up once] (both in laplace_passes/infra/inductor_fast.py),
     NOTE [kernels compiled together].
     """
     from laplace_passes.infra.kernel_batches import kernels_compiled_together
 
-    with fast_index_simplify(), kernels_compiled_together():
+    with fast_index_simplify(), dtype_rules_set_once(), kernels_compiled_together():
         yield
 
 
