@@ -87,6 +87,7 @@ import time
 
 from benchmarks import reference_work
 from benchmarks.common import print_row, rusage_seconds, say
+from laplace_passes.infra.process_cpu import descendants, proc_stat, stat_cpu_seconds
 
 STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "backward sent ahead", "Inductor codegen",
           "Inductor's ISA probes", "C++ compile (waited)", "helper process (waited)", "other")
@@ -252,38 +253,11 @@ def cpu_seconds() -> float:
     import resource
 
     total = rusage_seconds(resource.RUSAGE_SELF) + rusage_seconds(resource.RUSAGE_CHILDREN)
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for pid in _descendants(os.getpid()):
-        fields = _proc_stat(pid)
+    for pid in descendants(os.getpid()):
+        fields = proc_stat(pid)
         if fields:
-            total += sum(int(f) for f in fields[11:15]) / ticks  # utime, stime, cutime, cstime
+            total += stat_cpu_seconds(fields)
     return total
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state first), or None when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _descendants(root: int) -> list[int]:
-    if not os.path.isdir("/proc"):
-        return []
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _proc_stat(int(entry))
-            if fields:
-                parents[int(entry)] = int(fields[1])
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_codegen_s: float = 0.0,

@@ -8,8 +8,10 @@ compile, its exit) leaves the body to this process, with the reason logged.
 """
 
 import os
+import signal
 import threading
 import time
+import types
 from concurrent.futures import Future
 
 import pytest
@@ -172,6 +174,51 @@ def test_the_helper_answers_an_error_and_a_new_helper_starts_after_one_exits(hel
             pending.result(timeout=120)
     finally:
         helper.stop()
+
+
+@switched_off
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the helper's CPU time is read from /proc")
+def test_a_stuck_helper_is_stopped_its_requests_fail_and_a_new_one_starts(helper_on, monkeypatch):
+    """NOTE [a stuck helper]: a helper stopped by SIGSTOP takes no CPU time; the waits give up on it."""
+    monkeypatch.setattr(body_helper, "STALL_S", 1.5)
+    monkeypatch.setattr(body_helper, "POLL_S", 0.1)
+    helper = BodyHelper()
+    try:
+        with pytest.raises(RuntimeError, match="AttributeError"):
+            helper.submit(NoSuchOp, ()).result(timeout=120)  # up, idle, answering
+        stuck = helper._connection.process
+        os.kill(stuck.pid, signal.SIGSTOP)
+        pending, codegen = helper.submit(NoSuchOp, ()), helper.submit_codegen(b"not a payload")
+        start = time.monotonic()
+        with Records("laplace.passes") as records:
+            with pytest.raises(RuntimeError, match=r"the helper process was stuck \(no CPU time for \d+ s\)"):
+                pending.result()
+        assert time.monotonic() - start < 30
+        with pytest.raises(RuntimeError, match="stuck"):
+            codegen.result()
+        assert stuck.wait(timeout=10) == -signal.SIGKILL
+        assert any(f"the helper process (pid {stuck.pid}) took no CPU time" in r.getMessage() for r in records)
+        with pytest.raises(RuntimeError, match="AttributeError"):
+            helper.submit(NoSuchOp, ()).result(timeout=120)  # a new helper answers
+        assert helper._connection.process is not stuck
+    finally:
+        helper.stop()
+
+
+@pytest.mark.parametrize("cpu_seconds", ["advancing", "unreadable"])
+def test_a_wait_goes_on_while_the_helper_takes_cpu_time_or_where_it_cannot_be_read(monkeypatch, cpu_seconds):
+    monkeypatch.setattr(body_helper, "STALL_S", 0.3)
+    monkeypatch.setattr(body_helper, "POLL_S", 0.05)
+    ticks = iter(range(1_000_000))
+    monkeypatch.setattr(body_helper, "tree_cpu_seconds",
+                        lambda pid: next(ticks) if cpu_seconds == "advancing" else None)
+    helper = BodyHelper()
+    stopped = []
+    monkeypatch.setattr(helper, "stop_stuck", lambda *args: stopped.append(args))
+    process = types.SimpleNamespace(pid=os.getpid(), poll=lambda: None)
+    answer = body_helper._Answer(helper, body_helper._Connection(process))
+    threading.Timer(1.0, answer.set_result, args=({"source": "answered"},)).start()  # a slow compile
+    assert answer.result() == {"source": "answered"} and not stopped
 
 
 @pytest.mark.parametrize("switch, cores, on", [(None, 1, False), (None, 2, True), ("1", 1, True), ("0", 16, False),

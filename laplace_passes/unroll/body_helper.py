@@ -44,6 +44,18 @@ The same helper generates a training step's whole backward graph (NOTE
 [backward graphs generated in the helper process] in
 `laplace_passes/driver/backward_ahead.py`, `submit_codegen`).
 
+NOTE [a stuck helper]
+A helper that is alive but makes no progress (stopped by a signal, or
+blocked for good) would leave this process waiting for its answer forever,
+the training step hung. So waiting for an answer (`Future.result()` on what
+`submit` and `submit_codegen` return) watches the helper's CPU time, its
+own and its processes' (g++ included; `laplace_passes.infra.process_cpu`):
+a compile, however slow on a loaded machine, keeps taking some. After
+STALL_S seconds without any, the helper is killed (its pending requests
+fail, their bodies and graphs are compiled here, a warning says why) and a
+later request starts a new one. Where the CPU time cannot be read (no /proc)
+the wait is as before.
+
 Where it runs: with two usable cores or more, for bodies and whole
 backward graphs alike. On two cores the first call is CPU bound, so the
 helper gains only what its second core adds beside this process's g++
@@ -64,12 +76,16 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
 import torch
 
+from laplace_passes.infra import logs
+from laplace_passes.infra.process_cpu import tree_cpu_seconds
 from laplace_passes.infra.threads import mark_background
 
 SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with enough cores
@@ -77,6 +93,8 @@ SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or uns
 # first call measured 0.92x to 0.94x as long with it).
 MIN_CORES = 2
 IDLE_EXIT_S = 600.0  # the helper exits after this long without a request
+STALL_S = 60.0  # a helper whose processes take no CPU time for this long is stuck (NOTE [a stuck helper])
+POLL_S = 1.0  # how often a wait for an answer reads the helper's CPU time
 _LENGTH = struct.Struct("<Q")
 
 
@@ -86,6 +104,29 @@ class _Connection:
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process
         self.waiting: deque[Future] = deque()
+
+
+class _Answer(Future):
+    """A Future of the helper's answer whose `result()` gives up on a stuck helper (NOTE [a stuck helper])."""
+
+    def __init__(self, helper: BodyHelper, connection: _Connection) -> None:
+        super().__init__()
+        self._helper, self._connection = helper, connection
+
+    def result(self, timeout: float | None = None):
+        if timeout is not None:
+            return super().result(timeout)
+        cpu, since = None, time.monotonic()
+        while True:
+            try:
+                return super().result(POLL_S)
+            except FutureTimeout:
+                pass
+            now, seconds = time.monotonic(), tree_cpu_seconds(self._connection.process.pid)
+            if seconds is None or seconds != cpu:  # unreadable (wait as before), or progress
+                cpu, since = seconds, now
+            elif now - since >= STALL_S:
+                self._helper.stop_stuck(self._connection, now - since)
 
 
 class BodyHelper:
@@ -129,7 +170,7 @@ class BodyHelper:
         future = self._request({"codegen": payload}) if self.enabled() else None
         if future is None:
             return None
-        answer: Future = Future()
+        answer = _Answer(self, future._connection)
         future.add_done_callback(lambda done: answer.set_exception(done.exception()) if done.exception()
                                  else answer.set_result(done.result()["answer"]))
         return answer
@@ -144,7 +185,7 @@ class BodyHelper:
             connection = self._running()
             if connection is None:
                 return None
-            future: Future = Future()
+            future = _Answer(self, connection)
             connection.waiting.append(future)
             try:
                 write_frame(connection.process.stdin, request)
@@ -178,12 +219,28 @@ class BodyHelper:
                     while connection.waiting:
                         connection.waiting.popleft().set_exception(RuntimeError("the helper process exited"))
                     break
+                if not connection.waiting:  # stopped as stuck (`stop_stuck`): its requests failed already
+                    continue
                 future = connection.waiting.popleft()
             if "error" in reply:
                 future.set_exception(RuntimeError(reply["error"]))
             else:
                 future.set_result(reply)
         _close(connection.process)
+
+    def stop_stuck(self, connection: _Connection, idle_s: float) -> None:
+        """Kill a helper that took no CPU time for `idle_s` s; what it had not answered fails at once."""
+        with self._lock:
+            if self._connection is connection:
+                self._connection = None
+            waiting = list(connection.waiting)
+            connection.waiting.clear()
+        if connection.process.poll() is None:
+            logs.log.warning("the helper process (pid %d) took no CPU time for %.0f s: stopped; what it was "
+                             "compiling is compiled here", connection.process.pid, idle_s)
+            connection.process.kill()
+        for future in waiting:
+            future.set_exception(RuntimeError(f"the helper process was stuck (no CPU time for {idle_s:.0f} s)"))
 
     def stop(self) -> None:
         """End the helper now (what it had not answered fails, and is compiled here when asked for)."""
