@@ -8,6 +8,7 @@ compile, its exit) leaves the body to this process, with the reason logged.
 """
 
 import os
+import re
 import signal
 import threading
 import time
@@ -182,43 +183,99 @@ def test_a_stuck_helper_is_stopped_its_requests_fail_and_a_new_one_starts(helper
     """NOTE [a stuck helper]: a helper stopped by SIGSTOP takes no CPU time; the waits give up on it."""
     monkeypatch.setattr(body_helper, "STALL_S", 1.5)
     monkeypatch.setattr(body_helper, "POLL_S", 0.1)
-    helper = BodyHelper()
+    helper, stuck = BodyHelper(), None
     try:
         with pytest.raises(RuntimeError, match="AttributeError"):
             helper.submit(NoSuchOp, ()).result(timeout=120)  # up, idle, answering
         stuck = helper._connection.process
         os.kill(stuck.pid, signal.SIGSTOP)
-        pending, codegen = helper.submit(NoSuchOp, ()), helper.submit_codegen(b"not a payload")
-        start = time.monotonic()
+        # A graph bigger than the pipe's buffer, to a helper that reads no more: sent by the writer thread.
+        codegen, pending = outcome_within(5, lambda: (helper.submit_codegen(b"x" * 1_000_000),
+                                                      helper.submit(NoSuchOp, ())))
         with Records("laplace.passes") as records:
-            with pytest.raises(RuntimeError, match=r"the helper process was stuck \(no CPU time for \d+ s\)"):
-                pending.result()
-        assert time.monotonic() - start < 30
-        with pytest.raises(RuntimeError, match="stuck"):
-            codegen.result()
+            codegen_error = outcome_within(30, codegen.result)
+        assert isinstance(codegen_error, RuntimeError)
+        assert re.fullmatch(r"the helper process was stuck \(no CPU time for \d+ s\)", str(codegen_error))
+        assert "stuck" in str(outcome_within(5, pending.result))
         assert stuck.wait(timeout=10) == -signal.SIGKILL
         assert any(f"the helper process (pid {stuck.pid}) took no CPU time" in r.getMessage() for r in records)
         with pytest.raises(RuntimeError, match="AttributeError"):
             helper.submit(NoSuchOp, ()).result(timeout=120)  # a new helper answers
         assert helper._connection.process is not stuck
     finally:
+        if stuck is not None:
+            stuck.kill()  # first: a write blocked on its pipe may hold the helper's lock
         helper.stop()
 
 
-@pytest.mark.parametrize("cpu_seconds", ["advancing", "unreadable"])
-def test_a_wait_goes_on_while_the_helper_takes_cpu_time_or_where_it_cannot_be_read(monkeypatch, cpu_seconds):
+def outcome_within(seconds: float, call):
+    """What `call()` returns, or the exception it raises, within `seconds` (a failure, not a hung test, if it
+    waits on)."""
+    outcome = []
+
+    def calling():
+        try:
+            outcome.append(call())
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome.append(error)
+
+    thread = threading.Thread(target=calling, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
+
+
+class FakeClock:
+    """time.monotonic() in steps of 0.01 s, with one jump: the whole job stopped for 10 s."""
+
+    def __init__(self, jump_at: int | None):
+        self.calls, self.jump_at = 0, jump_at
+
+    def monotonic(self):
+        self.calls += 1
+        return 0.01 * self.calls + (10.0 if self.jump_at is not None and self.calls >= self.jump_at else 0.0)
+
+
+@pytest.mark.parametrize("cpu_seconds, jump_at", [("advancing", None), ("descendants advancing", None),
+                                                   ("unreadable", None), ("still", 3)])
+def test_a_wait_goes_on_while_the_helper_takes_cpu_time_or_where_it_cannot_be_read(monkeypatch, cpu_seconds, jump_at):
+    """Taking CPU time (its own, or g++'s under it), unreadable, or standing still only while the job was
+    stopped (the clock jumps 10 s between two polls): waited for, not stopped."""
     monkeypatch.setattr(body_helper, "STALL_S", 0.3)
     monkeypatch.setattr(body_helper, "POLL_S", 0.05)
     ticks = iter(range(1_000_000))
+    monkeypatch.setattr(body_helper, "own_cpu_seconds", {
+        "advancing": lambda pid: next(ticks), "unreadable": lambda pid: None}.get(cpu_seconds, lambda pid: 1.0))
     monkeypatch.setattr(body_helper, "tree_cpu_seconds",
-                        lambda pid: next(ticks) if cpu_seconds == "advancing" else None)
+                        lambda pid: next(ticks) if cpu_seconds == "descendants advancing" else 1.0)
+    monkeypatch.setattr(body_helper, "time", FakeClock(jump_at))
     helper = BodyHelper()
     stopped = []
     monkeypatch.setattr(helper, "stop_stuck", lambda *args: stopped.append(args))
     process = types.SimpleNamespace(pid=os.getpid(), poll=lambda: None)
     answer = body_helper._Answer(helper, body_helper._Connection(process))
-    threading.Timer(1.0, answer.set_result, args=({"source": "answered"},)).start()  # a slow compile
+    threading.Timer(0.4, answer.set_result, args=({"source": "answered"},)).start()  # a slow compile
     assert answer.result() == {"source": "answered"} and not stopped
+
+
+def test_a_wait_with_no_cpu_time_stops_the_helper_and_a_forked_child_does_not_wait_for_its_parent_s(monkeypatch):
+    monkeypatch.setattr(body_helper, "STALL_S", 0.3)
+    monkeypatch.setattr(body_helper, "POLL_S", 0.05)
+    monkeypatch.setattr(body_helper, "own_cpu_seconds", lambda pid: 1.0)
+    monkeypatch.setattr(body_helper, "tree_cpu_seconds", lambda pid: 2.0)
+    helper = BodyHelper()
+    process = types.SimpleNamespace(pid=os.getpid(), poll=lambda: 0)  # ended: nothing to kill
+    connection = body_helper._Connection(process)
+    answer = body_helper._Answer(helper, connection)
+    connection.waiting.append(answer)
+    with pytest.raises(RuntimeError, match=r"stuck \(no CPU time for 0 s\)"):
+        answer.result()
+    assert connection.closed and not connection.waiting
+    parents = body_helper._Answer(helper, body_helper._Connection(process))
+    parents._connection.owner = os.getpid() + 1  # as a forked child sees its parent's request
+    with pytest.raises(RuntimeError, match="a request of the parent process"):
+        parents.result()
 
 
 @pytest.mark.parametrize("switch, cores, on", [(None, 1, False), (None, 2, True), ("1", 1, True), ("0", 16, False),

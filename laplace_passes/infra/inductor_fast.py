@@ -89,13 +89,16 @@ def fast_index_simplify() -> Iterator[None]:
 # its `__init__` at each call, and that `__init__` sets one attribute per
 # operation (about 200, then a `dir()` of the instance): 0.1 ms each time,
 # 12,000 times for the forward graph of `tiny`'s training step on the trn2
-# target, more for its backward. That first call took 47.8 s against 50.5 s
-# with it (`benchmarks/bench_compile.py`, docs/benchmarks.md). Within `dtype_rules_set_once()` the `__init__` runs again only when
-# the rules it reads changed since it last ran (a lowering registered since:
-# the rules dict holds other objects, or more of them), so the handler has
-# the attributes the unpatched one would have. The other tables it reads
-# (`pointwise_overrides_data`, `boolean_ops()`) are constants of their modules.
-# The patch is on while any compile of this process is inside the context.
+# target, more for its backward. That first call took 47.8 s (twice) against
+# 50.2 and 50.6 s with it (`benchmarks/bench_compile.py`, docs/benchmarks.md).
+# Within `dtype_rules_set_once()` the `__init__` runs again only when the
+# rules it reads changed since it last ran (a lowering registered since: the
+# rules dict holds other objects, or more of them), so the handler has the
+# attributes the unpatched one would have (a rule object changed in place
+# would go unnoticed; torch replaces rules, never changes one). The other
+# tables it reads (`pointwise_overrides_data`, `boolean_ops()`) are constants
+# of their modules. The patch is on while any compile of this process is
+# inside the context.
 
 _rules_lock = threading.Lock()
 _rules_users = 0

@@ -49,21 +49,17 @@ A helper that is alive but makes no progress (stopped by a signal, or
 blocked for good) would leave this process waiting for its answer forever,
 the training step hung. So waiting for an answer (`Future.result()` on what
 `submit` and `submit_codegen` return) watches the helper's CPU time, its
-own and its processes' (g++ included; `laplace_passes.infra.process_cpu`):
-a compile, however slow on a loaded machine, keeps taking some. After
-STALL_S seconds without any, the helper is killed (its pending requests
-fail, their bodies and graphs are compiled here, a warning says why) and a
-later request starts a new one. Where the CPU time cannot be read (no /proc)
-the wait is as before.
-
-Where it runs: with two usable cores or more, for bodies and whole
-backward graphs alike. On two cores the first call is CPU bound, so the
-helper gains only what its second core adds beside this process's g++
-runs: measured on a 2-core AVX2 machine in fresh processes alternating
-with LAPLACE_PASSES_BODY_HELPER=0, the cpu target's first call of tiny's
-step 0.94x as long, of fla's GLAForCausalLM 0.92x (docs/benchmarks.md).
-With one core it would only take this process's time. LAPLACE_PASSES_BODY_HELPER=1
-turns it on whatever the cores, =0 off.
+own and, when that stands still, its processes' (g++;
+`laplace_passes.infra.process_cpu`): a compile, however slow on a loaded
+machine, keeps taking some. After STALL_S seconds without any, the helper is
+killed (its pending requests fail, their bodies and graphs are compiled
+here, a warning says why) and a later request starts a new one. A wait that
+itself did not run for a while (the whole job stopped, a paused machine)
+starts counting again. Requests are written to the helper by a thread of
+their own, so a helper that reads no more blocks that thread, not a compile
+sending it a graph bigger than the pipe's buffer. A forked child does not
+wait for its parent's requests: they fail at once, and it compiles them
+itself. Where the CPU time cannot be read (no /proc) the wait is as before.
 """
 
 from __future__ import annotations
@@ -71,6 +67,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import queue
 import select
 import struct
 import subprocess
@@ -85,7 +82,7 @@ from typing import Callable, Sequence
 import torch
 
 from laplace_passes.infra import logs
-from laplace_passes.infra.process_cpu import tree_cpu_seconds
+from laplace_passes.infra.process_cpu import own_cpu_seconds, tree_cpu_seconds
 from laplace_passes.infra.threads import mark_background
 
 SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with enough cores
@@ -99,11 +96,16 @@ _LENGTH = struct.Struct("<Q")
 
 
 class _Connection:
-    """One helper process and the Futures of the requests it has not answered yet, in the order sent."""
+    """One helper process, the requests not sent yet, and the Futures of those it has not answered, in order."""
 
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process
         self.waiting: deque[Future] = deque()
+        # Written by a thread of its own: a helper that reads no more (stopped, or busy with a request bigger
+        # than the pipe's buffer) blocks that thread, never a compile (NOTE [a stuck helper]). None ends it.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.owner = os.getpid()  # a forked child's copies of the Futures are answered to the parent only
+        self.closed = False  # its requests failed (`BodyHelper._fail_waiting`): it takes no more
 
 
 class _Answer(Future):
@@ -116,17 +118,34 @@ class _Answer(Future):
     def result(self, timeout: float | None = None):
         if timeout is not None:
             return super().result(timeout)
+        if os.getpid() != self._connection.owner and not self.done():
+            raise RuntimeError("a request of the parent process: its helper answers the parent")
         cpu, since = None, time.monotonic()
+        polled = since
         while True:
             try:
                 return super().result(POLL_S)
             except FutureTimeout:
                 pass
-            now, seconds = time.monotonic(), tree_cpu_seconds(self._connection.process.pid)
-            if seconds is None or seconds != cpu:  # unreadable (wait as before), or progress
-                cpu, since = seconds, now
+            # Longer than a poll since the last one: this process did not run either (a stopped job, a
+            # paused machine), and neither did the helper.
+            now = time.monotonic()
+            paused, polled = now - polled > 3 * POLL_S, now
+            reading = _cpu_reading(self._connection.process.pid, cpu)
+            if paused or reading is None or reading != cpu:  # unreadable (wait as before), or progress
+                cpu, since = reading, now
             elif now - since >= STALL_S:
                 self._helper.stop_stuck(self._connection, now - since)
+
+
+def _cpu_reading(pid: int, last: tuple | None) -> tuple | None:
+    """The helper's CPU seconds, and its descendants' (g++) only when its own did not change since `last`."""
+    own = own_cpu_seconds(pid)
+    if own is None:
+        return None
+    if last is None or own != last[0]:
+        return own, None
+    return own, tree_cpu_seconds(pid)
 
 
 class BodyHelper:
@@ -187,15 +206,11 @@ class BodyHelper:
                 return None
             future = _Answer(self, connection)
             connection.waiting.append(future)
-            try:
-                write_frame(connection.process.stdin, request)
-            except OSError as error:  # the helper exited between the check and the write
-                connection.waiting.remove(future)
-                future.set_exception(error)
+            connection.outbox.put(request)  # in the order of `waiting`
         return future
 
     def _running(self) -> _Connection | None:
-        if self._connection is not None and self._connection.process.poll() is None:
+        if self._connection is not None and not self._connection.closed and self._connection.process.poll() is None:
             return self._connection
         environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
@@ -208,17 +223,37 @@ class BodyHelper:
         self._connection = _Connection(process)
         threading.Thread(target=self._read_replies, args=(self._connection,), daemon=True,
                          name="laplace-body-helper").start()
+        threading.Thread(target=self._write_requests, args=(self._connection,), daemon=True,
+                         name="laplace-body-helper-requests").start()
         return self._connection
+
+    def _write_requests(self, connection: _Connection) -> None:
+        mark_background()
+        while (request := connection.outbox.get()) is not None:
+            try:
+                write_frame(connection.process.stdin, request)
+            except (OSError, ValueError):  # the helper exited, or its pipe was closed: nothing more reaches it
+                self._fail_waiting(connection, "the helper process exited")
+                return
+
+    def _fail_waiting(self, connection: _Connection, why: str) -> None:
+        """Fail every request `connection` has not answered (they are compiled here); it takes no more."""
+        with self._lock:
+            connection.closed = True  # a request is either in `waiting` now or sent to a new helper
+            waiting = list(connection.waiting)
+            connection.waiting.clear()
+        for future in waiting:
+            future.set_exception(RuntimeError(why))
 
     def _read_replies(self, connection: _Connection) -> None:
         mark_background()
         while True:
             reply = read_frame(connection.process.stdout.fileno())
+            if reply is None:  # the helper exited: what it had not answered is compiled here
+                self._fail_waiting(connection, "the helper process exited")
+                connection.outbox.put(None)
+                break
             with self._lock:
-                if reply is None:  # the helper exited: what it had not answered is compiled here
-                    while connection.waiting:
-                        connection.waiting.popleft().set_exception(RuntimeError("the helper process exited"))
-                    break
                 if not connection.waiting:  # stopped as stuck (`stop_stuck`): its requests failed already
                     continue
                 future = connection.waiting.popleft()
@@ -233,22 +268,22 @@ class BodyHelper:
         with self._lock:
             if self._connection is connection:
                 self._connection = None
-            waiting = list(connection.waiting)
-            connection.waiting.clear()
         if connection.process.poll() is None:
             logs.log.warning("the helper process (pid %d) took no CPU time for %.0f s: stopped; what it was "
                              "compiling is compiled here", connection.process.pid, idle_s)
             connection.process.kill()
-        for future in waiting:
-            future.set_exception(RuntimeError(f"the helper process was stuck (no CPU time for {idle_s:.0f} s)"))
+        self._fail_waiting(connection, f"the helper process was stuck (no CPU time for {idle_s:.0f} s)")
+        connection.outbox.put(None)
 
     def stop(self) -> None:
         """End the helper now (what it had not answered fails, and is compiled here when asked for)."""
         with self._lock:
             connection, self._connection = self._connection, None
-        if connection is not None and connection.process.poll() is None:
-            connection.process.kill()
-            _close(connection.process)
+        if connection is not None:
+            connection.outbox.put(None)
+            if connection.process.poll() is None:
+                connection.process.kill()
+                _close(connection.process)
 
 
 def _close(process: subprocess.Popen) -> None:
