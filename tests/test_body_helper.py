@@ -188,6 +188,9 @@ def test_a_stuck_helper_is_stopped_its_requests_fail_and_a_new_one_starts(helper
         with pytest.raises(RuntimeError, match="AttributeError"):
             helper.submit(NoSuchOp, ()).result(timeout=120)  # up, idle, answering
         stuck = helper._connection.process
+        # The processes it starts (g++) inherit no end of the request pipe, which would keep a write to it
+        # blocked after it is killed.
+        assert os.readlink(f"/proc/{stuck.pid}/fd/0") == os.devnull
         os.kill(stuck.pid, signal.SIGSTOP)
         # A graph bigger than the pipe's buffer, to a helper that reads no more: sent by the writer thread.
         codegen, pending = outcome_within(5, lambda: (helper.submit_codegen(b"x" * 1_000_000),
@@ -198,6 +201,8 @@ def test_a_stuck_helper_is_stopped_its_requests_fail_and_a_new_one_starts(helper
         assert re.fullmatch(r"the helper process was stuck \(no CPU time for \d+ s\)", str(codegen_error))
         assert "stuck" in str(outcome_within(5, pending.result))
         assert stuck.wait(timeout=10) == -signal.SIGKILL
+        writer = f"laplace-body-helper-requests-{stuck.pid}"  # its blocked write failed: the thread ended
+        outcome_within(5, lambda: [t.join() for t in threading.enumerate() if t.name == writer])
         assert any(f"the helper process (pid {stuck.pid}) took no CPU time" in r.getMessage() for r in records)
         with pytest.raises(RuntimeError, match="AttributeError"):
             helper.submit(NoSuchOp, ()).result(timeout=120)  # a new helper answers
@@ -227,36 +232,48 @@ def outcome_within(seconds: float, call):
 
 
 class FakeClock:
-    """time.monotonic() in steps of 0.01 s, with one jump: the whole job stopped for 10 s."""
+    """time.monotonic(): 0.1 s more at each call (one call per poll), 10 s more from call `jump_at` on (the whole
+    job stopped for 10 s between two polls)."""
 
     def __init__(self, jump_at: int | None):
         self.calls, self.jump_at = 0, jump_at
 
     def monotonic(self):
         self.calls += 1
-        return 0.01 * self.calls + (10.0 if self.jump_at is not None and self.calls >= self.jump_at else 0.0)
+        return 0.1 * self.calls + (10.0 if self.jump_at is not None and self.calls >= self.jump_at else 0.0)
 
 
 @pytest.mark.parametrize("cpu_seconds, jump_at", [("advancing", None), ("descendants advancing", None),
-                                                   ("unreadable", None), ("still", 3)])
+                                                   ("unreadable", None), ("still", 5)])
 def test_a_wait_goes_on_while_the_helper_takes_cpu_time_or_where_it_cannot_be_read(monkeypatch, cpu_seconds, jump_at):
     """Taking CPU time (its own, or g++'s under it), unreadable, or standing still only while the job was
-    stopped (the clock jumps 10 s between two polls): waited for, not stopped."""
+    stopped: waited for, not stopped. The answer comes at the sixth poll, 0.6 s on the fake clock, twice
+    STALL_S: a wait that ignored any of these would have stopped the helper first."""
     monkeypatch.setattr(body_helper, "STALL_S", 0.3)
-    monkeypatch.setattr(body_helper, "POLL_S", 0.05)
-    ticks = iter(range(1_000_000))
-    monkeypatch.setattr(body_helper, "own_cpu_seconds", {
-        "advancing": lambda pid: next(ticks), "unreadable": lambda pid: None}.get(cpu_seconds, lambda pid: 1.0))
-    monkeypatch.setattr(body_helper, "tree_cpu_seconds",
-                        lambda pid: next(ticks) if cpu_seconds == "descendants advancing" else 1.0)
-    monkeypatch.setattr(body_helper, "time", FakeClock(jump_at))
+    monkeypatch.setattr(body_helper, "POLL_S", 0.05)  # a 0.1 s step is no pause (3 * POLL_S); 10 s is
     helper = BodyHelper()
-    stopped = []
-    monkeypatch.setattr(helper, "stop_stuck", lambda *args: stopped.append(args))
     process = types.SimpleNamespace(pid=os.getpid(), poll=lambda: None)
     answer = body_helper._Answer(helper, body_helper._Connection(process))
-    threading.Timer(0.4, answer.set_result, args=({"source": "answered"},)).start()  # a slow compile
+    polls, trees = [], []
+
+    def own(pid):
+        polls.append(pid)
+        if len(polls) == 6:
+            answer.set_result({"source": "answered"})
+        return {"advancing": len(polls), "unreadable": None}.get(cpu_seconds, 1.0)
+
+    def tree(pid):
+        trees.append(pid)
+        return 1.0 + (len(trees) if cpu_seconds == "descendants advancing" else 0)
+
+    monkeypatch.setattr(body_helper, "own_cpu_seconds", own)
+    monkeypatch.setattr(body_helper, "tree_cpu_seconds", tree)
+    monkeypatch.setattr(body_helper, "time", FakeClock(jump_at))
+    stopped = []
+    monkeypatch.setattr(helper, "stop_stuck", lambda *args: stopped.append(args))
     assert answer.result() == {"source": "answered"} and not stopped
+    # The descendants are read only while the helper's own CPU time stands still.
+    assert not trees if cpu_seconds in ("advancing", "unreadable") else len(trees) >= 4
 
 
 def test_a_wait_with_no_cpu_time_stops_the_helper_and_a_forked_child_does_not_wait_for_its_parent_s(monkeypatch):

@@ -55,9 +55,11 @@ machine, keeps taking some. After STALL_S seconds without any, the helper is
 killed (its pending requests fail, their bodies and graphs are compiled
 here, a warning says why) and a later request starts a new one. A wait that
 itself did not run for a while (the whole job stopped, a paused machine)
-starts counting again. Requests are written to the helper by a thread of
-their own, so a helper that reads no more blocks that thread, not a compile
-sending it a graph bigger than the pipe's buffer. A forked child does not
+starts counting again. Requests are pickled by their caller and written to
+the helper by a thread of their own, so a helper that reads no more blocks
+that thread, not a compile sending it a graph bigger than the pipe's buffer;
+the helper keeps its pipes on descriptors its own processes (g++) do not
+inherit, so once it is killed that write fails at once. A forked child does not
 wait for its parent's requests: they fail at once, and it compiles them
 itself. Where the CPU time cannot be read (no /proc) the wait is as before.
 """
@@ -132,7 +134,9 @@ class _Answer(Future):
             now = time.monotonic()
             paused, polled = now - polled > 3 * POLL_S, now
             reading = _cpu_reading(self._connection.process.pid, cpu)
-            if paused or reading is None or reading != cpu:  # unreadable (wait as before), or progress
+            if reading is None and self._connection.process.poll() is not None:  # ended, its reply not read
+                self._helper._fail_waiting(self._connection, "the helper process exited")
+            elif paused or reading is None or reading != cpu:  # unreadable (wait as before), or progress
                 cpu, since = reading, now
             elif now - since >= STALL_S:
                 self._helper.stop_stuck(self._connection, now - since)
@@ -190,23 +194,30 @@ class BodyHelper:
         if future is None:
             return None
         answer = _Answer(self, future._connection)
-        future.add_done_callback(lambda done: answer.set_exception(done.exception()) if done.exception()
-                                 else answer.set_result(done.result()["answer"]))
+
+        def answered(done: Future) -> None:
+            try:
+                answer.set_result(done.result()["answer"])
+            except Exception as error:  # noqa: BLE001 - a failed request, or a reply without an answer
+                answer.set_exception(error)
+
+        future.add_done_callback(answered)
         return answer
 
     def _request(self, request: dict) -> Future | None:
         from torch._inductor.async_compile import get_compile_threads
 
-        # Not in Inductor's portable configuration; it decides how kernels are batched into libraries, and this
-        # process finds the helper's libraries in the cache only if the helper batches them the same way.
-        request = {**request, "compile_threads": get_compile_threads()}
+        # compile_threads is not in Inductor's portable configuration; it decides how kernels are batched into
+        # libraries, and this process finds the helper's libraries in the cache only if the helper batches them
+        # the same way. Pickled here: a request that cannot be is this caller's error, not the writer thread's.
+        data = frame({**request, "compile_threads": get_compile_threads()})
         with self._lock:
             connection = self._running()
             if connection is None:
                 return None
             future = _Answer(self, connection)
             connection.waiting.append(future)
-            connection.outbox.put(request)  # in the order of `waiting`
+            connection.outbox.put(data)  # in the order of `waiting`
         return future
 
     def _running(self) -> _Connection | None:
@@ -224,16 +235,16 @@ class BodyHelper:
         threading.Thread(target=self._read_replies, args=(self._connection,), daemon=True,
                          name="laplace-body-helper").start()
         threading.Thread(target=self._write_requests, args=(self._connection,), daemon=True,
-                         name="laplace-body-helper-requests").start()
+                         name=f"laplace-body-helper-requests-{process.pid}").start()
         return self._connection
 
     def _write_requests(self, connection: _Connection) -> None:
         mark_background()
-        while (request := connection.outbox.get()) is not None:
+        while (data := connection.outbox.get()) is not None:
             try:
-                write_frame(connection.process.stdin, request)
-            except (OSError, ValueError):  # the helper exited, or its pipe was closed: nothing more reaches it
-                self._fail_waiting(connection, "the helper process exited")
+                write_bytes(connection.process.stdin, data)
+            except Exception as error:  # noqa: BLE001 - the helper exited, or its pipe was closed: nothing more
+                self._fail_waiting(connection, f"the helper process takes no more requests ({error!r})")
                 return
 
     def _fail_waiting(self, connection: _Connection, why: str) -> None:
@@ -247,8 +258,12 @@ class BodyHelper:
 
     def _read_replies(self, connection: _Connection) -> None:
         mark_background()
+        replies = connection.process.stdout.fileno()  # once: `stop` may close the stream meanwhile
         while True:
-            reply = read_frame(connection.process.stdout.fileno())
+            try:
+                reply = read_frame(replies)
+            except Exception:  # noqa: BLE001 - a closed descriptor or a torn frame: the helper is gone
+                reply = None
             if reply is None:  # the helper exited: what it had not answered is compiled here
                 self._fail_waiting(connection, "the helper process exited")
                 connection.outbox.put(None)
@@ -266,6 +281,9 @@ class BodyHelper:
     def stop_stuck(self, connection: _Connection, idle_s: float) -> None:
         """Kill a helper that took no CPU time for `idle_s` s; what it had not answered fails at once."""
         with self._lock:
+            if connection.closed:  # another wait stopped it, or it exited
+                return
+            connection.closed = True
             if self._connection is connection:
                 self._connection = None
         if connection.process.poll() is None:
@@ -280,6 +298,7 @@ class BodyHelper:
         with self._lock:
             connection, self._connection = self._connection, None
         if connection is not None:
+            self._fail_waiting(connection, "the helper process was stopped")
             connection.outbox.put(None)
             if connection.process.poll() is None:
                 connection.process.kill()
@@ -345,8 +364,17 @@ def load_wrapper(source: str) -> Callable[[list], Sequence[torch.Tensor]]:
 
 
 def write_frame(stream, obj) -> None:
+    write_bytes(stream, frame(obj))
+
+
+def frame(obj) -> bytes:
+    """`obj` pickled, after its length: what `read_frame` reads back."""
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_LENGTH.pack(len(payload)) + payload)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def write_bytes(stream, data: bytes) -> None:
+    stream.write(data)
     stream.flush()
 
 

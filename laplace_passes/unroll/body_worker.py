@@ -57,12 +57,16 @@ def _codegen(request: dict) -> dict:
 
 
 def main() -> None:
-    replies = os.fdopen(os.dup(1), "wb")
+    # Both pipes on descriptors the processes this one starts (g++, Inductor's compile workers) do not inherit
+    # (os.dup's are not inheritable): killed, this process closes its ends at once, and a request being
+    # written to it fails there (NOTE [a stuck helper] in laplace_passes/unroll/body_helper.py).
+    requests, replies = os.dup(0), os.fdopen(os.dup(1), "wb")
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)  # anything else written to stdout stays out of the replies
     from laplace_passes.infra.inductor_fast import start_isa_probes
 
     start_isa_probes()
-    while (request := read_frame(0, timeout=IDLE_EXIT_S)) is not None:
+    while (request := read_frame(requests, timeout=IDLE_EXIT_S)) is not None:
         write_frame(replies, answer(request))
 
 
