@@ -44,6 +44,15 @@ The same helper generates a training step's whole backward graph (NOTE
 [backward graphs generated in the helper process] in
 `laplace_passes/driver/backward_ahead.py`, `submit_codegen`).
 
+Where it runs: with two usable cores or more, for bodies and whole
+backward graphs alike. On two cores the first call is CPU bound, so the
+helper gains only what its second core adds beside this process's g++
+runs: measured on a 2-core AVX2 machine in fresh processes alternating
+with LAPLACE_PASSES_BODY_HELPER=0, the cpu target's first call of tiny's
+step 0.94x as long, of fla's GLAForCausalLM 0.92x (docs/benchmarks.md).
+With one core it would only take this process's time. LAPLACE_PASSES_BODY_HELPER=1
+turns it on whatever the cores, =0 off.
+
 NOTE [a stuck helper]
 A helper that is alive but makes no progress (stopped by a signal, or
 blocked for good) would leave this process waiting for its answer forever,
