@@ -87,7 +87,7 @@ import time
 
 from benchmarks import reference_work
 from benchmarks.common import print_row, rusage_seconds, say
-from laplace_passes.infra.process_cpu import descendants, proc_stat, stat_cpu_seconds
+from laplace_passes.infra.process_cpu import descendants_cpu_seconds
 
 STAGES = ("Dynamo trace", "AOT Autograd", "our passes", "backward sent ahead", "Inductor codegen",
           "Inductor's ISA probes", "C++ compile (waited)", "helper process (waited)", "other")
@@ -252,12 +252,8 @@ def cpu_seconds() -> float:
     """
     import resource
 
-    total = rusage_seconds(resource.RUSAGE_SELF) + rusage_seconds(resource.RUSAGE_CHILDREN)
-    for pid in descendants(os.getpid()):
-        fields = proc_stat(pid)
-        if fields:
-            total += stat_cpu_seconds(fields)
-    return total
+    return (rusage_seconds(resource.RUSAGE_SELF) + rusage_seconds(resource.RUSAGE_CHILDREN)
+            + descendants_cpu_seconds(os.getpid()))
 
 
 def stages(timed: dict[str, float], passes_s: float, total_s: float, probes_in_codegen_s: float = 0.0,

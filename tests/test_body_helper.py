@@ -10,6 +10,7 @@ compile, its exit) leaves the body to this process, with the reason logged.
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 import types
@@ -18,6 +19,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from laplace_passes.infra import process_cpu
 from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
 from laplace_passes.unroll import body_helper, compiled_bodies
 from laplace_passes.unroll.body_helper import HELPER, BodyHelper
@@ -211,6 +213,24 @@ def test_a_stuck_helper_is_stopped_its_requests_fail_and_a_new_one_starts(helper
         if stuck is not None:
             stuck.kill()  # first: a write blocked on its pipe may hold the helper's lock
         helper.stop()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="read from /proc")
+def test_a_process_s_descendants_are_read_from_its_children_lists_as_a_scan_of_every_process_finds_them():
+    started = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(process_cpu.descendants(started.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the shell's two sleeps
+        listed = process_cpu.descendants(started.pid)
+        assert sorted(listed) == sorted(process_cpu._scanned_children()(started.pid)) and len(listed) == 2
+        assert {started.pid, *listed} <= set(process_cpu.descendants(os.getpid()))  # theirs are this one's
+        own = process_cpu.own_cpu_seconds(os.getpid())
+        assert process_cpu.tree_cpu_seconds(os.getpid()) >= own > 0
+    finally:
+        started.kill()
+        started.wait()
+    assert process_cpu.descendants(started.pid) == [] and process_cpu.tree_cpu_seconds(started.pid) is None
 
 
 def outcome_within(seconds: float, call):

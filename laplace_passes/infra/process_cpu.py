@@ -1,14 +1,16 @@
 """CPU seconds of a process and of the processes it started, from Linux's /proc (None or nothing elsewhere).
 
-    proc_stat(pid)          /proc/PID/stat's fields after the command name (state first)
-    descendants(root)       the live processes `root` started, and theirs
-    own_cpu_seconds(pid)    user and system seconds of `pid` and its children waited for
-    tree_cpu_seconds(root)  the same, and its live descendants'
+    proc_stat(pid)                  /proc/PID/stat's fields after the command name (state first)
+    descendants(root)               the live processes `root` started, and theirs
+    own_cpu_seconds(pid)            user and system seconds of `pid` and its children waited for
+    descendants_cpu_seconds(root)   the same, summed over `root`'s live descendants
+    tree_cpu_seconds(root)          both
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -23,27 +25,24 @@ def proc_stat(pid: int) -> list[str] | None:
 
 
 def descendants(root: int) -> list[int]:
-    """The live processes `root` started, and theirs (none where there is no /proc).
+    """The live processes `root` started, and theirs (none where there is no /proc, or `root` ended).
 
     Read from each thread's /proc/PID/task/TID/children: a few files, where
     reading every process's stat costs about 20 microseconds per process on
     the host. Kernels without those files get that scan.
     """
+    if not os.path.exists(f"/proc/{root}/task/{root}"):
+        return []
+    children_of = _listed_children if os.path.exists(f"/proc/{root}/task/{root}/children") else _scanned_children()
     found, frontier = [], [root]
     while frontier:
-        children = []
-        for pid in frontier:
-            listed = _children(pid)
-            if listed is None:
-                return _descendants_by_scan(root)
-            children += listed
-        found += children
-        frontier = children
+        frontier = [child for pid in frontier for child in children_of(pid)]
+        found += frontier
     return found
 
 
-def _children(pid: int) -> list[int] | None:
-    """The children of every thread of `pid` ([] when it ended); None where the kernel keeps no such list."""
+def _listed_children(pid: int) -> list[int]:
+    """The children of every thread of `pid` (none of a process or thread that ended meanwhile)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -53,30 +52,19 @@ def _children(pid: int) -> list[int] | None:
         try:
             with open(f"/proc/{pid}/task/{task}/children") as listed:
                 children += [int(child) for child in listed.read().split()]
-        except FileNotFoundError:
-            if not os.path.exists(f"/proc/{pid}/task/{task}"):  # the thread ended meanwhile
-                continue
-            return None
         except OSError:
             continue
     return children
 
 
-def _descendants_by_scan(root: int) -> list[int]:
-    if not os.path.isdir("/proc"):
-        return []
-    parents = {}
+def _scanned_children() -> Callable[[int], list[int]]:
+    """Children by parent, from every process's stat read once."""
+    by_parent: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = proc_stat(int(entry))
-            if fields:
-                parents[int(entry)] = int(fields[1])
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
+        fields = proc_stat(int(entry)) if entry.isdigit() else None
+        if fields:
+            by_parent.setdefault(int(fields[1]), []).append(int(entry))
+    return lambda pid: by_parent.get(pid, [])
 
 
 def stat_cpu_seconds(fields: list[str]) -> float:
@@ -90,10 +78,13 @@ def own_cpu_seconds(pid: int) -> float | None:
     return None if fields is None else stat_cpu_seconds(fields)
 
 
+def descendants_cpu_seconds(root: int) -> float:
+    """CPU seconds of `root`'s live descendants and of the children they waited for (0 where there is no /proc)."""
+    return sum(stat_cpu_seconds(fields) for fields in map(proc_stat, descendants(root)) if fields)
+
+
 def tree_cpu_seconds(root: int) -> float | None:
     """CPU seconds of `root`, of its children it waited for and of its live descendants; None when `root` is
     unreadable (ended, or no /proc)."""
     own = own_cpu_seconds(root)
-    if own is None:
-        return None
-    return own + sum(stat_cpu_seconds(f) for f in map(proc_stat, descendants(root)) if f)
+    return None if own is None else own + descendants_cpu_seconds(root)

@@ -60,8 +60,9 @@ def main() -> None:
     # Both pipes on descriptors the processes this one starts (g++, Inductor's compile workers) do not inherit
     # (os.dup's are not inheritable): killed, this process closes its ends at once, and a request being
     # written to it fails there (NOTE [a stuck helper] in laplace_passes/unroll/body_helper.py).
-    requests, replies = os.dup(0), os.fdopen(os.dup(1), "wb")
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    requests, replies, nothing = os.dup(0), os.fdopen(os.dup(1), "wb"), os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.close(nothing)
     os.dup2(2, 1)  # anything else written to stdout stays out of the replies
     from laplace_passes.infra.inductor_fast import start_isa_probes
 
