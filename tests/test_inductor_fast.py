@@ -19,9 +19,11 @@ import dataclasses
 import functools
 import importlib
 import json
+import os
 import subprocess
 import sys
 
+import pytest
 import sympy
 import torch
 import torch._dynamo
@@ -186,6 +188,31 @@ def test_the_waits_return_at_once_when_nothing_was_started(monkeypatch):
     monkeypatch.setattr(inductor_fast, "_probes", None)
     inductor_fast.wait_for_isa_probes()
     inductor_fast.wait_for_kernel_header()
+
+
+_FORK_DURING_THE_PROBES = r"""
+import faulthandler, os, threading
+from laplace_passes.infra import inductor_fast
+release = threading.Event()
+inductor_fast._run_isa_probes = lambda: release.wait(60)  # the probes still running as the process forks
+inductor_fast._precompile_kernel_header = lambda: None
+inductor_fast.start_isa_probes()
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(20, exit=True)
+    inductor_fast.wait_for_isa_probes()
+    inductor_fast.wait_for_kernel_header()
+    os._exit(0)
+release.set()
+print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_a_child_forked_during_the_probes_does_not_wait_for_the_parents_thread():
+    """The probes' thread is not in a forked child: its waits return, and Inductor probes what it needs itself."""
+    done = subprocess.run([sys.executable, "-c", _FORK_DURING_THE_PROBES], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "child exit 0" in done.stdout, done.stderr[-3000:]
 
 
 def test_the_inductor_inner_compiler_starts_the_probes_and_waits_for_them(monkeypatch):

@@ -11,8 +11,11 @@ batched.
 """
 
 import contextlib
+import os
+import sys
 import threading
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -22,6 +25,7 @@ from torch._inductor.async_compile import AsyncCompile
 from torch._inductor.utils import fresh_inductor_cache
 
 import laplace_passes
+from tests import processes
 from laplace_passes.infra import kernel_batches
 from laplace_passes.infra.kernel_batches import BATCHES, Kernel, batch_refusal, kernels_compiled_together, split_evenly
 
@@ -224,3 +228,52 @@ def test_a_modules_wait_starts_the_build_and_the_first_call_waits_for_it(monkeyp
     assert lazy(1, 2) == "ran" and calls == [(1, 2)]
     assert not isinstance(scope["cpp_fused_0"], kernel_batches.LazyKernel)  # the function itself, from now on
     assert scope["cpp_fused_0"](3) == "ran" and calls[-1] == (3,)
+
+
+# A forked child finishes a batch its parent was still building. In a subprocess: the fork happens there, with
+# one OpenMP thread (GNU OpenMP's threads do not survive a fork, with or without the batches) and an Inductor
+# cache of its own, so the batch really builds.
+_FORK_DURING_A_BUILD = r'''
+import faulthandler, os, threading
+import torch
+from torch._inductor.async_compile import AsyncCompile
+from laplace_passes.infra import kernel_batches
+from laplace_passes.infra.kernel_batches import Batch, Kernel
+
+def kernel(constant):
+    return ('#include <torch/csrc/inductor/cpp_prefix.h>\nextern "C" void kernel(const float* in_ptr0, float* out_ptr0)'
+            '\n{\n    for (int i = 0; i < 4; ++i) out_ptr0[i] = 2.0f * in_ptr0[i] + %s;\n}\n' % constant)
+
+AsyncCompile.pool().submit(lambda: None).result()  # Inductor's compile threads started, as by a compile
+release = threading.Event()
+kernel_batches._builder().submit(release.wait)  # the builder busy: the batch below is queued at the fork
+batch = Batch(compile_threads=2)
+batch.add(Kernel(("const float*", "float*"), kernel("1.0f")))
+batch.add(Kernel(("const float*", "float*"), kernel("5.0f")))
+batch.start()
+x = torch.arange(4, dtype=torch.float32)
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(120, exit=True)
+    outputs = [torch.empty(4), torch.empty(4)]
+    for index, out in enumerate(outputs):
+        batch.function(index)(x, out)
+    os._exit(0 if [o.tolist() for o in outputs] == [(2 * x + 1).tolist(), (2 * x + 5).tolist()] else 3)
+release.set()
+parents = torch.empty(4)
+batch.function(1)(x, parents)
+assert parents.tolist() == (2 * x + 5).tolist()
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+'''
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_a_child_forked_during_a_build_builds_the_batch_itself(tmp_path):
+    """NOTE [a fork during a build]: the child's copy of a queued batch would wait forever for the parent's
+    builder thread; it builds the batch again, on compile threads of its own, and its kernels compute the same."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "2",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = processes.run([sys.executable, "-c", _FORK_DURING_A_BUILD], timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child exit 0" in done.stdout, done.stderr[-3000:]

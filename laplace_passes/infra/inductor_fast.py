@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import platform
 import sys
 import threading
@@ -212,6 +213,16 @@ def wait_for_kernel_header() -> None:
     """Return once the background header build is done too (at once when none was started)."""
     if _probes is not None:
         _probes.join()
+
+
+def _probes_not_awaited_in_child() -> None:
+    """In a forked child: the probes' thread is the parent's; what it had not finished Inductor runs itself."""
+    if _probes is not None:
+        _probes_done.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_probes_not_awaited_in_child)
 
 
 def _prepare_in_background() -> None:

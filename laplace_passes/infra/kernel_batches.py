@@ -39,6 +39,20 @@ in turn (benchmarks/bench_compile.py). A kernel that is never called is
 still built; a failed build's warning is raised by the first call, on the
 caller's thread.
 
+NOTE [a fork during a build]
+A process that forks (a DataLoader worker, a user's own `os.fork`) while a
+batch is still building, or is queued, leaves its child a copy of the
+batch whose future the parent's builder thread would complete, and that
+thread is not in the child: the child's first call of one of its kernels
+waited forever. At the fork the child drops the futures not done yet and
+gets a builder of its own, so that first call builds the batch again,
+there (Inductor's code cache finds what the parent finished, under its
+file lock), on compile threads of its own: Inductor's thread pool is the
+parent's too, and is started again as well. Built batches are kept; a
+child's kernels are the parent's. (A child's kernels run with more than one
+OpenMP thread still hang once its parent ran any: GNU OpenMP's threads do
+not survive a fork, with or without this package.)
+
 What the batch does not expect it leaves to Inductor, kernel by kernel: a
 source with anything but one `extern "C" void kernel(...)` after the
 prefix header, an argument type Inductor's bindings do not parse, a single
@@ -56,8 +70,10 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 from unittest import mock
@@ -150,6 +166,13 @@ class Batch:
             self.closed = True
             if self._built is None:
                 self._built = _builder().submit(self._build)
+                _building.add(self)
+
+    def forget_parents_build(self) -> None:
+        """In a forked child: a build the parent had not finished is started again, here, at its first call."""
+        self._lock = threading.Lock()  # a parent's thread may have held it as the process forked
+        if self._built is not None and not self._built.done():
+            self._built = None
 
     def function(self, index: int) -> Callable:
         """The kernel's function, once the batch is built; a fallback's warning is raised on this thread."""
@@ -204,10 +227,28 @@ def wait_for_builds() -> None:
     _builder().submit(lambda: None).result()
 
 
+# Batches whose build was started, while they are in use: a forked child starts again those not built yet.
+_building: "weakref.WeakSet[Batch]" = weakref.WeakSet()
+
+
 def _forget_builder() -> None:
-    """In a forked child: the parent's builder thread is not there, so a new one starts when needed."""
+    """In a forked child: the parent's builder thread is not there, so a new one starts when needed, and a
+    batch it was building or had queued builds again there (its future would never complete: NOTE [a fork
+    during a build])."""
     global _builder_pool, _builder_lock
     _builder_pool, _builder_lock = None, threading.Lock()
+    for batch in list(_building):
+        batch.forget_parents_build()
+    _forget_inductors_thread_pool()
+
+
+def _forget_inductors_thread_pool() -> None:
+    """Inductor's compile threads (`AsyncCompile.pool`, what a batch's builds are submitted to) are the parent's
+    too, and Inductor's own fork handler resets its process pool only: a new pool starts when needed."""
+    pool = getattr(sys.modules.get("torch._inductor.async_compile"), "AsyncCompile", None)
+    pool = getattr(pool, "pool", None)
+    if callable(getattr(pool, "cache_clear", None)):
+        pool.cache_clear()
 
 
 if hasattr(os, "register_at_fork"):
