@@ -7,6 +7,7 @@ op's autograd passes; whatever goes wrong in the helper (an error in its
 compile, its exit) leaves the body to this process, with the reason logged.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -231,6 +232,36 @@ def test_a_process_s_descendants_are_read_from_its_children_lists_as_a_scan_of_e
         started.kill()
         started.wait()
     assert process_cpu.descendants(started.pid) == [] and process_cpu.tree_cpu_seconds(started.pid) is None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="read from /proc")
+def test_a_stuck_helper_is_killed_with_the_processes_it_started():
+    """NOTE [a stuck helper]: its processes (a blocked g++) would otherwise linger once it is killed."""
+    helper_process = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], stdin=subprocess.PIPE)
+    started = []
+    try:
+        deadline = time.monotonic() + 10
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            started = process_cpu.descendants(helper_process.pid)
+        assert len(started) == 2
+        BodyHelper().stop_stuck(body_helper._Connection(helper_process), idle_s=60.0)
+        assert helper_process.wait(timeout=10) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in started)
+    finally:
+        helper_process.kill()
+        for pid in started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping: neither ended nor a zombie waiting to be reaped."""
+    fields = process_cpu.proc_stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def outcome_within(seconds: float, call):

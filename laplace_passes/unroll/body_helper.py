@@ -61,8 +61,9 @@ the training step hung. So waiting for an answer (`Future.result()` on what
 own and, when that stands still, its processes' (g++;
 `laplace_passes.infra.process_cpu`): a compile, however slow on a loaded
 machine, keeps taking some. After STALL_S seconds without any, the helper is
-killed (its pending requests fail, their bodies and graphs are compiled
-here, a warning says why) and a later request starts a new one. A wait that
+killed with the processes it started, which would otherwise linger, blocked
+too (its pending requests fail, their bodies and graphs are compiled here, a
+warning says why), and a later request starts a new one. A wait that
 itself did not run for a while (the whole job stopped, a paused machine)
 starts counting again. Requests are pickled by their caller and written to
 the helper by a thread of their own, so a helper that reads no more blocks
@@ -80,6 +81,7 @@ import os
 import pickle
 import queue
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -93,7 +95,7 @@ from typing import Callable, Sequence
 import torch
 
 from laplace_passes.infra import logs
-from laplace_passes.infra.process_cpu import own_cpu_seconds, tree_cpu_seconds
+from laplace_passes.infra.process_cpu import descendants, own_cpu_seconds, tree_cpu_seconds
 from laplace_passes.infra.threads import mark_background
 
 SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with enough cores
@@ -298,7 +300,7 @@ class BodyHelper:
         if connection.process.poll() is None:
             logs.log.warning("the helper process (pid %d) took no CPU time for %.0f s: stopped; what it was "
                              "compiling is compiled here", connection.process.pid, idle_s)
-            connection.process.kill()
+            _kill_with_descendants(connection.process)
         self._fail_waiting(connection, f"the helper process was stuck (no CPU time for {idle_s:.0f} s)")
         connection.outbox.put(None)
 
@@ -312,6 +314,17 @@ class BodyHelper:
             if connection.process.poll() is None:
                 connection.process.kill()
                 _close(connection.process)
+
+
+def _kill_with_descendants(process: subprocess.Popen) -> None:
+    """SIGKILL the helper and the processes it started (read first: once it is killed, they are init's)."""
+    started = descendants(process.pid)
+    process.kill()
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # ended meanwhile
+            pass
 
 
 def _close(process: subprocess.Popen) -> None:
