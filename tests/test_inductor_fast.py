@@ -191,12 +191,22 @@ def test_the_waits_return_at_once_when_nothing_was_started(monkeypatch):
 
 
 _FORK_DURING_THE_PROBES = r"""
-import faulthandler, os, threading
+import faulthandler, os, sys, threading
 from laplace_passes.infra import inductor_fast
 release = threading.Event()
 inductor_fast._run_isa_probes = lambda: release.wait(60)  # the probes still running as the process forks
 inductor_fast._precompile_kernel_header = lambda: None
 inductor_fast.start_isa_probes()
+if sys.argv[1] == "locked":  # another thread holds the lock of the probes' event as the process forks
+    held = threading.Event()
+
+    def hold_the_lock():
+        with inductor_fast._probes_done._cond:
+            held.set()
+            release.wait(60)
+
+    threading.Thread(target=hold_the_lock, daemon=True).start()
+    assert held.wait(10)
 pid = os.fork()
 if pid == 0:
     faulthandler.dump_traceback_later(20, exit=True)
@@ -209,9 +219,12 @@ print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
-def test_a_child_forked_during_the_probes_does_not_wait_for_the_parents_thread():
-    """The probes' thread is not in a forked child: its waits return, and Inductor probes what it needs itself."""
-    done = subprocess.run([sys.executable, "-c", _FORK_DURING_THE_PROBES], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("event", ["free", "locked"])
+def test_a_child_forked_during_the_probes_does_not_wait_for_the_parents_thread(event):
+    """The probes' thread is not in a forked child: its waits return, and Inductor probes what it needs itself;
+    the fork does not wait for a lock another thread held."""
+    done = subprocess.run([sys.executable, "-c", _FORK_DURING_THE_PROBES, event], capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0 and "child exit 0" in done.stdout, done.stderr[-3000:]
 
 

@@ -232,10 +232,12 @@ def test_a_modules_wait_starts_the_build_and_the_first_call_waits_for_it(monkeyp
 
 # A forked child finishes a batch its parent was still building. In a subprocess: the fork happens there, with
 # one OpenMP thread (GNU OpenMP's threads do not survive a fork, with or without the batches) and an Inductor
-# cache of its own, so the batch really builds.
-_FORK_DURING_A_BUILD = r'''
-import faulthandler, os, threading
+# cache of its own, so the batch really builds. The parent builds only once the child is done, so the child
+# builds alone, on compile threads of its own.
+_FORK_DURING_A_BUILD = r"""
+import faulthandler, os, sys, threading
 import torch
+import torch._inductor.codecache as codecache
 from torch._inductor.async_compile import AsyncCompile
 from laplace_passes.infra import kernel_batches
 from laplace_passes.infra.kernel_batches import Batch, Kernel
@@ -244,36 +246,65 @@ def kernel(constant):
     return ('#include <torch/csrc/inductor/cpp_prefix.h>\nextern "C" void kernel(const float* in_ptr0, float* out_ptr0)'
             '\n{\n    for (int i = 0; i < 4; ++i) out_ptr0[i] = 2.0f * in_ptr0[i] + %s;\n}\n' % constant)
 
+release, compiling = threading.Event(), threading.Event()
+if sys.argv[1] == "queued":  # the builder busy: the batch waits behind it
+    kernel_batches._builder().submit(release.wait)
+elif sys.argv[1] == "compiling":  # the batch's libraries submitted to Inductor's compile threads, held there
+    inductors_compile = codecache._worker_compile_cpp
+
+    def held_compile(*args):
+        if not threading.current_thread().name.startswith("laplace"):  # on Inductor's threads, not the builder
+            compiling.set()
+            release.wait()
+        return inductors_compile(*args)
+
+    codecache._worker_compile_cpp = held_compile
 AsyncCompile.pool().submit(lambda: None).result()  # Inductor's compile threads started, as by a compile
-release = threading.Event()
-kernel_batches._builder().submit(release.wait)  # the builder busy: the batch below is queued at the fork
 batch = Batch(compile_threads=2)
 batch.add(Kernel(("const float*", "float*"), kernel("1.0f")))
 batch.add(Kernel(("const float*", "float*"), kernel("5.0f")))
 batch.start()
+if sys.argv[1] == "compiling":
+    assert compiling.wait(120)
 x = torch.arange(4, dtype=torch.float32)
+if sys.argv[1] == "built":  # built, and another thread holds its future's lock as the process forks
+    batch.function(0)
+    held = threading.Event()
+
+    def hold_the_lock():
+        with batch._built._condition:
+            held.set()
+            release.wait()
+
+    threading.Thread(target=hold_the_lock, daemon=True).start()
+    assert held.wait(10)
 pid = os.fork()
 if pid == 0:
+    release.set()  # the child's own copy: what waits on it here is its own compile
+    print("child forked", flush=True)
     faulthandler.dump_traceback_later(120, exit=True)
     outputs = [torch.empty(4), torch.empty(4)]
     for index, out in enumerate(outputs):
         batch.function(index)(x, out)
     os._exit(0 if [o.tolist() for o in outputs] == [(2 * x + 1).tolist(), (2 * x + 5).tolist()] else 3)
+print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 release.set()
 parents = torch.empty(4)
 batch.function(1)(x, parents)
 assert parents.tolist() == (2 * x + 5).tolist()
-_, status = os.waitpid(pid, 0)
-print("child exit", os.waitstatus_to_exitcode(status))
-'''
+"""
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
-def test_a_child_forked_during_a_build_builds_the_batch_itself(tmp_path):
-    """NOTE [a fork during a build]: the child's copy of a queued batch would wait forever for the parent's
-    builder thread; it builds the batch again, on compile threads of its own, and its kernels compute the same."""
+@pytest.mark.parametrize("when", ["queued", "compiling", "built"])
+def test_a_child_forked_during_a_build_builds_the_batch_itself(when, tmp_path):
+    """NOTE [a fork during a build]: the child's copy of a batch queued, or compiling on Inductor's threads, would
+    wait forever for the parent's threads; it builds the batch again, on threads of its own, and its kernels
+    compute the same. A batch built keeps its kernels, and the fork does not wait for a lock of its future that
+    another thread held."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "2",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}
-    done = processes.run([sys.executable, "-c", _FORK_DURING_A_BUILD], timeout=300, env=env)
+    done = processes.run([sys.executable, "-c", _FORK_DURING_A_BUILD, when], timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "child forked" in done.stdout, done.stderr[-3000:]
     assert "child exit 0" in done.stdout, done.stderr[-3000:]

@@ -216,8 +216,13 @@ def wait_for_kernel_header() -> None:
 
 
 def _probes_not_awaited_in_child() -> None:
-    """In a forked child: the probes' thread is the parent's; what it had not finished Inductor runs itself."""
+    """In a forked child: the probes' thread is the parent's; what it had not finished Inductor runs itself.
+
+    A new event, set: the parent's may have been locked by another of its threads at the fork.
+    """
+    global _probes_done
     if _probes is not None:
+        _probes_done = threading.Event()
         _probes_done.set()
 
 

@@ -44,12 +44,16 @@ A process that forks (a DataLoader worker, a user's own `os.fork`) while a
 batch is still building, or is queued, leaves its child a copy of the
 batch whose future the parent's builder thread would complete, and that
 thread is not in the child: the child's first call of one of its kernels
-waited forever. At the fork the child drops the futures not done yet and
-gets a builder of its own, so that first call builds the batch again,
-there (Inductor's code cache finds what the parent finished, under its
-file lock), on compile threads of its own: Inductor's thread pool is the
-parent's too, and is started again as well. Built batches are kept; a
-child's kernels are the parent's. (A child's kernels run with more than one
+waited forever. At the fork the child drops the builds that had not
+returned, with their libraries' loaders in Inductor's code cache (each
+waits for a compile on the parent's compile threads), and gets a builder
+of its own, so that first call builds the batch again, there (Inductor's
+code cache finds on disk what the parent finished, under its file lock),
+on compile threads of its own: Inductor's thread pool is the parent's too,
+and is started again as well. A build that had returned keeps its kernels,
+in a future of the child's (the parent's future is not read: another
+thread may have held its lock at the fork). A child's kernels are the
+parent's. (A child's kernels run with more than one
 OpenMP thread still hang once its parent ran any: GNU OpenMP's threads do
 not survive a fork, with or without this package.)
 
@@ -153,6 +157,8 @@ class Batch:
         self.compile_threads = compile_threads
         self.closed = False  # set at the module's wait: later kernels start a new batch
         self._built: Future | None = None
+        self._functions: list[Callable] | None = None  # what `_build` returned, once it did
+        self._loads: list[Callable] = []  # Inductor's loaders of its libraries, kept in Inductor's code cache
         self._fallback_warning: str | None = None  # set by a failed build, warned by the first call after it
         self._lock = threading.Lock()
 
@@ -169,10 +175,20 @@ class Batch:
                 _building.add(self)
 
     def forget_parents_build(self) -> None:
-        """In a forked child: a build the parent had not finished is started again, here, at its first call."""
-        self._lock = threading.Lock()  # a parent's thread may have held it as the process forked
-        if self._built is not None and not self._built.done():
-            self._built = None
+        """In a forked child: a build the parent had not finished is started again, here, at its first call.
+
+        The parent's future is not touched (another thread of the parent may have held its lock at the fork):
+        a build that returned gets a future of the child's own.
+        """
+        self._lock = threading.Lock()  # likewise
+        if self._built is None:
+            return
+        if self._functions is not None:
+            self._built = Future()
+            self._built.set_result(self._functions)
+            return
+        self._built = None
+        _forget_cached_loads(self._loads)  # they wait for the parent's compile threads
 
     def function(self, index: int) -> Callable:
         """The kernel's function, once the batch is built; a fallback's warning is raised on this thread."""
@@ -185,6 +201,10 @@ class Batch:
         return functions[index]
 
     def _build(self) -> list[Callable]:
+        self._functions = self._built_functions()
+        return self._functions
+
+    def _built_functions(self) -> list[Callable]:
         # NOTE [vector-ISA probes ahead of the codegen]: the header is being built in the background; a
         # build here would preprocess it a second time beside it.
         wait_for_kernel_header()
@@ -192,7 +212,7 @@ class Batch:
             return _one_by_one(self.kernels)
         groups = split_evenly(self.kernels, libraries_for(self.kernels, self.compile_threads))
         try:
-            functions = _built_together(groups)
+            functions = _built_together(groups, self._loads)
         except Exception as error:  # noqa: BLE001 - Inductor builds them one by one instead, as it would have
             message = str(error).strip()
             reason = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
@@ -240,6 +260,17 @@ def _forget_builder() -> None:
     for batch in list(_building):
         batch.forget_parents_build()
     _forget_inductors_thread_pool()
+
+
+def _forget_cached_loads(loads: list[Callable]) -> None:
+    """Drop `loads` from Inductor's code cache: a loader there waits for a compile submitted to the parent's
+    compile threads, and the same library asked for again would get it back."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    cache = CppPythonBindingsCodeCache.cache
+    for key in [key for key, load in cache.items() if any(load is ours for ours in loads)]:
+        del cache[key]
+    loads.clear()
 
 
 def _forget_inductors_thread_pool() -> None:
@@ -314,14 +345,15 @@ def split_evenly(kernels: Sequence[Kernel], parts: int) -> list[list[tuple[int, 
     return [sorted(group, key=lambda pair: pair[0]) for group in groups if group]
 
 
-def _built_together(groups: list[list[tuple[int, Kernel]]]) -> list[list[Callable]]:
-    """Each group one library, all submitted to Inductor's compile workers before waiting for any."""
+def _built_together(groups: list[list[tuple[int, Kernel]]], loads: list[Callable]) -> list[list[Callable]]:
+    """Each group one library, all submitted to Inductor's compile workers before waiting for any (their loaders
+    appended to `loads`)."""
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    loads = [CppPythonBindingsCodeCache.load_async(library_source([kernel for _, kernel in group]), "cpu",
-                                                   submit_fn=AsyncCompile.submit)
-             for group in groups]
+    for group in groups:
+        loads.append(CppPythonBindingsCodeCache.load_async(library_source([kernel for _, kernel in group]), "cpu",
+                                                           submit_fn=AsyncCompile.submit))
     functions = []
     for group, load in zip(groups, loads):
         module = load()

@@ -317,14 +317,17 @@ class BodyHelper:
 
 
 def _kill_with_descendants(process: subprocess.Popen) -> None:
-    """SIGKILL the helper and the processes it started (read first: once it is killed, they are init's)."""
-    started = descendants(process.pid)
-    process.kill()
-    for pid in started:
+    """SIGKILL the processes the helper started, then the helper (once it is killed, they would be init's).
+
+    The deepest first and the helper last: a child of the stuck helper that ends meanwhile stays its zombie
+    (the helper reaps nothing) until then, so its number is not handed to another process before the signal.
+    """
+    for pid in reversed(descendants(process.pid)):
         try:
             os.kill(pid, signal.SIGKILL)
-        except OSError:  # ended meanwhile
+        except OSError:  # ended and reaped meanwhile
             pass
+    process.kill()
 
 
 def _close(process: subprocess.Popen) -> None:
