@@ -53,9 +53,9 @@ on compile threads of its own: Inductor's thread pool is the parent's too,
 and is started again as well. A build that had returned keeps its kernels,
 in a future of the child's (the parent's future is not read: another
 thread may have held its lock at the fork). A child's kernels are the
-parent's. (A child's kernels run with more than one
-OpenMP thread still hang once its parent ran any: GNU OpenMP's threads do
-not survive a fork, with or without this package.)
+parent's. (A child still hangs in its first kernel when its parent ran
+kernels with more than one OpenMP thread: GNU OpenMP's threads do not
+survive a fork, with or without this package.)
 
 What the batch does not expect it leaves to Inductor, kernel by kernel: a
 source with anything but one `extern "C" void kernel(...)` after the
