@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 
 def start(command: list[str], **popen_kwargs) -> subprocess.Popen:
@@ -38,3 +39,18 @@ def run(command: list[str], timeout: float, **popen_kwargs) -> subprocess.Comple
     process = start(command, **popen_kwargs)
     out, err = communicate(process, timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and has not ended: neither gone nor a zombie (or dead) waiting to be reaped."""
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists():
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:  # reaped meanwhile
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

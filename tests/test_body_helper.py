@@ -25,6 +25,7 @@ from laplace_passes.ops.chunked import CHUNK_LOOP_OPS, chunked_gla_op
 from laplace_passes.unroll import body_helper, compiled_bodies
 from laplace_passes.unroll.body_helper import HELPER, BodyHelper
 from laplace_passes.unroll.compiled_bodies import CompiledBodies, backward_arguments, signature, signature_arguments
+from tests import processes
 from tests.gla_cases import make_inputs
 from tests.test_logs import Records
 
@@ -248,20 +249,14 @@ def test_a_stuck_helper_is_killed_with_the_processes_it_started():
         BodyHelper().stop_stuck(body_helper._Connection(helper_process), idle_s=60.0)
         assert helper_process.wait(timeout=10) == -signal.SIGKILL
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+        while any(processes.alive(pid) for pid in started) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in started)
+        assert not any(processes.alive(pid) for pid in started)
     finally:
         helper_process.kill()
         for pid in started:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Running or sleeping: neither ended nor a zombie waiting to be reaped."""
-    fields = process_cpu.proc_stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def outcome_within(seconds: float, call):

@@ -34,6 +34,7 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from laplace_passes.infra import inductor_fast
 from laplace_passes.ops.chunked_forward import chunked_forward
+from tests import processes
 from tests.gla_cases import make_inputs
 
 
@@ -223,8 +224,8 @@ print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 def test_a_child_forked_during_the_probes_does_not_wait_for_the_parents_thread(event):
     """The probes' thread is not in a forked child: its waits return, and Inductor probes what it needs itself;
     the fork does not wait for a lock another thread held."""
-    done = subprocess.run([sys.executable, "-c", _FORK_DURING_THE_PROBES, event], capture_output=True, text=True,
-                          timeout=60)
+    # processes.run: a child hung within the fork is killed with its parent when the wait runs over.
+    done = processes.run([sys.executable, "-c", _FORK_DURING_THE_PROBES, event], timeout=60)
     assert done.returncode == 0 and "child exit 0" in done.stdout, done.stderr[-3000:]
 
 

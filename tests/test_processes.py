@@ -1,26 +1,12 @@
 """tests/processes.py: a subprocess that times out takes the processes it started with it."""
 
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests import processes
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie waiting to be reaped."""
-    stat = Path(f"/proc/{pid}/stat")
-    if stat.exists():
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_timeout_kills_the_processes_the_command_started(tmp_path):
@@ -35,9 +21,9 @@ def test_a_timeout_kills_the_processes_the_command_started(tmp_path):
         processes.run([sys.executable, "-c", parent], timeout=10)
     grandchild = int(marker.read_text())
     deadline = time.monotonic() + 10
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while processes.alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(grandchild), "the command's own child outlived the timeout"
+    assert not processes.alive(grandchild), "the command's own child outlived the timeout"
 
 
 def test_a_command_that_finishes_gives_its_output_and_status():
