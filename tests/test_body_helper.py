@@ -26,6 +26,7 @@ from laplace_passes.unroll import body_helper, compiled_bodies
 from laplace_passes.unroll.body_helper import HELPER, BodyHelper
 from laplace_passes.unroll.compiled_bodies import CompiledBodies, backward_arguments, signature, signature_arguments
 from tests import processes
+from tests._dist import run_ranks
 from tests.gla_cases import make_inputs
 from tests.test_logs import Records
 
@@ -372,6 +373,45 @@ def test_ranks_on_one_machine_share_its_cores(monkeypatch):
     assert body_helper._usable_cores() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert body_helper._usable_cores() == 8
+
+
+def _sixteen_cores_and_no_launcher(monkeypatch):
+    monkeypatch.setattr(body_helper, "CPU_QUOTA", "/nonexistent/cpu.max")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    for name in body_helper.LOCAL_RANK_COUNTS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("variable", body_helper.LOCAL_RANK_COUNTS)
+def test_each_launcher_s_count_of_the_ranks_here_shares_the_cores(monkeypatch, variable):
+    _sixteen_cores_and_no_launcher(monkeypatch)
+    monkeypatch.setenv(variable, "4")
+    assert body_helper._usable_cores() == 4
+    monkeypatch.setenv(variable, "four")  # not a count: as if unset
+    assert body_helper._usable_cores() == 16
+
+
+def test_ranks_spawned_without_a_launcher_s_count_share_the_cores_by_their_process_group(monkeypatch):
+    """mp.spawn sets no local size: every rank of the initialised group counts, so 16 ranks on 16 cores start
+    no helper (each used to see all 16 cores and start one)."""
+    _sixteen_cores_and_no_launcher(monkeypatch)
+    monkeypatch.delenv(body_helper.SWITCH, raising=False)
+    assert body_helper._usable_cores() == 16  # no process group: this process alone
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 16)
+    assert body_helper._usable_cores() == 1 and not BodyHelper.enabled()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a launcher's count comes first
+    assert body_helper._usable_cores() == 8
+
+
+def _ranks_here_without_launcher_variables(rank, world_size):
+    for name in body_helper.LOCAL_RANK_COUNTS:
+        os.environ.pop(name, None)
+    return body_helper._ranks_on_this_machine()
+
+
+def test_a_real_process_group_counts_its_ranks_when_no_launcher_says():
+    assert run_ranks(2, _ranks_here_without_launcher_variables, timeout=120) == [2, 2]
 
 
 def test_the_off_switch_keeps_every_body_here(monkeypatch):

@@ -50,8 +50,13 @@ helper gains only what its second core adds beside this process's g++
 runs: measured on a 2-core AVX2 machine in fresh processes alternating
 with LAPLACE_PASSES_BODY_HELPER=0, the cpu target's first call of tiny's
 step 0.94x as long, of fla's GLAForCausalLM 0.92x (docs/benchmarks.md).
-With one core it would only take this process's time. LAPLACE_PASSES_BODY_HELPER=1
-turns it on whatever the cores, =0 off.
+With one core it would only take this process's time. The cores are
+shared with the other ranks on the machine: as many as the launcher says
+(torchrun's LOCAL_WORLD_SIZE, Open MPI's and MPICH's local sizes), else,
+for a launch that says nothing (`torch.multiprocessing.spawn`), every rank
+of an initialised process group, so that eight spawned ranks on eight
+cores do not start eight helpers. LAPLACE_PASSES_BODY_HELPER=1 turns it
+on whatever the cores, =0 off.
 
 NOTE [a stuck helper]
 A helper that is alive but makes no progress (stopped by a signal, or
@@ -353,15 +358,33 @@ CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microse
 
 
 def _usable_cores() -> int:
-    """The cores this process may run on (within a container's CPU quota), shared with the other ranks torchrun
-    started on this machine."""
+    """The cores this process may run on (within a container's CPU quota), shared with the other ranks started
+    on this machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cores = min(cores, _cores_in_quota() or cores)
-    try:
-        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks_here = 1
-    return cores // ranks_here
+    return cores // _ranks_on_this_machine()
+
+
+# What launchers say of the ranks they started on this machine: torchrun, Open MPI, MPICH.
+LOCAL_RANK_COUNTS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def _ranks_on_this_machine() -> int:
+    """The ranks sharing this machine's cores: what the launcher says, else every rank of an initialised process
+    group (`mp.spawn` says nothing, and starts every rank here), else this process alone.
+
+    A job across machines launched without any of those variables counts too many: the helper stays off, which
+    costs only what it would have gained.
+    """
+    for name in LOCAL_RANK_COUNTS:
+        try:
+            return max(1, int(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return max(1, distributed.get_world_size())
+    return 1
 
 
 def _cores_in_quota() -> int | None:
