@@ -358,7 +358,8 @@ def test_the_helper_runs_with_two_cores_or_when_switched_on(monkeypatch, switch,
 def test_a_container_s_cpu_quota_bounds_the_cores(monkeypatch, tmp_path, quota, cores):
     """A container limited to one CPU on a 16-core host: the affinity says 16, the cgroup's cpu.max one."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for name in body_helper.LOCAL_RANK_COUNTS:
+        monkeypatch.delenv(name, raising=False)
     limits = tmp_path / "cpu.max"
     if quota is not None:
         limits.write_text(quota)
@@ -387,8 +388,20 @@ def test_each_launcher_s_count_of_the_ranks_here_shares_the_cores(monkeypatch, v
     _sixteen_cores_and_no_launcher(monkeypatch)
     monkeypatch.setenv(variable, "4")
     assert body_helper._usable_cores() == 4
-    monkeypatch.setenv(variable, "four")  # not a count: as if unset
-    assert body_helper._usable_cores() == 16
+
+
+def test_torchrun_s_count_comes_first_and_a_count_that_is_not_positive_says_nothing(monkeypatch):
+    """torchrun under mpirun (one task per machine, 8 ranks each): torchrun's 8, not MPI's 1."""
+    _sixteen_cores_and_no_launcher(monkeypatch)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "4")
+    assert body_helper._usable_cores() == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert body_helper._usable_cores() == 2
+    for nothing in ("four", "", "0", "-2"):  # the next launcher's count decides
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", nothing)
+        assert body_helper._usable_cores() == 4, nothing
 
 
 def test_ranks_spawned_without_a_launcher_s_count_share_the_cores_by_their_process_group(monkeypatch):
@@ -396,6 +409,8 @@ def test_ranks_spawned_without_a_launcher_s_count_share_the_cores_by_their_proce
     no helper (each used to see all 16 cores and start one)."""
     _sixteen_cores_and_no_launcher(monkeypatch)
     monkeypatch.delenv(body_helper.SWITCH, raising=False)
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     assert body_helper._usable_cores() == 16  # no process group: this process alone
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 16)
@@ -404,14 +419,17 @@ def test_ranks_spawned_without_a_launcher_s_count_share_the_cores_by_their_proce
     assert body_helper._usable_cores() == 8
 
 
-def _ranks_here_without_launcher_variables(rank, world_size):
-    for name in body_helper.LOCAL_RANK_COUNTS:
+def _cores_here_without_launcher_variables(rank, world_size):
+    """In a rank that joined its group: what a rank of mp.spawn sees (no launcher's variables) on 16 cores."""
+    for name in (*body_helper.LOCAL_RANK_COUNTS, "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         os.environ.pop(name, None)
-    return body_helper._ranks_on_this_machine()
+    os.sched_getaffinity = lambda pid: set(range(16))  # this rank's process only
+    body_helper.CPU_QUOTA = "/nonexistent/cpu.max"
+    return body_helper._usable_cores()
 
 
-def test_a_real_process_group_counts_its_ranks_when_no_launcher_says():
-    assert run_ranks(2, _ranks_here_without_launcher_variables, timeout=120) == [2, 2]
+def test_ranks_of_a_real_process_group_share_the_cores_when_no_launcher_says():
+    assert run_ranks(2, _cores_here_without_launcher_variables, timeout=120) == [8, 8]
 
 
 def test_the_off_switch_keeps_every_body_here(monkeypatch):

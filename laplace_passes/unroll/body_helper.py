@@ -55,8 +55,10 @@ shared with the other ranks on the machine: as many as the launcher says
 (torchrun's LOCAL_WORLD_SIZE, Open MPI's and MPICH's local sizes), else,
 for a launch that says nothing (`torch.multiprocessing.spawn`), every rank
 of an initialised process group, so that eight spawned ranks on eight
-cores do not start eight helpers. LAPLACE_PASSES_BODY_HELPER=1 turns it
-on whatever the cores, =0 off.
+cores do not start eight helpers (a job across machines that says
+nothing counts all its ranks, and may keep the helper off: it only loses
+what the helper would gain). LAPLACE_PASSES_BODY_HELPER=1 turns it on
+whatever the cores, =0 off.
 
 NOTE [a stuck helper]
 A helper that is alive but makes no progress (stopped by a signal, or
@@ -373,17 +375,23 @@ def _ranks_on_this_machine() -> int:
     """The ranks sharing this machine's cores: what the launcher says, else every rank of an initialised process
     group (`mp.spawn` says nothing, and starts every rank here), else this process alone.
 
-    A job across machines launched without any of those variables counts too many: the helper stays off, which
-    costs only what it would have gained.
+    A job across machines that says nothing (`mp.spawn` on each machine, srun) counts every rank of the job, and
+    ranks a launcher pinned to cores of their own (MPI's binding) share cores they do not have: both may leave
+    the helper off, which costs only what it would have gained (LAPLACE_PASSES_BODY_HELPER=1 turns it on).
     """
-    for name in LOCAL_RANK_COUNTS:
+    for name in LOCAL_RANK_COUNTS:  # a count that is not a positive integer says nothing
         try:
-            return max(1, int(os.environ[name]))
+            ranks = int(os.environ[name])
         except (KeyError, ValueError):
             continue
+        if ranks > 0:
+            return ranks
     distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return max(1, distributed.get_world_size())
+    try:
+        if distributed.is_available() and distributed.is_initialized():
+            return max(1, distributed.get_world_size())
+    except (RuntimeError, ValueError):  # the group destroyed meanwhile, by another thread
+        pass
     return 1
 
 
