@@ -353,13 +353,18 @@ def test_the_helper_runs_with_two_cores_or_when_switched_on(monkeypatch, switch,
     assert BodyHelper.enabled() is on
 
 
+def _sixteen_cores_and_no_launcher(monkeypatch):
+    monkeypatch.setattr(body_helper, "CPU_QUOTA", "/nonexistent/cpu.max")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    for name in body_helper.LOCAL_RANK_COUNTS:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize("quota, cores", [("max 100000\n", 16), ("100000 100000\n", 1), ("150000 100000", 1),
                                           ("400000 100000", 4), ("50000 100000", 1), ("", 16), (None, 16)])
 def test_a_container_s_cpu_quota_bounds_the_cores(monkeypatch, tmp_path, quota, cores):
     """A container limited to one CPU on a 16-core host: the affinity says 16, the cgroup's cpu.max one."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    for name in body_helper.LOCAL_RANK_COUNTS:
-        monkeypatch.delenv(name, raising=False)
+    _sixteen_cores_and_no_launcher(monkeypatch)
     limits = tmp_path / "cpu.max"
     if quota is not None:
         limits.write_text(quota)
@@ -368,19 +373,11 @@ def test_a_container_s_cpu_quota_bounds_the_cores(monkeypatch, tmp_path, quota, 
 
 
 def test_ranks_on_one_machine_share_its_cores(monkeypatch):
-    monkeypatch.setattr(body_helper, "CPU_QUOTA", "/nonexistent/cpu.max")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    _sixteen_cores_and_no_launcher(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert body_helper._usable_cores() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert body_helper._usable_cores() == 8
-
-
-def _sixteen_cores_and_no_launcher(monkeypatch):
-    monkeypatch.setattr(body_helper, "CPU_QUOTA", "/nonexistent/cpu.max")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    for name in body_helper.LOCAL_RANK_COUNTS:
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.parametrize("variable", body_helper.LOCAL_RANK_COUNTS)
