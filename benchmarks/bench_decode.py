@@ -4,6 +4,7 @@
     python -m benchmarks.bench_decode --profile [--steps 8]     # where a step's time goes
     python -m benchmarks.bench_decode --gate-checks             # and the step that checks its gates, side by side
     python -m benchmarks.bench_decode --sequences 1 4 --steps 1 --repeats 1   # seconds: a smoke run
+    python -m benchmarks.bench_decode --small-batch-first       # a step of 2 sequences first: the same figures
 
 Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
 each step feeds one token per sequence and carries the fp32 state), three ways,
@@ -79,7 +80,7 @@ from benchmarks.bench_gla import make_inputs
 from benchmarks.common import machine_lines, self_time_by_part, spread, stats
 from laplace_passes.infra.targets import CPU
 from laplace_passes.ops.gla import gla_recurrence
-from model_zoo.decode import DecodeStep
+from model_zoo.decode import DecodeStep, batch_class
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
@@ -163,9 +164,10 @@ class StateUpdates:
         self.scale = c.head_k_dim ** -0.5
         out_projections = [layer.attn.o_proj for layer in model.layers]
         self.before = {i: out_projections.index(m) for i, m in enumerate(_linears(model)) if m in out_projections}
-        if batch > 1:  # one graph for every batch of two or more, as the step has
+        if batch > 1:  # one graph per batch class, as the step has (NOTE [batch classes] in model_zoo/decode.py)
+            low, high = batch_class(batch)
             for tensor in (*self.inputs, *self.buffers):
-                torch._dynamo.mark_dynamic(tensor, 0)
+                torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high)
 
     def __call__(self, layer: int) -> torch.Tensor:
         return _compiled_update(self.buffers[layer], *self.inputs, self.scale)
@@ -346,6 +348,13 @@ def state_table() -> list[dict]:
     return rows
 
 
+def step_two_sequences(model) -> None:
+    """One compiled decode step of 2 sequences: the step's first graph for B >= 2 compiled at B = 2."""
+    with torch.no_grad():
+        _, states = model(torch.ones(2, 1, dtype=torch.long), output_final_states=True)
+    model.decode_step(torch.ones(2, dtype=torch.long), model.decode_step.state_buffer(states))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
@@ -360,11 +369,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--gate-checks", action="store_true",
                         help="also time the compiled step with gate_checks='always', in the same repeats")
+    parser.add_argument("--small-batch-first", action="store_true",
+                        help="first take one step of 2 sequences, as a machine whose first decode was small "
+                             "(NOTE [batch classes] in model_zoo/decode.py): the figures should not move")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = model_zoo.build("tiny").eval()
+    if args.small_batch_first:
+        step_two_sequences(model)
     if args.profile:
         table = profiles(model, args.steps, args.sequences)
         print(json.dumps(table, indent=2) if args.json else _profile_text(table))

@@ -73,10 +73,23 @@ builder stays alive after a compile), do not count; with any other thread
 alive, every step evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
 (or a step built with it) never skips them.
 
-Batch sizes: the batch dimension is marked dynamic for B >= 2, so every
-batch of two or more sequences shares one graph; B = 1 gets a graph of its
-own (torch specialises sizes 0 and 1). At most two compiles per step object,
-whatever the batch sizes and the number of steps.
+Batch sizes: three classes, a graph each, compiled at the first call that
+needs it: B = 1 (torch specialises sizes 0 and 1), 2 <= B < LARGE_BATCH
+and B >= LARGE_BATCH, the batch dimension marked dynamic within each class
+(NOTE [batch classes]). At most three compiles per step object, whatever
+the batch sizes and the number of steps.
+
+NOTE [batch classes]: Inductor decides at compile time which of a graph's
+kernels run on several threads, from the sizes of the call that compiled
+it: a graph with a dynamic batch compiled at two sequences has kernels too
+small to split, and keeps them on one thread at every later batch size.
+Its FX graph cache then hands that graph to every later process, so a
+machine whose first decode ran two sequences decoded 1280 sequences on the
+single-threaded kernels from then on (about 10% slower a step for `tiny` on
+2 cores, `benchmarks/bench_decode.py`'s ``--small-batch-first``). Large
+batches get a graph of their own, compiled at a large batch: the class is
+part of the graph's guards (the dynamic dimension's range), so neither
+Dynamo nor the FX graph cache gives one class the other's graph.
 """
 
 from __future__ import annotations
@@ -96,6 +109,10 @@ from laplace_passes.infra.threads import runs_no_compiled_code
 # A layer's state is [B, H, K, V].
 BATCH_DIM = 0
 STATE_DIMS = 4
+# The smallest batch of the large class (NOTE [batch classes]): at 64 sequences every kernel of `tiny`'s step
+# has enough work for Inductor to split it over the threads.
+LARGE_BATCH = 64
+_LARGEST_BATCH = 2**31 - 1  # Dynamo's ranges need an upper bound (None is refused in torch 2.13)
 
 
 class DecodeStep:
@@ -155,10 +172,10 @@ class DecodeStep:
         _check_step_inputs(tokens, states)
         tokens = tokens.contiguous()  # a column of a [B, T] batch would recompile for its strides
         states = list(states)
-        if tokens.shape[0] > 1:  # one graph for every B >= 2 (B = 1 is specialised by torch)
-            torch._dynamo.mark_dynamic(tokens, 0)
-            for buffer in states:
-                torch._dynamo.mark_dynamic(buffer, BATCH_DIM)
+        if tokens.shape[0] > 1:  # one graph per batch class (B = 1 is specialised by torch)
+            low, high = batch_class(tokens.shape[0])
+            for tensor in (tokens, *states):
+                torch._dynamo.mark_dynamic(tensor, BATCH_DIM, min=low, max=high)
         return self._compiled(tokens, states)
 
     def loop(self, states: Sequence[Tensor]) -> DecodeLoop:
@@ -199,6 +216,11 @@ class DecodeLoop:
             return self.step.logits_and_greedy(tokens, self.states)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self.step._compiled(tokens.contiguous(), self.states)
+
+
+def batch_class(batch: int) -> tuple[int, int]:
+    """The range of batch sizes that share `batch`'s graph, B >= 2 (NOTE [batch classes])."""
+    return (2, LARGE_BATCH - 1) if batch < LARGE_BATCH else (LARGE_BATCH, _LARGEST_BATCH)
 
 
 def _only_thread() -> bool:

@@ -8,7 +8,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import model_zoo
-from model_zoo.decode import DecodeStep
+from model_zoo.decode import LARGE_BATCH, DecodeStep
 from model_zoo.generate import generate
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-5}
@@ -276,15 +276,40 @@ def test_no_recompile_per_step_or_per_batch_size():
     torch.manual_seed(1)
     step = DecodeStep(model_zoo.build("tiny", num_layers=1).eval(), inner="eager")
     counts = []
-    for batch in (2, 3, 5, 1, 4, 1):
+    for batch in (2, 3, 5, 1, 4, 1, LARGE_BATCH, 200, LARGE_BATCH - 1, 2):
         buffers = [torch.zeros(batch, 2, 16, 32)]
         for _ in range(3):
             step(torch.ones(batch, dtype=torch.long), buffers)
         counts.append(step.graphs_compiled())
-    # One graph for every batch of two or more, one for a single sequence; none per step.
-    assert counts == [1, 1, 1, 2, 2, 2]
-    dynamic, single = (g for g in step.report.sites)
-    assert isinstance(dynamic.shape["B"], str) and single.shape["B"] == 1
+    # One graph per batch class (NOTE [batch classes]): 2 to LARGE_BATCH - 1, a single sequence, LARGE_BATCH and
+    # more; none per step.
+    assert counts == [1, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    small, single, large = (g for g in step.report.sites)
+    assert isinstance(small.shape["B"], str) and single.shape["B"] == 1 and isinstance(large.shape["B"], str)
+
+
+def test_a_large_batch_gets_a_graph_compiled_at_a_large_batch():
+    """NOTE [batch classes]: Inductor splits a kernel over threads by the sizes it was compiled at, so a step whose
+    first batch was small compiles large batches anew, at their own size, and gives them the same tokens."""
+    torch.manual_seed(2)
+    tiny = model_zoo.build("tiny", num_layers=1).eval()
+    compiled_at = []
+    step = DecodeStep(tiny, inner=lambda gm, inputs: compiled_at.append(_batch_hint(inputs)) or gm.forward)
+    for batch in (2, 100, 3, 70):
+        ids = prompt(batch, 3, seed=batch)
+        with torch.no_grad():
+            _, states = tiny(ids[:, :2], output_final_states=True)
+        buffers = step.state_buffer(states)
+        got = step.logits_and_greedy(ids[:, 2], buffers)[1]
+        expected = tiny(ids, output_final_states=True)[0][:, -1].argmax(-1)
+        assert torch.equal(got, expected)
+    assert compiled_at == [2, 100]
+
+
+def _batch_hint(inputs) -> int:
+    """The batch size a graph was compiled at: the size its symbolic batch stood for (tokens are the first [B])."""
+    tokens = next(x for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 1)
+    return int(tokens.shape[0].node.hint)
 
 
 def test_decode_steps_of_two_models_are_each_compiled():

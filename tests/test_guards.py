@@ -172,14 +172,15 @@ def test_a_pass_in_a_user_s_inductor_compile_declines_or_raises():
 def test_generate_at_a_batch_equal_to_a_model_size(sequences):
     """tiny is 64 wide with a vocabulary of 128: at these batches the decode step's recognition pass
     compared the batch with them (a ConstraintViolationError before). Tokens equal the eager loop's, and
-    a later batch of another size reuses the step's graph."""
+    a later batch of another size in its class (NOTE [batch classes] in model_zoo/decode.py) reuses the
+    step's graph."""
     torch.manual_seed(0)
     model = model_zoo.build("tiny").eval()
     prompt = torch.randint(0, 128, (sequences, 6), generator=torch.Generator().manual_seed(1))
     compiled = model.generate(prompt, 4)
     eager = model.generate(prompt, 4, prefill="eager", decode="eager")
     assert torch.equal(compiled.tokens, eager.tokens)
-    model.generate(prompt[:3], 4)
+    model.generate(torch.cat([prompt, prompt[:1]]), 4)
     assert model.decode_step.graphs_compiled() == 1
     assert not [d for p in model.decode_step.report.passes for d in p.declined if "WouldSpecialise" in d]
 
