@@ -165,9 +165,9 @@ class StateUpdates:
         out_projections = [layer.attn.o_proj for layer in model.layers]
         self.before = {i: out_projections.index(m) for i, m in enumerate(_linears(model)) if m in out_projections}
         if batch > 1:  # one graph per batch class, as the step has (NOTE [batch classes] in model_zoo/decode.py)
-            low, high = batch_class(batch)
+            low, high, hint = batch_class(batch)
             for tensor in (*self.inputs, *self.buffers):
-                torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high)
+                torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high, hint_override=hint)
 
     def __call__(self, layer: int) -> torch.Tensor:
         return _compiled_update(self.buffers[layer], *self.inputs, self.scale)
@@ -349,7 +349,7 @@ def state_table() -> list[dict]:
 
 
 def step_two_sequences(model) -> None:
-    """One compiled decode step of 2 sequences: the step's first graph for B >= 2 compiled at B = 2."""
+    """One compiled decode step of 2 sequences: the graph of the step's small batch class, compiled first."""
     with torch.no_grad():
         _, states = model(torch.ones(2, 1, dtype=torch.long), output_final_states=True)
     model.decode_step(torch.ones(2, dtype=torch.long), model.decode_step.state_buffer(states))
@@ -370,8 +370,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--gate-checks", action="store_true",
                         help="also time the compiled step with gate_checks='always', in the same repeats")
     parser.add_argument("--small-batch-first", action="store_true",
-                        help="first take one step of 2 sequences, as a machine whose first decode was small "
-                             "(NOTE [batch classes] in model_zoo/decode.py): the figures should not move")
+                        help="first take one step of 2 sequences, as a machine whose first decode was small: "
+                             "the figures at 64 sequences and more should match a run without it (NOTE [batch "
+                             "classes] in model_zoo/decode.py); costs one more compile")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -59,7 +59,8 @@ under no_grad with the model untouched. So `DecodeStep.loop` checks the
 buffers once, runs its first call with every guard (compiling if no graph
 fits), and its later calls under ``torch.compiler.set_stance(
 skip_guard_eval_unsafe=True)``, which evaluates only the guards that tell
-the step's graphs apart (one sequence or more). A new loop, e.g. the next
+the step's graphs apart (one sequence, or the batch class: NOTE [batch
+classes]). A new loop, e.g. the next
 `generate` call, starts with every guard again: a model changed between
 calls (another dtype, a replaced weight) is seen there and recompiles.
 The stance is Dynamo's, process-wide: while such a step runs, a compiled
@@ -80,16 +81,22 @@ and B >= LARGE_BATCH, the batch dimension marked dynamic within each class
 the batch sizes and the number of steps.
 
 NOTE [batch classes]: Inductor decides at compile time which of a graph's
-kernels run on several threads, from the sizes of the call that compiled
-it: a graph with a dynamic batch compiled at two sequences has kernels too
-small to split, and keeps them on one thread at every later batch size.
-Its FX graph cache then hands that graph to every later process, so a
-machine whose first decode ran two sequences decoded 1280 sequences on the
-single-threaded kernels from then on (about 10% slower a step for `tiny` on
-2 cores, `benchmarks/bench_decode.py`'s ``--small-batch-first``). Large
-batches get a graph of their own, compiled at a large batch: the class is
-part of the graph's guards (the dynamic dimension's range), so neither
-Dynamo nor the FX graph cache gives one class the other's graph.
+kernels run on several threads, from the batch it takes the graph to run
+at (by default the batch of the call that compiled it): a graph with a
+dynamic batch compiled at two sequences has kernels too small to split,
+and keeps them on one thread at every later batch size. Its FX graph cache
+then hands that graph to every later process, so a machine whose first
+decode ran two sequences decoded 1280 sequences on single-threaded kernels
+from then on (1.10x slower a step for `tiny` on 2 cores; docs/benchmarks.md).
+So large batches get a graph of their own, and each class's graph is
+compiled as for a batch of its own (``hint_override``), not the first
+call's: LARGE_BATCH_HINT (1024) splits every kernel of `tiny`'s step over
+up to 32 threads, where a graph compiled at 64 sequences left most of them
+on one thread from 16 threads up; SMALL_BATCH_HINT (8) keeps the small
+kernels of a few sequences on one thread (2 to 48 sequences on 2 cores ran
+as fast as, or faster than, with hints 2 and 32). The class and the hint
+are part of the graph's guards and of the FX graph cache's key, so neither
+hands one class the other's graph.
 """
 
 from __future__ import annotations
@@ -109,10 +116,13 @@ from laplace_passes.infra.threads import runs_no_compiled_code
 # A layer's state is [B, H, K, V].
 BATCH_DIM = 0
 STATE_DIMS = 4
-# The smallest batch of the large class (NOTE [batch classes]): at 64 sequences every kernel of `tiny`'s step
-# has enough work for Inductor to split it over the threads.
+# The batch classes (NOTE [batch classes]): 2 to LARGE_BATCH - 1 sequences, compiled as for SMALL_BATCH_HINT,
+# and LARGE_BATCH or more, compiled as for LARGE_BATCH_HINT.
 LARGE_BATCH = 64
-_LARGEST_BATCH = 2**31 - 1  # Dynamo's ranges need an upper bound (None is refused in torch 2.13)
+SMALL_BATCH_HINT = 8
+LARGE_BATCH_HINT = 1024
+# A stand-in for "no upper bound": Dynamo's ranges refuse max=None in torch 2.13.
+_LARGEST_BATCH = 2**31 - 1
 
 
 class DecodeStep:
@@ -170,12 +180,12 @@ class DecodeStep:
         """Logits ``[B, vocab]`` and the greedy next tokens ``[B]`` (their argmax, taken in the graph);
         each buffer of `states` is advanced in place."""
         _check_step_inputs(tokens, states)
-        tokens = tokens.contiguous()  # a column of a [B, T] batch would recompile for its strides
-        states = list(states)
+        tokens = _step_tokens(tokens)
+        states = [buffer[...] for buffer in states]  # views of the buffers: the batch marks stay off the caller's
         if tokens.shape[0] > 1:  # one graph per batch class (B = 1 is specialised by torch)
-            low, high = batch_class(tokens.shape[0])
+            low, high, hint = batch_class(tokens.shape[0])
             for tensor in (tokens, *states):
-                torch._dynamo.mark_dynamic(tensor, BATCH_DIM, min=low, max=high)
+                torch._dynamo.mark_dynamic(tensor, BATCH_DIM, min=low, max=high, hint_override=hint)
         return self._compiled(tokens, states)
 
     def loop(self, states: Sequence[Tensor]) -> DecodeLoop:
@@ -215,12 +225,26 @@ class DecodeLoop:
         if not _only_thread():  # another thread may enter compiled code (NOTE [guards once per loop])
             return self.step.logits_and_greedy(tokens, self.states)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.step._compiled(tokens.contiguous(), self.states)
+            return self.step._compiled(_step_tokens(tokens), self.states)
 
 
-def batch_class(batch: int) -> tuple[int, int]:
-    """The range of batch sizes that share `batch`'s graph, B >= 2 (NOTE [batch classes])."""
-    return (2, LARGE_BATCH - 1) if batch < LARGE_BATCH else (LARGE_BATCH, _LARGEST_BATCH)
+def _step_tokens(tokens: Tensor) -> Tensor:
+    """`tokens` [B] as the step's graph takes them: a tensor of its own, so that the batch marks stay off the
+    caller's (marks add up on a tensor, and Dynamo would pick one of them), with stride 1 (a column of a [B, T]
+    batch, even of a [1, T] one, whose `contiguous()` keeps its stride, would recompile for its stride)."""
+    if tokens.stride() != (1,):
+        return tokens.clone(memory_format=torch.contiguous_format)
+    return tokens.view(tokens.shape)
+
+
+def batch_class(batch: int) -> tuple[int, int, int]:
+    """The class of `batch` >= 2 (NOTE [batch classes]): its smallest and largest batch, and the batch its graph
+    is compiled as for."""
+    if batch < 2:
+        raise ValueError(f"batch classes start at 2 sequences (torch specialises 0 and 1), got {batch}")
+    if batch < LARGE_BATCH:
+        return 2, LARGE_BATCH - 1, SMALL_BATCH_HINT
+    return LARGE_BATCH, _LARGEST_BATCH, LARGE_BATCH_HINT
 
 
 def _only_thread() -> bool:

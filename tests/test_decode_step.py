@@ -8,7 +8,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import model_zoo
-from model_zoo.decode import LARGE_BATCH, DecodeStep
+from model_zoo.decode import LARGE_BATCH, LARGE_BATCH_HINT, SMALL_BATCH_HINT, DecodeStep
 from model_zoo.generate import generate
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-5}
@@ -288,28 +288,44 @@ def test_no_recompile_per_step_or_per_batch_size():
     assert isinstance(small.shape["B"], str) and single.shape["B"] == 1 and isinstance(large.shape["B"], str)
 
 
-def test_a_large_batch_gets_a_graph_compiled_at_a_large_batch():
-    """NOTE [batch classes]: Inductor splits a kernel over threads by the sizes it was compiled at, so a step whose
-    first batch was small compiles large batches anew, at their own size, and gives them the same tokens."""
+def test_each_batch_class_is_compiled_as_for_its_own_batch():
+    """NOTE [batch classes]: Inductor splits a kernel over threads by the batch it compiles a graph for, so each
+    class's graph is compiled as for a batch of its own, whatever batch came first, with the eager tokens."""
     torch.manual_seed(2)
     tiny = model_zoo.build("tiny", num_layers=1).eval()
-    compiled_at = []
-    step = DecodeStep(tiny, inner=lambda gm, inputs: compiled_at.append(_batch_hint(inputs)) or gm.forward)
+    compiled_for = []
+    step = DecodeStep(tiny, inner=lambda gm, inputs: compiled_for.append(_batch_compiled_for(inputs)) or gm.forward)
     for batch in (2, 100, 3, 70):
         ids = prompt(batch, 3, seed=batch)
         with torch.no_grad():
             _, states = tiny(ids[:, :2], output_final_states=True)
-        buffers = step.state_buffer(states)
-        got = step.logits_and_greedy(ids[:, 2], buffers)[1]
-        expected = tiny(ids, output_final_states=True)[0][:, -1].argmax(-1)
-        assert torch.equal(got, expected)
-    assert compiled_at == [2, 100]
+        got = step.logits_and_greedy(ids[:, 2], step.state_buffer(states))[1]
+        assert torch.equal(got, tiny(ids, output_final_states=True)[0][:, -1].argmax(-1))
+    assert compiled_for == [SMALL_BATCH_HINT, LARGE_BATCH_HINT]
 
 
-def _batch_hint(inputs) -> int:
-    """The batch size a graph was compiled at: the size its symbolic batch stood for (tokens are the first [B])."""
-    tokens = next(x for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 1)
-    return int(tokens.shape[0].node.hint)
+def _batch_compiled_for(inputs) -> int:
+    """The batch Inductor would take a graph to run at: its symbolic batch's hint override, else its hint."""
+    tokens = next(x for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 1 and x.dtype == torch.long)
+    node = tokens.shape[0].node
+    return node.shape_env.var_to_hint_override.get(node.expr, node.hint)
+
+
+def test_a_tokens_tensor_keeps_no_batch_mark_and_a_column_of_one_sequence_decodes():
+    """The step marks its own views of the tokens and buffers (marks add up on a tensor, and Dynamo picks one of
+    them), and a [1, T] batch's column (stride T) runs a loop without a recompile under skipped guards."""
+    torch.manual_seed(3)
+    tiny = model_zoo.build("tiny", num_layers=1).eval()
+    step = DecodeStep(tiny, inner="eager")
+    ids = prompt(3, 3, seed=3)
+    buffers = step.state_buffer(tiny(ids[:, :2], output_final_states=True)[1])
+    tokens = ids[:, 2].clone()
+    step(tokens, buffers)
+    assert not hasattr(tokens, "_dynamo_dynamic_range") and not hasattr(buffers[0], "_dynamo_dynamic_range")
+    one = prompt(1, 4, seed=4)
+    decode_loop = step.loop(step.state_buffer(tiny(one[:, :2], output_final_states=True)[1]))
+    _, greedy = decode_loop(one[:, 2])  # a column: stride 4
+    decode_loop(greedy)  # stride 1, under skipped guards, where a recompile raises
 
 
 def test_decode_steps_of_two_models_are_each_compiled():
