@@ -94,8 +94,9 @@ call's: LARGE_BATCH_HINT (1024) splits every kernel of `tiny`'s step over
 up to 32 threads, where a graph compiled at 64 sequences left most of them
 on one thread from 16 threads up; SMALL_BATCH_HINT (8) keeps the small
 kernels of a few sequences on one thread (2 to 48 sequences on 2 cores ran
-as fast as, or faster than, with hints 2 and 32). The class and the hint
-are part of the graph's guards and of the FX graph cache's key, so neither
+as fast as, or faster than, with hints 2 and 32). The class is part of
+the graph's guards (its batch dimension's range), and the class and the
+hint are part of the FX graph cache's key, so neither Dynamo nor the cache
 hands one class the other's graph.
 """
 

@@ -289,8 +289,8 @@ def test_no_recompile_per_step_or_per_batch_size():
 
 
 def test_each_batch_class_is_compiled_as_for_its_own_batch():
-    """NOTE [batch classes]: Inductor splits a kernel over threads by the batch it compiles a graph for, so each
-    class's graph is compiled as for a batch of its own, whatever batch came first, with the eager tokens."""
+    """NOTE [batch classes]: each class's graph is handed to the inner compiler as for a batch of its own (the
+    batch Inductor splits its kernels over threads by), whatever batch came first, with the eager tokens."""
     torch.manual_seed(2)
     tiny = model_zoo.build("tiny", num_layers=1).eval()
     compiled_for = []
