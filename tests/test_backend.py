@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch._dynamo
+from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import laplace_passes
@@ -125,6 +126,32 @@ def test_inductor_runs_the_cpu_chunk_recurrence_op_and_matches_eager():
         torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-4)
     for kind in ("forward", "backward"):
         FileCheck().check("laplace.chunk_recurrence").run(compiled.laplace_report.graph("after", f"{kind}_0").code)
+
+
+def test_inductor_s_cpp_wrapper_setting_is_honoured():
+    """NOTE [the C++ wrapper] in laplace_passes/infra/inner.py: with `torch._inductor.config.cpp_wrapper` set, the
+    forward and backward graphs get Inductor's C++ wrapper, not its Python one, with eager's values and gradients."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, gk = (torch.randn(1, 16, 2, 8, generator=gen, requires_grad=True) for _ in range(4))
+
+    def f(q, k, v, gk):
+        o, state = laplace_passes.gla(q, k, v, torch.nn.functional.logsigmoid(gk), output_final_state=True)
+        return (o * o).sum() + state.sum()
+
+    def value_and_grads(fn):
+        value = fn(q, k, v, gk)
+        return value, torch.autograd.grad(value, (q, k, v, gk))
+
+    expected, expected_grads = value_and_grads(f)
+    compiled = laplace_passes.compile(f, target="cpu", inner="inductor")
+    with torch._inductor.config.patch(cpp_wrapper=True, fx_graph_cache=False):
+        (got, grads), codes = run_and_get_code(value_and_grads, compiled)
+    assert len(codes) == 2, len(codes)  # the forward and the backward graph
+    for code in codes:
+        FileCheck().check("AtenTensorHandle").check_not("def call(self, args)").run(code)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-4)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-4)
 
 
 def test_dynamic_sequence_length_keeps_the_chunk_loop_as_a_runtime_loop():

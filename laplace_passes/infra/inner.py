@@ -94,7 +94,8 @@ class InductorCompiler(InnerCompiler):
     the same graph as with inner="eager": Inductor's table rewrites for
     Inductor's CPU/GPU kernels (a [n, 1, K] @ [n, K, 1] bmm becomes mul + sum
     on the CPU), not what neuronx-cc is given, so it is applied here, to each
-    graph or partition, after the passes.
+    graph or partition, after the passes. Inductor's settings apply as in
+    torch.compile's Inductor, ``cpp_wrapper`` included (NOTE [the C++ wrapper]).
     """
 
     name = "inductor"
@@ -113,15 +114,37 @@ class InductorCompiler(InnerCompiler):
 
         gm = _decomposed_for_inductor(gm, example_inputs)
         wait_for_isa_probes()
-        with inductor_as_we_run_it():
+        with inductor_as_we_run_it(), _wrapper_as_configured() as wrapper:
             return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
-                                    is_inference=kind == "inference")
+                                    is_inference=kind == "inference", **wrapper)
 
     @staticmethod
     def partition_fn(*args, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         return min_cut_rematerialization_partition(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _wrapper_as_configured() -> Iterator[dict]:
+    """The keyword arguments and settings of Inductor's C++ wrapper, when `torch._inductor.config.cpp_wrapper`
+    asks for it.
+
+    NOTE [the C++ wrapper]: torch.compile's Inductor reads ``config.cpp_wrapper`` in `compile_fx`, which
+    passes ``cpp_wrapper=True`` to `compile_fx_inner` under its C++-wrapper settings; this backend calls
+    `compile_fx_inner` itself, which reads neither, so the setting was ignored and every graph got the Python
+    wrapper. The same two things are done here. (On `tiny`'s decode step the C++ wrapper ran no faster:
+    docs/benchmarks.md.)
+    """
+    from torch._inductor import config
+
+    if not config.cpp_wrapper:
+        yield {}
+        return
+    from torch._inductor.compile_fx import get_cpp_wrapper_config
+
+    with config.patch(get_cpp_wrapper_config()):
+        yield {"cpp_wrapper": True}
 
 
 @contextlib.contextmanager
