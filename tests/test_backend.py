@@ -147,8 +147,8 @@ def test_inductor_s_cpp_wrapper_setting_is_honoured():
     with torch._inductor.config.patch(cpp_wrapper=True, fx_graph_cache=False):
         (got, grads), codes = run_and_get_code(value_and_grads, compiled)
     assert len(codes) == 2, len(codes)  # the forward and the backward graph
-    for code in codes:
-        FileCheck().check("AtenTensorHandle").check_not("def call(self, args)").run(code)
+    for code in codes:  # the C++ wrapper's handles, and none of the Python wrapper's `call`
+        assert "AtenTensorHandle" in code and "def call(self, args)" not in code, code[:2000]
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=1e-4)
     for g, e in zip(grads, expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-4)

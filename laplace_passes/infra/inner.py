@@ -133,8 +133,13 @@ def _wrapper_as_configured() -> Iterator[dict]:
     NOTE [the C++ wrapper]: torch.compile's Inductor reads ``config.cpp_wrapper`` in `compile_fx`, which
     passes ``cpp_wrapper=True`` to `compile_fx_inner` under its C++-wrapper settings; this backend calls
     `compile_fx_inner` itself, which reads neither, so the setting was ignored and every graph got the Python
-    wrapper. The same two things are done here. (On `tiny`'s decode step the C++ wrapper ran no faster:
-    docs/benchmarks.md.)
+    wrapper. The same two things are done here. Unlike torch.compile, which carries the forward's setting to
+    its backward, the setting is read as each graph compiles, and a backward compiles at the first backward
+    call: set it for the whole run, not around the forward alone. With it, the kernels are built into the
+    wrapper's own library, one g++ build per graph, not in the kernel batches (NOTE [kernels compiled
+    together] in laplace_passes/infra/kernel_batches.py): a slower first compile. ``fx_wrapper`` is not
+    passed: torch's own Inductor raises NotImplementedError with it on these graphs on the CPU. (On `tiny`'s
+    decode step the C++ wrapper ran no faster: docs/benchmarks.md.)
     """
     from torch._inductor import config
 
