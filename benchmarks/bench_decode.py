@@ -80,7 +80,7 @@ from benchmarks.bench_gla import make_inputs
 from benchmarks.common import machine_lines, self_time_by_part, spread, stats
 from laplace_passes.infra.targets import CPU
 from laplace_passes.ops.gla import gla_recurrence
-from model_zoo.decode import DecodeStep, batch_class
+from model_zoo.decode import DecodeStep, mark_batch_class
 
 CONCURRENCY = (1, 64, 1280)
 CONTEXTS = (2048, 8192, 32768)
@@ -164,10 +164,7 @@ class StateUpdates:
         self.scale = c.head_k_dim ** -0.5
         out_projections = [layer.attn.o_proj for layer in model.layers]
         self.before = {i: out_projections.index(m) for i, m in enumerate(_linears(model)) if m in out_projections}
-        if batch > 1:  # one graph per batch class, as the step has (NOTE [batch classes] in model_zoo/decode.py)
-            low, high, hint = batch_class(batch)
-            for tensor in (*self.inputs, *self.buffers):
-                torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high, hint_override=hint)
+        mark_batch_class(batch, (*self.inputs, *self.buffers))  # one graph per batch class, as the step has
 
     def __call__(self, layer: int) -> torch.Tensor:
         return _compiled_update(self.buffers[layer], *self.inputs, self.scale)

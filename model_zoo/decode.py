@@ -181,12 +181,11 @@ class DecodeStep:
         """Logits ``[B, vocab]`` and the greedy next tokens ``[B]`` (their argmax, taken in the graph);
         each buffer of `states` is advanced in place."""
         _check_step_inputs(tokens, states)
-        tokens = _step_tokens(tokens)
-        states = [buffer[...] for buffer in states]  # views of the buffers: the batch marks stay off the caller's
-        if tokens.shape[0] > 1:  # one graph per batch class (B = 1 is specialised by torch)
-            low, high, hint = batch_class(tokens.shape[0])
-            for tensor in (tokens, *states):
-                torch._dynamo.mark_dynamic(tensor, BATCH_DIM, min=low, max=high, hint_override=hint)
+        # Tensors of the step's own, views of the caller's: the batch marks stay off the caller's tensors (marks
+        # add up on a tensor, and Dynamo would pick one of them).
+        tokens = _with_stride_one(tokens).view(tokens.shape)
+        states = [buffer[...] for buffer in states]
+        mark_batch_class(tokens.shape[0], (tokens, *states))
         return self._compiled(tokens, states)
 
     def loop(self, states: Sequence[Tensor]) -> DecodeLoop:
@@ -226,16 +225,25 @@ class DecodeLoop:
         if not _only_thread():  # another thread may enter compiled code (NOTE [guards once per loop])
             return self.step.logits_and_greedy(tokens, self.states)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.step._compiled(_step_tokens(tokens), self.states)
+            return self.step._compiled(_with_stride_one(tokens), self.states)
 
 
-def _step_tokens(tokens: Tensor) -> Tensor:
-    """`tokens` [B] as the step's graph takes them: a tensor of its own, so that the batch marks stay off the
-    caller's (marks add up on a tensor, and Dynamo would pick one of them), with stride 1 (a column of a [B, T]
-    batch, even of a [1, T] one, whose `contiguous()` keeps its stride, would recompile for its stride)."""
+def _with_stride_one(tokens: Tensor) -> Tensor:
+    """`tokens` [B] with stride 1, as the step's graph takes them: a column of a [B, T] batch, even of a [1, T]
+    one, whose `contiguous()` keeps its stride, would recompile for its stride."""
     if tokens.stride() != (1,):
         return tokens.clone(memory_format=torch.contiguous_format)
-    return tokens.view(tokens.shape)
+    return tokens
+
+
+def mark_batch_class(batch: int, tensors: Sequence[Tensor]) -> None:
+    """Dimension 0 of each of `tensors` marked dynamic within `batch`'s class and compiled as for the class's
+    batch (NOTE [batch classes]); a single sequence is left to torch, which specialises it."""
+    if batch < 2:
+        return
+    low, high, hint = batch_class(batch)
+    for tensor in tensors:
+        torch._dynamo.mark_dynamic(tensor, BATCH_DIM, min=low, max=high, hint_override=hint)
 
 
 def batch_class(batch: int) -> tuple[int, int, int]:
