@@ -237,10 +237,14 @@ def test_a_process_s_descendants_are_read_from_its_children_lists_as_a_scan_of_e
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="read from /proc")
-def test_a_stuck_helper_is_killed_with_the_processes_it_started():
-    """NOTE [a stuck helper]: its processes (a blocked g++) would otherwise linger once it is killed."""
+def test_a_stuck_helper_is_killed_with_the_processes_it_started(monkeypatch):
+    """NOTE [a stuck helper]: its processes (a blocked g++) would otherwise linger once it is killed.
+
+    The helper is stopped before its processes are killed: a shell waiting on them would otherwise exit 0 as
+    they die, before its own SIGKILL (a race the suite lost under load)."""
     helper_process = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], stdin=subprocess.PIPE)
-    started = []
+    started, signals_sent, kill = [], [], os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, sig: (signals_sent.append((pid, sig)), kill(pid, sig))[1])
     try:
         deadline = time.monotonic() + 10
         while len(started) < 2 and time.monotonic() < deadline:
@@ -248,6 +252,8 @@ def test_a_stuck_helper_is_killed_with_the_processes_it_started():
             started = process_cpu.descendants(helper_process.pid)
         assert len(started) == 2
         BodyHelper().stop_stuck(body_helper._Connection(helper_process), idle_s=60.0)
+        assert signals_sent[0] == (helper_process.pid, signal.SIGSTOP)
+        assert signals_sent[-1] == (helper_process.pid, signal.SIGKILL)
         assert helper_process.wait(timeout=10) == -signal.SIGKILL
         deadline = time.monotonic() + 10
         while any(processes.alive(pid) for pid in started) and time.monotonic() < deadline:

@@ -326,9 +326,12 @@ class BodyHelper:
 def _kill_with_descendants(process: subprocess.Popen) -> None:
     """SIGKILL the processes the helper started, then the helper (once it is killed, they would be init's).
 
-    The deepest first and the helper last: a child of the stuck helper that ends meanwhile stays its zombie
-    (the helper reaps nothing) until then, so its number is not handed to another process before the signal.
+    The helper is stopped first (SIGSTOP), so that it neither starts another process nor reaps or outlives
+    the ones being killed: a child that ends meanwhile stays its zombie, its number not handed to another
+    process before the signal, and the helper ends by the SIGKILL, never on its own once its children die
+    (a shell waiting on them would exit 0). The deepest first, the helper last.
     """
+    process.send_signal(signal.SIGSTOP)  # not sent where the helper was reaped: its number may be another's
     for pid in reversed(descendants(process.pid)):
         try:
             os.kill(pid, signal.SIGKILL)
