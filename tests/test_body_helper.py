@@ -360,7 +360,7 @@ def test_the_helper_runs_with_two_cores_or_when_switched_on(monkeypatch, switch,
 
 
 def _sixteen_cores_and_no_launcher(monkeypatch):
-    monkeypatch.setattr(body_helper, "CPU_QUOTA", "/nonexistent/cpu.max")
+    monkeypatch.setattr(process_cpu, "CPU_QUOTA", "/nonexistent/cpu.max")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     for name in body_helper.LOCAL_RANK_COUNTS:
         monkeypatch.delenv(name, raising=False)
@@ -374,7 +374,7 @@ def test_a_container_s_cpu_quota_bounds_the_cores(monkeypatch, tmp_path, quota, 
     limits = tmp_path / "cpu.max"
     if quota is not None:
         limits.write_text(quota)
-    monkeypatch.setattr(body_helper, "CPU_QUOTA", str(limits))
+    monkeypatch.setattr(process_cpu, "CPU_QUOTA", str(limits))
     assert body_helper._usable_cores() == cores
 
 
@@ -427,7 +427,7 @@ def _cores_here_without_launcher_variables(rank, world_size):
     for name in (*body_helper.LOCAL_RANK_COUNTS, "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         os.environ.pop(name, None)
     os.sched_getaffinity = lambda pid: set(range(16))  # this rank's process only
-    body_helper.CPU_QUOTA = "/nonexistent/cpu.max"
+    process_cpu.CPU_QUOTA = "/nonexistent/cpu.max"
     return body_helper._usable_cores()
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import model_zoo
+from laplace_passes.infra import process_cpu
 from laplace_passes.tools.cli import available_benchmarks, main
 from laplace_passes.demo.train import DemoConfig, run_demo
 from tests import processes
@@ -97,6 +98,7 @@ def test_plot_draws_the_curves(tmp_path, capsys):
 @pytest.fixture
 def busy_machine(monkeypatch):
     """A load average of twice the cores, OMP_NUM_THREADS unset, PyTorch on 2 threads: the demo must say the fix."""
+    monkeypatch.setattr(process_cpu, "CPU_QUOTA", "/nonexistent/cpu.max")  # whatever the machine's container says
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(os, "getloadavg", lambda: (2.0 * cores, 1.0, 1.0))
     monkeypatch.delenv("OMP_NUM_THREADS")
@@ -108,10 +110,23 @@ def busy_machine(monkeypatch):
 def test_a_busy_machine_is_told_the_thread_fix(busy_machine, capsys):
     with pytest.raises(AssertionError, match="the work started"):  # the line comes before the training
         main(["demo"])
+    cores = f"{busy_machine} core{'s' * (busy_machine != 1)}"
     assert capsys.readouterr().err == (
-        f"the load average ({2.0 * busy_machine:.1f}) is above this machine's {busy_machine} cores: PyTorch's "
-        "threads spin against the other work and training can run 35-40x slower; set OMP_NUM_THREADS=1 "
-        "(`OMP_NUM_THREADS=1 laplace-passes demo ...`)\n")
+        f"the load average ({2.0 * busy_machine:.1f}) is above the {cores} this process may run on (its CPU "
+        "affinity, within a container's CPU quota): PyTorch's threads spin against the other work and training "
+        "can run 35-40x slower; set OMP_NUM_THREADS=1 (`OMP_NUM_THREADS=1 laplace-passes demo ...`)\n")
+
+
+def test_a_container_s_quota_counts_as_the_cores(busy_machine, monkeypatch, tmp_path, capsys):
+    """A container limited to one CPU on a 16-core host: a load average of 1.5 fills it."""
+    limits = tmp_path / "cpu.max"
+    limits.write_text("100000 100000\n")
+    monkeypatch.setattr(process_cpu, "CPU_QUOTA", str(limits))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    with pytest.raises(AssertionError, match="the work started"):
+        main(["demo"])
+    assert capsys.readouterr().err.startswith("the load average (1.5) is above the 1 core this process may run on")
 
 
 @pytest.mark.parametrize("quiet", ["threads set", "load at the cores"])

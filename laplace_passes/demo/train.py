@@ -52,6 +52,7 @@ from laplace_passes.demo import checkpoint as demo_checkpoint
 from laplace_passes.demo.distributed import (LaunchError, join_process_group, launch_local, launcher_rank_and_world,
                                              under_torchrun)
 from laplace_passes.infra.files import check_writable_dir
+from laplace_passes.infra.process_cpu import usable_cores
 from laplace_passes.tools.memory import allocation_failures_as_errors, check_fits
 
 
@@ -246,11 +247,12 @@ def thread_contention_warning() -> str | None:
     """
     if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == 1 or not hasattr(os, "getloadavg"):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     load = os.getloadavg()[0]
     if load <= cores:
         return None
-    return (f"the load average ({load:.1f}) is above this machine's {cores} cores: PyTorch's threads spin against "
+    return (f"the load average ({load:.1f}) is above the {cores} core{'s' * (cores != 1)} this process may run on "
+            "(its CPU affinity, within a container's CPU quota): PyTorch's threads spin against "
             "the other work and training can run 35-40x slower; set OMP_NUM_THREADS=1 "
             "(`OMP_NUM_THREADS=1 laplace-passes demo ...`)")
 

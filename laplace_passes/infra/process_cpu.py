@@ -5,6 +5,7 @@
     own_cpu_seconds(pid)            user and system seconds of `pid` and its children waited for
     descendants_cpu_seconds(root)   the same, summed over `root`'s live descendants
     tree_cpu_seconds(root)          both
+    usable_cores()                  the cores this process may run on, within a container's CPU quota
 """
 
 from __future__ import annotations
@@ -88,3 +89,25 @@ def tree_cpu_seconds(root: int) -> float | None:
     unreadable (ended, or no /proc)."""
     own = own_cpu_seconds(root)
     return None if own is None else own + descendants_cpu_seconds(root)
+
+
+CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, within a container's CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, cores_in_quota() or cores)
+
+
+def cores_in_quota() -> int | None:
+    """The CPU time a container's quota allows, in whole cores (at least 1); None without a quota.
+
+    A container limited to one CPU on a large host still sees all the host's cores in its affinity.
+    """
+    try:
+        with open(CPU_QUOTA) as limits:
+            quota, period = limits.read().split()[:2]
+        return max(1, int(quota) // int(period))
+    except (OSError, ValueError):  # no cgroup v2 file, "max" (no quota), or a format not expected
+        return None

@@ -102,7 +102,7 @@ from typing import Callable, Sequence
 import torch
 
 from laplace_passes.infra import logs
-from laplace_passes.infra.process_cpu import descendants, own_cpu_seconds, tree_cpu_seconds
+from laplace_passes.infra.process_cpu import descendants, own_cpu_seconds, tree_cpu_seconds, usable_cores
 from laplace_passes.infra.threads import mark_background
 
 SWITCH = "LAPLACE_PASSES_BODY_HELPER"  # "1": on, "0": off, anything else or unset: on with enough cores
@@ -359,15 +359,10 @@ if hasattr(os, "register_at_fork"):  # a forked child does not own its parent's 
     os.register_at_fork(after_in_child=lambda: HELPER.__init__())
 
 
-CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
-
-
 def _usable_cores() -> int:
     """The cores this process may run on (within a container's CPU quota), shared with the other ranks started
     on this machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores = min(cores, _cores_in_quota() or cores)
-    return cores // _ranks_on_this_machine()
+    return usable_cores() // _ranks_on_this_machine()
 
 
 # What launchers say of the ranks they started on this machine: torchrun, Open MPI, MPICH.
@@ -396,19 +391,6 @@ def _ranks_on_this_machine() -> int:
     except (RuntimeError, ValueError):  # the group destroyed meanwhile, by another thread
         pass
     return 1
-
-
-def _cores_in_quota() -> int | None:
-    """The CPU time a container's quota allows, in whole cores (at least 1); None without a quota.
-
-    A container limited to one CPU on a large host still sees all the host's cores in its affinity.
-    """
-    try:
-        with open(CPU_QUOTA) as limits:
-            quota, period = limits.read().split()[:2]
-        return max(1, int(quota) // int(period))
-    except (OSError, ValueError):  # no cgroup v2 file, "max" (no quota), or a format not expected
-        return None
 
 
 def load_wrapper(source: str) -> Callable[[list], Sequence[torch.Tensor]]:
