@@ -403,3 +403,47 @@ def test_a_recognised_loop_s_gate_check_speaks_of_the_loop_and_how_to_keep_it(ba
     plain = torch.compile(_decay_loop, backend="laplace",
                           options={"target": "cpu", "inner": "eager", "recognise_gla": False})
     torch.testing.assert_close(plain(q, k, v, a), _decay_loop(q, k, v, a), rtol=0, atol=0, equal_nan=True)
+
+
+def _scalar_gate_loop(q, k, v, x):
+    """A GLA with one gate per head, from logsigmoid, written as a token loop."""
+    g = F.logsigmoid(x)
+    S, outs = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3]), []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None, None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1)
+
+
+def test_a_recognised_loop_s_per_head_gate_is_proven_through_the_pass_s_own_layout():
+    """The re-tiling pass lays a per-head gate out per key with `torch.Tensor.expand` (a method called as a
+    function); the proof reads it as the view it is, so the site runs unchecked, as the same gate given to the op
+    does."""
+    torch.manual_seed(0)
+    q, k, v, x = torch.randn(B, 32, H, K), torch.randn(B, 32, H, K), torch.randn(B, 32, H, V), torch.randn(B, 32, H)
+    compiled = laplace_passes.compile(_scalar_gate_loop, target="trn2")
+    torch.testing.assert_close(compiled(q, k, v, x), _scalar_gate_loop(q, k, v, x), rtol=1e-4, atol=1e-5)
+    (site,) = compiled.laplace_report.sites
+    assert site.status == "retiled" and site.gates == "<= 0 by construction: logsigmoid", site.gates
+
+
+@pytest.mark.parametrize("method, args, sign", [
+    (torch.Tensor.expand, ((2, 4),), NONPOSITIVE), (torch.Tensor.to, (torch.float64,), NONPOSITIVE),
+    (torch.Tensor.narrow, (1, 0, 2), NONPOSITIVE), (torch.Tensor.select, (1, 0), NONPOSITIVE),
+    (torch.Tensor.view, (torch.int32,), None), (torch.Tensor.cumsum, (1,), None),
+])
+def test_a_tensor_method_called_as_a_function_is_read_as_the_method(method, args, sign):
+    """``torch.Tensor.expand(g, ...)`` is ``g.expand(...)``: a view keeps the sign, a reinterpreting view or a sum
+    does not, and the reason names the op once."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.randn(1, 4)
+    gates = graph.call_function(F.logsigmoid, (x,))
+    out = graph.call_function(method, (gates, *args))
+    graph.output(out)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    FakeTensorProp(module).propagate(torch.randn(1, 4))
+    bound = gate_bound(out)
+    assert bound.sign == sign, bound
+    if method is torch.Tensor.cumsum:
+        assert bound.how == "cumsum, whose sign the pass does not bound", bound.how

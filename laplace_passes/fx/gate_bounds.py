@@ -113,14 +113,14 @@ _SAME_SIGN = _targets(
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.expand.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
-    aten.slice.Tensor, aten.select.int,
+    aten.slice.Tensor, aten.select.int, torch.select, torch.narrow, aten.narrow.default,
 )
 _CASTS = _targets(aten._to_copy.default)
 _CAST_METHODS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
 _SAME_SIGN_METHODS = frozenset({
     "view", "reshape", "unflatten", "flatten", "transpose", "permute", "contiguous", "clone", "unsqueeze",
     "squeeze", "expand", "expand_as", "movedim", "float", "double", "half", "bfloat16", "to", "type",
-    "type_as", "__getitem__", "detach",
+    "type_as", "__getitem__", "detach", "select", "narrow",
 })
 
 
@@ -158,7 +158,8 @@ def _bound(node, depth: int, derivation: list) -> Bound:
     if depth == 0:
         return Bound(None, f"{node.name}: more than {MAX_DEPTH} ops from a source the pass can bound")
     derivation.append(node)
-    target, method, name = node.target, node.op == "call_method", short_op_name(node)
+    target, method = _as_called(node)
+    name = short_op_name(node)
     dtype = getattr(fake_value(node), "dtype", None)
     if dtype not in SIGNED_FLOATS:  # every rule below is about signed real numbers
         return Bound(None, f"{node.name} is {dtype or 'not a tensor with a known dtype'}, not a signed floating-point "
@@ -188,7 +189,19 @@ def _bound(node, depth: int, derivation: list) -> Bound:
         return _padded(node, depth, derivation)
     if target in _SELECTS and len(node.args) == 3:
         return _selected(node, depth, derivation)
-    return Bound(None, f"{node.name} comes from {name}, whose sign the pass does not bound")
+    if node.name.rstrip("_0123456789") != name:
+        return Bound(None, f"{node.name} comes from {name}, whose sign the pass does not bound")
+    named = name if node.name == name else f"{name} ({node.name})"  # not "cumsum comes from cumsum"
+    return Bound(None, f"{named}, whose sign the pass does not bound")
+
+
+def _as_called(node: torch.fx.Node) -> tuple[object, bool]:
+    """`node`'s target, and whether it is a Tensor method: ``torch.Tensor.expand(x, ...)``, as passes that insert
+    ops write a method call (the re-tiling pass's own layout of a per-head gate), is read as ``x.expand(...)``."""
+    target = node.target
+    if node.op == "call_function" and getattr(torch.Tensor, getattr(target, "__name__", ""), None) is target:
+        return target.__name__, True
+    return target, node.op == "call_method"
 
 
 def _padded(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
@@ -223,7 +236,8 @@ def _same_sign(node: torch.fx.Node, dtype: torch.dtype, depth: int, derivation: 
         # aten.log_sigmoid_forward returns (output, buffer): only the output is a logsigmoid.
         return Bound(NONPOSITIVE, "logsigmoid") if node.args[1] == 0 else Bound(None, "log_sigmoid_forward's buffer")
     source_dtype = getattr(fake_value(source), "dtype", None) if isinstance(source, torch.fx.Node) else None
-    cast = node.target in _CASTS or (node.op == "call_method" and node.target in _CAST_METHODS)
+    target, method = _as_called(node)
+    cast = target in _CASTS or (method and target in _CAST_METHODS)
     if source_dtype != dtype and not cast:
         return Bound(None, f"{node.name} reads {source_dtype} as {dtype}")
     return _bound(source, depth - 1, derivation)
