@@ -201,6 +201,8 @@ def test_inspect_module_attr_form(capsys):
         (["demo", "--batch", "-4"], "batch must be a positive int, got -4"),
         (["export", "tiny", "--stablehlo", "unused", "--muon", "--world-size", "1"],
          "--muon needs --world-size of at least 2 (got 1)"),
+        (["export", "tiny", "--stablehlo", "unused", "--world-size", "3"],
+         "--world-size (3) sets the ranks of the --muon step: add --muon, or leave --world-size out"),
         (["bench", "nope"], "unknown benchmark 'nope'; available: "),
     ],
 )
