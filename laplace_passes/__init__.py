@@ -11,6 +11,8 @@ Public API:
     keep_freed_memory          glibc keeps freed memory: large CPU tensors reused without page faults
 """
 
+import sys
+
 from laplace_passes.infra import targets
 from laplace_passes.driver.api import compile, inspect
 from laplace_passes.ops.chunked import chunk_plan, chunked_gla
@@ -22,6 +24,10 @@ from laplace_passes.infra.report import Report, last_report
 from laplace_passes.infra.targets import HardwareTarget, get_target
 
 __version__ = "0.1.0"
+
+# `laplace_passes.targets` is public under that name: importable as a module too
+# (`from laplace_passes.targets import TRN2`), not only reached as an attribute.
+sys.modules[f"{__name__}.targets"] = targets
 
 __all__ = [
     "HardwareTarget",

@@ -7,6 +7,7 @@ names the module, the function or the import at fault.
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -71,6 +72,15 @@ def test_the_package_root_holds_only_the_public_api():
     """Every module lives in the subpackage of its layer; the root's __init__ only hands names on."""
     loose = sorted(p.name for p in (ROOT / "laplace_passes").glob("*.py") if p.name != "__init__.py")
     assert not loose, f"modules outside a subpackage: {loose}"
+
+
+def test_laplace_passes_targets_imports_as_docs_api_names_it():
+    """docs/api.md's `laplace_passes.targets.TRN2`: reached as an attribute and imported as a module alike."""
+    import laplace_passes
+    from laplace_passes.targets import TRN2, get_target
+
+    assert TRN2 is get_target("trn2") is laplace_passes.targets.TRN2
+    assert importlib.import_module("laplace_passes.targets") is laplace_passes.targets
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
