@@ -699,6 +699,20 @@ def chunked_gla_without_s0(q, k, v, g):
     return torch.stack(outs, 2).reshape(B, H, T, V).transpose(1, 2), S
 
 
+def chunked_gla_by_slices(q, k, v, g):
+    """chunked_gla with each chunk sliced out of the sequence (g[:, :, i:i + C]), not reshaped into chunks."""
+    C = 5
+    q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))
+    S, outs = torch.zeros(B, H, K, V), []
+    causal = torch.ones(C, C).tril()
+    for i in range(0, T, C):
+        q_i, k_i, v_i, G_i = q[:, :, i:i + C], k[:, :, i:i + C], v[:, :, i:i + C], g[:, :, i:i + C].cumsum(2)
+        scores = torch.einsum("bhik,bhjk,bhijk->bhij", q_i, k_i, (G_i[:, :, :, None] - G_i[:, :, None]).exp())
+        outs.append((q_i * G_i.exp()) @ S + (scores * causal) @ v_i)
+        S = S * G_i[:, :, -1, :, None].exp() + (k_i * (G_i[:, :, -1:] - G_i).exp()).transpose(-1, -2) @ v_i
+    return torch.cat(outs, 2).transpose(1, 2), S
+
+
 def _gates_written_in_place(q, k, v, g, halved_before: bool = False, doubled_after_step: int | None = None):
     """The elementwise loop with its gates written in place: halved before the loop reads them, or doubled after
     one step (after the last: after the loop, before its outputs are stacked)."""

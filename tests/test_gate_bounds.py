@@ -447,3 +447,40 @@ def test_a_tensor_method_called_as_a_function_is_read_as_the_method(method, args
     assert bound.sign == sign, bound
     if method is torch.Tensor.cumsum:
         assert bound.how == "cumsum, whose sign the pass does not bound", bound.how
+
+
+@pytest.mark.parametrize("target, args, sign", [
+    (torch.full, ((2, 4), 0.0), NONPOSITIVE), (torch.full, ((2, 4), -0.5), NONPOSITIVE),
+    (torch.full, ((2, 4), 0.5), NONNEGATIVE), (torch.full, ((2, 4), float("nan")), None),
+    (torch.zeros, ((2, 4),), NONPOSITIVE), ("new_full", ((2, 4), -2.0), NONPOSITIVE),
+    ("new_full", ((2, 4), 3.0), NONNEGATIVE), ("new_zeros", ((2, 4),), NONPOSITIVE),
+])
+def test_a_tensor_filled_with_one_number_has_its_sign(target, args, sign):
+    """The zero gates the re-tiling pass gives a site without gates (torch.full(shape, 0.0)) need no check."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    if isinstance(target, str):  # x.new_full(size, value): the value is argument 2
+        out = graph.call_method(target, (x, *args))
+    else:
+        out = graph.call_function(target, args)
+    graph.output(out)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    FakeTensorProp(module).propagate(torch.randn(2, 4))
+    assert gate_bound(out).sign == sign, gate_bound(out)
+
+
+def _linear_attention(q, k, v):
+    """Linear attention without a gate, as fla's naive_chunk_linear_attn masks its scores: [B, H, T, K]."""
+    T = q.shape[2]
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    return (q @ k.transpose(-1, -2)).masked_fill(mask, 0) @ v
+
+
+def test_a_site_without_gates_runs_unchecked():
+    """Its gates are zeros the pass builds itself: proven <= 0, so no run-time check (it had one per call)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(B, H, 24, K), torch.randn(B, H, 24, K), torch.randn(B, H, 24, V)
+    compiled = laplace_passes.compile(_linear_attention, target="trn2")
+    torch.testing.assert_close(compiled(q, k, v), _linear_attention(q, k, v), rtol=1e-4, atol=1e-4)
+    (site,) = compiled.laplace_report.sites
+    assert site.status == "retiled" and site.gates == "<= 0 by construction: filled with 0.0", site.gates

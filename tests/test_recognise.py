@@ -499,6 +499,21 @@ def test_a_chunked_algorithm_whose_first_chunk_makes_its_own_state_is_declined_w
     assert all(r.status == "declined" for r in rows) and not model.laplace_report.sites
 
 
+def test_a_chunked_algorithm_slicing_its_chunks_is_declined_saying_to_reshape_them():
+    """Chunks sliced out of the sequence have no chunks dimension to read the loop over: the reason says which
+    spelling the pass reads, and the numbers stay eager's (each chunk's intra-chunk part is a GLA site of its own)."""
+    args = [a.clone().requires_grad_() for a in cases.inputs("bthk", "key")]
+    expected_out, expected_grads = outputs_and_grads(cases.chunked_gla_by_slices, args)
+    assert_close(expected_out, outputs_and_grads(cases.chunked_gla, args)[0])  # the same algorithm
+    model = compiled(cases.chunked_gla_by_slices)
+    out, grads = outputs_and_grads(model, args)
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    (row,) = [r for r in model.laplace_report.recurrences if r.steps == 4]
+    assert row.status == "declined" and "its gates ([2, 2, 5, 8], summed over dimension 2) are not laid out" \
+        in row.reason and "reshaped into chunks" in row.reason and "g[:, :, i:i + C]" in row.reason, row.reason
+
+
 def test_a_counter_as_long_as_a_long_loop_is_read_without_recursion():
     """An unrolled while_loop's counter is a chain of one add per trip: read in graph order, not recursively."""
     from laplace_passes.fx.per_step import constant_value, pattern

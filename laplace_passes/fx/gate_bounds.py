@@ -12,7 +12,9 @@ result can never be positive the re-tiling pass gives gk to the op
 unchecked, and the report's "gates" column shows the derivation.
 
     sources     logsigmoid is <= 0; relu, exp, sigmoid, abs and softplus (beta > 0,
-                threshold >= 0: its linear branch returns x above the threshold) are >= 0
+                threshold >= 0: its linear branch returns x above the threshold) are >= 0;
+                a tensor filled with one finite number has its sign (zeros, full: the
+                gates the re-tiling pass gives a site that has none, or a constant decay)
     rules       neg flips the sign; times or over a finite positive number keeps it,
                 a negative one flips it; a product of two bounded factors has their
                 sign product; clamp / clamp_max with a max <= 0 is <= 0, and
@@ -98,6 +100,8 @@ _NONNEGATIVE_SOURCES = _targets(
     aten.sigmoid.default, torch.abs, aten.abs.default,
 )
 _NONNEGATIVE_METHODS = frozenset({"relu", "exp", "sigmoid", "abs"})
+_FILLS = _targets(torch.full, aten.full.default, torch.full_like, aten.full_like.default)  # value: argument 1
+_ZEROS = _targets(torch.zeros, torch.zeros_like, aten.zeros.default, aten.zeros_like.default)
 _SOFTPLUS = _targets(F.softplus, torch._C._nn.softplus, aten.softplus.default)
 _NEG = _targets(operator.neg, torch.neg, aten.neg.default)
 _MUL = _targets(operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar)
@@ -168,6 +172,8 @@ def _bound(node, depth: int, derivation: list) -> Bound:
         return Bound(NONPOSITIVE, "logsigmoid")
     if target in _NONNEGATIVE_SOURCES or (method and target in _NONNEGATIVE_METHODS):
         return Bound(NONNEGATIVE, name)
+    if target in _FILLS or target in _ZEROS or (method and target in ("new_zeros", "new_full")):
+        return _filled(node, target)
     if target in _SOFTPLUS:
         beta, threshold = _argument(node, 1, "beta", 1.0), _argument(node, 2, "threshold", 20.0)
         if _finite_number(beta) and beta > 0 and _finite_number(threshold) and threshold >= 0:
@@ -202,6 +208,18 @@ def _as_called(node: torch.fx.Node) -> tuple[object, bool]:
     if node.op == "call_function" and getattr(torch.Tensor, getattr(target, "__name__", ""), None) is target:
         return target.__name__, True
     return target, node.op == "call_method"
+
+
+def _filled(node: torch.fx.Node, target) -> Bound:
+    """A tensor filled with one number (the zero gates the re-tiling pass gives a site without gates): its sign,
+    0 counting as <= 0."""
+    if target in _ZEROS or target == "new_zeros":
+        value = 0.0
+    else:  # torch.full(size, v), full_like(x, v); x.new_full(size, v)
+        value = _argument(node, 2 if target == "new_full" else 1, "fill_value", None)
+    if _finite_number(value):
+        return Bound(NONPOSITIVE if value <= 0 else NONNEGATIVE, f"filled with {value!r}")
+    return Bound(None, f"{node.name}: filled with {getattr(value, 'name', value)!r}, not a finite number")
 
 
 def _padded(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
