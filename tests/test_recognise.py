@@ -514,6 +514,31 @@ def test_a_chunked_algorithm_slicing_its_chunks_is_declined_saying_to_reshape_th
         in row.reason and "reshaped into chunks" in row.reason and "g[:, :, i:i + C]" in row.reason, row.reason
 
 
+def _loop_from_an_expanded_state(q, k, v, g, S0):
+    S, outs = S0.expand(q.shape[0], -1, -1, -1), []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def test_a_first_step_left_as_written_is_named_in_the_loop_s_form():
+    """A state broadcast from a parameter (S0.expand(B, ...)): the first step is not read as a step, so the site
+    covers the other 19 of 20; the row counts the user's 20 and its form says which step runs as written."""
+    S0 = torch.randn(cases.H, cases.K, cases.V, generator=torch.Generator().manual_seed(3))
+    q, k, v, g, S0 = (a.clone().requires_grad_() for a in (*cases.inputs("bthk", "key"), S0))
+    expected_out, expected_grads = outputs_and_grads(_loop_from_an_expanded_state, [q, k, v, g, S0])
+    model = compiled(_loop_from_an_expanded_state)
+    out, grads = outputs_and_grads(model, [q, k, v, g, S0])
+    assert_close(out, expected_out)
+    assert_close(grads, expected_grads)
+    (row,) = model.laplace_report.recurrences
+    (site,) = model.laplace_report.sites
+    assert row.status == "GLA site" and row.steps == cases.T and site.plan["T"] == cases.T - 1
+    assert row.form.startswith(f"token loop, {cases.T - 1} steps") and \
+        row.form.endswith("; the loop's first step (S_1) is not part of it and runs as written"), row.form
+
+
 def test_a_counter_as_long_as_a_long_loop_is_read_without_recursion():
     """An unrolled while_loop's counter is a chain of one add per trip: read in graph order, not recursively."""
     from laplace_passes.fx.per_step import constant_value, pattern

@@ -109,6 +109,8 @@ class RecogniseGLA(GraphPass):
             record.form = describe(loop, _written_as(chain))
             check_on_random_inputs(gm, loop, memo, min(loop.T, self.validation_steps))
             _replace(gm, loop, memo, record.form)
+            if chain.unlinked:  # `steps` counts the user's loop; the site, and so its form, one step fewer
+                record.form += f"; the loop's first step ({chain.first.prev.name}) is not part of it and runs as written"
         except Declined as declined:
             record.reason = f"a {chain.tokens}-step loop carrying a {shape} state, but {declined.reason}"
             return record
