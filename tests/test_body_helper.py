@@ -422,6 +422,17 @@ def test_ranks_spawned_without_a_launcher_s_count_share_the_cores_by_their_proce
     assert body_helper._usable_cores() == 8
 
 
+def test_a_helper_that_ended_before_the_kill_is_not_searched_for_processes(monkeypatch):
+    """Reaped by the SIGSTOP's own poll, its number is free for another process, whose children it would kill."""
+    helper_process = subprocess.Popen(["true"])
+    while process_cpu.proc_stat(helper_process.pid)[0] != "Z":  # ended, not yet reaped
+        time.sleep(0.01)
+    searched = []
+    monkeypatch.setattr(body_helper, "descendants", lambda pid: searched.append(pid) or [])
+    body_helper._kill_with_descendants(helper_process)
+    assert helper_process.returncode == 0 and searched == []
+
+
 def _cores_here_without_launcher_variables(rank, world_size):
     """In a rank that joined its group: what a rank of mp.spawn sees (no launcher's variables) on 16 cores."""
     for name in (*body_helper.LOCAL_RANK_COUNTS, "WORLD_SIZE", "RANK", "LOCAL_RANK"):

@@ -484,3 +484,31 @@ def test_a_site_without_gates_runs_unchecked():
     torch.testing.assert_close(compiled(q, k, v), _linear_attention(q, k, v), rtol=1e-4, atol=1e-4)
     (site,) = compiled.laplace_report.sites
     assert site.status == "retiled" and site.gates == "<= 0 by construction: filled with 0.0", site.gates
+
+
+@pytest.mark.parametrize("write, args", [
+    (torch.Tensor.__iadd__, (5.0,)), (torch.Tensor.__setitem__, (0, 5.0)), (torch.Tensor.__imul__, (-1.0,)),
+])
+@pytest.mark.parametrize("source", ["logsigmoid", "zeros_like"])
+def test_an_in_place_dunder_called_as_a_function_is_a_write(write, args, source):
+    """``torch.Tensor.__iadd__(g, 5.0)``, as a pass may insert it, writes g as ``g += 5.0`` does: no proof."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    gates = graph.call_function(F.logsigmoid if source == "logsigmoid" else torch.zeros_like, (x,))
+    graph.call_function(write, (gates, *args))
+    graph.output(gates)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    FakeTensorProp(module).propagate(torch.randn(2, 4))
+    bound = gate_bound(gates)
+    assert bound.sign is None and f"{write.__name__} writes in place to" in bound.how, bound
+
+
+@pytest.mark.parametrize("op, name", [(torch.expm1, "expm1"), (torch.log2, "log2"), (torch.cumsum, "cumsum")])
+def test_a_reason_names_an_op_once(op, name):
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    out = graph.call_function(op, (x, 1) if op is torch.cumsum else (x,))
+    graph.output(out)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    FakeTensorProp(module).propagate(torch.randn(2, 4))
+    assert out.name == name and gate_bound(out).how == f"{name}, whose sign the pass does not bound"

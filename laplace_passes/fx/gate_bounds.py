@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -195,7 +196,7 @@ def _bound(node, depth: int, derivation: list) -> Bound:
         return _padded(node, depth, derivation)
     if target in _SELECTS and len(node.args) == 3:
         return _selected(node, depth, derivation)
-    if node.name.rstrip("_0123456789") != name:
+    if node.name != name and not re.fullmatch(rf"{re.escape(name)}_\d+", node.name):
         return Bound(None, f"{node.name} comes from {name}, whose sign the pass does not bound")
     named = name if node.name == name else f"{name} ({node.name})"  # not "cumsum comes from cumsum"
     return Bound(None, f"{named}, whose sign the pass does not bound")

@@ -332,6 +332,8 @@ def _kill_with_descendants(process: subprocess.Popen) -> None:
     (a shell waiting on them would exit 0). The deepest first, the helper last.
     """
     process.send_signal(signal.SIGSTOP)  # not sent where the helper was reaped: its number may be another's
+    if process.returncode is not None:  # it ended, and was reaped just now: its number is free to be reused
+        return
     for pid in reversed(descendants(process.pid)):
         try:
             os.kill(pid, signal.SIGKILL)
