@@ -35,7 +35,7 @@ from pathlib import Path
 
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 PLOT_POINTS = 20  # recall measurements along the curve of `demo --plot`
-MUON_EXPORT_RANKS = 4  # export --muon's ranks when --world-size is not given: trn2's all-to-all takes 4, 8, 16 or 32k
+MUON_EXPORT_RANKS = 4  # export --muon's ranks by default: trn2's all-to-all takes 4, 8, 16 or 32k
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,10 +249,18 @@ def _add_export(commands) -> None:
     export.add_argument("--muon", action="store_true",
                         help="also export the demo's ShardedMuon step over MODEL's parameters into DIR/muon_step "
                              "(one module for every rank, traced on --world-size local ranks)")
-    export.add_argument("--world-size", type=int, default=None, metavar="W",
-                        help="ranks of the --muon step (default 4; trn2's all-to-all takes 4, 8, 16 or 32k)")
+    export.add_argument("--world-size", type=int, default=MUON_EXPORT_RANKS, metavar="W", action=_GivenAction,
+                        help="ranks of the --muon step (trn2's all-to-all takes 4, 8, 16 or 32k)")
     export.add_argument("--json", action="store_true", help="print the manifest as JSON")
     export.set_defaults(run=_run_export)
+
+
+class _GivenAction(argparse.Action):
+    """Stores the value, and `<dest>_given` = True: an option given on the command line, told from its default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def _run_export(args) -> int:
@@ -263,10 +271,9 @@ def _run_export(args) -> int:
 
     check_output_dir(args.stablehlo, args.force)
     _check_options(target=args.target)
-    if args.world_size is not None and not args.muon:  # it would change nothing: say so rather than drop it
+    if getattr(args, "world_size_given", False) and not args.muon:  # it would change nothing: say so
         raise ValueError(f"--world-size ({args.world_size}) sets the ranks of the --muon step: add --muon, or "
                          "leave --world-size out")
-    args.world_size = MUON_EXPORT_RANKS if args.world_size is None else args.world_size
     if args.muon and args.world_size < 2:
         raise ValueError(f"--muon needs --world-size of at least 2 (got {args.world_size}): with one rank the "
                          "step has no communication to export")
