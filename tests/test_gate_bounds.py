@@ -427,6 +427,13 @@ def test_a_recognised_loop_s_per_head_gate_is_proven_through_the_pass_s_own_layo
     assert site.status == "retiled" and site.gates == "<= 0 by construction: logsigmoid", site.gates
 
 
+def _propagate_fake_values(graph: torch.fx.Graph, example: torch.Tensor, output=None) -> None:
+    """A hand-built graph of one input given its fake values, as Dynamo's graphs have them; its output is
+    `output`, or its last node."""
+    graph.output(output if output is not None else list(graph.nodes)[-1])
+    FakeTensorProp(torch.fx.GraphModule(torch.nn.Module(), graph)).propagate(example)
+
+
 @pytest.mark.parametrize("method, args, sign", [
     (torch.Tensor.expand, ((2, 4),), NONPOSITIVE), (torch.Tensor.to, (torch.float64,), NONPOSITIVE),
     (torch.Tensor.narrow, (1, 0, 2), NONPOSITIVE), (torch.Tensor.select, (1, 0), NONPOSITIVE),
@@ -437,12 +444,9 @@ def test_a_tensor_method_called_as_a_function_is_read_as_the_method(method, args
     does not, and the reason names the op once."""
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
-    x.meta["val"] = torch.randn(1, 4)
     gates = graph.call_function(F.logsigmoid, (x,))
     out = graph.call_function(method, (gates, *args))
-    graph.output(out)
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    FakeTensorProp(module).propagate(torch.randn(1, 4))
+    _propagate_fake_values(graph, torch.randn(1, 4))
     bound = gate_bound(out)
     assert bound.sign == sign, bound
     if method is torch.Tensor.cumsum:
@@ -463,9 +467,7 @@ def test_a_tensor_filled_with_one_number_has_its_sign(target, args, sign):
         out = graph.call_method(target, (x, *args))
     else:
         out = graph.call_function(target, args)
-    graph.output(out)
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    FakeTensorProp(module).propagate(torch.randn(2, 4))
+    _propagate_fake_values(graph, torch.randn(2, 4))
     assert gate_bound(out).sign == sign, gate_bound(out)
 
 
@@ -496,9 +498,7 @@ def test_an_in_place_dunder_called_as_a_function_is_a_write(write, args, source)
     x = graph.placeholder("x")
     gates = graph.call_function(F.logsigmoid if source == "logsigmoid" else torch.zeros_like, (x,))
     graph.call_function(write, (gates, *args))
-    graph.output(gates)
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    FakeTensorProp(module).propagate(torch.randn(2, 4))
+    _propagate_fake_values(graph, torch.randn(2, 4), output=gates)
     bound = gate_bound(gates)
     assert bound.sign is None and f"{write.__name__} writes in place to" in bound.how, bound
 
@@ -508,7 +508,5 @@ def test_a_reason_names_an_op_once(op, name):
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     out = graph.call_function(op, (x, 1) if op is torch.cumsum else (x,))
-    graph.output(out)
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    FakeTensorProp(module).propagate(torch.randn(2, 4))
+    _propagate_fake_values(graph, torch.randn(2, 4))
     assert out.name == name and gate_bound(out).how == f"{name}, whose sign the pass does not bound"

@@ -194,7 +194,7 @@ def _gate_layout(gates: Node, cumsum: Node, step) -> RoleFactors:
         positions[rest[-1]] = step.key_axis % len(step.shape)
         rest = rest[:-1]
     if value.dim() < len(batch) + 2 or [value.shape[d] for d in rest] != [step.shape[p] for p in batch]:
-        raise Declined(f"its gates ({_shape_text(value)}, summed over dimension {dim}) are not laid out "
+        raise Declined(f"its gates ({list(value.shape)}, summed over dimension {dim}) are not laid out "
                        "[*batch, chunks, rows(, key)] like its state: the pass reads a chunked algorithm whose "
                        "inputs are reshaped into chunks (g.view(B, H, T // C, C, K)[:, :, n], as fla's "
                        "naive_chunk_simple_gla), not one that slices each chunk out of the sequence "
@@ -255,7 +255,3 @@ def describe_chunks(loop: ChunkLoop, origin: str) -> str:
     per = "per-key" if any(loop.key_axis in f.positions for f in loop.roles.get("decay", [])) else "per-head"
     return (f"{origin} over chunks: {loop.chunks} chunks of {loop.rows} tokens ({loop.T} tokens), {per} gates, "
             f"state {list(loop.state_shape)}")
-
-
-def _shape_text(value) -> str:
-    return "[" + ", ".join(str(size) for size in value.shape) + "]"

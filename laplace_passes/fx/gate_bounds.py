@@ -61,7 +61,7 @@ import torch.fx
 
 from laplace_passes.fx.in_place_writes import in_place_writes, storage_of
 from laplace_passes.infra.fx_helpers import fake_value
-from laplace_passes.infra.op_facts import short_op_name
+from laplace_passes.infra.op_facts import short_op_name, tensor_method_name
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -205,10 +205,8 @@ def _bound(node, depth: int, derivation: list) -> Bound:
 def _as_called(node: torch.fx.Node) -> tuple[object, bool]:
     """`node`'s target, and whether it is a Tensor method: ``torch.Tensor.expand(x, ...)``, as passes that insert
     ops write a method call (the re-tiling pass's own layout of a per-head gate), is read as ``x.expand(...)``."""
-    target = node.target
-    if node.op == "call_function" and getattr(torch.Tensor, getattr(target, "__name__", ""), None) is target:
-        return target.__name__, True
-    return target, node.op == "call_method"
+    method = tensor_method_name(node.target) if node.op == "call_function" else ""
+    return (method, True) if method else (node.target, node.op == "call_method")
 
 
 def _filled(node: torch.fx.Node, target) -> Bound:

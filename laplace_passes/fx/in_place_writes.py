@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from laplace_passes.infra.fx_helpers import fake_tensor, fake_value, input_source, tensor_values
-from laplace_passes.infra.op_facts import base_op_name
+from laplace_passes.infra.op_facts import base_op_name, tensor_method_name
 
 _IN_PLACE_OPERATORS = frozenset({
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -61,16 +61,10 @@ def written_operands(node: torch.fx.Node) -> list:
     name = "" if getattr(target, "__module__", None) in _OPERATOR_MODULES else getattr(target, "__name__", "")
     if _in_place_name(name):
         return written + _named_op_writes(node, getattr(target, "_qualified_op_name", f"aten::{name}"))
-    if target in _IN_PLACE_OPERATORS or _asks_in_place(node) or _in_place_tensor_dunder(target):
+    # torch.Tensor.__iadd__(g, x), as a pass may write it, writes g as ``g += x`` does.
+    if target in _IN_PLACE_OPERATORS or _asks_in_place(node) or tensor_method_name(target) in _IN_PLACE_DUNDERS:
         written.extend(tree_leaves(node.args[0] if node.args else node.kwargs.get("input")))
     return written
-
-
-def _in_place_tensor_dunder(target) -> bool:
-    """``torch.Tensor.__iadd__`` (or ``__setitem__``) called as a function: a pass may write it so, and it
-    writes its first argument as ``g += x`` does."""
-    name = getattr(target, "__name__", "")
-    return name in _IN_PLACE_DUNDERS and getattr(torch.Tensor, name, None) is target
 
 
 def is_tensor_free(value) -> bool:

@@ -97,6 +97,13 @@ def short_op_name(node: Node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
+def tensor_method_name(target) -> str:
+    """"expand" for ``torch.Tensor.expand`` used as a function's target (as a pass may insert a method call);
+    "" for any other target."""
+    name = getattr(target, "__name__", "")
+    return name if name and getattr(torch.Tensor, name, None) is target else ""
+
+
 def base_op_name(node: Node) -> str:
     """"squeeze" for x.squeeze, torch.squeeze and aten.squeeze.dim alike: the method's name, or the name of the
     function or of an overload's packet; "" for a node that calls nothing (a placeholder, a get_attr)."""

@@ -252,7 +252,7 @@ def _add_export(commands) -> None:
     export.add_argument("--world-size", type=int, default=MUON_EXPORT_RANKS, metavar="W", action=_GivenAction,
                         help="ranks of the --muon step (trn2's all-to-all takes 4, 8, 16 or 32k)")
     export.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    export.set_defaults(run=_run_export)
+    export.set_defaults(run=_run_export, world_size_given=False)
 
 
 class _GivenAction(argparse.Action):
@@ -271,7 +271,7 @@ def _run_export(args) -> int:
 
     check_output_dir(args.stablehlo, args.force)
     _check_options(target=args.target)
-    if getattr(args, "world_size_given", False) and not args.muon:  # it would change nothing: say so
+    if args.world_size_given and not args.muon:  # it would change nothing: say so
         raise ValueError(f"--world-size ({args.world_size}) sets the ranks of the --muon step: add --muon, or "
                          "leave --world-size out")
     if args.muon and args.world_size < 2:
