@@ -83,6 +83,16 @@ def swish_bwd(x, dy, output_contiguous=False):
     return (dy.float() * sigmoid * (1 + x.float() * (1 - sigmoid))).to(x.dtype)
 
 
+def sqrelu_fwd(x):
+    # fla's own is a torch.compile'd function: swapped so the reference runs eagerly, without an Inductor
+    # compile per test (Dynamo's caches are reset between tests).
+    return F.relu(x.float()).square().to(x.dtype)
+
+
+def sqrelu_bwd(g, x):
+    return (2.0 * g * F.relu(x.float())).to(x.dtype)
+
+
 def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
                   activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                   cp_context=None, **kwargs):
@@ -272,6 +282,8 @@ REFERENCES = {
     "fla.modules.activations.swish": swish,
     "fla.modules.activations.ops.swish_fwd": swish_fwd,  # SwishFunction, what ACT2FN["swish"] applies
     "fla.modules.activations.ops.swish_bwd": swish_bwd,
+    "fla.modules.activations.ops.sqrelu_fwd": sqrelu_fwd,  # SquaredReLUFunction, RWKV-6's channel mix
+    "fla.modules.activations.ops.sqrelu_bwd": sqrelu_bwd,
     "fla.modules.rotary.ops.rotary_embedding": rotary_embedding,
     "fla.modules.causal_conv1d.ops.causal_conv1d": causal_conv1d,
     "fla.modules.token_shift.token_shift": token_shift,
