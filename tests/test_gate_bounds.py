@@ -7,6 +7,7 @@ what that decision means at run time: a proven gate gives the eager op's
 results without a check, an unproven one still refuses a positive gate.
 """
 
+import math
 import operator
 
 import pytest
@@ -510,3 +511,57 @@ def test_a_reason_names_an_op_once(op, name):
     out = graph.call_function(op, (x, 1) if op is torch.cumsum else (x,))
     _propagate_fake_values(graph, torch.randn(2, 4))
     assert out.name == name and gate_bound(out).how == f"{name}, whose sign the pass does not bound"
+
+
+@pytest.mark.parametrize("decay, proven", [
+    (torch.sigmoid, True),
+    (lambda x: torch.exp(-F.softplus(x)), True),
+    (lambda x: 0.9 * torch.sigmoid(x), True),
+    (lambda x: 1 - torch.sigmoid(x), True),
+    (lambda x: torch.sigmoid(x) / 2, True),
+    (lambda x: torch.clamp(x, 0, 1), True),
+    (lambda x: torch.sigmoid(x) * torch.sigmoid(-x), True),
+    (lambda x: 1.5 * torch.sigmoid(x), False),  # up to 1.5: its log is positive past x = ln 2
+    (lambda x: torch.sigmoid(x) / 0.5, False),
+    (lambda x: 2 - torch.sigmoid(x), False),
+    (lambda x: 1 - x.exp(), False),  # exp(x) may pass 1, so 1 - exp(x) may be negative
+    (lambda x: x.abs(), False),
+    (lambda x: torch.exp(x), False),
+    (lambda x: torch.clamp(x, 0, 2), False),
+])
+def test_the_log_of_a_decay_within_0_and_1_is_nonpositive(decay, proven):
+    """A recognised loop's gates are log(decay): <= 0 where the decay lies in [0, 1], in torch-level graphs (what
+    the re-tiling pass reads) and ATen ones."""
+    bound = gate_bound(_traced(lambda x: torch.log(decay(x))))
+    assert (bound.sign == NONPOSITIVE) == proven, bound
+    assert bound.how.startswith("log(") if proven else "log of a value not shown to lie in [0, 1]" in bound.how
+    gm = make_fx(lambda x: torch.log(decay(x)), tracing_mode="fake")(torch.randn(3, 4))
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
+    assert (gate_bound(result).sign == NONPOSITIVE) == proven
+
+
+def test_a_reset_of_a_recognised_loop_s_decay_keeps_the_proof():
+    """What the recognition pass builds: log of the decay with its zeros replaced by 1, -inf put back there."""
+    def gates(x):
+        decay = torch.sigmoid(x)
+        reset = decay == 0
+        return torch.where(reset, -math.inf, torch.log(torch.where(reset, 1.0, decay)))
+
+    bound = gate_bound(_traced(gates))
+    assert bound.sign == NONPOSITIVE and bound.how == "where(c, -inf, log(where(c, 1.0, sigmoid)))", bound
+
+
+def _sigmoid_decay_loop(q, k, v, x):
+    return _decay_loop(q, k, v, torch.sigmoid(x))
+
+
+def test_a_recognised_loop_with_a_sigmoid_decay_runs_unchecked_with_the_eager_results():
+    torch.manual_seed(0)
+    q, k, x = torch.randn(B, 20, H, K), torch.randn(B, 20, H, K), torch.randn(B, 20, H, K)
+    v = torch.randn(B, 20, H, V)
+    compiled = laplace_passes.compile(_sigmoid_decay_loop, target="cpu", inner="eager")
+    torch.testing.assert_close(compiled(q, k, v, x), _sigmoid_decay_loop(q, k, v, x), rtol=1e-4, atol=1e-5)
+    (site,) = compiled.laplace_report.sites
+    assert site.gates == "<= 0 by construction: where(c, -inf, log(where(c, 1.0, sigmoid)))", site.gates
+    assert _check_nodes(compiled) == 0

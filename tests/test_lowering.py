@@ -116,6 +116,35 @@ def test_positive_gates_are_clamped_in_lowered_graphs():
     assert clamp.modified and clamp.summary.startswith("1 gate check(s) replaced by clamp(max=0)")
 
 
+def _growing_decay_loop(q, k, v, x):
+    """A linear recurrence written from the equations whose decay reaches 1.5: recognised as a GLA loop, its gates
+    log(1.5 * sigmoid(x)) not <= 0."""
+    decay = 1.5 * torch.sigmoid(x)
+    state, outputs = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3]), []
+    for t in range(q.shape[1]):
+        state = decay[:, t, :, :, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outputs.append((q[:, t, :, :, None] * state).sum(-2))
+    return torch.stack(outputs, 1)
+
+
+def test_a_recognised_loop_whose_decay_passes_1_keeps_its_numbers_when_lowered():
+    """A lowered graph cannot refuse a positive gate (its check becomes a clamp), so such a loop keeps its token
+    steps, unchecked, and says why: outputs and gradients are the loop's, where the clamp changed them."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 12, 2, 4, generator=gen, requires_grad=True) for _ in range(4)]
+    compiled = laplace_passes.compile(_growing_decay_loop, target="trn2", inner="stablehlo")
+    found = compiled(*inputs)
+    found_grads = torch.autograd.grad(found.square().sum(), inputs)
+    expected = _growing_decay_loop(*inputs)
+    expected_grads = torch.autograd.grad(expected.square().sum(), inputs)
+    assert relative_rmse(found, expected) <= MAX_RELATIVE_RMSE
+    assert all(relative_rmse(f, e) <= MAX_RELATIVE_RMSE for f, e in zip(found_grads, expected_grads))
+    (site,) = compiled.laplace_report.sites
+    assert site.status == "declined" and "a lowered graph cannot refuse a positive one at run time" in site.reason
+    assert site.gates.startswith("not checked (a lowered graph): log of a value not shown to lie in [0, 1]")
+    assert site.form == "the loop's 12 token steps, as written, unchecked"
+
+
 # -- export ---------------------------------------------------------------------------------------
 
 

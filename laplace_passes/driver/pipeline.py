@@ -74,7 +74,8 @@ class Step:
 def _retile(build: Build) -> GraphPass:
     config, target = build.config, build.config.target
     return RetileGLA(config.chunk_size, target.sub_chunk_size, target.recurrent_max_tokens, target.recurrent_readout,
-                     target.save_residuals, prove_gates=config.gate_checks == "auto")
+                     target.save_residuals, prove_gates=config.gate_checks == "auto",
+                     checks_become_clamps=config.inner.legalizes)
 
 
 DYNAMO = (

@@ -15,11 +15,15 @@ unchecked, and the report's "gates" column shows the derivation.
                 threshold >= 0: its linear branch returns x above the threshold) are >= 0;
                 a tensor filled with one finite number has its sign (zeros, full: the
                 gates the re-tiling pass gives a site that has none, or a constant decay)
+    logs        log(x) is <= 0 where x lies in [0, 1] (the gates a recognised loop's decay
+                gets, NOTE [resets in a trained decay]): x a number or fill in [0, 1],
+                sigmoid, exp of a value <= 0, 1 - x, a product of such values, a quotient
+                by a number >= 1, clamp(min >= 0, max <= 1), a select between such values
     rules       neg flips the sign; times or over a finite positive number keeps it,
                 a negative one flips it; a product of two bounded factors has their
                 sign product; clamp / clamp_max with a max <= 0 is <= 0, and
                 clamp_min(x <= 0, c <= 0) stays <= 0; torch.where(c, x, y) has the sign
-                x and y share (the number 0 has either)
+                x and y share (the number 0 has either, -inf, a reset, is <= 0)
     unchanged   views, reshapes, transposes, indexing, contiguous, clone, and casts
                 from one floating-point dtype to another
     stops       any value that is not a signed floating-point dtype (a cast to bool
@@ -110,6 +114,11 @@ _DIV = _targets(operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar)
 _CLAMP = _targets(torch.clamp, torch.clip, aten.clamp.default)
 _CLAMP_MAX = _targets(torch.clamp_max, aten.clamp_max.default)
 _CLAMP_MIN = _targets(torch.clamp_min, aten.clamp_min.default)
+_LOG = _targets(torch.log, aten.log.default)
+_SIGMOID = _targets(torch.sigmoid, F.sigmoid, aten.sigmoid.default)
+_EXP = _targets(torch.exp, aten.exp.default)
+_SUB = _targets(operator.sub, torch.sub, aten.sub.Tensor)  # 1 - x: sub(1, x)
+_RSUB = _targets(torch.rsub, aten.rsub.Scalar)  # 1 - x: rsub(x, 1)
 _PADS = _targets(F.pad, torch._C._nn.pad, aten.constant_pad_nd.default)
 _SELECTS = _targets(torch.where, aten.where.self)
 _SAME_SIGN = _targets(
@@ -156,19 +165,11 @@ def _overwritten(derivation: list[torch.fx.Node], graph: torch.fx.Graph) -> str 
 def _bound(node, depth: int, derivation: list) -> Bound:
     if not isinstance(node, torch.fx.Node):
         return _number_bound(node)
-    if node.op == "placeholder":
-        return Bound(None, f"{node.name} is an input of the graph")
-    if node.op not in ("call_function", "call_method"):
-        return Bound(None, f"{node.name} comes from {node.op} {node.target}")
-    if depth == 0:
-        return Bound(None, f"{node.name}: more than {MAX_DEPTH} ops from a source the pass can bound")
-    derivation.append(node)
+    stopped = _bound_prefix(node, depth, derivation)  # every rule below is about signed real numbers
+    if stopped is not None:
+        return stopped
     target, method = _as_called(node)
     name = short_op_name(node)
-    dtype = getattr(fake_value(node), "dtype", None)
-    if dtype not in SIGNED_FLOATS:  # every rule below is about signed real numbers
-        return Bound(None, f"{node.name} is {dtype or 'not a tensor with a known dtype'}, not a signed floating-point "
-                           "dtype")
     if target in _NONPOSITIVE_SOURCES or (target == aten.log_sigmoid_forward.default):
         return Bound(NONPOSITIVE, "logsigmoid")
     if target in _NONNEGATIVE_SOURCES or (method and target in _NONNEGATIVE_METHODS):
@@ -181,7 +182,7 @@ def _bound(node, depth: int, derivation: list) -> Bound:
             return Bound(NONNEGATIVE, "softplus")
         return Bound(None, f"{node.name}: softplus with beta {beta!r} and threshold {threshold!r}")
     if target in _SAME_SIGN or (method and target in _SAME_SIGN_METHODS):
-        return _same_sign(node, dtype, depth, derivation)
+        return _same_sign(node, depth, derivation)
     if target in _NEG or (method and target == "neg"):
         inner = _bound(_argument(node, 0, "input", None), depth - 1, derivation)
         return Bound(-inner.sign, f"-({inner.how})") if inner.sign else inner
@@ -192,6 +193,8 @@ def _bound(node, depth: int, derivation: list) -> Bound:
     if target in _CLAMP or target in _CLAMP_MAX or target in _CLAMP_MIN or (
             method and target in ("clamp", "clip", "clamp_max", "clamp_min")):
         return _clamp(node, depth, derivation)
+    if target in _LOG or (method and target == "log"):
+        return _log_of_decay(node, depth, derivation)
     if target in _PADS:
         return _padded(node, depth, derivation)
     if target in _SELECTS and len(node.args) == 3:
@@ -212,13 +215,16 @@ def _as_called(node: torch.fx.Node) -> tuple[object, bool]:
 def _filled(node: torch.fx.Node, target) -> Bound:
     """A tensor filled with one number (the zero gates the re-tiling pass gives a site without gates): its sign,
     0 counting as <= 0."""
-    if target in _ZEROS or target == "new_zeros":
-        value = 0.0
-    else:  # torch.full(size, v), full_like(x, v); x.new_full(size, v)
-        value = _argument(node, 2 if target == "new_full" else 1, "fill_value", None)
+    value = _fill_value(node, target)
     if _finite_number(value):
         return Bound(NONPOSITIVE if value <= 0 else NONNEGATIVE, f"filled with {value!r}")
     return Bound(None, f"{node.name}: filled with {getattr(value, 'name', value)!r}, not a finite number")
+
+
+def _fill_value(node: torch.fx.Node, target):
+    if target in _ZEROS or target == "new_zeros":
+        return 0.0
+    return _argument(node, 2 if target == "new_full" else 1, "fill_value", None)  # full(size, v), new_full(size, v)
 
 
 def _padded(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
@@ -238,7 +244,7 @@ def _selected(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
     """torch.where(c, x, y): the sign its two branches share, a branch that is the number 0 taking the other's
     (the gate 0 of a step a select skips, NOTE [steps a select skips])."""
     branches = [b for b in node.args[1:] if not (_finite_number(b) and b == 0)]
-    bounds = [_bound(b, depth - 1, derivation) for b in branches]
+    bounds = [Bound(NONPOSITIVE, "-inf") if _is_minus_inf(b) else _bound(b, depth - 1, derivation) for b in branches]
     signs = {b.sign for b in bounds}
     if bounds and len(signs) == 1 and None not in signs:
         return Bound(signs.pop(), f"where(c, {', '.join(b.how for b in bounds)}{', 0' if len(bounds) == 1 else ''})")
@@ -246,18 +252,110 @@ def _selected(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
     return unbounded[0] if unbounded else Bound(None, f"{node.name}: a select between values of opposite signs")
 
 
-def _same_sign(node: torch.fx.Node, dtype: torch.dtype, depth: int, derivation: list) -> Bound:
+def _log_of_decay(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
+    """log(x) for x in [0, 1]: <= 0 (-inf at 0)."""
+    within, how = _in_unit_interval(_argument(node, 0, "input", None), depth - 1, derivation)
+    if within:
+        return Bound(NONPOSITIVE, f"log({how})")
+    return Bound(None, f"log of a value not shown to lie in [0, 1] ({how})")
+
+
+def _in_unit_interval(node, depth: int, derivation: list) -> tuple[bool, str]:
+    """Whether `node` lies in [0, 1] for every non-NaN value (a decay), and how; or why not."""
+    if not isinstance(node, torch.fx.Node):
+        return (True, repr(node)) if _finite_number(node) and 0 <= node <= 1 else (False, f"the constant {node!r}")
+    bound = _bound_prefix(node, depth, derivation)
+    if bound is not None:
+        return False, bound.how
+    target, method = _as_called(node)
+    arguments = [_argument(node, 0, "input", None), _argument(node, 1, "other", None)]
+    if target in _SIGMOID or (method and target == "sigmoid"):
+        return True, "sigmoid"
+    if target in _EXP or (method and target == "exp"):
+        exponent = _bound(arguments[0], depth - 1, derivation)
+        return (True, f"exp({exponent.how})") if exponent.nonpositive else (False, f"exp of {exponent.how}")
+    if target in _FILLS or target in _ZEROS or (method and target in ("new_zeros", "new_full")):
+        value = _fill_value(node, target)
+        return _finite_number(value) and 0 <= value <= 1, f"filled with {getattr(value, 'name', value)!r}"
+    if target in _SAME_SIGN or (method and target in _SAME_SIGN_METHODS):
+        source, why_not = _view_source(node)
+        return (False, why_not) if source is None else _in_unit_interval(source, depth - 1, derivation)
+    if target in _MUL or (method and target == "mul"):
+        return _all_in_unit_interval(arguments, "*", depth, derivation)
+    if target in _SELECTS and len(node.args) == 3:
+        return _all_in_unit_interval(list(node.args[1:]), ", ", depth, derivation, "where(c, {})")
+    if target in _DIV and _finite_number(arguments[1]) and arguments[1] >= 1 and not node.kwargs.get("rounding_mode"):
+        within, how = _in_unit_interval(arguments[0], depth - 1, derivation)
+        return within, f"{how} / {arguments[1]!r}"
+    if (target in _SUB or target in _RSUB) and _is_one_minus(node, target):
+        within, how = _in_unit_interval(node.args[0 if target in _RSUB else 1], depth - 1, derivation)
+        return within, f"1 - {how}"
+    if target in _CLAMP or (method and target in ("clamp", "clip")):
+        low, high = _argument(node, 1, "min", None), _argument(node, 2, "max", None)
+        if _finite_number(low) and low >= 0 and _finite_number(high) and high <= 1:
+            return True, f"clamp(min={low!r}, max={high!r})"
+    return False, f"{short_op_name(node)} ({node.name}), not bounded to [0, 1] by the pass"
+
+
+def _bound_prefix(node: torch.fx.Node, depth: int, derivation: list) -> Bound | None:
+    """What stops every bound of `node` before its op is read (an input, the depth, a dtype), else None."""
+    if node.op == "placeholder":
+        return Bound(None, f"{node.name} is an input of the graph")
+    if node.op not in ("call_function", "call_method"):
+        return Bound(None, f"{node.name} comes from {node.op} {node.target}")
+    if depth <= 0:
+        return Bound(None, f"{node.name}: more than {MAX_DEPTH} ops from a source the pass can bound")
+    derivation.append(node)
+    dtype = getattr(fake_value(node), "dtype", None)
+    if dtype not in SIGNED_FLOATS:
+        return Bound(None, f"{node.name} is {dtype or 'not a tensor with a known dtype'}, not a signed floating-point "
+                           "dtype")
+    return None
+
+
+def _all_in_unit_interval(values: list, joiner: str, depth: int, derivation: list,
+                          template: str = "{}") -> tuple[bool, str]:
+    """A product of (or a select between) values in [0, 1] lies in [0, 1]."""
+    found = [_in_unit_interval(v, depth - 1, derivation) for v in values]
+    missing = [how for within, how in found if not within]
+    if missing:
+        return False, missing[0]
+    return True, template.format(joiner.join(f"({how})" if joiner == "*" else how for _, how in found))
+
+
+def _is_one_minus(node: torch.fx.Node, target) -> bool:
+    """1 - x: sub(1, x) or rsub(x, 1), with no alpha."""
+    if node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+        return False
+    one = node.args[1] if target in _RSUB else node.args[0]
+    return _finite_number(one) and one == 1
+
+
+def _is_minus_inf(value) -> bool:
+    return isinstance(value, float) and value == -math.inf
+
+
+def _view_source(node: torch.fx.Node):
+    """The input of a view, copy or cast, and None; or None and why its values are not the input's (a view that
+    reads the input's bits as another dtype)."""
+    dtype = getattr(fake_value(node), "dtype", None)
+    source = _argument(node, 0, "input", None)
+    source_dtype = getattr(fake_value(source), "dtype", None) if isinstance(source, torch.fx.Node) else None
+    target, method = _as_called(node)
+    cast = target in _CASTS or (method and target in _CAST_METHODS)
+    if source_dtype != dtype and not cast:
+        return None, f"{node.name} reads {source_dtype} as {dtype}"
+    return source, ""
+
+
+def _same_sign(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
     """A view, copy or cast: the sign of its input, unless it reads the input's bits as another dtype."""
     source = _argument(node, 0, "input", None)
     if node.target is operator.getitem and _is_tuple_of_log_sigmoid(source):
         # aten.log_sigmoid_forward returns (output, buffer): only the output is a logsigmoid.
         return Bound(NONPOSITIVE, "logsigmoid") if node.args[1] == 0 else Bound(None, "log_sigmoid_forward's buffer")
-    source_dtype = getattr(fake_value(source), "dtype", None) if isinstance(source, torch.fx.Node) else None
-    target, method = _as_called(node)
-    cast = target in _CASTS or (method and target in _CAST_METHODS)
-    if source_dtype != dtype and not cast:
-        return Bound(None, f"{node.name} reads {source_dtype} as {dtype}")
-    return _bound(source, depth - 1, derivation)
+    source, why_not = _view_source(node)
+    return Bound(None, why_not) if source is None else _bound(source, depth - 1, derivation)
 
 
 def _product(node: torch.fx.Node, depth: int, derivation: list) -> Bound:

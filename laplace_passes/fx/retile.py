@@ -52,7 +52,20 @@ the last argument is the target's `recurrent_readout` (trn2: 'matmul', a
 [1, K] @ [K, V] product per token; cpu: 'reduce', a product summed over K,
 which fuses with the state update). It has no chunk plan, so it also takes
 a batch Dynamo made dynamic (a decode graph recompiled for a second batch
-size); a dynamic T takes the chunked form (NOTE [dynamic T]). The report's
+size); a dynamic T takes the chunked form (NOTE [unproven gates of a recognised loop]
+A loop the recognition pass rewrote (`laplace_passes.fx.recognise`) has
+the gates log(decay). Where the graph does not show them to be <= 0 (a
+decay of 1.5 * sigmoid(x), or of a graph input), the check refuses a
+positive gate at run time, so an eager or Inductor compile raises,
+naming the loop. A lowered graph cannot raise: its check becomes a clamp
+(`laplace_passes.lowering.legalize.ClampGateChecks`), and a clamped decay
+above 1 is another model. So with an inner compiler that lowers, such a
+site gets the token recurrence unchecked instead (what the user's loop
+computes, T state updates, exp(log(a)) for a), and the report lists it as
+declined, saying why. A `laplace.gla` call keeps its check, lowered as a
+clamp: gates <= 0 are the op's contract.
+
+NOTE [dynamic T]). The report's
 form column says which form each site got and why (docs/DESIGN.md section
 3.6).
 
@@ -97,8 +110,11 @@ class RetileGLA(GraphPass):
     name = "retile_gla"
 
     def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0,
-                 recurrent_readout: str = "matmul", save_residuals: bool = False, prove_gates: bool = True) -> None:
+                 recurrent_readout: str = "matmul", save_residuals: bool = False, prove_gates: bool = True,
+                 checks_become_clamps: bool = False) -> None:
         check_readout(recurrent_readout, "recurrent_readout")
+        # Whether the inner compiler lowers a gate check to a clamp (NOTE [unproven gates of a recognised loop]).
+        self.checks_become_clamps = checks_become_clamps
         # Whether gates proven <= 0 skip the run-time check (compile option gate_checks="auto").
         self.prove_gates = prove_gates
         self.chunk_size = chunk_size
@@ -111,6 +127,7 @@ class RetileGLA(GraphPass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records, declined, proven = [], [], 0
+        self.kept_as_written = 0
         # The graph and the bodies of its loops (scan, while_loop): a site in
         # a body becomes one site per trip when the loop is unrolled.
         bodies = _bodies_with_sites(gm)
@@ -133,7 +150,8 @@ class RetileGLA(GraphPass):
             summary += f" ({recurrent} in the recurrent form: NOTE [short sites])"
         if proven:
             summary += f"; gates <= 0 by construction at {proven}, not checked at run time"
-        return PassResult(gm, modified=retiled > 0, summary=summary, declined=declined, sites=records)
+        return PassResult(gm, modified=retiled + self.kept_as_written > 0, summary=summary, declined=declined,
+                          sites=records)
 
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> tuple[SiteRecord, Bound]:
         """The site rewritten (or declined: the record says why), and what is known of its gates."""
@@ -155,8 +173,13 @@ class RetileGLA(GraphPass):
         record.shape = {"B": _size_cell(B), "H": _size_cell(H), "K": _size_cell(K), "V": _size_cell(v.shape[-1]),
                         "dtype": str(q.dtype).removeprefix("torch.")}
         recurrent, record.form = self._form(T if isinstance(T, int) else None, _needs_grad(site.node))
-        gates = gate_bound(site.gk) if self.prove_gates else Bound(None, "gate_checks='always'")
+        proof = gate_bound(site.gk)
+        gates = proof if self.prove_gates else Bound(None, "gate_checks='always'")
         record.gates = f"<= 0 by construction: {gates.how}" if gates.nonpositive else f"checked at run time: {gates.how}"
+        if not proof.nonpositive and self.checks_become_clamps and not is_call_name(site.origin):
+            record.gates = f"not checked (a lowered graph): {proof.how}"
+            self.kept_as_written += 1
+            return self._keep_loop_unchecked(gm, site, record, proof, T), gates
         if recurrent:
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
             record.saved_bytes = 0  # no gradient flows through it
@@ -172,6 +195,18 @@ class RetileGLA(GraphPass):
             record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state, residuals)
         record.status = "retiled"
         return record, gates
+
+    def _keep_loop_unchecked(self, gm: torch.fx.GraphModule, site: GlaSite, record: SiteRecord, gates: Bound,
+                             T) -> SiteRecord:
+        """A recognised loop whose gates a lowered graph would clamp: its token steps, unchecked, not re-tiled
+        (NOTE [unproven gates of a recognised loop])."""
+        self._install(gm.graph, site, gla_recurrence, (site.scale, self.recurrent_readout), "gla_recurrence",
+                      check_gates=False)
+        record.form = f"the loop's {T} token steps, as written, unchecked"
+        record.reason = (f"its gates (the log of the loop's decay) are not shown to be <= 0 ({gates.how}), and a "
+                         "lowered graph cannot refuse a positive one at run time (its check lowers to a clamp, "
+                         "which would change the loop's numbers): kept as its token steps, not re-tiled")
+        return record
 
     def _form(self, T: int | None, needs_grad: bool) -> tuple[bool, str]:
         """Whether a site of T tokens (None: not static) gets the recurrent form, and the report's words for
