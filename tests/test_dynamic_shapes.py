@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import laplace_passes
@@ -417,3 +418,55 @@ def test_a_token_loop_over_a_changing_batch(marked):
         assert retiled == [4, 3, 4] and len(report.specialised) == 2
         (note,) = [note for note in report.notes if "compiled once per shape" in note]
         assert "declined 1 loop(s)" in note and "after a second shape" in note
+
+
+class ProjectedTokenLoop(torch.nn.Module):
+    """GLA from the equations over projections of the input, each viewed as [B, T, H, K] with T read off x."""
+
+    def __init__(self, D=16, H=2, K=8):
+        super().__init__()
+        self.H, self.K = H, K
+        self.q, self.k, self.v, self.g = (torch.nn.Linear(D, H * K) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v, g = (p(x).view(B, T, self.H, self.K) for p in (self.q, self.k, self.v, self.g))
+        g = F.logsigmoid(g)
+        S, outs = x.new_zeros(B, self.H, self.K, self.K), []
+        for t in range(T):
+            S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1)
+
+
+def test_a_token_loop_over_projections_is_retiled_at_every_length():
+    """After a second length Dynamo traces T as a symbol, fixed again by the loop's range(T), and the views of
+    the projections keep it: each step indexes a tensor of symbolic sizes. Recognition declines that graph
+    saying so, and the driver compiles it once per length, each length's loop re-tiled, equal to eager."""
+    torch.manual_seed(0)
+    model = ProjectedTokenLoop()
+    report = laplace_passes.Report()
+    compiled = torch.compile(model, backend="laplace", options={"target": "cpu", "inner": "eager", "report": report})
+    for T in (20, 30, 40):
+        x = torch.randn(2, T, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), **TOL)
+    assert sorted(s.plan["T"] for s in report.sites if s.status == "retiled") == [20, 30, 40]
+    declined = [r for r in report.recurrences if r.status == "declined"]
+    assert declined and all(r.reason.endswith("is not read as a position along k: a symbolic size")
+                            for r in declined), [r.reason for r in declined]
+
+
+def test_a_dynamic_graph_whose_loop_is_not_found_says_why():
+    """dynamic=True: the state's batch is a symbol and recognition finds no loop at all; its report entry says
+    that a loop of symbolic sizes is not read, and which sizes are symbolic. Equal to eager."""
+    torch.manual_seed(0)
+    model = ProjectedTokenLoop()
+    compiled = laplace_passes.compile(model, target="cpu", inner="eager", dynamic=True)
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+    (entry,) = [p for p in compiled.laplace_report.passes if p.name == "recognise_gla"]
+    assert entry.summary.startswith("0 of 0 loops carrying a state rewritten as GLA sites; a loop whose state has "
+                                    "symbolic sizes is not read as one (the graph's inputs have symbolic sizes: "
+                                    "l_x_ dim 0 = s"), entry.summary

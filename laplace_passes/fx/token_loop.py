@@ -18,11 +18,12 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.algebra import Factor
+from laplace_passes.fx.algebra_terms import SYMBOLIC_SIZE
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, gate_bound
 from laplace_passes.fx.per_step import pattern, positions_in_several_numbers, shared_by_steps, step_index
 from laplace_passes.fx.recurrence import Chain
 from laplace_passes.fx.update_tops import SkipSelect
-from laplace_passes.infra.fx_helpers import fake_tensor
+from laplace_passes.infra.fx_helpers import fake_tensor, is_static
 from laplace_passes.infra.pass_base import Declined
 
 Node = torch.fx.Node
@@ -208,6 +209,18 @@ def _match_steps(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict
     return _line_up(role, per_step, memo)
 
 
+def _unlike_step_0(index: int, role: str, nodes: list[Node]) -> str:
+    """Why step `index`'s `role` is not read like step 0's. A step that indexes a tensor of symbolic sizes (a
+    graph Dynamo made dynamic after a second length, T fixed again by the loop's `range(T)`) is not read as a
+    position along T: that reason names the symbolic size, so that the driver compiles the graph once per
+    shape (NOTE [loops declined at symbolic sizes] in `laplace_passes.driver.shapes`)."""
+    for node in nodes:
+        for source in node.all_input_nodes:
+            if fake_tensor(source) is not None and not is_static(fake_tensor(source)):
+                return f"step {index}'s {role} is not read as a position along {source.name}: {SYMBOLIC_SIZE}"
+    return f"step {index}'s {role} is not computed like step 0's (another op, or other dimensions)"
+
+
 def _line_up(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
     def signature(factors):
         return sorted(((repr(pattern(n, memo).key), pos), n) for n, pos in factors)
@@ -218,8 +231,7 @@ def _line_up(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
     for index, factors in enumerate(per_step):
         found = signature(factors)
         if [key for key, _ in found] != [key for key, _ in reference]:
-            raise Declined(f"step {index}'s {role} is not computed like step 0's (another op, or other "
-                           "dimensions)")
+            raise Declined(_unlike_step_0(index, role, [n for _, n in found]))
         for column, (_, node) in enumerate(found):
             steps = set(pattern(node, memo).steps)
             if len(steps) > 1:
