@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import laplace_passes
-from laplace_passes.driver.backend import compile_config
+from laplace_passes.driver.backend import compile_config, laplace_backend
 from laplace_passes.driver import export
 
 preflight = importlib.import_module("laplace_passes.driver.preflight")  # the package exports a function of that name
@@ -16,12 +16,14 @@ def fail_if_called(*args, **kwargs):
     raise AssertionError("the work started before the arguments were checked")
 
 
-@pytest.mark.parametrize("value", [{}, [], "report"])
+@pytest.mark.parametrize("value", [{}, [], "report", "", 0, False])
 def test_a_report_option_that_is_not_a_report_is_refused(value):
     with pytest.raises(TypeError, match=r"report must be a laplace_passes.Report, got " + type(value).__name__):
         laplace_passes.compile(lambda x: x + 1, report=value)
     with pytest.raises(TypeError, match=r"report must be a laplace_passes.Report"):  # torch.compile's options=
         compile_config({"report": value})
+    with pytest.raises(TypeError, match=r"report must be a laplace_passes.Report"):  # the backend torch.compile calls
+        laplace_backend(torch.fx.symbolic_trace(lambda x: x + 1), [torch.ones(2)], {"report": value})
     assert isinstance(compile_config({"report": None}).report, laplace_passes.Report)
 
 

@@ -46,7 +46,7 @@ def compile_config(options: dict[str, Any] | None) -> CompileConfig:
 def laplace_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict[str, Any] | None = None,
                     mode: str | None = None) -> Callable:
     _refuse_a_mode(mode)
-    if not (options or {}).get("report"):
+    if (options or {}).get("report") is None:  # a wrong value (0, "", []) is refused by compile_config, not replaced
         options = {**(options or {}), "report": report_of_this_call()}
     return compile_fx(gm, example_inputs, compile_config(options))
 
