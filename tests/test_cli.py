@@ -184,7 +184,11 @@ def test_inspect_dump_writes_readable_python_and_graphviz(tmp_path, capsys):
 
 def test_inspect_module_attr_form(capsys):
     assert main(["inspect", "tests.cli_models:two_layer_gla", "--target", "cpu"]) == 0
-    assert "2 of 2 GLA sites re-tiled at chunk 64" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "2 of 2 GLA sites re-tiled at chunk 64" in printed.out
+    # The callable's own inputs, not --batch and --seq-len, which it does not read.
+    assert ("capturing and transforming its graphs at the inputs it was given ([1, 100, 2, 8], [1, 100, 2, 8], "
+            "[1, 100, 2, 8], [1, 100, 2, 8])") in printed.err
 
 
 @pytest.mark.parametrize(

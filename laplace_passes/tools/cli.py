@@ -219,8 +219,8 @@ def _run_inspect(args) -> int:
     if args.dump:
         check_output_dir(args.dump, args.force)
     model, example_inputs = load_model(args.model, args.batch, args.seq_len)
-    with _status(f"inspect {args.model}: capturing and transforming its graphs at batch {args.batch}, "
-                 f"T = {args.seq_len}"):
+    with _status(f"inspect {args.model}: capturing and transforming its graphs "
+                 f"{_at_inputs(example_inputs, args.batch, args.seq_len)}"):
         report = laplace_passes.inspect(model, *example_inputs, target=args.target, inner=args.inner)
     print(report.to_json(indent=2) if args.json else report)
     if args.dump:
@@ -288,7 +288,8 @@ def _run_export(args) -> int:
                                         out_dir=Path(scratch) / STEP_DIR)
         # Gradients on (the default): AOT Autograd makes the forward and backward graphs of a training step.
         context = torch.no_grad() if args.inference else contextlib.nullcontext()
-        with context, _status(f"export {args.model}: lowering every graph at batch {args.batch}, T = {args.seq_len}"):
+        at = _at_inputs(example_inputs, args.batch, args.seq_len)
+        with context, _status(f"export {args.model}: lowering every graph {at}"):
             exported = laplace_passes.export_stablehlo(model, *example_inputs, target=args.target,
                                                        out_dir=args.stablehlo, overwrite=args.force)
         manifest = exported.manifest
@@ -345,6 +346,15 @@ def _status(what: str):
     start = time.perf_counter()
     yield
     print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def _at_inputs(example_inputs, batch: int, seq_len: int) -> str:
+    """The inputs a command captures at, in words: the --batch and --seq-len token ids, or what a callable
+    `package.module:attr` returned (whose shapes the options do not set)."""
+    shapes = [list(x.shape) for x in example_inputs if hasattr(x, "shape")]
+    if shapes == [[batch, seq_len]]:
+        return f"at batch {batch}, T = {seq_len}"
+    return f"at the inputs it was given ({', '.join(map(str, shapes)) or 'no tensor'})"
 
 
 def load_model(spec: str, batch: int, seq_len: int):
