@@ -436,6 +436,7 @@ def test_a_new_newton_schulz_setting_compiles_a_new_step_and_an_old_one_reuses_i
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"ns_steps {ns_steps}: differs from torch.optim.Muon"
 
 
+@pytest.mark.filterwarnings("ignore:ShardedMuon. the learning rate")  # the recompile it warns of is expected here
 def test_bfloat16_matrices_keep_their_step_sizes_as_constants():
     """A bf16 matrix's step sizes stay constants (lerp takes a weight of its input's dtype only): the compiled
     step equals the eager one at each learning rate, one compile per learning rate."""
@@ -453,6 +454,30 @@ def test_bfloat16_matrices_keep_their_step_sizes_as_constants():
         opt.step()
         eager.step()
         assert len(compiled) == compiles and torch.equal(a, b), f"lr {lr}: {len(compiled)} compiles"
+
+
+def test_a_schedule_with_a_bfloat16_matrix_warns_once_that_it_recompiles():
+    """With a bf16 matrix among float32 ones, every matrix's step sizes are constants: a learning-rate schedule
+    compiled the step at every step, past the recompile limit ran it uncompiled, and said nothing. The warning
+    names the bf16 matrix; all-float32 matrices under the same schedule (one compile) do not warn."""
+    import warnings
+
+    torch.manual_seed(8)
+    for dtypes, compiles, warned in [((torch.float32, torch.bfloat16), 3, 1), ((torch.float32, torch.float32), 1, 0)]:
+        backend, compiled = _counting_backend()
+        torch._dynamo.reset()
+        params = [torch.randn(8, 4).to(dtype).requires_grad_() for dtype in dtypes]
+        opt = ShardedMuon(params, ns_steps=1, backend=backend)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for lr in (0.02, 0.01, 0.005):
+                opt.param_groups[0]["lr"] = lr
+                for p in params:
+                    p.grad = torch.randn(p.shape).to(p.dtype)
+                opt.step()
+        messages = [str(w.message) for w in caught if "recompile" in str(w.message)]
+        assert (len(compiled), len(messages)) == (compiles, warned), (dtypes, len(compiled), messages)
+        assert all("parameter 1 (8, 4) torch.bfloat16" in m and "recompile_limit" in m for m in messages), messages
 
 
 def test_step_sizes_of_the_wrong_shape_are_refused_before_any_collective():

@@ -54,7 +54,19 @@ elementwise on row shards, so with the same averaged gradient the result is
 bit-identical to ``torch.optim.Muon`` (+ ``torch.optim.AdamW``) on the full
 parameters.  The gradient average is a sum over ranks divided by W; its
 summation order is the collective's, so for arbitrary float gradients it
-matches a reference average only up to fp32 rounding.
+matches a reference average only up to fp32 rounding.  A Tensor ``lr`` is
+used as torch.optim.Muon uses it (step sizes computed in its dtype).
+
+bf16 parameters: ShardedMuon's compiled step equals its eager step bit for
+bit, but not ``torch.optim.Muon``, for two reasons in PyTorch's Muon itself:
+with ``nesterov=True`` and a tall matrix (rows > cols) it adds the transposed
+view Newton-Schulz returns, and PyTorch's bf16 ``add_(other, alpha=...)``
+rounds a transposed ``other`` differently from a contiguous one (ShardedMuon
+adds row shards, contiguous); with ``nesterov=False`` its Newton-Schulz
+normalises the bf16 momentum buffer itself in place (``grad.bfloat16()`` is
+no copy for bf16), which ShardedMuon does not, so the momenta drift apart.
+Wide and square bf16 matrices with ``nesterov=True`` are bit-identical.
+float32 parameters are bit-identical in every case.
 
 Failure handling: everything a step computes goes into temporaries; the
 parameters and optimizer state are written only after the step's last
@@ -65,15 +77,23 @@ on that rank, with parameters and state unchanged.  A failing rank never
 reaches the final all-gather, so every other rank fails in a collective and
 raises too.  (Whatever happens after the last collective is local copying.)
 
-Requirements: every rank calls ``step()`` the same number of times with the
-same set of parameters having a ``.grad`` (``None`` grads are skipped, as in
-``torch.optim.Muon``; ranks must agree on which: a step first checks that
-they do, with one small all-gather, and raises
-:class:`ShardedMuonGradLayoutError` on every rank if not).  The optimizer
-state of a Muon parameter is this rank's padded momentum shard, so
-``state_dict()`` is per rank and reloads into the same rank of the same world
-size (at W=1 it is the same as ``torch.optim.Muon``'s, and
-``load_state_dict`` also takes ``torch.optim.Muon``'s, at any W).
+Requirements: every rank builds ShardedMuon over the same parameters (same
+count, order, shapes and dtypes), replicated (the same values) at the first
+step, and calls ``step()`` the same number of times with the same set of
+parameters having a ``.grad`` (``None`` grads are skipped, as in
+``torch.optim.Muon``).  A step first checks that the ranks agree, with one
+small all-gather of a fixed-size summary, and the first step also compares
+each parameter's sum and sum of squares; if they disagree every rank raises
+a :class:`ShardedMuonRanksDisagreeError` (``ShardedMuonParamLayoutError``,
+``ShardedMuonGradLayoutError`` or ``ShardedMuonUnreplicatedError``) naming
+the first difference, before anything is modified (NOTE [ranks agree before
+the step's collectives] in ``rank_checks``).  The optimizer state of a Muon
+parameter is this rank's padded momentum shard, so ``state_dict()`` is per
+rank: it records the rank and world size it was saved at, and
+``load_state_dict`` refuses it on another rank or at another world size
+(``dcp_state_dict`` resumes at any).  At W=1 it is the same as
+``torch.optim.Muon``'s, and a state saved at W=1, or by
+``torch.optim.Muon``, loads at any W, each rank keeping its own rows.
 ``dcp_state_dict`` / ``load_dcp_state_dict`` are the
 ``torch.distributed.checkpoint`` path, loadable at any world size
 (``checkpoint``).
@@ -82,12 +102,20 @@ Modules: ``hparams`` (Muon's and AdamW's settings and checks; ``StepSizes``,
 what a compiled step takes as an input so that a schedule does not recompile it),
 ``collectives`` (the row layout over ranks and the collectives that move
 rows), ``shard_step`` (``muon_shard_step``, what is compiled),
-``optimizer`` (``ShardedMuon``), ``checkpoint`` (its state for DCP).
+``optimizer`` (``ShardedMuon``), ``checkpoint`` (its state for DCP),
+``rank_checks`` (what a step checks across ranks first, and its errors).
 """
 
 from model_zoo.muon.collectives import RowSplit
 from model_zoo.muon.hparams import MuonConstants, MuonHParams, StepSizes, adjust_lr
-from model_zoo.muon.optimizer import ShardedMuon, ShardedMuonGradLayoutError, ShardedMuonStepError
+from model_zoo.muon.optimizer import ShardedMuon
+from model_zoo.muon.rank_checks import (
+    ShardedMuonGradLayoutError,
+    ShardedMuonParamLayoutError,
+    ShardedMuonRanksDisagreeError,
+    ShardedMuonStepError,
+    ShardedMuonUnreplicatedError,
+)
 from model_zoo.muon.shard_step import COMM_MODES, assign_owners, muon_shard_step, newton_schulz
 
 __all__ = [
@@ -97,7 +125,10 @@ __all__ = [
     "RowSplit",
     "ShardedMuon",
     "ShardedMuonGradLayoutError",
+    "ShardedMuonParamLayoutError",
+    "ShardedMuonRanksDisagreeError",
     "ShardedMuonStepError",
+    "ShardedMuonUnreplicatedError",
     "StepSizes",
     "adjust_lr",
     "assign_owners",

@@ -37,7 +37,9 @@ class StepSizes(NamedTuple):
     one float32 tensor, a graph input, so a new learning rate runs the same
     compiled graph instead of recompiling it (and, past Dynamo's recompile
     limit, running uncompiled). float32 holds each exactly as torch.optim.Muon's
-    eager ops use it: they cast the Python float to float32 before using it.
+    eager ops use it: they cast the Python float to float32 before using it
+    (a float32 Tensor lr: torch.optim.Muon computes its step sizes in float32,
+    and so does `MuonHParams.of`).
     Everything else (Nesterov, Newton-Schulz's coefficients, steps and eps,
     the shapes) stays a constant of the graph.
     """
@@ -70,33 +72,48 @@ class MuonHParams:
     ns_steps: int
     eps: float
     adjusted_lr: float
+    # 1 - lr * weight_decay where it is not that product in Python floats (a Tensor lr); None: computed from them.
+    decay: float | None = None
 
     @classmethod
     def of(cls, group: dict[str, Any], rows: int, cols: int) -> MuonHParams:
-        """The settings of a rows x cols matrix in param group `group`."""
-        lr = float(group["lr"])
+        """The settings of a rows x cols matrix in param group `group`.
+
+        A Tensor lr stays a 0-d tensor in torch.optim.Muon (``_to_scalar``), so ``1 - lr * weight_decay`` and
+        ``lr * adjust_ratio`` are computed in the tensor's dtype (float32 for a float32 lr), then used as
+        numbers: they are computed here with the same tensor ops, then kept as the Python floats they equal.
+        """
+        lr = group["lr"]
+        weight_decay = group["weight_decay"]
+        if isinstance(lr, Tensor):
+            lr = lr.detach().squeeze()
+            decay = float(1 - lr * weight_decay)
+        else:
+            lr, decay = float(lr), None
         return cls(
-            lr=lr,
-            weight_decay=group["weight_decay"],
+            lr=float(lr),
+            weight_decay=weight_decay,
             momentum=group["momentum"],
             nesterov=bool(group["nesterov"]),
             ns_coefficients=tuple(group["ns_coefficients"]),
             ns_steps=group["ns_steps"],
             eps=group["eps"],
-            adjusted_lr=adjust_lr(lr, group["adjust_lr_fn"], rows, cols),
+            adjusted_lr=float(adjust_lr(lr, group["adjust_lr_fn"], rows, cols)),
+            decay=decay,
         )
 
     def step_sizes(self) -> StepSizes:
         """This matrix's step sizes as Python floats, computed as torch.optim.Muon computes them."""
-        return StepSizes(1 - self.momentum, self.momentum, 1 - self.lr * self.weight_decay, -self.adjusted_lr)
+        decay = 1 - self.lr * self.weight_decay if self.decay is None else self.decay
+        return StepSizes(1 - self.momentum, self.momentum, decay, -self.adjusted_lr)
 
     def constants(self) -> MuonConstants:
         """The settings that stay constants of a compiled step whose step sizes are inputs."""
         return MuonConstants(self.nesterov, self.ns_coefficients, self.ns_steps, self.eps)
 
 
-def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
-    """torch.optim.Muon's learning-rate adjustment for a (rows, cols) matrix."""
+def adjust_lr(lr: float | Tensor, adjust_lr_fn: str | None, rows: int, cols: int) -> float | Tensor:
+    """torch.optim.Muon's learning-rate adjustment for a (rows, cols) matrix (a 0-d tensor for a Tensor lr)."""
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         ratio = math.sqrt(max(1, rows / cols))
     elif adjust_lr_fn == "match_rms_adamw":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,15 +25,28 @@ from model_zoo.muon.hparams import (
     check_group,
     check_muon_hparams,
 )
+from model_zoo.muon.rank_checks import (
+    NOTHING_MODIFIED,
+    ShardedMuonGradLayoutError,
+    ShardedMuonParamLayoutError,
+    ShardedMuonRanksDisagreeError,
+    ShardedMuonStepError,
+    ShardedMuonUnreplicatedError,
+    check_ranks_agree,
+)
 from model_zoo.muon.shard_step import COMM_MODES, assign_owners, muon_shard_step
 
+__all__ = [
+    "ShardedMuon",
+    "ShardedMuonGradLayoutError",
+    "ShardedMuonParamLayoutError",
+    "ShardedMuonRanksDisagreeError",
+    "ShardedMuonStepError",
+    "ShardedMuonUnreplicatedError",
+]
 
-class ShardedMuonStepError(RuntimeError):
-    """``ShardedMuon.step()`` failed on this rank; nothing was modified."""
-
-
-class ShardedMuonGradLayoutError(ShardedMuonStepError):
-    """The ranks disagree on which parameters have a ``.grad``; raised on every rank before any update."""
+# The top-level key of ``ShardedMuon.state_dict()`` saying where it was saved (rank and world size).
+SAVED_AT = "sharded_muon_saved_at"
 
 
 @dataclass
@@ -97,8 +111,10 @@ class ShardedMuon(Optimizer):
     one compiled graph. The layouts, owners, Nesterov and the Newton-Schulz
     settings are Python constants: changing one compiles a new graph (Dynamo
     stops compiling after its recompile limit). So do the step sizes of
-    matrices that are not float32. Shapes are compiled static
-    (``dynamic=False``).
+    every matrix when any Muon matrix is not float32: a schedule then
+    compiles the step at every new value and, past the recompile limit, runs
+    it uncompiled without the all-to-all rewrite (``step`` warns once when
+    it sees one change). Shapes are compiled static (``dynamic=False``).
     """
 
     def __init__(
@@ -137,6 +153,9 @@ class ShardedMuon(Optimizer):
         # ("reduce", "shard_step", "all_gather_params"); raising from it
         # simulates a rank failing mid-step.
         self._fault_hook: Callable[[str], None] | None = None
+        self._replicas_checked = False  # the parameters' values compared across ranks (at the first step)
+        self._constant_sizes: tuple | None = None  # the last compiled step's step sizes, where they were constants
+        self._warned_recompiles = False
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps,
@@ -169,7 +188,8 @@ class ShardedMuon(Optimizer):
                 )
             if not isinstance(process_group, dist.ProcessGroup):
                 raise TypeError(
-                    f"ShardedMuon: process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}"
+                    "ShardedMuon: process_group must be a torch.distributed.ProcessGroup, "
+                    f"got {type(process_group).__name__}"
                 )
         rank = dist.get_rank(process_group)
         if rank < 0:
@@ -197,18 +217,32 @@ class ShardedMuon(Optimizer):
 
     # ---- state ---------------------------------------------------------
 
+    def state_dict(self) -> dict[str, Any]:
+        """``Optimizer.state_dict`` plus where it was saved: ``SAVED_AT`` = {"rank": r, "world_size": W}.
+
+        A Muon matrix's state is this rank's padded momentum rows (the whole matrix at W = 1), so the state
+        belongs to this rank at this world size; ``load_state_dict`` checks it. ``Optimizer.load_state_dict``
+        (torch.optim.Muon's too) ignores the extra top-level key.
+        """
+        return {**super().state_dict(), SAVED_AT: {"rank": self.rank, "world_size": self.world_size}}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``Optimizer.load_state_dict``, also accepting ``torch.optim.Muon``'s state_dict.
 
         Muon's param groups lack ShardedMuon's keys (``use_muon``,
         ``adamw_*``): they keep this optimizer's values. Muon's momentum is
-        the whole matrix; at W > 1 each rank keeps its own padded rows.
+        the whole matrix, as is a ShardedMuon's saved at world size 1; at
+        W > 1 each rank keeps its own padded rows. A state saved at another
+        rank or world size W > 1 is refused (before anything is modified):
+        its rows are another rank's.
         """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"ShardedMuon.load_state_dict: {len(groups)} param groups in the state_dict, "
                              f"{len(self.param_groups)} in this optimizer")
-        from_muon = any("use_muon" not in g for g in groups)
+        saved_at = state_dict.get(SAVED_AT)
+        self._check_saved_at(saved_at)
+        whole_matrices = any("use_muon" not in g for g in groups) or (saved_at or {}).get("world_size") == 1
         filled = [{**{k: v for k, v in mine.items() if k != "params"}, **saved}
                   for mine, saved in zip(self.param_groups, groups)]
         super().load_state_dict({**state_dict, "param_groups": filled})
@@ -216,8 +250,22 @@ class ShardedMuon(Optimizer):
             group["ns_coefficients"] = tuple(group["ns_coefficients"])
             group["adamw_betas"] = tuple(group["adamw_betas"])
             check_group(group)
-        if from_muon and self.world_size > 1:
+        if whole_matrices and self.world_size > 1:
             self._keep_own_momentum_rows()
+
+    def _check_saved_at(self, saved_at: dict[str, int] | None) -> None:
+        """Refuse a state saved at another rank or world size W > 1 (one without ``SAVED_AT`` is taken as it is)."""
+        if saved_at is None or saved_at["world_size"] == 1:
+            return
+        if (saved_at["rank"], saved_at["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(
+                f"ShardedMuon.load_state_dict: this state_dict was saved on rank {saved_at['rank']} of world size "
+                f"{saved_at['world_size']}, and this is rank {self.rank} of world size {self.world_size}: its "
+                "momentum is the saving rank's rows of each matrix. Load on every rank the state_dict that rank "
+                "saved, at the same world size; to resume at another world size (or from one rank's file), save "
+                "with dcp_state_dict() and torch.distributed.checkpoint, and load with load_dcp_state_dict(). "
+                "Nothing was loaded."
+            )
 
     def _keep_own_momentum_rows(self) -> None:
         """Whole-matrix momentum (torch.optim.Muon's) -> this rank's padded rows."""
@@ -363,7 +411,10 @@ class ShardedMuon(Optimizer):
         try:
             phase = "reduce"  # gradient averaging: all communication before any update
             self._hook(phase)
-            self._check_grad_layout()
+            # NOTE [ranks agree before the step's collectives]; their values at the first step only.
+            check_ranks_agree([p for group in self.param_groups for p in group["params"]], self.rank,
+                              self.world_size, self.process_group, check_values=not self._replicas_checked)
+            self._replicas_checked = True
             grad_shards = reduce_scatter_mean(muon.grads, muon.splits, W, group)
             adamw_grads = all_reduce_mean(adamw.grads, W, group)
             phase = "shard_step"  # Muon on the own row shards (Newton-Schulz communication inside)
@@ -374,38 +425,11 @@ class ShardedMuon(Optimizer):
             phase = "all_gather_params"  # the last collective: full parameters on every rank
             self._hook(phase)
             new_full = all_gather_rows(new_shards, muon.splits, W, group)
-        except ShardedMuonGradLayoutError:
+        except ShardedMuonRanksDisagreeError:  # raised on every rank alike, with its own message
             raise
         except Exception as error:  # re-raised as ShardedMuonStepError, saying nothing was modified
             raise self._step_error(phase, error) from error
         return new_full, new_bufs, adamw_new
-
-    def _check_grad_layout(self) -> None:
-        """All ranks must agree on which parameters have a ``.grad``: the collectives' sizes depend on it.
-
-        Otherwise gloo finds mismatched sizes and aborts the process. One
-        small all-gather of a has-grad flag per parameter.
-        """
-        if self.world_size == 1:
-            return
-        import torch.distributed as dist
-
-        params = [p for group in self.param_groups for p in group["params"]]
-        mine = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine, group=self.process_group)
-        layout = torch.stack(every)  # [W, params]
-        differ = (layout != layout[0]).any(0).nonzero().flatten().tolist()
-        if differ:
-            i = differ[0]
-            with_grad = layout[:, i].nonzero().flatten().tolist()
-            raise ShardedMuonGradLayoutError(
-                f"ShardedMuon.step(): the ranks disagree on which parameters have a .grad ({len(differ)} "
-                f"parameter(s)); e.g. parameter {i} of shape {tuple(params[i].shape)} has one on ranks "
-                f"{with_grad} only, of {self.world_size}. A parameter one rank's loss does not use has no "
-                ".grad there: give it zeros on every rank, or leave it out of the optimizer. "
-                "No parameter or optimizer state was modified on this rank."
-            )
 
     def _muon_update(self, muon: _MuonParams, momentum: list[Tensor], grad_shards: list[Tensor], group):
         if not muon.params:
@@ -413,6 +437,8 @@ class ShardedMuon(Optimizer):
         param_shards = [sp.own(p.detach(), self.rank) for p, sp in zip(muon.params, muon.splits)]
         splits = tuple(muon.splits)
         step_sizes, hparams = self._step_size_inputs(muon, compiled=self.backend is not None)
+        if step_sizes is None and self.backend is not None:
+            self._warn_if_constant_sizes_change(muon)
         return self._shard_step()(
             momentum, grad_shards, param_shards, self._rank_tensor(muon.params[0].device), step_sizes,
             splits=splits, hparams=hparams, owners=assign_owners(splits, self.world_size),
@@ -434,6 +460,27 @@ class ShardedMuon(Optimizer):
                              device=muon.params[0].device)
         return sizes, tuple(hp.constants() for hp in muon.hparams)
 
+    def _warn_if_constant_sizes_change(self, muon: _MuonParams) -> None:
+        """Warn once when the step sizes change while they are constants of the compiled step (a matrix that is
+        not float32, `_step_size_inputs`): each new value compiles the step again."""
+        sizes = tuple(hp.step_sizes() for hp in muon.hparams)
+        previous, self._constant_sizes = self._constant_sizes, sizes
+        if previous is None or previous == sizes or self._warned_recompiles:
+            return
+        self._warned_recompiles = True
+        index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        others = ", ".join(f"parameter {index[p]} {tuple(p.shape)} {p.dtype}"
+                           for p in muon.params if p.dtype != torch.float32)
+        warnings.warn(
+            "ShardedMuon: the learning rate, weight decay or momentum changed between steps while Muon matrices "
+            f"that are not float32 take part ({others}): then every matrix's step sizes are constants of the "
+            "compiled step, so each new value compiles the step again, and past Dynamo's recompile limit "
+            f"(torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}) the step runs "
+            "uncompiled, without the all-to-all rewrite. Keep the Muon matrices in float32 for a schedule to "
+            "run one compiled step (NOTE [step sizes are inputs of the compiled step]), or pass backend=None.",
+            stacklevel=7,  # the caller of step(): past this, _compute, step, no_grad's and Optimizer's wrappers
+        )
+
     def _step_error(self, phase: str, error: Exception) -> ShardedMuonStepError:
         W = self.world_size
         extra = (
@@ -444,8 +491,7 @@ class ShardedMuon(Optimizer):
         )
         return ShardedMuonStepError(
             f"ShardedMuon.step() failed on rank {self.rank} of {W} during '{phase}' "
-            f"(comm={self.comm!r}): {type(error).__name__}: {error}.{extra} "
-            "No parameter or optimizer state was modified on this rank."
+            f"(comm={self.comm!r}): {type(error).__name__}: {error}.{extra} {NOTHING_MODIFIED}"
         )
 
     def _adamw_compute(self, params, grads, groups):
