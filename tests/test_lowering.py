@@ -27,6 +27,7 @@ from laplace_passes.lowering.diagnose import LoweringError
 from laplace_passes.lowering.legalize import BoundSliceScatter, ClampGateChecks, DiagonalAsStridedSlice
 from laplace_passes.lowering.neuron import NO_FALLBACK_ENV, NeuronUnavailableError, neuron_compiler, neuronx_cc_command
 from laplace_passes.lowering.stablehlo import lower_to_stablehlo, torch_mlir_decompositions
+from laplace_passes.ops.gla import gla_recurrence
 from laplace_passes.infra.targets import TRN2
 from laplace_passes.unroll import SizeModel
 from tests.gla_cases import relative_rmse
@@ -116,33 +117,78 @@ def test_positive_gates_are_clamped_in_lowered_graphs():
     assert clamp.modified and clamp.summary.startswith("1 gate check(s) replaced by clamp(max=0)")
 
 
-def _growing_decay_loop(q, k, v, x):
-    """A linear recurrence written from the equations whose decay reaches 1.5: recognised as a GLA loop, its gates
-    log(1.5 * sigmoid(x)) not <= 0."""
-    decay = 1.5 * torch.sigmoid(x)
-    state, outputs = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3]), []
-    for t in range(q.shape[1]):
-        state = decay[:, t, :, :, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outputs.append((q[:, t, :, :, None] * state).sum(-2))
-    return torch.stack(outputs, 1)
+def _decay_loop(decay_of):
+    """A linear recurrence written from the equations with the decay `decay_of(x)`: recognised as a GLA loop, its
+    gates log(decay) not proven <= 0."""
+    def loop(q, k, v, x):
+        decay = decay_of(x)
+        state, outputs = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3]), []
+        for t in range(q.shape[1]):
+            state = decay[:, t, :, :, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outputs.append((q[:, t, :, :, None] * state).sum(-2))
+        return torch.stack(outputs, 1)
+    return loop
 
 
-def test_a_recognised_loop_whose_decay_passes_1_keeps_its_numbers_when_lowered():
-    """A lowered graph cannot refuse a positive gate (its check becomes a clamp), so such a loop keeps its token
-    steps, unchecked, and says why: outputs and gradients are the loop's, where the clamp changed them."""
+@pytest.mark.parametrize("decay_of", [lambda x: 1.5 * torch.sigmoid(x), torch.tanh], ids=["above_1", "below_0"])
+def test_a_recognised_loop_whose_decay_leaves_0_1_keeps_its_numbers_when_lowered(decay_of):
+    """A lowered graph cannot refuse a positive gate (its check becomes a clamp: a decay above 1 was clamped to 1)
+    and the log of a negative decay is NaN: such a loop is kept as written, declined with the reason. Outputs and
+    gradients are the loop's, where the clamp changed them or gave NaN."""
+    loop = _decay_loop(decay_of)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(1, 12, 2, 4, generator=gen, requires_grad=True) for _ in range(4)]
-    compiled = laplace_passes.compile(_growing_decay_loop, target="trn2", inner="stablehlo")
+    compiled = laplace_passes.compile(loop, target="trn2", inner="stablehlo")
     found = compiled(*inputs)
     found_grads = torch.autograd.grad(found.square().sum(), inputs)
-    expected = _growing_decay_loop(*inputs)
+    expected = loop(*inputs)
     expected_grads = torch.autograd.grad(expected.square().sum(), inputs)
     assert relative_rmse(found, expected) <= MAX_RELATIVE_RMSE
     assert all(relative_rmse(f, e) <= MAX_RELATIVE_RMSE for f, e in zip(found_grads, expected_grads))
+    assert not compiled.laplace_report.sites
+    (row,) = compiled.laplace_report.recurrences
+    assert row.status == "declined" and "the inner compiler lowers, where a gate check becomes a clamp" in row.reason
+    assert row.reason.endswith("kept as written"), row.reason
+
+
+def test_a_site_of_another_recognised_form_with_unproven_gates_keeps_its_token_steps_when_lowered():
+    """The re-tiling pass's own guard (a site whose origin is a recognised form, not a call): the token
+    recurrence, unchecked, for the gates as they are; declined with the reason."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=gen) for _ in range(3))
+    gk = 0.1 * torch.randn(1, 16, 2, 8, generator=gen)  # some gates positive
+
+    def site(q, k, v, gk):
+        return torch.ops.laplace.gla.default(q, k, v, gk, None, 8 ** -0.5, "chunked loop, written by hand")[0]
+
+    compiled = laplace_passes.compile(site, target="trn2", inner="stablehlo")
+    with torch.no_grad():
+        found = compiled(q, k, v, gk)
+    expected = gla_recurrence(q, k, v, gk, None, 8 ** -0.5)[0]
+    assert relative_rmse(found, expected) <= MAX_RELATIVE_RMSE
+    (record,) = compiled.laplace_report.sites
+    assert record.status == "declined" and "a lowered graph cannot refuse a positive one" in record.reason
+    assert record.form == "the loop's 16 token steps, unchecked"
+
+
+@pytest.mark.parametrize("origin", ["laplace.gla", "fla.chunk_gla[cu_seqlens]", "fla.chunk_gsa[slots]"])
+def test_a_gla_call_keeps_its_clamp_when_lowered_whatever_its_origin_says(origin):
+    """A call of a GLA function, fla's with what it was made of in brackets, is re-tiled with its check lowered
+    as a clamp (gates <= 0 are its contract): only a recognised loop keeps its token steps."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=gen) for _ in range(3))
+    gk = -torch.rand(1, 16, 2, 8, generator=gen)  # valid, but an input: not proven <= 0
+
+    def call(q, k, v, gk):
+        return torch.ops.laplace.gla.default(q, k, v, gk, None, 8 ** -0.5, origin)[0]
+
+    compiled = laplace_passes.compile(call, target="trn2", inner="stablehlo")
+    with torch.no_grad():
+        assert relative_rmse(compiled(q, k, v, gk), call(q, k, v, gk)) <= MAX_RELATIVE_RMSE
     (site,) = compiled.laplace_report.sites
-    assert site.status == "declined" and "a lowered graph cannot refuse a positive one at run time" in site.reason
-    assert site.gates.startswith("not checked (a lowered graph): log of a value not shown to lie in [0, 1]")
-    assert site.form == "the loop's 12 token steps, as written, unchecked"
+    assert site.status == "retiled" and site.gates.startswith("checked at run time"), (site.status, site.gates)
+    (clamp,) = [p for p in compiled.laplace_report.passes if p.name == "clamp_gate_checks"]
+    assert clamp.summary.startswith("1 gate check(s) replaced by clamp(max=0)")
 
 
 # -- export ---------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ DYNAMO = (
     Step("unroll_loops", "always: user scan / while_loop with a static trip count", _always,
          lambda b: UnrollLoops("dynamo")),
     Step("recognise_gla", "option recognise_gla (default on): GLA written in plain PyTorch -> laplace::gla",
-         lambda c: c.recognise_gla, lambda b: RecogniseGLA()),
+         lambda c: c.recognise_gla, lambda b: RecogniseGLA(checks_become_clamps=b.config.inner.legalizes)),
     Step("retile_gla", "option retile_gla (default on)", lambda c: c.retile_gla, _retile),
     Step("fla_calls", "always: fla calls left to fla get a report line each", _always, lambda b: ReportFlaCalls()),
 )

@@ -31,6 +31,7 @@ from laplace_passes.fx.aggregates import Aggregate, find_aggregate
 from laplace_passes.fx.algebra import writes_a_temporary
 from laplace_passes.fx.chunk_loop import ChunkLoop, describe_chunks, plan_chunk_loop
 from laplace_passes.fx.chunked_quadratic import ChunkedQuadratic, describe_over_chunks, over_chunks
+from laplace_passes.fx.gate_bounds import gate_bound
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.in_place_statements import read_through_in_place_statements
 from laplace_passes.fx.in_place_writes import written_from_outside, written_while_read
@@ -56,9 +57,13 @@ class RecogniseGLA(GraphPass):
 
     name = "recognise_gla"
 
-    def __init__(self, min_steps: int = 2, validation_steps: int = VALIDATION_STEPS) -> None:
+    def __init__(self, min_steps: int = 2, validation_steps: int = VALIDATION_STEPS,
+                 checks_become_clamps: bool = False) -> None:
         self.min_steps = min_steps
         self.validation_steps = validation_steps
+        # An inner compiler that lowers: a token loop whose gates are not proven <= 0 is kept as written (NOTE
+        # [unproven gates of a recognised loop] in `laplace_passes.fx.retile`).
+        self.checks_become_clamps = checks_become_clamps
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records, moved = [], 0
@@ -110,7 +115,7 @@ class RecogniseGLA(GraphPass):
             loop = plan_token_loop(chain, memo)
             record.form = describe(loop, _written_as(chain))
             check_on_random_inputs(gm, loop, memo, min(loop.T, self.validation_steps))
-            _replace(gm, loop, memo, record.form)
+            _replace(gm, loop, memo, record.form, self.checks_become_clamps)
             if chain.unlinked:  # `steps` counts the user's loop; the site, and so its form, one step fewer
                 record.form += f"; the loop's first step ({chain.first.prev.name}) is not part of it and runs as written"
         except Declined as declined:
@@ -252,7 +257,8 @@ def _written_as(chain: Chain) -> str:
     return f"token loop (unrolled {kinds.pop()})" if len(kinds) == 1 else "token loop"
 
 
-def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str) -> None:
+def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str,
+             unproven_gates_stay: bool = False) -> None:
     chain = loop.chain
     readouts = [r.node for r in chain.readouts]
     last = chain.last.node
@@ -261,9 +267,12 @@ def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str)
     aggregate = find_aggregate(readouts)
     anchor = _anchor(gm.graph, old, region, aggregate)
     _check_sources_before(gm.graph, loop, region, anchor)
+    before_built = anchor.prev
     with gm.graph.inserting_before(anchor):
         builder = GlaBuilder(gm.graph, loop, loop.T, memo)
         o, state = builder.gla(origin)
+        if unproven_gates_stay:
+            _keep_unproven_gates_as_written(gm.graph, o.args[0].args[3], before_built, anchor)
         if readouts:
             over = builder.outputs_over_steps(o)
             if aggregate is not None:
@@ -279,6 +288,25 @@ def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str)
             gm.graph.erase_node(write)
     _erase_unused(gm.graph, region | built)
     _after_their_inputs(gm.graph)
+
+
+def _keep_unproven_gates_as_written(graph: torch.fx.Graph, gates: Node, before_built: Node, anchor: Node) -> None:
+    """Decline a loop whose gates (log of its decay) are not proven <= 0, its GLA nodes erased, for an inner
+    compiler that lowers: there a gate check becomes a clamp, which changes a decay above 1, and the log of a
+    negative decay is NaN (NOTE [unproven gates of a recognised loop] in `laplace_passes.fx.retile`)."""
+    bound = gate_bound(gates)
+    if bound.nonpositive:
+        return
+    built = []
+    node = before_built.next
+    while node is not anchor:
+        built.append(node)
+        node = node.next
+    for node in reversed(built):  # what the builder inserted before the anchor, users first
+        graph.erase_node(node)
+    raise Declined(f"its gates (the log of its decay) are not shown to be <= 0 ({bound.how}), and the inner "
+                   "compiler lowers, where a gate check becomes a clamp, which would change a decay above 1 (and the "
+                   "log of a decay below 0 is NaN): kept as written")
 
 
 def _replace_aggregate(aggregate: Aggregate, stacked: Node, builder: GlaBuilder) -> None:

@@ -52,25 +52,28 @@ the last argument is the target's `recurrent_readout` (trn2: 'matmul', a
 [1, K] @ [K, V] product per token; cpu: 'reduce', a product summed over K,
 which fuses with the state update). It has no chunk plan, so it also takes
 a batch Dynamo made dynamic (a decode graph recompiled for a second batch
-size); a dynamic T takes the chunked form (NOTE [unproven gates of a recognised loop]
-A loop the recognition pass rewrote (`laplace_passes.fx.recognise`) has
-the gates log(decay). Where the graph does not show them to be <= 0 (a
-decay of 1.5 * sigmoid(x), or of a graph input), the check refuses a
-positive gate at run time, so an eager or Inductor compile raises,
-naming the loop. A lowered graph cannot raise: its check becomes a clamp
-(`laplace_passes.lowering.legalize.ClampGateChecks`), and a clamped decay
-above 1 is another model. So with an inner compiler that lowers, such a
-site gets the token recurrence unchecked instead (what the user's loop
-computes, T state updates, exp(log(a)) for a), and the report lists it as
-declined, saying why. A `laplace.gla` call keeps its check, lowered as a
-clamp: gates <= 0 are the op's contract.
-
-NOTE [dynamic T]). The report's
+size); a dynamic T takes the chunked form (NOTE [dynamic T]). The report's
 form column says which form each site got and why (docs/DESIGN.md section
 3.6).
 
 Sites inside the body of a scan or while_loop are rewritten there (in a copy
 of the body); the unroll pass then makes them one chunk-loop op per trip.
+
+NOTE [unproven gates of a recognised loop]
+A loop the recognition pass rewrote (`laplace_passes.fx.recognise`) has
+the gates log(decay). Where the graph does not show them to be <= 0 (a
+decay of 1.5 * sigmoid(x), tanh(x), or a graph input), the check refuses a
+positive or NaN gate at run time, so an eager or Inductor compile raises,
+naming the loop. A lowered graph cannot raise: its check becomes a clamp
+(`laplace_passes.lowering.legalize.ClampGateChecks`), a clamped decay
+above 1 is another model, and the log of a decay below 0 is NaN. So with
+an inner compiler that lowers, recognition keeps such a token loop as
+written (its GLA nodes erased, the loop declined with the reason), and this
+pass gives a site of any other recognised form whose gates are unproven the
+token recurrence, unchecked (T state updates with exp(gk): the gates as
+they are, not clamped), listed as declined, saying why. A `laplace.gla`
+call, or an fla call (`fla.chunk_gsa[slots]`), keeps its check, lowered as
+a clamp: gates <= 0 are the op's contract.
 
 NOTE [dynamic T]
 A site whose sizes are symbolic (a graph Dynamo compiled for dynamic shapes)
@@ -202,7 +205,7 @@ class RetileGLA(GraphPass):
         (NOTE [unproven gates of a recognised loop])."""
         self._install(gm.graph, site, gla_recurrence, (site.scale, self.recurrent_readout), "gla_recurrence",
                       check_gates=False)
-        record.form = f"the loop's {T} token steps, as written, unchecked"
+        record.form = f"the loop's {T} token steps, unchecked"
         record.reason = (f"its gates (the log of the loop's decay) are not shown to be <= 0 ({gates.how}), and a "
                          "lowered graph cannot refuse a positive one at run time (its check lowers to a clamp, "
                          "which would change the loop's numbers): kept as its token steps, not re-tiled")

@@ -62,8 +62,10 @@ def _gate_error(found, origin: str) -> str:
 
 
 def is_call_name(origin: str) -> bool:
-    """Whether a site's origin names a function the user called ("laplace.gla", "fla.chunk_gla")."""
-    return origin.replace(".", "_").isidentifier()
+    """Whether a site's origin names a function the user called ("laplace.gla", "fla.chunk_gla", with what the
+    call was made of in brackets: "fla.chunk_gla[cu_seqlens]", "fla.chunk_gsa[slots]"), not a loop recognition
+    rewrote (its origin is the loop's form in words)."""
+    return origin.split("[", 1)[0].replace(".", "_").isidentifier()
 
 
 @check_gates.register_fake
