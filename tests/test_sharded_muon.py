@@ -480,6 +480,25 @@ def test_a_schedule_with_a_bfloat16_matrix_warns_once_that_it_recompiles():
         assert all("parameter 1 (8, 4) torch.bfloat16" in m and "recompile_limit" in m for m in messages), messages
 
 
+def test_a_matrix_without_a_grad_at_one_step_is_no_change_of_learning_rate():
+    """The warning compares each matrix's step sizes with its own last ones: a matrix left out of one step (no
+    .grad) changed the list of step sizes, and the learning rate was said to have changed."""
+    import warnings
+
+    torch.manual_seed(9)
+    backend, _ = _counting_backend()
+    torch._dynamo.reset()
+    params = [torch.randn(8, 4).to(dtype).requires_grad_() for dtype in (torch.float32, torch.bfloat16, torch.float32)]
+    opt = ShardedMuon(params, ns_steps=1, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for with_grad in (params, params[:2], params):  # the last float32 matrix left out of the middle step
+            for p in params:
+                p.grad = torch.randn(p.shape).to(p.dtype) if any(p is q for q in with_grad) else None
+            opt.step()
+    assert not [str(w.message) for w in caught if "recompile" in str(w.message)]
+
+
 def test_step_sizes_of_the_wrong_shape_are_refused_before_any_collective():
     from model_zoo.muon import muon_shard_step
 

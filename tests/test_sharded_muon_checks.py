@@ -124,6 +124,38 @@ def _compiled_tensor_lr(rank, world_size):
     return exact, len(backend_calls)
 
 
+def _inf_on_one_rank(rank):
+    """Rank 0's matrix holds an inf, rank 1's does not: an inf sum must not widen the tolerance to anything."""
+    p = _param((8, 4), 12 + rank)
+    if rank == 0:
+        with torch.no_grad():
+            p[0, 0] = float("inf")
+    opt = ShardedMuon([p], backend=None)
+    p.grad = torch.ones_like(p)
+    try:
+        opt.step()
+        return "returned"
+    except ShardedMuonStepError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _group_added_later(rank):
+    """A replicated first group steps; a group added after it, whose values differ between the ranks, is refused
+    at the next step."""
+    first = _param((8, 4), 14)
+    opt = ShardedMuon([first], backend=None)
+    first.grad = torch.ones_like(first)
+    opt.step()
+    later = _param((8, 4), 15 + rank)
+    opt.add_param_group({"params": [later]})
+    first.grad, later.grad = torch.ones_like(first), torch.ones_like(later)
+    try:
+        opt.step()
+        return "returned"
+    except ShardedMuonStepError as error:
+        return f"{type(error).__name__}: {error}"
+
+
 def _guarded(fn, *args):
     """fn(*args), or the error it raised as a string: one case's failure is reported beside the others'."""
     try:
@@ -135,6 +167,8 @@ def _guarded(fn, *args):
 def _body(rank, world_size, whole_state):
     results = {case: _guarded(_refused_step, rank, case) for case in CASES}
     results["rounding_only"] = _guarded(_rounding_only, rank)
+    results["inf_on_one_rank"] = _guarded(_inf_on_one_rank, rank)
+    results["group_added_later"] = _guarded(_group_added_later, rank)
     results["state_dict"] = _guarded(_state_dict_cases, rank, world_size, whole_state)
     results["compiled_tensor_lr"] = _guarded(_compiled_tensor_lr, rank, world_size)
     return results
@@ -193,6 +227,16 @@ def test_parameters_that_differ_between_ranks_at_the_first_step_are_refused(two_
         assert "same seed on every rank, or broadcast rank 0's values" in outcome, outcome
         assert untouched, f"rank {rank}: parameters or state modified"
     assert [results["rounding_only"] for results in two_ranks] == ["returned"] * 2
+
+
+@pytest.mark.parametrize("case, parameter", [("inf_on_one_rank", 0), ("group_added_later", 1)])
+def test_replicas_that_differ_by_an_inf_or_in_a_group_added_later_are_refused(two_ranks, case, parameter):
+    """An inf in one rank's matrix made its sums' tolerance infinite, and a group added after the first step was
+    never compared: both stepped as if replicated."""
+    for rank, results in enumerate(two_ranks):
+        outcome = results[case]
+        assert outcome.startswith("ShardedMuonUnreplicatedError: "), f"rank {rank}: {outcome}"
+        assert f"parameter {parameter} ((8, 4) torch.float32" in outcome, outcome
 
 
 def test_a_state_dict_of_another_rank_is_refused_and_one_of_world_size_1_loads_on_every_rank(two_ranks):

@@ -154,7 +154,8 @@ class ShardedMuon(Optimizer):
         # simulates a rank failing mid-step.
         self._fault_hook: Callable[[str], None] | None = None
         self._replicas_checked = False  # the parameters' values compared across ranks (at the first step)
-        self._constant_sizes: tuple | None = None  # the last compiled step's step sizes, where they were constants
+        # Each Muon matrix's step sizes at the last compiled step where they were constants, by parameter.
+        self._constant_sizes: dict[int, Any] = {}
         self._warned_recompiles = False
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
@@ -201,6 +202,7 @@ class ShardedMuon(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        self._replicas_checked = False  # the next step compares the new parameters' values across ranks too
         group = self.param_groups[-1]
         group["ns_coefficients"] = tuple(group["ns_coefficients"])
         group["adamw_betas"] = tuple(group["adamw_betas"])
@@ -463,9 +465,11 @@ class ShardedMuon(Optimizer):
     def _warn_if_constant_sizes_change(self, muon: _MuonParams) -> None:
         """Warn once when the step sizes change while they are constants of the compiled step (a matrix that is
         not float32, `_step_size_inputs`): each new value compiles the step again."""
-        sizes = tuple(hp.step_sizes() for hp in muon.hparams)
-        previous, self._constant_sizes = self._constant_sizes, sizes
-        if previous is None or previous == sizes or self._warned_recompiles:
+        # By parameter: a matrix without a .grad at some step is left out of that step, which changes nothing.
+        sizes = {id(p): hp.step_sizes() for p, hp in zip(muon.params, muon.hparams)}
+        changed = any(previous != sizes[key] for key, previous in self._constant_sizes.items() if key in sizes)
+        self._constant_sizes.update(sizes)
+        if not changed or self._warned_recompiles:
             return
         self._warned_recompiles = True
         index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}

@@ -14,8 +14,9 @@ compared first) find what names the first difference, and every rank raises
 the same kind of error, decided from the same gathered data. Digests use
 hashlib: Python's ``hash`` of a string differs between processes.
 
-At the first step the parameters' values are compared too (a float64 sum and
-sum of squares each, gathered once): ShardedMuon keeps one replica of every
+At the first step (and the first after `add_param_group`) the parameters'
+values are compared too (a float64 sum and sum of squares each, gathered
+once; sums that are not finite must be equal): ShardedMuon keeps one replica of every
 parameter per rank and updates each rank's rows on that rank, so replicas that
 start different become a patchwork of the ranks' rows after one step.
 """
@@ -139,6 +140,8 @@ def _check_replicated(params: list[Tensor], world_size: int, group) -> None:
     squares = every[:, :, 1].abs().amax(0)
     # |sum| <= sqrt(numel * sum of squares): the scale of a sum's rounding; a sum of squares is its own.
     scale = torch.stack([(numel * squares).sqrt(), squares], dim=1)
+    # An inf or NaN anywhere makes the scale inf or NaN, which would let any value pass: such sums must be equal.
+    scale = torch.where(scale.isfinite(), scale, torch.zeros_like(scale))
     agree = ((every - every[0]).abs() <= REPLICA_RTOL * scale) | (every == every[0])
     agree |= every.isnan() & every[0].isnan()
     differ = (~agree).any(2).any(0).nonzero().flatten().tolist()
@@ -148,7 +151,8 @@ def _check_replicated(params: list[Tensor], world_size: int, group) -> None:
     ranks = [r for r in range(world_size) if not bool(agree[r, i].all())]
     sums_i = ", ".join(f"rank {r}: {_fmt(every[r, i, 0].item())}" for r in [0, *ranks])
     raise ShardedMuonUnreplicatedError(
-        f"ShardedMuon.step(): the parameters are not the same on every rank at the first step: parameter {i} "
+        "ShardedMuon.step(): the parameters are not the same on every rank at the first step (or the first "
+        f"after add_param_group): parameter {i} "
         f"({_layout(params[i])}, in the order of the param groups) differs between rank 0 and ranks {ranks} "
         f"(its sum: {sums_i}). ShardedMuon updates each rank's rows of a matrix on that rank, so replicas that "
         "differ become a patchwork of the ranks' rows. Replicate the parameters before the first step: create "
