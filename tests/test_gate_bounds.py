@@ -57,6 +57,9 @@ PROVEN = {
                                          "where(c, logsigmoid / 16, 0)"),
     "where(x > 0, -softplus, logsigmoid)": (lambda x: torch.where(x > 0, -F.softplus(x), F.logsigmoid(x)),
                                             "where(c, -(softplus), logsigmoid)"),
+    # A sum of nonpositive terms: log(decay) + log(c) where a loop's coefficient c <= 1 multiplies the state.
+    "logsigmoid + log(0.5)": (lambda x: F.logsigmoid(x) + math.log(0.5), "(logsigmoid) + (-0.693"),
+    "-softplus + logsigmoid": (lambda x: -F.softplus(x) + F.logsigmoid(x), "(-(softplus)) + (logsigmoid)"),
 }
 
 def _add_in_place(x):
@@ -149,7 +152,7 @@ def _amp_unscale(x):
 CHECKED = {
     "an input": (lambda x: x, "is an input of the graph"),
     "logsigmoid / -16": (lambda x: F.logsigmoid(x) / -16, "checked at run time: (sign >= 0)"),
-    "logsigmoid + 0.01": (lambda x: F.logsigmoid(x) + 0.01, "comes from add"),
+    "logsigmoid + 0.01": (lambda x: F.logsigmoid(x) + 0.01, "a sum of terms of opposite signs"),
     "softplus": (lambda x: F.softplus(x), "(sign >= 0)"),
     "logsigmoid padded with 0.5": (lambda x: F.pad(F.logsigmoid(x), (0, 0, 0, 0, 1, -1), value=0.5),
                                    "pad with mode 'constant' and value 0.5"),
@@ -564,4 +567,26 @@ def test_a_recognised_loop_with_a_sigmoid_decay_runs_unchecked_with_the_eager_re
     torch.testing.assert_close(compiled(q, k, v, x), _sigmoid_decay_loop(q, k, v, x), rtol=1e-4, atol=1e-5)
     (site,) = compiled.laplace_report.sites
     assert site.gates == "<= 0 by construction: where(c, -inf, log(where(c, 1.0, sigmoid)))", site.gates
+    assert _check_nodes(compiled) == 0
+
+
+def _coefficient_on_the_state_loop(q, k, v, x):
+    """The decay 0.5 * sigmoid(x) with its 0.5 written on the state: the gates log(sigmoid) + log(0.5)."""
+    d, state, outputs = torch.sigmoid(x), torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3]), []
+    for t in range(q.shape[1]):
+        state = 0.5 * (d[:, t][..., None] * state) + k[:, t][..., None] * v[:, t][..., None, :]
+        outputs.append((q[:, t][..., None] * state).sum(-2))
+    return torch.stack(outputs, 1)
+
+
+def test_a_loop_whose_coefficient_multiplies_the_state_is_proven():
+    """A sum of two nonpositive logs is nonpositive: the loop runs unchecked (and is re-tiled where lowered)."""
+    torch.manual_seed(0)
+    q, k, x = torch.randn(B, 20, H, K), torch.randn(B, 20, H, K), torch.randn(B, 20, H, K)
+    v = torch.randn(B, 20, H, V)
+    compiled = laplace_passes.compile(_coefficient_on_the_state_loop, target="cpu", inner="eager")
+    torch.testing.assert_close(compiled(q, k, v, x), _coefficient_on_the_state_loop(q, k, v, x), rtol=1e-4, atol=1e-5)
+    (site,) = compiled.laplace_report.sites
+    assert site.gates.startswith("<= 0 by construction: (where(c, -inf, log(where(c, 1.0, sigmoid)))) + (-0.693"), \
+        site.gates
     assert _check_nodes(compiled) == 0

@@ -21,7 +21,8 @@ unchecked, and the report's "gates" column shows the derivation.
                 by a number >= 1, clamp(min >= 0, max <= 1), a select between such values
     rules       neg flips the sign; times or over a finite positive number keeps it,
                 a negative one flips it; a product of two bounded factors has their
-                sign product; clamp / clamp_max with a max <= 0 is <= 0, and
+                sign product; a sum of terms of one sign has it (log(decay) + log(c),
+                c <= 1); clamp / clamp_max with a max <= 0 is <= 0, and
                 clamp_min(x <= 0, c <= 0) stays <= 0; torch.where(c, x, y) has the sign
                 x and y share (the number 0 has either, -inf, a reset, is <= 0)
     unchanged   views, reshapes, transposes, indexing, contiguous, clone, and casts
@@ -114,6 +115,7 @@ _DIV = _targets(operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar)
 _CLAMP = _targets(torch.clamp, torch.clip, aten.clamp.default)
 _CLAMP_MAX = _targets(torch.clamp_max, aten.clamp_max.default)
 _CLAMP_MIN = _targets(torch.clamp_min, aten.clamp_min.default)
+_ADD = _targets(operator.add, torch.add, aten.add.Tensor, aten.add.Scalar)
 _LOG = _targets(torch.log, aten.log.default)
 _SIGMOID = _targets(torch.sigmoid, F.sigmoid, aten.sigmoid.default)
 _EXP = _targets(torch.exp, aten.exp.default)
@@ -195,6 +197,8 @@ def _bound(node, depth: int, derivation: list) -> Bound:
         return _clamp(node, depth, derivation)
     if target in _LOG or (method and target == "log"):
         return _log_of_decay(node, depth, derivation)
+    if target in _ADD or (method and target == "add"):
+        return _sum(node, depth, derivation)
     if target in _PADS:
         return _padded(node, depth, derivation)
     if target in _SELECTS and len(node.args) == 3:
@@ -250,6 +254,22 @@ def _selected(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
         return Bound(signs.pop(), f"where(c, {', '.join(b.how for b in bounds)}{', 0' if len(bounds) == 1 else ''})")
     unbounded = [b for b in bounds if not b.sign]
     return unbounded[0] if unbounded else Bound(None, f"{node.name}: a select between values of opposite signs")
+
+
+def _sum(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
+    """x + y (times a finite positive alpha): the sign its terms share, a term that is the number 0 taking the
+    other's (a recognised loop's gates log(decay) + log(coefficient) when the coefficient multiplies the state)."""
+    alpha = node.kwargs.get("alpha", 1)
+    if not (_finite_number(alpha) and alpha > 0):
+        return Bound(None, f"{node.name}: a sum with alpha {alpha!r}")
+    terms = [t for t in (_argument(node, 0, "input", None), _argument(node, 1, "other", None))
+             if not (_finite_number(t) and t == 0)]
+    bounds = [_bound(t, depth - 1, derivation) for t in terms]
+    signs = {b.sign for b in bounds}
+    if bounds and len(signs) == 1 and None not in signs:
+        return Bound(signs.pop(), " + ".join(f"({b.how})" for b in bounds))
+    unbounded = [b for b in bounds if not b.sign]
+    return unbounded[0] if unbounded else Bound(None, f"{node.name}: a sum of terms of opposite signs")
 
 
 def _log_of_decay(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
