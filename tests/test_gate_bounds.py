@@ -559,17 +559,6 @@ def _sigmoid_decay_loop(q, k, v, x):
     return _decay_loop(q, k, v, torch.sigmoid(x))
 
 
-def test_a_recognised_loop_with_a_sigmoid_decay_runs_unchecked_with_the_eager_results():
-    torch.manual_seed(0)
-    q, k, x = torch.randn(B, 20, H, K), torch.randn(B, 20, H, K), torch.randn(B, 20, H, K)
-    v = torch.randn(B, 20, H, V)
-    compiled = laplace_passes.compile(_sigmoid_decay_loop, target="cpu", inner="eager")
-    torch.testing.assert_close(compiled(q, k, v, x), _sigmoid_decay_loop(q, k, v, x), rtol=1e-4, atol=1e-5)
-    (site,) = compiled.laplace_report.sites
-    assert site.gates == "<= 0 by construction: where(c, -inf, log(where(c, 1.0, sigmoid)))", site.gates
-    assert _check_nodes(compiled) == 0
-
-
 def _coefficient_on_the_state_loop(q, k, v, x):
     """The decay 0.5 * sigmoid(x) with its 0.5 written on the state: the gates log(sigmoid) + log(0.5)."""
     d, state, outputs = torch.sigmoid(x), torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3]), []
@@ -579,14 +568,17 @@ def _coefficient_on_the_state_loop(q, k, v, x):
     return torch.stack(outputs, 1)
 
 
-def test_a_loop_whose_coefficient_multiplies_the_state_is_proven():
-    """A sum of two nonpositive logs is nonpositive: the loop runs unchecked (and is re-tiled where lowered)."""
+@pytest.mark.parametrize("loop, gates", [
+    (_sigmoid_decay_loop, "where(c, -inf, log(where(c, 1.0, sigmoid)))"),
+    # A sum of two nonpositive logs is nonpositive (and the loop is re-tiled where lowered).
+    (_coefficient_on_the_state_loop, "(where(c, -inf, log(where(c, 1.0, sigmoid)))) + (-0.693"),
+])
+def test_a_recognised_loop_with_a_decay_in_0_1_runs_unchecked_with_the_eager_results(loop, gates):
     torch.manual_seed(0)
     q, k, x = torch.randn(B, 20, H, K), torch.randn(B, 20, H, K), torch.randn(B, 20, H, K)
     v = torch.randn(B, 20, H, V)
-    compiled = laplace_passes.compile(_coefficient_on_the_state_loop, target="cpu", inner="eager")
-    torch.testing.assert_close(compiled(q, k, v, x), _coefficient_on_the_state_loop(q, k, v, x), rtol=1e-4, atol=1e-5)
+    compiled = laplace_passes.compile(loop, target="cpu", inner="eager")
+    torch.testing.assert_close(compiled(q, k, v, x), loop(q, k, v, x), rtol=1e-4, atol=1e-5)
     (site,) = compiled.laplace_report.sites
-    assert site.gates.startswith("<= 0 by construction: (where(c, -inf, log(where(c, 1.0, sigmoid)))) + (-0.693"), \
-        site.gates
+    assert site.gates.startswith(f"<= 0 by construction: {gates}"), site.gates
     assert _check_nodes(compiled) == 0

@@ -15,8 +15,7 @@ import copy
 import pytest
 import torch
 
-from model_zoo.muon import RowSplit, ShardedMuon
-from model_zoo.muon.optimizer import ShardedMuonGradLayoutError
+from model_zoo.muon import RowSplit, ShardedMuon, ShardedMuonGradLayoutError
 from tests._dist import run_ranks
 from tests.muon_cases import rank_grads
 

@@ -27,23 +27,11 @@ from model_zoo.muon.hparams import (
 )
 from model_zoo.muon.rank_checks import (
     NOTHING_MODIFIED,
-    ShardedMuonGradLayoutError,
-    ShardedMuonParamLayoutError,
     ShardedMuonRanksDisagreeError,
     ShardedMuonStepError,
-    ShardedMuonUnreplicatedError,
     check_ranks_agree,
 )
 from model_zoo.muon.shard_step import COMM_MODES, assign_owners, muon_shard_step
-
-__all__ = [
-    "ShardedMuon",
-    "ShardedMuonGradLayoutError",
-    "ShardedMuonParamLayoutError",
-    "ShardedMuonRanksDisagreeError",
-    "ShardedMuonStepError",
-    "ShardedMuonUnreplicatedError",
-]
 
 # The top-level key of ``ShardedMuon.state_dict()`` saying where it was saved (rank and world size).
 SAVED_AT = "sharded_muon_saved_at"
