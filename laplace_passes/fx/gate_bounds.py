@@ -249,11 +249,18 @@ def _selected(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
     (the gate 0 of a step a select skips, NOTE [steps a select skips])."""
     branches = [b for b in node.args[1:] if not (_finite_number(b) and b == 0)]
     bounds = [Bound(NONPOSITIVE, "-inf") if _is_minus_inf(b) else _bound(b, depth - 1, derivation) for b in branches]
+    return _shared_sign(bounds, lambda hows: f"where(c, {', '.join(hows)}{', 0' if len(hows) == 1 else ''})",
+                        f"{node.name}: a select between values of opposite signs")
+
+
+def _shared_sign(bounds: list[Bound], how, opposite: str) -> Bound:
+    """The sign every bound shares (how its derivations combine: `how` of their texts); else the first that is
+    unbounded, or `opposite` when they are bounded with opposite signs."""
     signs = {b.sign for b in bounds}
     if bounds and len(signs) == 1 and None not in signs:
-        return Bound(signs.pop(), f"where(c, {', '.join(b.how for b in bounds)}{', 0' if len(bounds) == 1 else ''})")
+        return Bound(signs.pop(), how([b.how for b in bounds]))
     unbounded = [b for b in bounds if not b.sign]
-    return unbounded[0] if unbounded else Bound(None, f"{node.name}: a select between values of opposite signs")
+    return unbounded[0] if unbounded else Bound(None, opposite)
 
 
 def _sum(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
@@ -265,11 +272,8 @@ def _sum(node: torch.fx.Node, depth: int, derivation: list) -> Bound:
     terms = [t for t in (_argument(node, 0, "input", None), _argument(node, 1, "other", None))
              if not (_finite_number(t) and t == 0)]
     bounds = [_bound(t, depth - 1, derivation) for t in terms]
-    signs = {b.sign for b in bounds}
-    if bounds and len(signs) == 1 and None not in signs:
-        return Bound(signs.pop(), " + ".join(f"({b.how})" for b in bounds))
-    unbounded = [b for b in bounds if not b.sign]
-    return unbounded[0] if unbounded else Bound(None, f"{node.name}: a sum of terms of opposite signs")
+    return _shared_sign(bounds, lambda hows: " + ".join(f"({h})" for h in hows),
+                        f"{node.name}: a sum of terms of opposite signs")
 
 
 def _log_of_decay(node: torch.fx.Node, depth: int, derivation: list) -> Bound:

@@ -130,7 +130,7 @@ class RetileGLA(GraphPass):
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         records, declined, proven = [], [], 0
-        self.kept_as_written = 0
+        self.kept_as_token_steps = 0
         # The graph and the bodies of its loops (scan, while_loop): a site in
         # a body becomes one site per trip when the loop is unrolled.
         bodies = _bodies_with_sites(gm)
@@ -153,7 +153,7 @@ class RetileGLA(GraphPass):
             summary += f" ({recurrent} in the recurrent form: NOTE [short sites])"
         if proven:
             summary += f"; gates <= 0 by construction at {proven}, not checked at run time"
-        return PassResult(gm, modified=retiled + self.kept_as_written > 0, summary=summary, declined=declined,
+        return PassResult(gm, modified=retiled + self.kept_as_token_steps > 0, summary=summary, declined=declined,
                           sites=records)
 
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> tuple[SiteRecord, Bound]:
@@ -181,7 +181,7 @@ class RetileGLA(GraphPass):
         record.gates = f"<= 0 by construction: {gates.how}" if gates.nonpositive else f"checked at run time: {gates.how}"
         if not proof.nonpositive and self.checks_become_clamps and not is_call_name(site.origin):
             record.gates = f"not checked (a lowered graph): {proof.how}"
-            self.kept_as_written += 1
+            self.kept_as_token_steps += 1
             return self._keep_loop_unchecked(gm, site, record, proof, T), gates
         if recurrent:
             record.plan = {"T": T, "chunk_size": 1, "n_chunks": T, "padding": 0}
