@@ -208,8 +208,14 @@ def test_retiling_can_be_switched_off():
 
     q, k, v, gk = (torch.randn(1, 40, 2, 8) for _ in range(4))
     report = laplace_passes.inspect(f, q, k, v, -gk.abs(), retile_gla=False)
-    assert [p.name for p in report.passes if p.name == "retile_gla"] == [] and report.sites == []
-    FileCheck().check("laplace.gla").run(report.graph("after").code)
+    FileCheck().check("laplace.gla").check_not("chunked_gla").run(report.graph("after").code)
+    # The report still lists the site, declined, saying why (not "GLA sites: none").
+    (retile,) = [p for p in report.passes if p.name == "retile_gla"]
+    assert not retile.modified and retile.summary == "0 of 1 GLA sites re-tiled: option retile_gla=False"
+    (site,) = report.sites
+    assert (site.origin, site.status) == ("laplace.gla", "declined")
+    assert site.reason.startswith("option retile_gla=False: the site stays laplace::gla")
+    assert "retile_gla=False" in str(report).split("GLA sites:")[1]
 
 
 def test_unknown_options_are_named():

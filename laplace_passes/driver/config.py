@@ -17,7 +17,7 @@ OPTION_DOCS = {
     "inner": "compiler for the ATen graphs: 'eager', 'inductor', 'stablehlo', 'iree', 'neuron' "
     "(laplace_passes.lowering) or a callable (default 'eager')",
     "chunk_size": "GLA chunk size; default: the target's partition count",
-    "retile_gla": "run the GLA re-tiling pass (default True)",
+    "retile_gla": "re-tile GLA sites (default True; False keeps the reference op, each site reported as declined)",
     "recognise_gla": "find GLA written in plain PyTorch (token loops) and make each a GLA site (default True)",
     "report": "a laplace_passes.Report to fill (default: a new one, see last_report())",
     "muon_all_to_all": "rewrite a sharded Muon step's gathers into paired all-to-alls (default True)",

@@ -75,7 +75,7 @@ def _retile(build: Build) -> GraphPass:
     config, target = build.config, build.config.target
     return RetileGLA(config.chunk_size, target.sub_chunk_size, target.recurrent_max_tokens, target.recurrent_readout,
                      target.save_residuals, prove_gates=config.gate_checks == "auto",
-                     checks_become_clamps=config.inner.legalizes)
+                     checks_become_clamps=config.inner.legalizes, rewrite=config.retile_gla)
 
 
 DYNAMO = (
@@ -88,7 +88,9 @@ DYNAMO = (
          lambda b: UnrollLoops("dynamo")),
     Step("recognise_gla", "option recognise_gla (default on): GLA written in plain PyTorch -> laplace::gla",
          lambda c: c.recognise_gla, lambda b: RecogniseGLA(checks_become_clamps=b.config.inner.legalizes)),
-    Step("retile_gla", "option retile_gla (default on)", lambda c: c.retile_gla, _retile),
+    # With retile_gla=False the pass still runs, to list each site in the report (declined, saying why).
+    Step("retile_gla", "always: re-tiles with option retile_gla (default on); else lists the GLA sites", _always,
+         _retile),
     Step("fla_calls", "always: fla calls left to fla get a report line each", _always, lambda b: ReportFlaCalls()),
 )
 

@@ -89,7 +89,9 @@ own (`laplace_passes.driver.shapes`), and unrolled.
 Declined sites keep their `laplace::gla` node (the token recurrence: correct,
 slow) and the report says why: inputs the op rejects, inputs without shape
 information, or a scale computed at run time (the default scale of a
-dynamic head size K).
+dynamic head size K). With the compile option ``retile_gla=False`` the pass
+rewrites nothing and lists every site as declined for that reason, so the
+report still shows each GLA call and recognised loop the graph holds.
 """
 
 from __future__ import annotations
@@ -114,8 +116,10 @@ class RetileGLA(GraphPass):
 
     def __init__(self, chunk_size: int, sub_chunk_size: int, recurrent_max_tokens: int = 0,
                  recurrent_readout: str = "matmul", save_residuals: bool = False, prove_gates: bool = True,
-                 checks_become_clamps: bool = False) -> None:
+                 checks_become_clamps: bool = False, rewrite: bool = True) -> None:
         check_readout(recurrent_readout, "recurrent_readout")
+        # False (option retile_gla=False): every site is listed as declined, none rewritten.
+        self.rewrite = rewrite
         # Whether the inner compiler lowers a gate check to a clamp (NOTE [unproven gates of a recognised loop]).
         self.checks_become_clamps = checks_become_clamps
         # Whether gates proven <= 0 skip the run-time check (compile option gate_checks="auto").
@@ -148,6 +152,8 @@ class RetileGLA(GraphPass):
             body.recompile()
         retiled = sum(r.status == "retiled" for r in records)
         summary = f"{retiled} of {len(records)} GLA sites re-tiled at chunk {self.chunk_size}"
+        if not self.rewrite:
+            summary = f"0 of {len(records)} GLA sites re-tiled: option retile_gla=False"
         recurrent = sum(r.status == "retiled" and r.plan["chunk_size"] == 1 for r in records)
         if recurrent:
             summary += f" ({recurrent} in the recurrent form: NOTE [short sites])"
@@ -159,6 +165,11 @@ class RetileGLA(GraphPass):
     def _rewrite(self, gm: torch.fx.GraphModule, site: GlaSite) -> tuple[SiteRecord, Bound]:
         """The site rewritten (or declined: the record says why), and what is known of its gates."""
         record = SiteRecord(graph="", node=site.node.name, origin=site.origin, status="declined")
+        if not self.rewrite:
+            record.reason = ("option retile_gla=False: the site stays laplace::gla, the reference recurrence "
+                             "(one state update per token)")
+            record.gates = "checked at run time: the reference op checks them"
+            return record, Bound(None, "not re-tiled")
         values = [fake_value(n) for n in site.tensor_inputs()]
         try:
             if any(v is None for v in values):

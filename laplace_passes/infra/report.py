@@ -415,7 +415,8 @@ COLUMNS = {
     "padding": "tokens appended so T fills the last chunk (sliced off after)",
     "saved for bwd": "bytes the forward keeps for the backward (a GLA site's q, k, v, gk, state and residuals; "
                      "a backward graph's inputs from its forward)",
-    "gates": "how gk <= 0 holds: by construction (no check) or checked at run time",
+    "gates": "how gk <= 0 holds: by construction (no check) or checked at run time; not checked (a lowered graph): "
+             "unproven gates of a recognised loop, whose token steps run as written",
     "trips": "iterations of the loop",
     "count": "loops of this kind, trip count and status",
     "instructions": "the graph's size estimated in the target compiler's instructions",
