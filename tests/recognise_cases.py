@@ -472,6 +472,24 @@ def quadratic_cumprod(q, k, v, g):
     return ((q @ k.transpose(-1, -2)) * D) @ v
 
 
+def quadratic_zeros_like_fill(q, k, v, g):
+    """The mask's fill a tensor of zeros: where(causal, exp(G_i - G_j), zeros_like(...))."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    differences = G[..., :, None] - G[..., None, :]
+    D = torch.where(causal_mask(T), differences.exp(), torch.zeros_like(differences))
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_ones_like_fill(q, k, v, g):
+    """The same filled with ones: every later key kept with weight 1, not causal."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    differences = G[..., :, None] - G[..., None, :]
+    D = torch.where(causal_mask(T), differences.exp(), torch.ones_like(differences))
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
 def quadratic_retnet(q, k, v, g):
     """RetNet's parallel form: gamma ** (i - j), one decay per head, masked."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))

@@ -389,7 +389,8 @@ def _decay_loop(q, k, v, a):
 
 @pytest.mark.parametrize("bad, message", [
     (1.5, r"met a decay of 1\.5 \(log 0\.405465\) at run time"),
-    (float("nan"), r"met a NaN decay at run time"),
+    (float("nan"), r"met a negative or NaN decay \(its log, the gate, is NaN\) at run time"),
+    (-0.25, r"met a negative or NaN decay \(its log, the gate, is NaN\) at run time"),
 ])
 def test_a_recognised_loop_s_gate_check_speaks_of_the_loop_and_how_to_keep_it(bad, message):
     """The user never wrote a gk: the refusal names their loop, its decay, and the option that keeps the loop."""

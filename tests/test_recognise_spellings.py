@@ -79,7 +79,48 @@ def addcmul_in_place(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
-RECOGNISED = [addcmul, addcmul_method, baddbmm_merged_heads, einsum_ellipsis, addcmul_in_place]
+def in_place_sums_final_state_unreturned(q, k, v, g):
+    """`S.add_(k v)` and `S.addcmul_(k, v)` as statements, the final state not returned: the last step's
+    state is read once, by its readout, and is still the loop's last step."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        if t % 2:
+            S.add_(k[:, t][..., None] * v[:, t][..., None, :])
+        else:
+            S.addcmul_(k[:, t][..., None], v[:, t][..., None, :])
+        outs.append(_readout(q[:, t], S))
+    return (torch.stack(outs, 1),)
+
+
+def decay_expanded_as_the_state(q, k, v, g):
+    """The decay broadcast to the state's shape first: `a.expand_as(S)` at odd steps, `a.expand(B, H, K, V)` at
+    even ones (S lends expand_as its shape, not its values)."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        a = g[:, t].exp()[..., None]
+        a = a.expand_as(S) if t % 2 else a.expand(B, H, K, V)
+        S = a * S + k[:, t][..., None] * v[:, t][..., None, :]
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def clone_then_update_in_place(q, k, v, g):
+    """`S = S.clone(); S.mul_(a).add_(k v)` (autograd-safe in-place statements, their result unused): the
+    chain of statements on the clone is the update; the final state not returned."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S.clone()
+        S.mul_(g[:, t].exp()[..., None]).add_(k[:, t][..., None] * v[:, t][..., None, :])
+        outs.append(_readout(q[:, t], S))
+    return (torch.stack(outs, 1),)
+
+
+RECOGNISED = [addcmul, addcmul_method, baddbmm_merged_heads, einsum_ellipsis, addcmul_in_place,
+              in_place_sums_final_state_unreturned, decay_expanded_as_the_state, clone_then_update_in_place]
 
 
 def outputs_and_grads(fn, args):
@@ -193,7 +234,19 @@ def last_sum_halved_in_place(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def decay_over_keys_and_values(q, k, v, g):
+    """A decay of the state's full shape, [K, V] per head: not GLA's per-key decay."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        a = torch.sigmoid(g[:, t][..., None] + v[:, t][..., None, :])
+        S = a * S + k[:, t][..., None] * v[:, t][..., None, :]
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
 NOT_READ = {
+    decay_over_keys_and_values: "its decay reads the value dimension (GLA's decay is per key",
     einsum_diagonal: "which the algebra does not read as a product: einsum with a repeated index (a diagonal)",
     baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
     lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",

@@ -22,7 +22,7 @@ Products, sums, differences, numbers, sums over dimensions, einsum (an
 ellipsis or an implicit output included), matmul / bmm / mm / outer, the
 fused forms addcmul / baddbmm / addmm / addbmm / addr (with their value,
 beta and alpha), broadcasting, unsqueeze and `[..., None]`, squeeze,
-transpose / permute, expand, reshapes that only add or drop size-1
+transpose / permute, expand / expand_as, reshapes that only add or drop size-1
 dimensions, contiguous / clone / casts (the same value) are read
 algebraically, in torch-level spellings (Dynamo graphs) and ATen ones
 (unrolled loops), and in-place arithmetic on a temporary nothing else reads
@@ -51,6 +51,7 @@ from laplace_passes.fx.algebra_terms import (
     reshape, scale, squeeze, sum_over, unsqueeze,
 )
 from laplace_passes.fx.in_place_writes import owns_its_memory
+from laplace_passes.infra.fx_helpers import fake_tensor
 
 # The form's types are this module's too: the passes read nodes here and take the types from here.
 __all__ = ["UNREAD", "Expr", "Factor", "Index", "NotAlgebraic", "Term", "read", "why_unread", "writes_a_temporary"]
@@ -303,6 +304,14 @@ def _h_expand(sub, args, kwargs):
     return expand(sub(args[0]), list(sizes))
 
 
+def _h_expand_as(sub, args, kwargs):
+    """`a.expand_as(S)`: a broadcast to S's sizes; S lends its shape only, none of its values."""
+    other = fake_tensor(args[1])
+    if other is None or any(not isinstance(d, int) for d in other.shape):
+        raise NotAlgebraic("expand_as a tensor whose sizes are not known")
+    return expand(sub(args[0]), list(other.shape))
+
+
 def _h_einsum(sub, args, kwargs):
     equation, *operands = args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
@@ -387,7 +396,7 @@ _METHODS = {
     "mul": _h_mul, "__mul__": _h_mul, "add": _h_add, "sub": _h_sub, "div": _h_div, "neg": _h_neg,
     "sum": _h_sum, "unsqueeze": _h_unsqueeze, "squeeze": _h_squeeze, "permute": _h_permute,
     "transpose": _h_transpose, "t": _h_t, "view": _h_view, "reshape": _h_view, "expand": _h_expand,
-    "matmul": _h_matmul, "bmm": _h_matmul, "mm": _h_matmul, "outer": _h_outer, "ger": _h_outer,
+    "expand_as": _h_expand_as, "matmul": _h_matmul, "bmm": _h_matmul, "mm": _h_matmul, "outer": _h_outer, "ger": _h_outer,
     "contiguous": _h_same, "clone": _h_same, "float": _h_to, "double": _h_to, "half": _h_to,
     "bfloat16": _h_to, "to": _h_to, "type_as": _h_to,
     "addcmul": _h_addcmul, "baddbmm": _h_baddbmm, "addmm": _h_baddbmm, "addbmm": _h_addbmm, "addr": _h_addr,

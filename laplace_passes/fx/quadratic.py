@@ -66,8 +66,8 @@ import torch.fx
 from laplace_passes.fx.algebra import Expr, Factor, Index, NotAlgebraic, read
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.quadratic_masks import (
-    CREATED_HERE, check_masks_keep_the_past, filled, keeps_earlier_keys, keeps_every_earlier_key, with_zero_masks_read,
-    zero_masked,
+    CREATED_HERE, check_masks_keep_the_past, fill_other_than_zero, filled, keeps_earlier_keys, keeps_every_earlier_key,
+    with_zero_masks_read, zero_masked,
 )
 from laplace_passes.fx.token_loop import ROW, TIME, RoleFactors
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
@@ -284,6 +284,10 @@ def _gate(decays: list[Factor], i: Index, j: Index, where: dict, like: Node):
     constants = [constant_value(f.node) for f in decays]
     if all(c is not None for c in constants):
         return _constant_decay(decays, constants, i, j, where, like)
+    for factor in decays:
+        if (fill := fill_other_than_zero(factor.node)) is not None:
+            raise Declined(f"its decay matrix D is masked with {fill!r} where the mask drops entries, not 0: the "
+                           "keys it drops keep a weight")
     raise Declined("its decay matrix D is not built from a cumulative sum (exp(G_i - G_j), or one segment sum "
                    "that keeps j < i), a ratio of cumulative products, or powers of a decay per head")
 

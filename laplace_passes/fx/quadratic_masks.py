@@ -100,6 +100,14 @@ def zero_masked(node: Node) -> tuple[Node, torch.Tensor | None]:
     return masked.x, value if masked.kept_where_true else ~value
 
 
+def fill_other_than_zero(node: Node) -> float | None:
+    """The number a masking of D (`where(m, x, 1.0)`, `masked_fill(x, m, 1)`) puts where it drops entries, when
+    that number is known and not 0; None otherwise."""
+    masked = _masking(node)
+    number = masked.number if masked is not None else None
+    return number if number is not None and number != 0 else None
+
+
 def filled(node: Node, fill: float) -> Node | None:
     """x of masked_fill(x, m, fill), where(m, x, fill) or where(m, fill, x) (the mask either way round); else None.
     Which entries the mask keeps the callers check, or the random-input check does."""
@@ -176,8 +184,27 @@ class _Masked(NamedTuple):
 
     @property
     def number(self) -> float | None:
-        """The fill when it is a number (not a bool, a node or a tensor): the fills the readers compare."""
+        """The fill when it is a number (not a bool), or a node holding one number everywhere and computed from
+        no input's values (`torch.zeros_like(D)`): the fills the readers compare."""
+        if isinstance(self.fill, Node):
+            return _uniform_fill(self.fill, (self.x, self.mask))
         return None if isinstance(self.fill, bool) or not isinstance(self.fill, (int, float)) else self.fill
+
+
+def _uniform_fill(fill: Node, others: tuple[Node, ...]) -> float | None:
+    """The one number a constant tensor `fill` holds, when it broadcasts into the shape of `others` (a fill that
+    widened the select's result would not be a number in its place); None otherwise."""
+    value, shapes = constant_value(fill), [fake_tensor(n) for n in others]
+    if value is None or value.numel() == 0 or any(s is None for s in shapes):
+        return None
+    kept_shape = torch.broadcast_shapes(*(s.shape for s in shapes))
+    try:
+        if torch.broadcast_shapes(value.shape, kept_shape) != kept_shape:
+            return None
+    except RuntimeError:
+        return None
+    first = value.reshape(-1)[0]
+    return float(first) if bool((value == first).all()) else None
 
 
 def _masking(node: Node) -> _Masked | None:

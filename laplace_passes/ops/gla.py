@@ -53,7 +53,8 @@ def _gate_error(found, origin: str) -> str:
                 f"found {found} (use F.logsigmoid(x) or -F.softplus(x) to produce gates)")
     # A loop the user wrote was recognised as GLA ("GLA in plain PyTorch" in docs/passes.md): they never wrote
     # a gk, so the message speaks of their decay and of how to keep their loop.
-    decay = ("a NaN decay" if found == "NaN"  # exp: inf past its range, where math.exp raises
+    # The check sees the gates, log(decay): NaN there is a NaN decay or the log of a negative one (tanh, a cosine).
+    decay = ("a negative or NaN decay (its log, the gate, is NaN)" if found == "NaN"  # exp: inf past its range
              else f"a decay of {float(torch.tensor(found).exp()):.6g} (log {found:.6g})")
     return (f"a recognised GLA loop ({origin}) met {decay} at run time; the GLA op it was rewritten into "
             "needs every decay in [0, 1] and no NaN, which the graph does not show. Compile with "
