@@ -352,6 +352,22 @@ def test_export_writes_every_partition_of_a_graph_over_the_budget(tmp_path):
         assert entry["total_ops"] == sum(entry["op_counts"].values()) > 0
 
 
+def test_iree_keeps_a_float64_model_in_float64():
+    """IREE demotes f64 to f32 unless told not to: the module then refused the float64 inputs it was made for
+    ("element type mismatch"), and would have computed in f32."""
+    gen = torch.Generator().manual_seed(6)
+    layer = torch.nn.Linear(8, 5).double()
+    x = torch.randn(3, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    compiled = laplace_passes.compile(layer, target="cpu", inner="iree")
+    got = compiled(x)
+    got_grad, = torch.autograd.grad(got.square().sum(), x)
+    expected = layer(x)
+    expected_grad, = torch.autograd.grad(expected.square().sum(), x)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)  # f64 arithmetic, not f32's 1e-7
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
 def test_iree_runs_a_graph_cut_into_partitions():
     gen = torch.Generator().manual_seed(5)
     q, k, v, gk = (torch.randn(1, 16, 2, 8, generator=gen) for _ in range(4))

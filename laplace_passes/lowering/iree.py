@@ -34,8 +34,11 @@ from laplace_passes.lowering import _deps
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
 
 # Code for this machine's CPU (the module runs where it is compiled); without
-# a CPU named, IREE warns and targets a generic, slow x86-64.
-DEFAULT_FLAGS = ("--iree-llvmcpu-target-cpu=host",)
+# a CPU named, IREE warns and targets a generic, slow x86-64. IREE's input
+# conversion demotes f64 to f32 by default, changing the module's signature:
+# a float64 graph would get f32 numbers, and its float64 inputs are refused
+# at the call. Kept at f64, it computes what eager computes.
+DEFAULT_FLAGS = ("--iree-llvmcpu-target-cpu=host", "--iree-input-demote-f64-to-f32=false")
 
 
 def compile_vmfb(stablehlo_text: str, flags: tuple[str, ...] = DEFAULT_FLAGS) -> bytes:
