@@ -216,6 +216,28 @@ def test_errors_are_clear(args, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["export", "tests.cli_models:spectrum", "--stablehlo", "{out}"],
+     "export: error: torch-mlir cannot lower 1 node(s): node _fft_r2c (aten._fft_r2c.default)"),
+    (["export", "tests.cli_models:branch", "--stablehlo", "{out}"],
+     "export: error: torch-mlir cannot lower this graph: Higher-order operation 'cond' not implemented"),
+    (["inspect", "tests.cli_models:branch", "--inner", "stablehlo"], "(the graph holds control flow: cond,"),
+    (["inspect", "tests.cli_models:no_tensor_work"], "inspect: error: inspect captured no graph"),
+    (["export", "tests.cli_models:spectrum", "--stablehlo", "{out}", "--muon"],
+     "export: error: --muon exports the demo's ShardedMuon step over a model_zoo config's parameters"),
+    (["demo", "--inner", "neuron", "--steps", "1", "--no-progress"],
+     "demo: error: inner='neuron' hands the ATen graphs to TorchNeuron (the torch-neuronx package), which is not "
+     "installed here"),
+])
+def test_what_the_work_meets_is_one_line_too(args, message, tmp_path, capsys):
+    """Errors met after the work began (a graph that does not lower, one never compiled, a compiler missing inside
+    the demo's training step, where Dynamo wraps it): one line of the error, no traceback."""
+    assert main([a.format(out=tmp_path / "out") for a in args]) == 2
+    err = capsys.readouterr().err
+    last = err.rstrip().splitlines()[-1]
+    assert last.startswith(f"laplace-passes {args[0]}: error: ") and message in last and "Traceback" not in err, err
+
+
 def test_inspect_runs_the_graphs_with_the_inner_compiler_asked_for(monkeypatch, capsys):
     """--inner reaches laplace_passes.inspect (it had been taken for --passes alone and dropped otherwise)."""
     import laplace_passes

@@ -8,7 +8,7 @@ import torch
 
 from laplace_passes.driver.backend import compile_config, laplace_backend
 from laplace_passes.driver.buckets import check_buckets, with_seq_buckets
-from laplace_passes.driver.compile_fx import capture_graphs, prepare_to_trace
+from laplace_passes.driver.compile_fx import NothingCapturedError, capture_graphs, prepare_to_trace
 from laplace_passes.fla import FlaCallNotReplaced
 from laplace_passes.fla.not_replaced import triton_error_call
 from laplace_passes.infra.report import Report
@@ -87,7 +87,7 @@ def inspect(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2", *
     except (FlaCallNotReplaced, RuntimeError) as error:  # what was captured is reported: show it
         _note_unreplaced_fla_call(config.report, error)
     if not config.report.graphs:
-        raise RuntimeError("inspect captured no graph before an fla call without a replacement stopped it")
+        raise NothingCapturedError("inspect captured no graph before an fla call without a replacement stopped it")
     return config.report
 
 

@@ -45,6 +45,11 @@ from laplace_passes.ops.chunked import CHUNK_LOOP_OPS
 from laplace_passes.unroll import compile_graph
 from laplace_passes.unroll.body_helper import HELPER
 
+
+class NothingCapturedError(RuntimeError):
+    """`inspect` (and `export`) ran the function, and Dynamo compiled no graph of it to report."""
+
+
 KINDS = ("forward", "backward", "inference")
 
 
@@ -190,7 +195,7 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
             # Dynamo's wrapper starts with the backend's repr; the user needs the cause first.
             raise error.inner_exception.with_traceback(error.inner_exception.__traceback__) from None
     if not config.report.graphs:
-        raise RuntimeError("inspect captured no graph: Dynamo ran the function without compiling it")
+        raise NothingCapturedError("inspect captured no graph: Dynamo ran the function without compiling it")
     return config.report
 
 

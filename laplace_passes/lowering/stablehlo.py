@@ -146,6 +146,8 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
         raise lowering_error(gm, failure.diagnostics) from failure
     except CollectiveLoweringError as error:
         raise LoweringError(f"a collective cannot be lowered: {error}") from error
+    except NotImplementedError as error:  # the importer's refusal of an op it has no lowering for (torch.cond)
+        raise LoweringError(f"torch-mlir cannot lower this graph: {error}{_control_flow_hint(gm)}") from error
     return LoweredGraph(
         text=str(module),
         inputs=[TensorSpec.of(n) for n in gm.graph.find_nodes(op="placeholder")],
@@ -156,6 +158,16 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
         op_counts=count_ops(module),
         bytecode=_bytecode(module),
     )
+
+
+def _control_flow_hint(gm: torch.fx.GraphModule) -> str:
+    """What to do about a control-flow op left in `gm` (torch.cond, while_loop): none lowers here."""
+    flows = sorted({n.target.__name__ for n in gm.graph.nodes
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+    if not flows:
+        return ""
+    return (f" (the graph holds control flow: {', '.join(flows)}, which torch-mlir does not lower; compute both "
+            "branches and select with torch.where; laplace_passes.preflight names it as a [control-flow] finding)")
 
 
 def _bytecode(module) -> bytes:

@@ -47,9 +47,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with allocation_failures_as_errors("use a smaller --seq-len or --batch"), progress:
             return args.run(args)
-    except (ValueError, TypeError, LookupError, ImportError, OSError) as error:
-        print(f"laplace-passes {args.command}: error: {error}", file=sys.stderr)
+    except Exception as error:  # noqa: BLE001 (what is not the input's or ours to explain is raised again)
+        shown = _one_line_error(error)
+        if shown is None:
+            raise
+        print(f"laplace-passes {args.command}: error: {shown}", file=sys.stderr)
         return 2
+
+
+def _one_line_error(error: Exception) -> Exception | None:
+    """The error to print as one line: bad input (ValueError, TypeError, a missing file or package, ...), a graph
+    torch-mlir cannot lower, a function nothing was compiled of; unwrapped from Dynamo's BackendCompilerFailed,
+    which a compile inside a training step (the demo) raises around them. None: a traceback's matter."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from laplace_passes.driver.compile_fx import NothingCapturedError
+    from laplace_passes.lowering.diagnose import LoweringError
+
+    if isinstance(error, BackendCompilerFailed):
+        error = error.inner_exception
+    one_line = (ValueError, TypeError, LookupError, ImportError, OSError, LoweringError, NothingCapturedError)
+    return error if isinstance(error, one_line) else None
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -248,7 +266,8 @@ def _add_export(commands) -> None:
                         help="export the inference graph only (default: forward and backward of a training step)")
     export.add_argument("--muon", action="store_true",
                         help="also export the demo's ShardedMuon step over MODEL's parameters into DIR/muon_step "
-                             "(one module for every rank, traced on --world-size local ranks)")
+                             "(one module for every rank, traced on --world-size local ranks; MODEL a model_zoo "
+                             "config)")
     export.add_argument("--world-size", type=int, default=MUON_EXPORT_RANKS, metavar="W", action=_GivenAction,
                         help="ranks of the --muon step (trn2's all-to-all takes 4, 8, 16 or 32k)")
     export.add_argument("--json", action="store_true", help="print the manifest as JSON")
@@ -274,6 +293,9 @@ def _run_export(args) -> int:
     if args.world_size_given and not args.muon:  # it would change nothing: say so
         raise ValueError(f"--world-size ({args.world_size}) sets the ranks of the --muon step: add --muon, or "
                          "leave --world-size out")
+    if args.muon and ":" in args.model:  # before W ranks start, each of which would refuse the name
+        raise ValueError(f"--muon exports the demo's ShardedMuon step over a model_zoo config's parameters; "
+                         f"{args.model!r} is a package.module:attr: export it without --muon")
     if args.muon and args.world_size < 2:
         raise ValueError(f"--muon needs --world-size of at least 2 (got {args.world_size}): with one rank the "
                          "step has no communication to export")
