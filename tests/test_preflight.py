@@ -319,3 +319,41 @@ def test_clean_model_has_no_finding_and_the_report_shows_the_preflight():
     FileCheck().check_not("laplace.check_gates").check("aten.clamp.default(div").run(
         checked.report.graph("after", "forward_0").code
     )
+
+
+def _branch_on_a_value(x):
+    y = x * 2
+    if y.sum() > 0:  # data-dependent: Dynamo splits the function here
+        return y + 1
+    return y - 1
+
+
+def _nonzero_between(x):
+    return torch.nonzero(x > 0).float().sum() + x.sum()
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (_branch_on_a_value, "Data-dependent branching (test_preflight.py, line "),
+    (_nonzero_between, "Dynamic shape operator (aten.nonzero.default)"),
+])
+def test_a_graph_break_is_named_by_preflight_export_and_inspect(fn, reason, tmp_path):
+    """Each graph reaches the compiler alone: the code between them (the branch the example took, an op run
+    eagerly) is in none of them, and every entry point says where the function was split (they had said nothing:
+    'no finding', manifest notes [])."""
+    x = torch.ones(4, 4)
+    report = laplace_passes.inspect(fn, x)
+    assert [g.kind for g in report.graphs].count("dynamo") == 2
+    (found,) = report.graph_breaks
+    assert found.startswith(reason), found
+    assert f"graph break (the Python around it runs in no graph): {found}" in str(report)
+    (finding,) = laplace_passes.preflight(fn, x).findings
+    assert finding.check == "graph-break" and reason in finding.message and "torch.where" in finding.fix
+    manifest = laplace_passes.export_stablehlo(fn, x, out_dir=tmp_path / "out").manifest
+    assert any(note.startswith(f"Dynamo split the function into 2 graphs at 1 kind(s) of graph break: {found}")
+               for note in manifest["notes"]), manifest["notes"]
+    assert [f.split("]")[0] for f in manifest["neuron_preflight"]] == ["[graph-break"]
+
+
+def test_a_function_in_one_graph_has_no_graph_break():
+    report = laplace_passes.inspect(lambda x: torch.where(x.sum() > 0, x * 2 + 1, x * 2 - 1), torch.ones(4, 4))
+    assert report.graph_breaks == [] and "graph break" not in str(report)

@@ -251,7 +251,7 @@ def thread_contention_warning() -> str | None:
     load = os.getloadavg()[0]
     if load <= cores:
         return None
-    return (f"the load average ({load:.1f}) is above the {cores} core{'s' * (cores != 1)} this process may run on "
+    return (f"the load average ({load:.2f}) is above the {cores} core{'s' * (cores != 1)} this process may run on "
             "(its CPU affinity, within a container's CPU quota): PyTorch's threads spin against "
             "the other work and training can run 35-40x slower; set OMP_NUM_THREADS=1 "
             "(`OMP_NUM_THREADS=1 laplace-passes demo ...`)")

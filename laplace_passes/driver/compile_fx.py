@@ -29,6 +29,7 @@ from laplace_passes.fla.install import covered_before_install
 from laplace_passes.fla.install import install as install_fla_replacements
 from laplace_passes.fla.late_import import install_after_import
 from laplace_passes.infra import logs
+from laplace_passes.infra.graph_breaks import GraphBreaks
 from laplace_passes.infra.pass_base import run_passes
 from laplace_passes.infra.fx_helpers import dynamic_dims, input_source
 from laplace_passes.driver.pipeline import aten_passes, compiles_loop_bodies, dynamo_passes, graph_context
@@ -190,10 +191,12 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
             logs.progress(f"capturing the graphs of {_described(model_or_fn, example_inputs)}"):
         try:
-            compiled(*example_inputs)
+            with GraphBreaks() as breaks:
+                compiled(*example_inputs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             # Dynamo's wrapper starts with the backend's repr; the user needs the cause first.
             raise error.inner_exception.with_traceback(error.inner_exception.__traceback__) from None
+    config.report.graph_breaks = breaks.found
     if not config.report.graphs:
         raise NothingCapturedError("inspect captured no graph: Dynamo ran the function without compiling it")
     return config.report

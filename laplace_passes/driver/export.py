@@ -34,7 +34,7 @@ from functorch.compile import make_boxed_func
 
 from laplace_passes.driver.compile_fx import capture_graphs, check_callable
 from laplace_passes.driver.config import CompileConfig, entry_point_options
-from laplace_passes.driver.preflight import preflight_records
+from laplace_passes.driver.preflight import graph_break_findings, preflight_records
 from laplace_passes.infra.files import check_output_dir, staged_directory
 from laplace_passes.lowering._deps import torch_mlir_fx
 from laplace_passes.lowering.neuron import NEURON_TARGETS, format_command, neuronx_cc_command
@@ -94,8 +94,8 @@ def export_stablehlo(
 
 
 def _preflight_findings(report: Report) -> list:
-    """Every graph's preflight findings in `report`, in order (`preflight_records`)."""
-    return [f for record in preflight_records(report) for f in record.findings]
+    """Every graph's preflight findings in `report`, in order (`preflight_records`), then the graph breaks'."""
+    return [f for record in preflight_records(report) for f in record.findings] + graph_break_findings(report)
 
 
 def _refuse_meta_tensors(model_or_fn: Callable, example_inputs: tuple) -> None:
@@ -142,6 +142,11 @@ def _notes(report: Report, entries: list[dict], captured: list[tuple[str, Lowere
         notes.append(f"{', '.join(in_f64)} compute in float64 (the model holds float64 tensors or ops): "
                      "neuronx-cc has no FP64; cast the model and its inputs to float32 or bfloat16 "
                      "(laplace_passes.preflight names the nodes)")
+    if report.graph_breaks:
+        dynamo_graphs = sum(1 for g in report.graphs if g.kind == "dynamo")
+        notes.append(f"Dynamo split the function into {dynamo_graphs} graphs at {len(report.graph_breaks)} kind(s) "
+                     f"of graph break: {'; '.join(report.graph_breaks)}. The Python between the graphs (a branch "
+                     "taken the example inputs' way, an op run eagerly) is in none of these modules")
     return notes
 
 

@@ -79,10 +79,20 @@ def preflight(model_or_fn: Callable, *example_inputs: Any, target: Any = "trn2",
         return PreflightReport(config.report.target, f64_entries or [refusal], [], config.report,
                                not_checked=_not_captured(error))
     checked = preflight_records(report)
-    findings = [f for record in checked for f in record.findings]
+    findings = [f for record in checked for f in record.findings] + graph_break_findings(report)
     if f64_entries:  # they name the parameters and inputs the graphs' f64 placeholders stand for
         findings = [f for f in findings if not (f.check == "f64" and f.op == "input")]
     return PreflightReport(report.target, f64_entries + findings, [record.graph for record in checked], report)
+
+
+def graph_break_findings(report: Report) -> list[Finding]:
+    """One finding per kind of graph break: TorchNeuron gets each graph alone, and the code between them runs
+    on the host at every call (a branch on a device value waits for it to come back)."""
+    return [Finding("graph-break", "(between graphs)", "graph break", f"Dynamo split the function here: {reason}",
+                    "make the code between the graphs traceable: a branch computed both ways and chosen with "
+                    "torch.where, ops whose output shape does not depend on values (a mask instead of nonzero); "
+                    "inspect() lists every graph")
+            for reason in report.graph_breaks]
 
 
 def preflight_records(report: Report) -> list[PassRecord]:

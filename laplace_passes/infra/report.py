@@ -224,6 +224,8 @@ class Report:
         self.sites: list[SiteRecord] = []
         self.recurrences: list[RecurrenceRecord] = []
         self.notes: list[str] = []
+        # Where Dynamo split the captured function (`inspect`, `export`, `preflight`; infra/graph_breaks.py).
+        self.graph_breaks: list[str] = []
         # Graphs with symbolic sizes (laplace_passes.driver.shapes): "graph input dim i = symbol" per dynamic
         # dimension, and one entry per concrete shape compiled on its own for a static-shape target.
         self.dynamic_dims: list[str] = []
@@ -272,6 +274,7 @@ class Report:
             "sites": [asdict(s) for s in self.sites],
             "recurrences": [asdict(r) for r in self.recurrences],
             "notes": list(self.notes),
+            "graph_breaks": list(self.graph_breaks),
             "dynamic_dims": list(self.dynamic_dims),
             "specialised": list(self.specialised),
         }
@@ -320,6 +323,7 @@ class Report:
         if self.traffic:
             lines += _traffic_tables(self.traffic)
         lines += _shape_lines(self.dynamic_dims, self.specialised)
+        lines += [f"graph break (the Python around it runs in no graph): {b}" for b in self.graph_breaks]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines + legend(lines))
 
