@@ -146,8 +146,9 @@ def test_inspect_json_has_the_documented_fields():
     assert "inspect tiny: capturing and transforming its graphs" in done.stderr and "done in" in done.stderr
     data = json.loads(done.stdout)
     assert set(data) == {"target", "inner", "graphs", "passes", "sites", "recurrences", "notes", "dynamic_dims",
-                         "specialised"}
+                         "specialised", "graph_breaks"}
     assert data["dynamic_dims"] == [] and data["specialised"] == []  # static example inputs
+    assert data["graph_breaks"] == []  # tiny's forward is one graph
     assert {"name", "kind", "nodes_before", "nodes_after", "passes"} <= set(data["graphs"][0])
     assert {"name", "graph", "modified", "nodes_before", "nodes_after", "summary", "declined"} <= set(data["passes"][0])
     assert {"graph", "node", "origin", "status", "reason", "plan", "shape"} <= set(data["sites"][0])
@@ -208,6 +209,8 @@ def test_inspect_module_attr_form(capsys):
         (["export", "tiny", "--stablehlo", "unused", "--world-size", "3"],
          "--world-size (3) sets the ranks of the --muon step: add --muon, or leave --world-size out"),
         (["bench", "nope"], "unknown benchmark 'nope'; available: "),
+        (["inspect", "tiny", "--passes", "--json"], "--passes prints the pipeline only (for --target and --inner); "
+                                                    "MODEL, --json would be ignored"),
     ],
 )
 def test_errors_are_clear(args, message, capsys):
@@ -328,8 +331,10 @@ def test_export_subprocess_inference_graph(tmp_path):
     # What the minutes of lowering are spent on, as it goes: capture, then each graph's passes and lowering.
     progress = [line.strip() for line in done.stderr.splitlines() if line.startswith("  ")]
     assert progress[0] == "capturing the graphs of GLALM at inputs [1, 64] ...", done.stderr
-    steps = ["dynamo_0: the passes ...", "inference_0: the passes ...", "lowering inference_0 to StableHLO (torch-mlir) ..."]
+    steps = ["dynamo_0: the passes ...", "inference_0: the passes and the lowering to StableHLO (torch-mlir) ..."]
     assert [line for line in progress if line in steps] == steps
+    # The lowering's seconds are the passes' (it is their last step), not a line of 0.0 s after them.
+    assert not any(line.startswith("lowering ") for line in progress), done.stderr
     assert progress[-1].startswith("capturing the graphs of GLALM at inputs [1, 64]: done in ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inference_0.mlir", "inference_0.mlirbc", "manifest.json"]
 

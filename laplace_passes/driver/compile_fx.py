@@ -148,7 +148,9 @@ def _aten_compiler(config: CompileConfig, kind: str, ahead: BackwardAhead | None
         report = config.report
         forward_graphs = [g.before for g in report.graphs if g.kind == "forward"]
         record = report.new_graph(kind, gm)
-        with logs.progress(f"{record.name}: the passes"):
+        # The last pass lowers a graph for the compilers that take StableHLO: the progress line says so.
+        lowering = " and the lowering to StableHLO (torch-mlir)" if config.inner.lowers_to_stablehlo else ""
+        with logs.progress(f"{record.name}: the passes{lowering}"):
             gm = _with_aten_passes(config, gm, record, report, forward_graphs)
         if ahead is not None and kind == "forward":  # NOTE [backward graphs generated in the helper process]
             ahead.send(gm, functools.partial(_backward_as_sent, config, forward_graphs + [record.before]))

@@ -56,7 +56,8 @@ def progress(what: str) -> Iterator[None]:
 def inner_compile(inner: str, graph: str) -> Iterator[None]:
     """Progress around the inner compiler on one graph, and the hint at the first slow compile."""
     start = time.perf_counter()
-    with progress(_compiling(inner, graph)) if inner != "eager" else contextlib.nullcontext():
+    # eager and stablehlo run the graph as it is (stablehlo's lowering was the passes' last step): no line.
+    with progress(_compiling(inner, graph)) if inner not in ("eager", "stablehlo") else contextlib.nullcontext():
         yield
     seconds = time.perf_counter() - start
     if seconds > SLOW_COMPILE_S:
@@ -64,10 +65,8 @@ def inner_compile(inner: str, graph: str) -> Iterator[None]:
 
 
 def _compiling(inner: str, graph: str) -> str:
-    if inner == "stablehlo":
-        return f"lowering {graph} to StableHLO (torch-mlir)"
     if inner == "iree":
-        return f"lowering {graph} to StableHLO and compiling it with IREE"
+        return f"compiling {graph}'s StableHLO with IREE"
     return f"compiling {graph} with {inner}"
 
 

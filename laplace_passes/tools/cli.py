@@ -229,6 +229,12 @@ def _run_inspect(args) -> int:
         from laplace_passes.driver.backend import compile_config
         from laplace_passes.driver.pipeline import describe
 
+        # The pipeline alone: what else was given would be ignored, so it is refused, naming it.
+        unused = [name for name, given in (("MODEL", args.model), ("--json", args.json), ("--dump", args.dump),
+                                           ("--force", args.force)) if given]
+        if unused:
+            raise ValueError(f"--passes prints the pipeline only (for --target and --inner); {', '.join(unused)} "
+                             "would be ignored: leave --passes out to inspect a model")
         print(describe(compile_config({"target": args.target, "inner": args.inner})))
         return 0
     if args.model is None:
