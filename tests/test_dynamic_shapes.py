@@ -470,3 +470,29 @@ def test_a_dynamic_graph_whose_loop_is_not_found_says_why():
     assert entry.summary.startswith("0 of 0 loops carrying a state rewritten as GLA sites; a loop whose state has "
                                     "symbolic sizes is not read as one (the graph's inputs have symbolic sizes: "
                                     "l_x_ dim 0 = s"), entry.summary
+
+
+class TwoProjectedTokenLoops(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = ProjectedTokenLoop(), ProjectedTokenLoop()
+
+    def forward(self, x):
+        return self.second(self.first(x).flatten(2))
+
+
+def test_a_dynamic_graph_with_a_loop_found_and_one_not_says_why_for_both():
+    """dynamic=True, two loops: the second is found (a row, declined at a symbolic size), the first not at all
+    (no row); the entry still says that a loop of symbolic sizes is not read (it had said only "0 of 1")."""
+    torch.manual_seed(0)
+    model = TwoProjectedTokenLoops()
+    compiled = laplace_passes.compile(model, target="cpu", inner="eager", dynamic=True)
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+    report = compiled.laplace_report
+    assert [r.status for r in report.recurrences] == ["declined"]
+    (entry,) = [p for p in report.passes if p.name == "recognise_gla"]
+    assert entry.summary.startswith("0 of 1 loops carrying a state rewritten as GLA sites; a loop whose state has "
+                                    "symbolic sizes is not read as one (the graph's inputs have symbolic sizes: "), \
+        entry.summary

@@ -77,7 +77,8 @@ class RecogniseGLA(GraphPass):
         found = sum(r.status == "GLA site" for r in records)
         declined = [f"{r.node}: {r.reason}" for r in records if r.status == "declined"]
         summary = f"{found} of {len(records)} loops carrying a state rewritten as GLA sites"
-        if not records and (hint := symbolic_size_hint(gm)):  # a loop of symbolic sizes is not even found
+        # A loop of symbolic sizes may not even be found (no row): said whenever none was rewritten.
+        if not found and (hint := symbolic_size_hint(gm)):
             summary += f"; a loop whose state has symbolic sizes is not read as one{hint}"
         return PassResult(gm, modified=found > 0 or moved > 0, summary=summary, declined=declined,
                           recurrences=records)
