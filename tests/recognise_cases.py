@@ -481,6 +481,24 @@ def quadratic_zeros_like_fill(q, k, v, g):
     return ((q @ k.transpose(-1, -2)) * D) @ v
 
 
+def quadratic_zeros_like_fill_first(q, k, v, g):
+    """The same, the fill first: where(upper, zeros_like(...), exp(G_i - G_j))."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    differences = G[..., :, None] - G[..., None, :]
+    D = torch.where(~causal_mask(T), torch.zeros_like(differences), differences.exp())
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def quadratic_full_like_fill(q, k, v, g):
+    """Filled with full_like(..., 0.5): later keys kept at half weight, not causal."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    G = g.transpose(1, 2).cumsum(-1)
+    differences = G[..., :, None] - G[..., None, :]
+    D = torch.where(causal_mask(T), differences.exp(), torch.full_like(differences, 0.5))
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
 def quadratic_ones_like_fill(q, k, v, g):
     """The same filled with ones: every later key kept with weight 1, not causal."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))

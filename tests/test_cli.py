@@ -225,7 +225,7 @@ def test_errors_are_clear(args, message, capsys):
     (["export", "tests.cli_models:branch", "--stablehlo", "{out}"],
      "export: error: torch-mlir cannot lower this graph: Higher-order operation 'cond' not implemented"),
     (["inspect", "tests.cli_models:branch", "--inner", "stablehlo"], "(the graph holds control flow: cond,"),
-    (["inspect", "tests.cli_models:no_tensor_work"], "inspect: error: inspect captured no graph"),
+    (["inspect", "tests.cli_models:no_tensor_work"], "inspect: error: captured no graph: Dynamo ran the function"),
     (["export", "tests.cli_models:spectrum", "--stablehlo", "{out}", "--muon"],
      "export: error: --muon exports the demo's ShardedMuon step over a model_zoo config's parameters"),
     (["demo", "--inner", "neuron", "--steps", "1", "--no-progress"],

@@ -335,6 +335,45 @@ def test_stablehlo_tile_formula_on_each_kind_of_op():
     assert stablehlo_instructions(text, SizeModel(128, 512)) == 36 + 16 + 16 + 1
 
 
+def test_manifest_outputs_say_what_each_one_is(exported):
+    """tiny's training step: the forward returns the logits to the user and the rest to the backward, whose
+    outputs are gradients of the forward's inputs, each of its input's shape."""
+    forward, backward = exported.manifest["graphs"][:2]
+    roles = [o["role"] for o in forward["outputs"]]
+    assert roles[0] == "graph output" and forward["outputs"][0]["shape"] == [1, 256, 128]  # the logits
+    assert set(roles[1:]) == {"saved for backward"}
+    assert len(roles) - 1 == len(backward["inputs"]) - 1  # all of them the backward's, beside its tangent
+    for output in backward["outputs"]:
+        assert output["role"] == "gradient"
+        assert output["shape"] == forward["inputs"][output["of_forward_input"]]["shape"]
+        assert forward["inputs"][output["of_forward_input"]]["source"].startswith("module.")  # a parameter's
+
+
+class _Counting(torch.nn.Module):
+    """A buffer updated in place by the forward, and a reassigned attribute's value Dynamo returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x) * 2
+
+
+def test_manifest_outputs_name_the_input_each_update_is_the_new_value_of(tmp_path):
+    """The leading outputs of a module that updates inputs in place are their new values (the graph's output
+    list named the same node twice, with nothing to tell which was the buffer's)."""
+    with torch.no_grad():
+        exported = laplace_passes.export_stablehlo(_Counting(), torch.randn(2, 4), out_dir=tmp_path)
+    (entry,) = exported.manifest["graphs"]
+    update, result = entry["outputs"][:2]
+    (updated,) = [s for s in entry["inputs"] if s["name"] == update["updates_input"]]
+    assert update["role"] == "updated input" and updated["source"] == "module.calls"
+    assert (result["role"], result["index"], result["shape"]) == ("graph output", 0, [2, 3])
+
+
 def test_export_writes_every_partition_of_a_graph_over_the_budget(tmp_path):
     torch.manual_seed(0)
     exported = laplace_passes.export_stablehlo(
@@ -366,6 +405,25 @@ def test_iree_keeps_a_float64_model_in_float64():
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)  # f64 arithmetic, not f32's 1e-7
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_float64_math_iree_cannot_link_runs_demoted_with_a_warning():
+    """A float32 model computing a tanh in float64 (its saved tensor for the backward is float64 too): IREE's CPU
+    backend has no float64 tanh, so that graph is compiled demoted, said in a warning, and still equals eager."""
+    x = torch.randn(3, 5, requires_grad=True)
+
+    def f(x):
+        return torch.tanh(x.double()).float() * 2
+
+    compiled = laplace_passes.compile(f, target="cpu", inner="iree")
+    with pytest.warns(UserWarning, match=r"IREE's CPU backend has no float64 tanh: this graph's float64 math is "
+                                         r"compiled demoted to float32"):
+        got = compiled(x)
+    got_grad, = torch.autograd.grad(got.sum(), x)
+    expected = f(x)
+    expected_grad, = torch.autograd.grad(expected.sum(), x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_grad, expected_grad)
 
 
 def test_iree_runs_a_graph_cut_into_partitions():

@@ -349,9 +349,26 @@ def test_a_graph_break_is_named_by_preflight_export_and_inspect(fn, reason, tmp_
     (finding,) = laplace_passes.preflight(fn, x).findings
     assert finding.check == "graph-break" and reason in finding.message and "torch.where" in finding.fix
     manifest = laplace_passes.export_stablehlo(fn, x, out_dir=tmp_path / "out").manifest
-    assert any(note.startswith(f"Dynamo split the function into 2 graphs at 1 kind(s) of graph break: {found}")
-               for note in manifest["notes"]), manifest["notes"]
+    assert any(note.startswith(f"Dynamo compiled the function as 2 graphs, with code outside them at 1 kind(s) of "
+                               f"graph break: {found}") for note in manifest["notes"]), manifest["notes"]
     assert [f.split("]")[0] for f in manifest["neuron_preflight"]] == ["[graph-break"]
+
+
+def _two_branches(x):
+    y = x * 2
+    if y.sum() > 0:
+        y = y + 1
+    if y.mean() > 0:  # met in the frame Dynamo resumes after the first break
+        y = y * 3
+    return y
+
+
+def test_a_break_in_the_frame_resumed_after_a_break_is_named_too():
+    report = laplace_passes.inspect(_two_branches, torch.ones(4, 4))
+    assert [g.kind for g in report.graphs].count("dynamo") == 3
+    first, second = report.graph_breaks
+    assert first.startswith("Data-dependent branching (test_preflight.py, line ") and "if y.sum() > 0:" in first
+    assert second.startswith("Data-dependent branching (test_preflight.py, line ") and "if y.mean() > 0:" in second
 
 
 def test_a_function_in_one_graph_has_no_graph_break():

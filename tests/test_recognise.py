@@ -324,6 +324,7 @@ QUADRATIC = {
     "quadratic_einsum": "per-head gates summed cumulatively",
     "quadratic_cumprod": "per-head decays multiplied cumulatively",
     "quadratic_zeros_like_fill": "per-head gates summed cumulatively",
+    "quadratic_zeros_like_fill_first": "per-head gates summed cumulatively",
     "quadratic_retnet": "a fixed decay per head raised to i - j",
     "quadratic_linear": "no gate",
     "quadratic_key_gates": "per-key gates summed cumulatively",
@@ -338,6 +339,7 @@ QUADRATIC = {
 QUADRATIC_NEAR_MISSES = {
     "quadratic_unmasked": "no causal mask",
     "quadratic_ones_like_fill": "masked with 1.0 where the mask drops entries, not 0",
+    "quadratic_full_like_fill": "masked with 0.5 where the mask drops entries, not 0",
     "quadratic_upper_mask": "keeps the upper triangle",
     "quadratic_log_upper_mask": "its mask drops keys at or before the query and keeps later ones: not causal",
     "quadratic_constant_not_powers": "a constant that is not one decay per head raised to the power i - j",

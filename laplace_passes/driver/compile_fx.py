@@ -198,9 +198,9 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
         except torch._dynamo.exc.BackendCompilerFailed as error:
             # Dynamo's wrapper starts with the backend's repr; the user needs the cause first.
             raise error.inner_exception.with_traceback(error.inner_exception.__traceback__) from None
-    config.report.graph_breaks = breaks.found
+    config.report.graph_breaks = breaks.reasons(sum(1 for g in config.report.graphs if g.kind == "dynamo"))
     if not config.report.graphs:
-        raise NothingCapturedError("inspect captured no graph: Dynamo ran the function without compiling it")
+        raise NothingCapturedError("captured no graph: Dynamo ran the function without compiling it")
     return config.report
 
 

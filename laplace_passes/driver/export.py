@@ -34,6 +34,7 @@ from functorch.compile import make_boxed_func
 
 from laplace_passes.driver.compile_fx import capture_graphs, check_callable
 from laplace_passes.driver.config import CompileConfig, entry_point_options
+from laplace_passes.driver.output_roles import OutputLayout
 from laplace_passes.driver.preflight import graph_break_findings, preflight_records
 from laplace_passes.infra.files import check_output_dir, staged_directory
 from laplace_passes.lowering._deps import torch_mlir_fx
@@ -89,7 +90,7 @@ def export_stablehlo(
     report = capture_graphs(model_or_fn, example_inputs, config)
     captured = compiler.captured
     with staged_directory(out_dir, overwrite) as staging:
-        manifest = _write_export(staging, report, config.target, captured)
+        manifest = _write_export(staging, report, config.target, captured, compiler.layouts)
     return StableHLOExport(Path(out_dir), manifest, report)
 
 
@@ -108,12 +109,15 @@ def _refuse_meta_tensors(model_or_fn: Callable, example_inputs: tuple) -> None:
                          "build it on a real device, or use laplace_passes.inspect to see its graphs and sizes")
 
 
-def _write_export(out_dir: Path, report: Report, target: HardwareTarget, captured: list[tuple[str, LoweredGraph]]) -> dict:
+def _write_export(out_dir: Path, report: Report, target: HardwareTarget, captured: list[tuple[str, LoweredGraph]],
+                  layouts: list[OutputLayout | None]) -> dict:
     """Write each graph's .mlir and manifest.json into `out_dir`; return the manifest."""
     entries = [
         _write_graph(out_dir, name, kind, lowered, target)
         for name, (kind, lowered) in zip(_graph_names(report, len(captured)), captured, strict=True)
     ]
+    for entry, (kind, lowered), layout in zip(entries, captured, layouts, strict=True):
+        _label_outputs(entry, kind, lowered, layout)
     _name_input_sources(entries, report)
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -144,9 +148,10 @@ def _notes(report: Report, entries: list[dict], captured: list[tuple[str, Lowere
                      "(laplace_passes.preflight names the nodes)")
     if report.graph_breaks:
         dynamo_graphs = sum(1 for g in report.graphs if g.kind == "dynamo")
-        notes.append(f"Dynamo split the function into {dynamo_graphs} graphs at {len(report.graph_breaks)} kind(s) "
-                     f"of graph break: {'; '.join(report.graph_breaks)}. The Python between the graphs (a branch "
-                     "taken the example inputs' way, an op run eagerly) is in none of these modules")
+        notes.append(f"Dynamo compiled the function as {dynamo_graphs} graph{'s' * (dynamo_graphs != 1)}, with "
+                     f"code outside them at {len(report.graph_breaks)} kind(s) of graph break: "
+                     f"{'; '.join(report.graph_breaks)}. That code (a branch taken the example inputs' way, an op "
+                     "run eagerly) is in none of these modules")
     return notes
 
 
@@ -161,9 +166,11 @@ class _ExportCompiler(StableHLOCompiler):
 
     def __init__(self) -> None:
         self.captured: list[tuple[str, LoweredGraph]] = []
+        self.layouts: list[OutputLayout | None] = []  # what each graph's outputs are, in the same order
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str):
         self.captured.append((kind, lowered_graph(gm, example_inputs)))
+        self.layouts.append(OutputLayout.of_compile())
         return make_boxed_func(gm.forward)
 
 
@@ -183,6 +190,16 @@ def _graph_names(report: Report, compiled: int) -> list[str]:
     if len(names) != compiled:
         raise RuntimeError(f"the inner compiler got {compiled} graphs but the report lists {names}")
     return names
+
+
+def _label_outputs(entry: dict, kind: str, lowered: LoweredGraph, layout: OutputLayout | None) -> None:
+    """Each output's role (`output_roles`); a partition's outputs, whose layout is its cut's, get none."""
+    roles = None if layout is None or "_partition_" in entry["name"] else \
+        layout.roles(kind, lowered.output_positions, lowered.output_count)
+    for spec, role in zip(entry["outputs"], roles or []):
+        if role.get("role") == "updated input":
+            role = {"role": "updated input", "updates_input": entry["inputs"][role["input"]]["name"]}
+        spec.update(role)
 
 
 def _name_input_sources(entries: list[dict], report: Report) -> None:

@@ -392,6 +392,9 @@ _IN_PLACE = {
     "__iadd__": _h_add, "__isub__": _h_sub, "__imul__": _h_mul, "__itruediv__": _h_div, "addcmul_": _h_addcmul,
 }
 
+# The in-place methods read as arithmetic on a temporary (`S.mul_(a)`, `S.add_(kv)`): statements a chain may hold.
+IN_PLACE_METHODS = frozenset(name for name in _IN_PLACE if isinstance(name, str) and not name.startswith("__"))
+
 _METHODS = {
     "mul": _h_mul, "__mul__": _h_mul, "add": _h_add, "sub": _h_sub, "div": _h_div, "neg": _h_neg,
     "sum": _h_sum, "unsqueeze": _h_unsqueeze, "squeeze": _h_squeeze, "permute": _h_permute,

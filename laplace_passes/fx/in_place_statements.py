@@ -27,14 +27,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from laplace_passes.fx.algebra import IN_PLACE_METHODS
 from laplace_passes.fx.in_place_writes import owns_its_memory
 from laplace_passes.fx.update_tops import IN_PLACE_SUM_METHODS
 
 Node = torch.fx.Node
 
-# In-place statements the algebra reads as their out-of-place arithmetic on a temporary (`laplace_passes.fx.algebra`):
-# those that may come before the sum in one chain of statements on the same memory.
-CHAINED_IN_PLACE = frozenset({"mul_", "div_", "add_", "sub_", "addcmul_"})
 
 
 def read_through_in_place_statements(graph: torch.fx.Graph) -> int:
@@ -67,7 +65,7 @@ def _written_temporary(node: Node) -> tuple[Node | None, Node]:
     node) when the memory is not a temporary's."""
     first = node
     written = node.args[0] if node.args else None
-    while isinstance(written, Node) and written.op == "call_method" and written.target in CHAINED_IN_PLACE \
+    while isinstance(written, Node) and written.op == "call_method" and written.target in IN_PLACE_METHODS \
             and len(written.users) == 1:
         first, written = written, written.args[0] if written.args else None
     return (written, first) if _temporary(written) else (None, node)

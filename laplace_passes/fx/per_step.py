@@ -450,7 +450,7 @@ def is_fill(node: Node) -> bool:
 
 def constant_value(node: Node):
     """The value of a node computed from no graph input's values (a zero state, a range, a counter), or None."""
-    fill = _FILLS.get(base_op_name(node)) if node.op in ("call_function", "call_method") else None
+    fill = _fill_number(node) if node.op in ("call_function", "call_method") else None
     value = fake_tensor(node)
     if fill is not None and value is not None and all(isinstance(d, int) for d in value.shape):
         return torch.full(tuple(value.shape), fill, dtype=value.dtype)
@@ -460,6 +460,18 @@ def constant_value(node: Node):
         return _evaluate(node, {})
     except Exception:  # noqa: BLE001 (anything that does not evaluate is not a constant here)
         return None
+
+
+def _fill_number(node: Node) -> float | None:
+    """The number a fill op fills with (`zeros_like`, `new_ones`, `full_like(x, 0.5)`, `x.new_full(size, v)`)."""
+    name = base_op_name(node)
+    if name in _FILLS:
+        return _FILLS[name]
+    if name in ("full_like", "new_full"):
+        position = 1 if name == "full_like" else 2
+        value = node.args[position] if len(node.args) > position else node.kwargs.get("fill_value")
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return None
 
 
 def _evaluate(node: Node, memo: dict):

@@ -218,6 +218,9 @@ def _masking(node: Node) -> _Masked | None:
         masked = _Masked(args[0], args[1], False, args[2])
     elif name == "where" and isinstance(args[0], Node) and isinstance(args[1], Node):
         masked = _Masked(args[1], args[0], True, args[2])
+        if isinstance(args[2], Node) and masked.number is None:  # where(m, zeros_like(x), x): the fill first
+            flipped = _Masked(args[2], args[0], False, args[1])
+            masked = flipped if flipped.number is not None else masked
     elif name == "where" and isinstance(args[0], Node) and isinstance(args[2], Node):
         masked = _Masked(args[2], args[0], False, args[1])  # where(m, fill, x)
     else:

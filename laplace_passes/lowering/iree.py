@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import re
+import warnings
 import weakref
 
 import torch
@@ -34,11 +36,36 @@ from laplace_passes.lowering import _deps
 from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, lowered_graph
 
 # Code for this machine's CPU (the module runs where it is compiled); without
-# a CPU named, IREE warns and targets a generic, slow x86-64. IREE's input
-# conversion demotes f64 to f32 by default, changing the module's signature:
-# a float64 graph would get f32 numbers, and its float64 inputs are refused
-# at the call. Kept at f64, it computes what eager computes.
-DEFAULT_FLAGS = ("--iree-llvmcpu-target-cpu=host", "--iree-input-demote-f64-to-f32=false")
+# a CPU named, IREE warns and targets a generic, slow x86-64.
+DEFAULT_FLAGS = ("--iree-llvmcpu-target-cpu=host",)
+# IREE's input conversion demotes f64 to f32 by default, changing the module's
+# signature: a graph that takes or returns float64 would refuse its float64
+# inputs at the call, and compute in f32. Such a graph keeps f64 (`flags_for`).
+# IREE's CPU backend links no float64 tanh or sin, though: a graph whose f64
+# math does not link is compiled demoted after all, its float64 inputs cast to
+# float32 on the way in and its float64 outputs cast back on the way out (what
+# the demotion did before, without the refused call), with a warning, since it
+# then computes that math in f32.
+KEEP_F64 = "--iree-input-demote-f64-to-f32=false"
+
+
+def flags_for(lowered: LoweredGraph) -> tuple[str, ...]:
+    """The compile flags for `lowered`: f64 kept where its inputs or outputs are float64."""
+    specs = [*lowered.inputs, *lowered.outputs]
+    return DEFAULT_FLAGS + ((KEEP_F64,) if any(spec.dtype == "float64" for spec in specs) else ())
+
+
+def _compile_keeping_f64(lowered: LoweredGraph, flags: tuple[str, ...]) -> tuple[bytes, bool]:
+    """(the module, whether its float64 was demoted to float32 because IREE could not link its f64 math)."""
+    try:
+        return compile_vmfb(lowered.text, flags), False
+    except Exception as error:  # noqa: BLE001 (iree.compiler's CompilerToolError; anything else is raised again)
+        if KEEP_F64 not in flags or "undefined symbol" not in str(error):
+            raise
+        symbols = sorted(set(re.findall(r"undefined symbol: (\w+)", str(error))))
+        warnings.warn(f"IREE's CPU backend has no float64 {', '.join(symbols)}: this graph's float64 math is "
+                      "compiled demoted to float32 (inner='stablehlo' runs it in float64)", stacklevel=2)
+        return compile_vmfb(lowered.text, tuple(f for f in flags if f != KEEP_F64)), True
 
 
 def compile_vmfb(stablehlo_text: str, flags: tuple[str, ...] = DEFAULT_FLAGS) -> bytes:
@@ -75,10 +102,10 @@ def release_runtime_objects() -> None:
 class IreeModule:
     """A lowered graph compiled by IREE, callable with torch tensors."""
 
-    def __init__(self, lowered: LoweredGraph, flags: tuple[str, ...] = DEFAULT_FLAGS) -> None:
+    def __init__(self, lowered: LoweredGraph, flags: tuple[str, ...] | None = None) -> None:
         runtime = _deps.iree_runtime()
         self.lowered = lowered
-        self.vmfb = compile_vmfb(lowered.text, flags)
+        self.vmfb, self.demoted = _compile_keeping_f64(lowered, flags_for(lowered) if flags is None else flags)
         context = runtime.SystemContext(config=runtime.Config("local-task"))
         context.add_vm_module(runtime.VmModule.copy_buffer(context.instance, self.vmfb))
         self._runtime = _Runtime(context, context.modules.module["main"])
@@ -94,10 +121,15 @@ class IreeModule:
             raise RuntimeError("this IREE module's runtime objects were released (release_runtime_objects)")
         if len(inputs) != len(self.lowered.inputs):
             raise TypeError(f"the module takes {len(self.lowered.inputs)} tensors, got {len(inputs)}")
+        if self.demoted:  # the module takes and returns f32 where the graph has f64 (`_compile_keeping_f64`)
+            inputs = tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t for t in inputs)
         results = main(*(_to_numpy(t, spec.name) for t, spec in zip(inputs, self.lowered.inputs, strict=True)))
         if not isinstance(results, (tuple, list)):
             results = (results,)
-        return self.lowered.assemble_outputs([_to_torch(r.to_host()) for r in results])
+        outputs = [_to_torch(r.to_host()) for r in results]
+        if self.demoted:
+            outputs = [o.double() if spec.dtype == "float64" else o for o, spec in zip(outputs, self.lowered.outputs)]
+        return self.lowered.assemble_outputs(outputs)
 
 
 def _to_numpy(tensor: torch.Tensor, name: str):

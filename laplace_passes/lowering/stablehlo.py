@@ -160,10 +160,14 @@ def lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list | None = N
     )
 
 
+_CONTROL_FLOW = frozenset({"cond", "while_loop", "scan", "map", "map_impl", "associative_scan"})
+
+
 def _control_flow_hint(gm: torch.fx.GraphModule) -> str:
     """What to do about a control-flow op left in `gm` (torch.cond, while_loop): none lowers here."""
     flows = sorted({n.target.__name__ for n in gm.graph.nodes
-                    if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+                    and n.target.__name__ in _CONTROL_FLOW})
     if not flows:
         return ""
     return (f" (the graph holds control flow: {', '.join(flows)}, which torch-mlir does not lower; compute both "

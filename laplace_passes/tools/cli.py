@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         shown = _one_line_error(error)
         if shown is None:
             raise
-        print(f"laplace-passes {args.command}: error: {shown}", file=sys.stderr)
+        # A KeyError's message is the key alone: its name says what kind of error it is.
+        text = f"{type(shown).__name__}: {shown}" if isinstance(shown, KeyError) else str(shown)
+        print(f"laplace-passes {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 
