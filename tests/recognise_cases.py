@@ -472,40 +472,31 @@ def quadratic_cumprod(q, k, v, g):
     return ((q @ k.transpose(-1, -2)) * D) @ v
 
 
-def quadratic_zeros_like_fill(q, k, v, g):
-    """The mask's fill a tensor of zeros: where(causal, exp(G_i - G_j), zeros_like(...))."""
+def _masked_by(q, k, v, g, select):
+    """(q k^T (.) D) v with D = select(causal mask, G_i - G_j): the mask and its fill as `select` writes them."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     G = g.transpose(1, 2).cumsum(-1)
-    differences = G[..., :, None] - G[..., None, :]
-    D = torch.where(causal_mask(T), differences.exp(), torch.zeros_like(differences))
-    return ((q @ k.transpose(-1, -2)) * D) @ v
+    return ((q @ k.transpose(-1, -2)) * select(causal_mask(T), G[..., :, None] - G[..., None, :])) @ v
+
+
+def quadratic_zeros_like_fill(q, k, v, g):
+    """The mask's fill a tensor of zeros: where(causal, exp(G_i - G_j), zeros_like(...))."""
+    return _masked_by(q, k, v, g, lambda causal, d: torch.where(causal, d.exp(), torch.zeros_like(d)))
 
 
 def quadratic_zeros_like_fill_first(q, k, v, g):
     """The same, the fill first: where(upper, zeros_like(...), exp(G_i - G_j))."""
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    G = g.transpose(1, 2).cumsum(-1)
-    differences = G[..., :, None] - G[..., None, :]
-    D = torch.where(~causal_mask(T), torch.zeros_like(differences), differences.exp())
-    return ((q @ k.transpose(-1, -2)) * D) @ v
+    return _masked_by(q, k, v, g, lambda causal, d: torch.where(~causal, torch.zeros_like(d), d.exp()))
 
 
 def quadratic_full_like_fill(q, k, v, g):
     """Filled with full_like(..., 0.5): later keys kept at half weight, not causal."""
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    G = g.transpose(1, 2).cumsum(-1)
-    differences = G[..., :, None] - G[..., None, :]
-    D = torch.where(causal_mask(T), differences.exp(), torch.full_like(differences, 0.5))
-    return ((q @ k.transpose(-1, -2)) * D) @ v
+    return _masked_by(q, k, v, g, lambda causal, d: torch.where(causal, d.exp(), torch.full_like(d, 0.5)))
 
 
 def quadratic_ones_like_fill(q, k, v, g):
     """The same filled with ones: every later key kept with weight 1, not causal."""
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    G = g.transpose(1, 2).cumsum(-1)
-    differences = G[..., :, None] - G[..., None, :]
-    D = torch.where(causal_mask(T), differences.exp(), torch.ones_like(differences))
-    return ((q @ k.transpose(-1, -2)) * D) @ v
+    return _masked_by(q, k, v, g, lambda causal, d: torch.where(causal, d.exp(), torch.ones_like(d)))
 
 
 def quadratic_retnet(q, k, v, g):

@@ -457,16 +457,20 @@ def test_a_token_loop_over_projections_is_retiled_at_every_length():
                             for r in declined), [r.reason for r in declined]
 
 
-def test_a_dynamic_graph_whose_loop_is_not_found_says_why():
-    """dynamic=True: the state's batch is a symbol and recognition finds no loop at all; its report entry says
-    that a loop of symbolic sizes is not read, and which sizes are symbolic. Equal to eager."""
-    torch.manual_seed(0)
-    model = ProjectedTokenLoop()
+def _dynamic_report(model):
+    """`model` compiled with dynamic=True, equal to eager at one shape; its report."""
     compiled = laplace_passes.compile(model, target="cpu", inner="eager", dynamic=True)
     x = torch.randn(2, 12, 16)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), **TOL)
-    (entry,) = [p for p in compiled.laplace_report.passes if p.name == "recognise_gla"]
+    return compiled.laplace_report
+
+
+def test_a_dynamic_graph_whose_loop_is_not_found_says_why():
+    """dynamic=True: the state's batch is a symbol and recognition finds no loop at all; its report entry says
+    that a loop of symbolic sizes is not read, and which sizes are symbolic. Equal to eager."""
+    torch.manual_seed(0)
+    (entry,) = [p for p in _dynamic_report(ProjectedTokenLoop()).passes if p.name == "recognise_gla"]
     assert entry.summary.startswith("0 of 0 loops carrying a state rewritten as GLA sites; a loop whose state has "
                                     "symbolic sizes is not read as one (the graph's inputs have symbolic sizes: "
                                     "l_x_ dim 0 = s"), entry.summary
@@ -485,12 +489,7 @@ def test_a_dynamic_graph_with_a_loop_found_and_one_not_says_why_for_both():
     """dynamic=True, two loops: the second is found (a row, declined at a symbolic size), the first not at all
     (no row); the entry still says that a loop of symbolic sizes is not read (it had said only "0 of 1")."""
     torch.manual_seed(0)
-    model = TwoProjectedTokenLoops()
-    compiled = laplace_passes.compile(model, target="cpu", inner="eager", dynamic=True)
-    x = torch.randn(2, 12, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x), **TOL)
-    report = compiled.laplace_report
+    report = _dynamic_report(TwoProjectedTokenLoops())
     assert [r.status for r in report.recurrences] == ["declined"]
     (entry,) = [p for p in report.passes if p.name == "recognise_gla"]
     assert entry.summary.startswith("0 of 1 loops carrying a state rewritten as GLA sites; a loop whose state has "
