@@ -495,3 +495,31 @@ def test_a_dynamic_graph_with_a_loop_found_and_one_not_says_why_for_both():
     assert entry.summary.startswith("0 of 1 loops carrying a state rewritten as GLA sites; a loop whose state has "
                                     "symbolic sizes is not read as one (the graph's inputs have symbolic sizes: "), \
         entry.summary
+
+
+class EmbeddedGLA(torch.nn.Module):
+    """An embedding before a GLA call: under dynamic=True, Dynamo restarts its analysis of the frame once
+    (specialising the embedding's float arguments) and compiles it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.project = torch.nn.Embedding(32, 32), torch.nn.Linear(32, 4 * 32)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        q, k, v, g = self.project(self.embed(ids)).view(b, t, 4, 2, 16).unbind(2)
+        return laplace_passes.gla(q, k, v, F.logsigmoid(g) / 8)[0]
+
+
+def test_a_restarted_analysis_is_reported_once():
+    """The report had kept the attempt Dynamo threw away: two Dynamo graphs and two sites for one gla call."""
+    torch.manual_seed(0)
+    model = EmbeddedGLA()
+    compiled = torch.compile(model, backend="laplace", dynamic=True, options={"target": "cpu", "inner": "eager"})
+    ids = torch.randint(0, 32, (4, 31))
+    compiled(ids).sum().backward()
+    torch.testing.assert_close(compiled(ids), model(ids), **TOL)
+    report = laplace_passes.last_report()
+    assert [g.kind for g in report.graphs] == ["dynamo", "forward", "backward"]
+    assert [(s.graph, s.status) for s in report.sites] == [("dynamo_0", "retiled")]
+    assert [p.graph for p in report.passes if p.name == "retile_gla"] == ["dynamo_0"]

@@ -151,6 +151,16 @@ def test_saved_bytes_per_site_are_the_inputs_and_on_cpu_the_residuals(T, target)
     assert f"{expected / 1e3:.3g} kB" in str(report)  # the report shows 3 significant digits
 
 
+def test_a_site_without_a_gradient_saves_nothing_for_a_backward():
+    """Under no_grad (an evaluation) the chunked site keeps nothing: its report had shown the training figure."""
+    inputs = make_inputs(2, 100, 2, 8, 12)
+    with torch.no_grad():
+        report = laplace_passes.inspect(_gla_with_state, *inputs, target="cpu")
+    (site,) = report.sites
+    assert site.plan["n_chunks"] == 2 and site.saved_bytes == 0
+    assert [g.kind for g in report.graphs] == ["dynamo", "inference"]
+
+
 def test_the_chunk_size_option_sets_every_site_plan():
     q, k, v, gk, _ = make_inputs(1, 100, 1, 8, 8, initial_state=False)
     compiled = laplace_passes.compile(_gla_output, target="trn2", chunk_size=32)

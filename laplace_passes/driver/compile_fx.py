@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._guards import CompileContext
 
 from laplace_passes.driver.backward_ahead import BackwardAhead
 from laplace_passes.driver.config import CompileConfig
@@ -62,6 +63,9 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileCo
     """
     remember(config.report)
     config.inner.start()
+    trace = CompileContext.current_trace_id()
+    if trace is not None and trace.attempt > 0:  # Dynamo restarted its analysis: the earlier attempt's graphs go
+        config.report.discard_compile(str(trace.compile_id))
     if report_dynamic_dims(gm, config):
         reason = static_shapes_reason(config)
         if not reason and (reason := scan_over_dynamic_length(gm)):  # the graph's own reason: say it
@@ -101,6 +105,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
             "laplace_passes.fla.install() before compiling)"
         )
     record = report.new_graph("dynamo", gm)
+    record.compile_id = _compile_id()
     record.input_sources = [input_source(n) for n in gm.graph.find_nodes(op="placeholder")]
     left_to_dynamo = sizes_left_to_dynamo(gm)
     with logs.progress(f"{record.name}: the passes"):
@@ -126,6 +131,12 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Compi
     return aot_autograd(**kwargs)(gm, example_inputs)
 
 
+def _compile_id() -> str | None:
+    """Dynamo's compile id of the frame being compiled ("0/0"), None outside a Dynamo compile."""
+    trace = CompileContext.current_trace_id()
+    return None if trace is None else str(trace.compile_id)
+
+
 def _per_shape_instead(record: GraphRecord, declined: int, config: CompileConfig) -> PerShapeCompiler:
     """The Dynamo graph `record` as it came in, compiled once per shape; `declined`: its loops recognition
     declined at symbolic sizes (NOTE [loops declined at symbolic sizes] in `laplace_passes.driver.shapes`)."""
@@ -148,6 +159,7 @@ def _aten_compiler(config: CompileConfig, kind: str, ahead: BackwardAhead | None
         report = config.report
         forward_graphs = [g.before for g in report.graphs if g.kind == "forward"]
         record = report.new_graph(kind, gm)
+        record.compile_id = _compile_id()
         # The last pass lowers a graph for the compilers that take StableHLO: the progress line says so.
         lowering = " and the lowering to StableHLO (torch-mlir)" if config.inner.lowers_to_stablehlo else ""
         with logs.progress(f"{record.name}: the passes{lowering}"):

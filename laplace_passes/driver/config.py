@@ -110,7 +110,11 @@ def _did_you_mean(unknown: list[str]) -> str:
     """` (did you mean chunk_size= for chunksize?)` for the misspellings close to an option."""
     close = [(name, difflib.get_close_matches(name, OPTION_DOCS, n=1)) for name in unknown]
     hints = [f"{match[0]}= for {name}" for name, match in close if match]
-    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    if "mode" in unknown:  # torch.compile's mode is Inductor's: where its settings go after the laplace passes
+        hint += (" (mode is a setting of Inductor's own backend: for Inductor after the laplace passes, "
+                 "inner='inductor', with Inductor's settings in torch._inductor.config, e.g. max_autotune = True)")
+    return hint
 
 
 def _check_budget(value: Any) -> int | None:

@@ -206,7 +206,9 @@ class RetileGLA(GraphPass):
                                     (site.scale, self.chunk_size, self.sub_chunk_size, self.save_residuals),
                                     "chunked_gla", keeps_outputs=False, check_gates=not gates.nonpositive)
             residuals = fake_value(chunked)[2:] if self.save_residuals else None
-            record.saved_bytes = chunked_gla_saved_bytes(*values[:4], initial_state, residuals)
+            # Without a gradient through it (an eval under no_grad), nothing is kept for a backward.
+            record.saved_bytes = (chunked_gla_saved_bytes(*values[:4], initial_state, residuals)
+                                  if _needs_grad(site.node) else 0)
         record.status = "retiled"
         return record, gates
 

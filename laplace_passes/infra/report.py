@@ -149,6 +149,8 @@ class GraphRecord:
     # A Dynamo graph's inputs as the user passed them ("args[0][3]", "self.layers.0.weight"), in order:
     # the order of the forward and inference graphs' (and their modules') inputs too.
     input_sources: list[str] = field(default_factory=list)
+    # Dynamo's compile id of the frame the graph came from ("0/0"): a restarted analysis compiles it again.
+    compile_id: str | None = None
 
     def snapshot(self, label: str, gm: torch.fx.GraphModule, modified: bool = True) -> None:
         """Keep a copy of `gm` as it is after `label`; a pass that changed nothing shares the previous copy.
@@ -238,6 +240,17 @@ class Report:
         record.snapshot("input", gm)
         self.graphs.append(record)
         return record
+
+    def discard_compile(self, compile_id: str) -> None:
+        """Forget the graphs of an attempt Dynamo threw away (it restarted its analysis of the frame `compile_id`
+        and compiles it again), with their passes, sites and loops: the report shows what runs, once."""
+        gone = {g.name for g in self.graphs if g.compile_id == compile_id}
+        if not gone:
+            return
+        self.graphs = [g for g in self.graphs if g.name not in gone]
+        self.passes = [p for p in self.passes if p.graph not in gone]
+        self.sites = [s for s in self.sites if s.graph not in gone]
+        self.recurrences = [r for r in self.recurrences if r.graph not in gone]
 
     # -- reading ------------------------------------------------------------
     def graph(self, stage: str = "after", name: str | None = None) -> torch.fx.GraphModule:
