@@ -523,3 +523,18 @@ def test_a_restarted_analysis_is_reported_once():
     assert [g.kind for g in report.graphs] == ["dynamo", "forward", "backward"]
     assert [(s.graph, s.status) for s in report.sites] == [("dynamo_0", "retiled")]
     assert [p.graph for p in report.passes if p.name == "retile_gla"] == ["dynamo_0"]
+
+
+def test_a_restart_after_a_reset_keeps_the_graphs_before_it():
+    """torch._dynamo.reset() starts Dynamo's compile ids again: a restart of the new "0/0" must not take the
+    earlier compile's "0/0" graphs with it (their names were then given twice)."""
+    torch.manual_seed(0)
+    model = EmbeddedGLA()
+    compiled = laplace_passes.compile(model, target="cpu", inner="eager", dynamic=True)
+    ids = torch.randint(0, 32, (4, 31))
+    compiled(ids)
+    torch._dynamo.reset()
+    compiled(ids)
+    names = [g.name for g in compiled.laplace_report.graphs]
+    assert len(names) == len(set(names)) and [g.kind for g in compiled.laplace_report.graphs].count("dynamo") == 2
+    assert [s.graph for s in compiled.laplace_report.sites] == ["dynamo_0", "dynamo_1"]

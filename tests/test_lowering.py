@@ -407,6 +407,18 @@ def test_iree_keeps_a_float64_model_in_float64():
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-12, atol=1e-12)
 
 
+def test_iree_keeps_float64_math_inside_a_float32_graph():
+    """float64 used inside for its precision (1e8 added and taken away): demoted to f32 it gives 0s."""
+    x = torch.randn(5)
+
+    def f(x):
+        return ((x.double() + 1e8) - 1e8).float() * 3
+
+    with torch.no_grad():
+        got = laplace_passes.compile(f, target="cpu", inner="iree")(x)
+    torch.testing.assert_close(got, f(x), rtol=0, atol=0)
+
+
 def test_float64_math_iree_cannot_link_runs_demoted_with_a_warning():
     """A float32 model computing a tanh in float64 (its saved tensor for the backward is float64 too): IREE's CPU
     backend has no float64 tanh, so that graph is compiled demoted, said in a warning, and still equals eager."""

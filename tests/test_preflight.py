@@ -371,6 +371,21 @@ def test_a_break_in_the_frame_resumed_after_a_break_is_named_too():
     assert second.startswith("Data-dependent branching (test_preflight.py, line ") and "if y.mean() > 0:" in second
 
 
+def _branch_in_a_loop(x):
+    y = x * 2
+    for i in range(2):
+        if y.sum() > i:  # Dynamo skips the whole frame at this break
+            y = y + 1
+    return y
+
+
+def test_a_function_dynamo_skips_at_a_graph_break_says_which():
+    with pytest.raises(RuntimeError, match=r"captured no graph: Dynamo ran the function without compiling it; it "
+                                           r"skipped the function at a graph break: Data-dependent branching "
+                                           r"\(test_preflight.py, line \d+: if y.sum\(\) > i:"):
+        laplace_passes.inspect(_branch_in_a_loop, torch.ones(4, 4))
+
+
 def test_a_function_in_one_graph_has_no_graph_break():
     report = laplace_passes.inspect(lambda x: torch.where(x.sum() > 0, x * 2 + 1, x * 2 - 1), torch.ones(4, 4))
     assert report.graph_breaks == [] and "graph break" not in str(report)

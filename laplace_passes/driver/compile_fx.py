@@ -64,8 +64,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: CompileCo
     remember(config.report)
     config.inner.start()
     trace = CompileContext.current_trace_id()
-    if trace is not None and trace.attempt > 0:  # Dynamo restarted its analysis: the earlier attempt's graphs go
-        config.report.discard_compile(str(trace.compile_id))
+    if trace is not None:  # Dynamo restarting its analysis of a frame: the earlier attempt's graphs go
+        config.report.attempt_begins(str(trace.compile_id), trace.attempt)
     if report_dynamic_dims(gm, config):
         reason = static_shapes_reason(config)
         if not reason and (reason := scan_over_dynamic_length(gm)):  # the graph's own reason: say it
@@ -212,7 +212,10 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
             raise error.inner_exception.with_traceback(error.inner_exception.__traceback__) from None
     config.report.graph_breaks = breaks.reasons(sum(1 for g in config.report.graphs if g.kind == "dynamo"))
     if not config.report.graphs:
-        raise NothingCapturedError("captured no graph: Dynamo ran the function without compiling it")
+        # A graph break can make Dynamo skip the whole frame (a data-dependent branch in a loop): say which.
+        skipped = f"; it skipped the function at a graph break: {'; '.join(config.report.graph_breaks)}" \
+            if config.report.graph_breaks else ""
+        raise NothingCapturedError(f"captured no graph: Dynamo ran the function without compiling it{skipped}")
     return config.report
 
 

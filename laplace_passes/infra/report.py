@@ -228,6 +228,7 @@ class Report:
         self.notes: list[str] = []
         # Where Dynamo split the captured function (`inspect`, `export`, `preflight`; infra/graph_breaks.py).
         self.graph_breaks: list[str] = []
+        self._compile_starts: dict[str, int] = {}  # Dynamo compile id -> index of its first graph (attempt_begins)
         # Graphs with symbolic sizes (laplace_passes.driver.shapes): "graph input dim i = symbol" per dynamic
         # dimension, and one entry per concrete shape compiled on its own for a static-shape target.
         self.dynamic_dims: list[str] = []
@@ -241,10 +242,14 @@ class Report:
         self.graphs.append(record)
         return record
 
-    def discard_compile(self, compile_id: str) -> None:
-        """Forget the graphs of an attempt Dynamo threw away (it restarted its analysis of the frame `compile_id`
-        and compiles it again), with their passes, sites and loops: the report shows what runs, once."""
-        gone = {g.name for g in self.graphs if g.compile_id == compile_id}
+    def attempt_begins(self, compile_id: str, attempt: int) -> None:
+        """Dynamo compiles frame `compile_id` ("0/0"); a second attempt (it restarted its analysis) replaces the
+        graphs the first one left, with their passes, sites and loops: the report shows what runs, once."""
+        if attempt == 0:  # where this compile's graphs begin (a reset() starts the ids again: not earlier ones)
+            self._compile_starts[compile_id] = len(self.graphs)
+            return
+        start = self._compile_starts.get(compile_id, len(self.graphs))
+        gone = {g.name for g in self.graphs[start:] if g.compile_id == compile_id}
         if not gone:
             return
         self.graphs = [g for g in self.graphs if g.name not in gone]

@@ -39,8 +39,10 @@ from laplace_passes.lowering.stablehlo import LoweredGraph, StableHLOCompiler, l
 # a CPU named, IREE warns and targets a generic, slow x86-64.
 DEFAULT_FLAGS = ("--iree-llvmcpu-target-cpu=host",)
 # IREE's input conversion demotes f64 to f32 by default, changing the module's
-# signature: a graph that takes or returns float64 would refuse its float64
-# inputs at the call, and compute in f32. Such a graph keeps f64 (`flags_for`).
+# signature and its arithmetic: a graph that takes or returns float64 would
+# refuse its float64 inputs at the call, and float64 math inside a float32
+# graph (x.double() + 1e8 - 1e8, for precision) would lose what it was for.
+# A graph with any f64 keeps it (`flags_for`).
 # IREE's CPU backend links no float64 tanh or sin, though: a graph whose f64
 # math does not link is compiled demoted after all, its float64 inputs cast to
 # float32 on the way in and its float64 outputs cast back on the way out (what
@@ -50,9 +52,8 @@ KEEP_F64 = "--iree-input-demote-f64-to-f32=false"
 
 
 def flags_for(lowered: LoweredGraph) -> tuple[str, ...]:
-    """The compile flags for `lowered`: f64 kept where its inputs or outputs are float64."""
-    specs = [*lowered.inputs, *lowered.outputs]
-    return DEFAULT_FLAGS + ((KEEP_F64,) if any(spec.dtype == "float64" for spec in specs) else ())
+    """The compile flags for `lowered`: f64 kept where the module has any (the clean-up leaves only the model's)."""
+    return DEFAULT_FLAGS + ((KEEP_F64,) if "f64" in lowered.text else ())
 
 
 def _compile_keeping_f64(lowered: LoweredGraph, flags: tuple[str, ...]) -> tuple[bytes, bool]:
