@@ -194,7 +194,7 @@ class DecodeStep:
 
     def graphs_compiled(self) -> int:
         """Dynamo graphs compiled so far (each batch-size class and each recompile adds one)."""
-        return sum(1 for g in self.report.graphs if g.kind == "dynamo")
+        return self.report.count("dynamo")
 
 
 class DecodeLoop:

@@ -226,9 +226,9 @@ def test_unknown_options_are_named():
     # Every option the README's table lists, with what it means, one a line.
     for option in ("target", "inner", "chunk_size", "retile_gla", "report", "muon_all_to_all", "max_graph_instructions"):
         assert any(line.startswith(f"  {option}: ") for line in option_lines)
-    with pytest.raises(ValueError, match=r"unknown laplace option\(s\) \['mode'\] \(mode is a setting of Inductor's own "
-                                         r"backend: for Inductor after the laplace passes, inner='inductor', with "
-                                         r"Inductor's settings in torch._inductor.config"):
+    with pytest.raises(ValueError, match=r"unknown laplace option\(s\) \['mode'\] \(mode is a setting of "
+                                         r"Inductor's own backend: for Inductor after the laplace passes, "
+                                         r"inner='inductor', with Inductor's settings in torch._inductor.config"):
         laplace_passes.compile(lambda x: x, mode="max-autotune")
     with pytest.raises(ValueError, match=r"unknown target 'trn9'; known targets: cpu, trn1, trn2"):
         laplace_passes.compile(lambda x: x, target="trn9")

@@ -210,7 +210,7 @@ def capture_graphs(model_or_fn: Callable, example_inputs: tuple, config: Compile
         except torch._dynamo.exc.BackendCompilerFailed as error:
             # Dynamo's wrapper starts with the backend's repr; the user needs the cause first.
             raise error.inner_exception.with_traceback(error.inner_exception.__traceback__) from None
-    config.report.graph_breaks = breaks.reasons(sum(1 for g in config.report.graphs if g.kind == "dynamo"))
+    config.report.graph_breaks = breaks.reasons(config.report.count("dynamo"))
     if not config.report.graphs:
         # A graph break can make Dynamo skip the whole frame (a data-dependent branch in a loop): say which.
         skipped = f"; it skipped the function at a graph break: {'; '.join(config.report.graph_breaks)}" \

@@ -147,7 +147,7 @@ def _notes(report: Report, entries: list[dict], captured: list[tuple[str, Lowere
                      "neuronx-cc has no FP64; cast the model and its inputs to float32 or bfloat16 "
                      "(laplace_passes.preflight names the nodes)")
     if report.graph_breaks:
-        dynamo_graphs = sum(1 for g in report.graphs if g.kind == "dynamo")
+        dynamo_graphs = report.count("dynamo")
         notes.append(f"Dynamo compiled the function as {dynamo_graphs} graph{'s' * (dynamo_graphs != 1)}, with "
                      f"code outside them at {len(report.graph_breaks)} kind(s) of graph break: "
                      f"{'; '.join(report.graph_breaks)}. That code (a branch taken the example inputs' way, an op "

@@ -7,8 +7,9 @@ decode state), then the function's outputs, then the bases of outputs that
 alias one another, then (a forward graph) the values the backward graph
 takes. A "graph output" is a value the Dynamo graph returns: the function's
 outputs, and values Dynamo writes back after the graph (a reassigned
-attribute), in the order Dynamo returns them. A backward graph returns one gradient per forward input, None where
-it has none (the module leaves those out). The manifest's outputs carry that
+attribute), in the order Dynamo returns them. A backward graph returns one
+gradient per forward input, None where it has none (the module leaves those
+out). The manifest's outputs carry that
 role, so that a consumer maps them without reading the graph: a module of
 tiny's training forward returns 3 values to the user and 100 to the backward.
 

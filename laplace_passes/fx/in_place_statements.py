@@ -34,7 +34,6 @@ from laplace_passes.fx.update_tops import IN_PLACE_SUM_METHODS
 Node = torch.fx.Node
 
 
-
 def read_through_in_place_statements(graph: torch.fx.Graph) -> int:
     """Point the reads after each in-place sum on a temporary, read as a state is (read out and carried on),
     at the sum's own node; how many reads moved."""

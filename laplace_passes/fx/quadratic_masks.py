@@ -181,14 +181,17 @@ class _Masked(NamedTuple):
     mask: Node
     kept_where_true: bool  # the mask keeps x where it is True (masked_fill's: where it is False)
     fill: object  # what the other entries get, as written (a number, or a node)
+    # The fill when it is a number (not a bool), or a node holding one number everywhere and computed from no
+    # input's values (`torch.zeros_like(D)`): the fills the readers compare. Found once, in `_masked`.
+    number: float | None
 
-    @property
-    def number(self) -> float | None:
-        """The fill when it is a number (not a bool), or a node holding one number everywhere and computed from
-        no input's values (`torch.zeros_like(D)`): the fills the readers compare."""
-        if isinstance(self.fill, Node):
-            return _uniform_fill(self.fill, (self.x, self.mask))
-        return None if isinstance(self.fill, bool) or not isinstance(self.fill, (int, float)) else self.fill
+
+def _masked(x: Node, mask: Node, kept_where_true: bool, fill: object) -> _Masked:
+    if isinstance(fill, Node):
+        number = _uniform_fill(fill, (x, mask))
+    else:
+        number = None if isinstance(fill, bool) or not isinstance(fill, (int, float)) else fill
+    return _Masked(x, mask, kept_where_true, fill, number)
 
 
 def _uniform_fill(fill: Node, others: tuple[Node, ...]) -> float | None:
@@ -215,14 +218,14 @@ def _masking(node: Node) -> _Masked | None:
     if len(args) != 3:
         return None
     if name in ("masked_fill", "masked_fill_") and isinstance(args[1], Node):
-        masked = _Masked(args[0], args[1], False, args[2])
+        masked = _masked(args[0], args[1], False, args[2])
     elif name == "where" and isinstance(args[0], Node) and isinstance(args[1], Node):
-        masked = _Masked(args[1], args[0], True, args[2])
+        masked = _masked(args[1], args[0], True, args[2])
         if isinstance(args[2], Node) and masked.number is None:  # where(m, zeros_like(x), x): the fill first
-            flipped = _Masked(args[2], args[0], False, args[1])
+            flipped = _masked(args[2], args[0], False, args[1])
             masked = flipped if flipped.number is not None else masked
     elif name == "where" and isinstance(args[0], Node) and isinstance(args[2], Node):
-        masked = _Masked(args[2], args[0], False, args[1])  # where(m, fill, x)
+        masked = _masked(args[2], args[0], False, args[1])  # where(m, fill, x)
     else:
         return None
     return masked if isinstance(masked.x, Node) else None

@@ -28,9 +28,7 @@ from torch._dynamo.utils import counters
 # Where Dynamo's reason points in the user's code: `# File "m.py", line 6, in f, code: if y.sum() > 0:`.
 _CODE_LINE = re.compile(r'# File "([^"]+)", line (\d+), in [^,]+, code: (.*)')
 _DEBUG_CONTEXT = re.compile(r"Developer debug context: (.+)")
-
-
-_CATEGORIES = ("graph_break", "unimplemented")
+_CATEGORIES = ("graph_break", "unimplemented")  # Dynamo's counters that hold graph-break reasons
 
 
 class GraphBreaks:

@@ -236,7 +236,7 @@ class Report:
 
     # -- building -----------------------------------------------------------
     def new_graph(self, kind: str, gm: torch.fx.GraphModule) -> GraphRecord:
-        index = sum(1 for g in self.graphs if g.kind == kind)
+        index = self.count(kind)
         record = GraphRecord(name=f"{kind}_{index}", kind=kind)
         record.snapshot("input", gm)
         self.graphs.append(record)
@@ -258,6 +258,10 @@ class Report:
         self.recurrences = [r for r in self.recurrences if r.graph not in gone]
 
     # -- reading ------------------------------------------------------------
+    def count(self, kind: str) -> int:
+        """How many graphs of `kind` ("dynamo", "forward", ...) the report holds."""
+        return sum(1 for g in self.graphs if g.kind == kind)
+
     def graph(self, stage: str = "after", name: str | None = None) -> torch.fx.GraphModule:
         """The graph `name` (default: the first Dynamo graph) before or after the passes."""
         if stage not in STAGES:
