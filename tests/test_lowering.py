@@ -460,8 +460,14 @@ def test_lowering_error_names_the_op():
         return laplace_passes.gla(q, k, v, gk)[0]
 
     compiled = laplace_passes.compile(attention, inner="stablehlo", retile_gla=False)
-    with pytest.raises(Exception, match=r"torch-mlir cannot lower 1 node\(s\): node gla \(laplace\.gla\.default\)"):
+    with pytest.raises(Exception, match=r"torch-mlir cannot lower 1 node\(s\): node gla \(laplace\.gla\.default\)") \
+            as error:
         compiled(q, k, v, -gk.abs())
+    # Both the error and the site's row say why the op is there: the re-tiling was turned off.
+    assert "laplace.gla is a GLA site the re-tiling pass did not re-tile" in str(error.value)
+    (site,) = compiled.laplace_report.sites
+    assert site.reason.endswith("the inner compiler lowers the graph and has no lowering of laplace::gla, so the "
+                                "compile fails at this site (keep retile_gla on to lower it)"), site.reason
 
 
 def test_missing_lowering_package_error_says_what_to_install(monkeypatch):

@@ -54,8 +54,8 @@ NEAR_MISSES = {
     "backwards": "a loop that runs backwards",
     "state_through_tanh": "its update reads its previous state through tanh (tanh, an op the algebra does not read)",
     "decay_after_sum_final_only": "step 1's decay is not computed like step 0's",
-    "value_decay_after_sum": "mul_2, outside the recurrence (not a readout q . S summed over the key "
-                             "dimension, 3: the one its decay and k read)",
+    "value_decay_after_sum": "its decay reads dimension 3 of the state, which its readout keeps (the readout "
+                             "sums over dimension 2)",
     "gates_changed_after_the_loop": "mul_ writes in place to g while it is read: the GLA call reads its inputs "
                                     "once, where the results are first read",
     "gates_changed_inside_the_loop": "mul_ writes in place to g while it is read",

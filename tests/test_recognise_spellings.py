@@ -245,8 +245,43 @@ def decay_over_keys_and_values(q, k, v, g):
     return torch.stack(outs, 1), S
 
 
+def update_plus_a_number(q, k, v, g):
+    """An affine update, S * a + k v + 0.5 (it had no row: the update read as a leaf, its own previous state)."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t][..., None] * v[:, t][..., None, :] + 0.5
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def decay_over_the_values(q, k, v, g):
+    """S_t = S_{t-1} diag(b_t) + k v, read out over the keys: the decay is over the dimension the readout keeps
+    (the reason had been "the state S_1 is also used by" its readout)."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * v[:, t].sigmoid().unsqueeze(-2) + k[:, t][..., None] * v[:, t][..., None, :]
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def decay_broadcast_before_its_exp(q, k, v, g):
+    """The gate broadcast to the state's shape, then exp: one value per key, read as one per (key, value)."""
+    S = torch.zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t, ..., None].expand_as(S).exp() + k[:, t][..., None] * v[:, t][..., None, :]
+        outs.append(_readout(q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
 NOT_READ = {
     decay_over_keys_and_values: "its decay reads the value dimension (GLA's decay is per key",
+    update_plus_a_number: "(S_1: adding a number (0.5): an affine term, not a sum of products)",
+    decay_over_the_values: "its decay reads dimension 3 of the state, which its readout keeps (the readout sums "
+                           "over dimension 2)",
+    decay_broadcast_before_its_exp: "is computed on a value broadcast to the state's shape",
     einsum_diagonal: "which the algebra does not read as a product: einsum with a repeated index (a diagonal)",
     baddbmm_round_trip: "not a sum of products the algebra reads (S_1: a reshape that merges or splits dimensions)",
     lerp: "not a sum of products the algebra reads (S_1: lerp, an op the algebra does not read)",

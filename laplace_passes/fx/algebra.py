@@ -114,8 +114,9 @@ def _times(a, b) -> Expr:
 
 
 def _plus(a, b, alpha: float = 1.0) -> Expr:
-    if isinstance(a, float) or isinstance(b, float):
-        raise NotAlgebraic("adding a number: an affine term")  # x + 1 has no product form worth reading
+    if isinstance(a, float) or isinstance(b, float):  # x + 1 has no product form worth reading
+        number = a if isinstance(a, float) else b * alpha
+        raise NotAlgebraic(f"adding a number ({number:g}): an affine term, not a sum of products")
     return add(a, b, alpha)
 
 

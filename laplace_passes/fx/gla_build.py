@@ -52,9 +52,10 @@ import operator
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from laplace_passes.fx.per_step import Lifter
-from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors, TokenLoop
+from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors, TokenLoop, bonus_roles
 from laplace_passes.infra.fx_helpers import fake_tensor, new_node
 
 Node = torch.fx.Node
@@ -234,8 +235,42 @@ class GlaBuilder:
 
     def gla(self, origin: str, target=torch.ops.laplace.gla.default) -> tuple[Node, Node]:
         q, k, v, gk, h0 = self.gla_inputs()
+        late = self._reads_before_updates()
+        if late:  # NOTE [readouts before the update]: token t's state is S_{t-1}, then one update further
+            last = [self.call(torch.select, x, 1, -1) for x in (k, v, gk)]
+            k, v, gk = (self.call(F.pad, x, (0, 0, 0, 0, 1, -1)) for x in (k, v, gk))
         call = self.call(target, q, k, v, gk, h0, float(self.loop.coefs["scale"]), origin)
-        return self.call(operator.getitem, call, 0), self.call(operator.getitem, call, 1)
+        o, state = self.call(operator.getitem, call, 0), self.call(operator.getitem, call, 1)
+        bonus = self._bonus()
+        if bonus is not None:
+            o = self.call(operator.add, o, bonus)
+        return o, self._one_update(state, *last) if late else state
+
+    def _bonus(self) -> Node | None:
+        """The readouts' terms that do not read the state, [B, T, H, V] (NOTE [a readout's bonus term]): each
+        a product over the state's dimensions, summed over the key."""
+        loop, K, V = self.loop, self.loop.key_axis, self.loop.value_axis
+        total = None
+        for role in bonus_roles(loop):
+            term = None
+            for factor in loop.roles[role]:
+                arranged = self.arrange(factor, [*self.batch, K, V])
+                term = arranged if term is None else self.call(operator.mul, term, arranged)
+            summed = self.call(torch.sum, term, len(self.batch) + 1)
+            if loop.coefs[role] != 1.0:
+                summed = self.call(operator.mul, summed, loop.coefs[role])
+            total = summed if total is None else self.call(operator.add, total, summed)
+        return None if total is None else self.to_gla_layout(self.full(total, V), V)
+
+    def _reads_before_updates(self) -> bool:
+        chain = getattr(self.loop, "chain", None)
+        return chain is not None and chain.read_before_update
+
+    def _one_update(self, state: Node, k: Node, v: Node, gk: Node) -> Node:
+        """exp(gk)[..., None] * state + k[..., None] * v[..., None, :], in GLA's layouts ([B, H, K, V], [B, H, F])."""
+        decayed = self.call(operator.mul, self.call(torch.unsqueeze, self.call(torch.exp, gk), -1), state)
+        outer = self.call(operator.mul, self.call(torch.unsqueeze, k, -1), self.call(torch.unsqueeze, v, -2))
+        return self.call(operator.add, decayed, outer)
 
     def outputs_over_steps(self, o: Node) -> Node:
         """GLA's o [B, T, H, V] -> [T, *batch, V]."""

@@ -4,6 +4,19 @@
 its state of that form, or says why the chain has none GLA could give: a state read out twice, some
 states read out and others not, a state used outside the recurrence.
 
+NOTE [readouts before the update]
+A loop may read each state out before its update, o_t = q_t . S_{t-1} (RWKV's readout, and a causal
+linear attention that excludes the current token): the first token then reads the state the loop starts
+from, and the last state is returned, not read out. Such a chain's readouts are listed per token (the
+initial state's first) and marked `read_before_update`. That is GLA on k, v and the decay one token late
+(token t's state is then S_{t-1}), and the final state one update further (`laplace_passes.fx.gla_build`).
+
+NOTE [a readout's bonus term]
+A readout may add terms that do not read the state: RWKV's o_t = r_t . (S_{t-1} + diag(u) k_t (x) v_t) is
+the readout r_t . S_{t-1} plus (r_t . (u * k_t)) v_t, a product of the token's own inputs. Such terms are
+kept with the readout (`Readout.bonus`), in the state's indices (a term's one summed index, written apart
+from the state's, `(r * u * k).sum(-1)`, is the key's), and the GLA site adds them to its output per token.
+
 NOTE [k and v's dimensions chosen by the readout]
 An update whose decay reads neither of the state's two feature dimensions (one decay per head, as
 Mamba-2's `h = h * exp(dt A) + (dt x) (x) B`, or none) reads the same either way round: which factor is k
@@ -14,12 +27,14 @@ not sum over that K, the chain is read again with the two swapped, and kept so w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
-from laplace_passes.fx.algebra import Expr, Factor, NotAlgebraic, read
+from laplace_passes.fx.algebra import Expr, Factor, NotAlgebraic, Term, read
+from laplace_passes.fx.per_step import is_fill
 
 Node = torch.fx.Node
 # The chains and steps here are `laplace_passes.fx.recurrence`'s Chain and Step, which hold these readouts.
@@ -34,21 +49,35 @@ class Readout:
     queries: tuple[Factor, ...]
     coef: float
     state_axes: tuple  # S_t's indices in `expr`, one per state dimension
+    bonus: tuple = ()  # terms that do not read the state (NOTE [a readout's bonus term]), in S_t's indices
 
 
 def attach_readouts(chain, memo: dict) -> None:
     """`chain.readouts`, or `chain.mismatch`; k and v swapped when the readouts say so (NOTE [k and v's
     dimensions chosen by the readout])."""
     _attach_readouts(chain, memo)
-    if not chain.mismatch or not all(_either_way(s) for s in chain.steps):
+    if not chain.mismatch:
         return
-    first = chain.mismatch, chain.readouts
+    either_way = all(_either_way(s) for s in chain.steps)
+    first = chain.mismatch, chain.readouts, chain.read_before_update
     _swap_key_and_value(chain)
-    chain.mismatch, chain.readouts = "", []
+    chain.mismatch, chain.readouts, chain.read_before_update = "", [], False
     _attach_readouts(chain, memo)
-    if chain.mismatch:  # neither way round: the usual reading and its reason
+    if chain.mismatch or not either_way:  # the usual reading, and its reason
+        read_out_the_other_way = not chain.mismatch
         _swap_key_and_value(chain)
-        chain.mismatch, chain.readouts = first
+        chain.mismatch, chain.readouts, chain.read_before_update = first
+        if read_out_the_other_way:
+            chain.mismatch = _decay_over_the_kept_dimension(chain.first)
+
+
+def _decay_over_the_kept_dimension(step) -> str:
+    """Why a chain whose states are read out over the dimension its decay does not read is not GLA's (a
+    decay over the value dimension, `S * exp(g_t)[..., None, :]`, the readout summing over the key)."""
+    rank = len(step.shape)
+    return (f"its decay reads dimension {step.key_axis % rank} of the state, which its readout keeps (the "
+            f"readout sums over dimension {step.value_axis % rank}): GLA's decay is per key, the dimension the "
+            "readout sums over (S_t = diag(a_t) S_{t-1} + k_t (x) v_t, o_t = q_t . S_t)")
 
 
 def _either_way(step) -> bool:
@@ -77,11 +106,14 @@ def _attach_readouts(chain, memo: dict) -> None:
         # Only the final state is read out (a classifier's last token): a loop that returns its final state,
         # whose readout then reads the GLA call's final state like any other use of it.
         readouts[-1] = None
-    if any(r is None for r in readouts) and any(r is not None for r in readouts):
+    before = _initial_readout(chain, readouts, chain_nodes, memo)
+    if before is None and any(r is None for r in readouts) and any(r is not None for r in readouts):
         missing = next(s.node.name for s, r in zip(chain.steps, readouts) if r is None)
         chain.mismatch = f"some states are read out and others ({missing}) are not"
         return
-    chain.readouts = [r for r in readouts if r is not None]
+    # NOTE [readouts before the update]: token t reads the state token t - 1 left, the first the initial one.
+    chain.readouts = [before, *readouts[:-1]] if before is not None else [r for r in readouts if r is not None]
+    chain.read_before_update = before is not None
     for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], readouts):
         extra = _other_uses(step, following, readout)
         if extra:
@@ -90,6 +122,16 @@ def _attach_readouts(chain, memo: dict) -> None:
                               f"(not a readout q . S summed over the key dimension, {key_dim}: the one its decay "
                               "and k read)")
             return
+
+
+def _initial_readout(chain, readouts: list, chain_nodes: set, memo: dict) -> Readout | None:
+    """The readout of the state the loop starts from, when every state but the last is read out and that one
+    is too: a loop that reads each state before its update (NOTE [readouts before the update])."""
+    start = chain.first.prev
+    if start is None or readouts[-1] is not None or any(r is None for r in readouts[:-1]):
+        return None
+    found = _readouts_of(dataclasses.replace(chain.first, node=start), chain.first.node, chain_nodes, memo)
+    return found[0] if len(found) == 1 else None
 
 
 def _readouts_of(step, following: Node | None, chain_nodes: set, memo: dict) -> list[Readout]:
@@ -104,9 +146,28 @@ def _readouts_of(step, following: Node | None, chain_nodes: set, memo: dict) -> 
         readout = _as_readout(node, step, memo)
         if readout == "continue" and depth < MAX_READOUT_DEPTH:
             frontier += [(u, depth + 1) for u in node.users]
-        elif isinstance(readout, Readout):
-            found.append(_extended(readout, step, memo))
+        elif isinstance(readout, Readout) and _bonus_of_the_token(readout, chain_nodes):
+            found.append(_extended(readout, step, memo, chain_nodes))
     return found
+
+
+def _bonus_of_the_token(readout: Readout, chain_nodes: set) -> bool:
+    """A bonus term is the token's own inputs' (RWKV's u * k_t (x) v_t), not a running sum of the loop's
+    readouts (`total = total + q . S`, which reaches the loop's states) nor a fill it starts from."""
+    for node in {f.node for term in readout.bonus for f in term.factors}:
+        if is_fill(node) or _reaches_any(chain_nodes, node):
+            return False
+    return True
+
+
+def _reaches_any(targets: set, node: Node, limit: int = 12) -> bool:
+    frontier, seen = [node], set()
+    for _ in range(limit):
+        if any(n in targets for n in frontier):
+            return True
+        seen |= set(frontier)
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
+    return False
 
 
 def _as_readout(node: Node, step, memo: dict):
@@ -116,9 +177,10 @@ def _as_readout(node: Node, step, memo: dict):
         expr = read(node, lambda n: n is state, memo.setdefault(("readout", state, node), {}))
     except NotAlgebraic:
         return None
-    if len(expr.terms) != 1:
+    reading = [t for t in expr.terms if any(f.node is state for f in t.factors)]
+    if len(reading) != 1:
         return None
-    (term,) = expr.terms
+    (term,) = reading
     reads = [f for f in term.factors if f.node is state]
     if len(reads) != 1:
         return None
@@ -135,17 +197,38 @@ def _as_readout(node: Node, step, memo: dict):
     queries = tuple(f for f in term.factors if f.node is not state)
     if any(f.indices() - (batch | {key}) for f in queries):
         return None
-    return Readout(node, state, expr, queries, term.coef, state_axes)
+    bonus = _bonus_terms(expr, [t for t in expr.terms if t is not term], key, batch | {key, value})
+    if bonus is None:
+        return None
+    return Readout(node, state, expr, queries, term.coef, state_axes, bonus)
 
 
-def _extended(readout: Readout, step, memo: dict) -> Readout:
-    """Through the readout's one user while that is still a readout of the state (a scale, a transpose)."""
+def _bonus_terms(expr: Expr, others: list, key, state_indices: set) -> tuple | None:
+    """A readout's terms that do not read the state, in the state's indices (their one summed index, if any,
+    renamed to the key's); None when one reads other dimensions than the state's."""
+    bonus = []
+    for term in others:
+        summed = expr.summed(term)
+        if len(summed) > 1 or any(i.size != key.size for i in summed):
+            return None
+        rename = {i: key for i in summed}
+        factors = tuple(Factor(f.node, tuple(rename.get(a, a) for a in f.axes)) for f in term.factors)
+        term = Term(term.coef, factors)
+        if term.indices() - state_indices or not factors:
+            return None
+        bonus.append(term)
+    return tuple(bonus)
+
+
+def _extended(readout: Readout, step, memo: dict, chain_nodes: set) -> Readout:
+    """Through the readout's one user while that is still a readout of the state (a scale, a transpose, a
+    bonus term added)."""
     while len(readout.node.users) == 1:
         (user,) = readout.node.users
         if user.op != "call_function" and user.op != "call_method":
             break
         longer = _as_readout(user, step, memo)
-        if not isinstance(longer, Readout):
+        if not isinstance(longer, Readout) or not _bonus_of_the_token(longer, chain_nodes):
             break
         readout = longer
     return readout

@@ -33,7 +33,8 @@ from laplace_passes.fx.in_place_writes import storage_of, written_operands
 from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
 from laplace_passes.fx.update_tops import (
-    ResetSelect, SkipSelect, is_update_node, reset_select, selects_against, skip_select, within_an_update,
+    ResetSelect, SkipSelect, broadcast_product, is_update_node, reset_select, selects_against, skip_select,
+    within_an_update,
 )
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
@@ -80,6 +81,7 @@ class Chain:
     readouts: list[Readout] = field(default_factory=list)  # one per step, or none at all
     mismatch: str = ""
     unlinked: int = 0  # steps the loop runs before its first step here, not read as steps of it
+    read_before_update: bool = False  # readouts of S_{t-1} per token (NOTE [readouts before the update])
 
     @property
     def tokens(self) -> int:
@@ -105,7 +107,7 @@ def _state_like(node: Node, shape: tuple) -> bool:
     if value is None or not same_shape(value.shape, shape):
         return False
     if len(node.users) > 1:
-        return True
+        return not broadcast_product(node, value.numel())
     if not is_update_node(node):
         return False
     (user,) = node.users if node.users else (None,)
@@ -126,8 +128,10 @@ def read_step(node: Node, memo: dict) -> Step | None:
         expr = read(update, lambda n: n is not update and _state_like(n, shape), memo.setdefault(("step", node), {}))
     except NotAlgebraic:
         return None
+    # The update itself as a leaf (`S * a + k v + 0.5`: a number added) is no step; its loop is found by its
+    # states instead (`_opaque_steps`), with what the algebra could not read.
     carried = [(t, f) for t in expr.terms for f in t.factors
-               if f.axes == expr.axes and same_shape(_shape(f.node), shape)]
+               if f.axes == expr.axes and same_shape(_shape(f.node), shape) and f.node is not update]
     states = [(t, f) for t, f in carried if _state_like(f.node, shape)]
     carried = states or (carried if len({f.node for _, f in carried}) == 1 else [])
     if not carried:
@@ -261,8 +265,25 @@ def _why_not_outer(expr: Expr, term, decay, per_factor, reads) -> str:
         return "its update adds a term that is not an outer product of the step's inputs"
     if decay and any(reads([f]) - reads(term.factors) for f in decay):
         return "its decay reads a dimension that neither k nor v writes"
+    broadcast = next((f.node for f in decay if _of_a_broadcast(f.node)), None)
+    if broadcast is not None:
+        return (f"its decay {broadcast.name} is computed on a value broadcast to the state's shape, which the "
+                "algebra reads as varying over every dimension, the value dimension included (broadcast after "
+                "it: `g.exp()[..., None]`, not `g[..., None].expand_as(S).exp()`)")
     return ("its decay reads the value dimension (GLA's decay is per key: S_t = diag(a_t) S_{t-1} + k_t (x) v_t)"
             if decay else "its update adds a term that is not an outer product of the step's inputs")
+
+
+_EXPANDS = frozenset({"expand", "expand_as", aten.expand.default})
+
+
+def _of_a_broadcast(node: Node) -> bool:
+    """`node` an elementwise op of an expand (`g[..., None].expand_as(S).exp()`): a leaf of the state's
+    shape though it varies over fewer dimensions."""
+    if not _plain_leaf(node) or node.target is operator.getitem or not node.args or not isinstance(node.args[0], Node):
+        return False
+    source = node.args[0]
+    return source.op in ("call_method", "call_function") and source.target in _EXPANDS
 
 
 def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
@@ -510,11 +531,40 @@ def _over_positions(chain: Chain, memo: dict) -> bool:
     return len(reading) >= max(2, len(chain.steps) - 1) and len(set().union(*reading)) >= 2
 
 
-def _link(steps: dict[Node, Step], memo: dict) -> list[Chain]:
+def _next_steps(steps: dict[Node, Step]) -> dict[Node, list[Step]]:
     next_of: dict[Node, list[Step]] = {}
     for step in steps.values():
         if step.prev is not None:
             next_of.setdefault(step.prev, []).append(step)
+    return next_of
+
+
+def _without_read_out_sums(steps: dict[Node, Step]) -> dict[Node, Step]:
+    """NOTE [a sum only a readout reads]: RWKV's readout r_t . (S_{t-1} + u * k_t (x) v_t) adds to the state
+    too, and reads like a second update of S_{t-1}. Where a state has several updates and one of them goes on
+    to later steps, the others that go nowhere are read as part of a readout, not as steps; at the last
+    state, where none goes on, the one that is not written like the updates that went on."""
+    next_of = _next_steps(steps)
+    dropped, kept = set(), set()
+    for nexts in next_of.values():
+        going_on = [s for s in nexts if s.node in next_of]
+        if len(nexts) > 1 and len(going_on) == 1:
+            dropped |= {s.node for s in nexts if s.node not in next_of}
+            kept.add(_written_as_sum(going_on[0]))
+    for nexts in next_of.values():
+        like = [s for s in nexts if _written_as_sum(s) in kept]
+        if len(nexts) > 1 and not any(s.node in next_of for s in nexts) and len(like) == 1:
+            dropped |= {s.node for s in nexts if s is not like[0]}
+    return {n: s for n, s in steps.items() if n not in dropped}
+
+
+def _written_as_sum(step: Step) -> tuple:
+    return tuple(sorted(len(t.factors) for t in step.expr.terms))
+
+
+def _link(steps: dict[Node, Step], memo: dict) -> list[Chain]:
+    steps = _without_read_out_sums(steps)
+    next_of = _next_steps(steps)
     chains = []
     for step in steps.values():
         if step.prev is not None and step.prev in steps and not _branches(steps[step.prev], next_of):

@@ -168,6 +168,9 @@ class RetileGLA(GraphPass):
         if not self.rewrite:
             record.reason = ("option retile_gla=False: the site stays laplace::gla, the reference recurrence "
                              "(one state update per token)")
+            if self.checks_become_clamps:  # stablehlo, iree, neuron: only the re-tiled forms lower
+                record.reason += ("; the inner compiler lowers the graph and has no lowering of laplace::gla, so "
+                                  "the compile fails at this site (keep retile_gla on to lower it)")
             record.gates = "checked at run time: the reference op checks them"
             return record, Bound(None, "not re-tiled")
         values = [fake_value(n) for n in site.tensor_inputs()]

@@ -136,6 +136,7 @@ def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
         "v": [_positions(s.expr.axes, s.values) for s in chain.steps],
         "decay": [_positions(s.expr.axes, s.decay) for s in chain.steps],
         "q": [_positions(r.state_axes, r.queries) for r in chain.readouts],
+        **_bonus_positions(chain),
     }
     skip = _select_positions([s.skip for s in chain.steps], "skipped", first.shape, key_axis, value_axis)
     if skip:
@@ -158,6 +159,20 @@ def plan_token_loop(chain: Chain, memo: dict) -> TokenLoop:
     if chain.readouts:
         loop.readout_positions = _readout_layout(chain)
     return loop
+
+
+def bonus_roles(loop) -> list[str]:
+    """The roles of a readout's bonus terms (NOTE [a readout's bonus term] in `laplace_passes.fx.readouts`)."""
+    return sorted(r for r in loop.roles if r.startswith("bonus"))
+
+
+def _bonus_positions(chain: Chain) -> dict[str, list]:
+    """Per bonus term of the readouts, each readout's factors of it and the state dimensions they read."""
+    counts = {len(r.bonus) for r in chain.readouts}
+    if len(counts) > 1:
+        raise Declined("some of its readouts add a term that does not read the state and others do not")
+    return {f"bonus{i}": [_positions(r.state_axes, r.bonus[i].factors) for r in chain.readouts]
+            for i in range(counts.pop() if counts else 0)}
 
 
 def _select_positions(selects: list, what: str, state: tuple, key_axis: int, value_axis: int) -> list | None:
@@ -260,7 +275,9 @@ def _set_coefficients(loop: TokenLoop) -> None:
     chain = loop.chain
     for name, values in (("input", [s.input_coef for s in chain.steps]),
                          ("decay", [s.decay_coef for s in chain.steps[1:] or chain.steps]),  # step 0: below
-                         ("scale", [r.coef for r in chain.readouts] or [1.0])):
+                         ("scale", [r.coef for r in chain.readouts] or [1.0]),
+                         *((f"bonus{i}", [r.bonus[i].coef for r in chain.readouts])
+                           for i in range(len(chain.readouts[0].bonus) if chain.readouts else 0))):
         if len(set(values)) > 1:
             raise Declined(f"its {name} coefficient changes from step to step ({values[0]}, {values[1]}, ...)")
         loop.coefs[name] = values[0]
@@ -341,5 +358,7 @@ def describe(loop: TokenLoop, origin: str) -> str:
     state = list(loop.state_shape)
     skips = ", steps skipped by a select" if "skip" in loop.roles else ""
     skips += ", states reset by a select" if "reset" in loop.roles else ""
+    skips += ", each state read out before its update" if loop.chain.read_before_update else ""
+    skips += ", a bonus term in the readout" if bonus_roles(loop) else ""
     return (f"{origin}, {loop.T} steps, {gates}{skips}, state {state} (key dim {loop.key_axis}, "
             f"value dim {loop.value_axis})")

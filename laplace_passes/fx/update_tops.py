@@ -185,6 +185,15 @@ def _product_of_a_sum(node: Node) -> bool:
                for a in node.args)
 
 
+def broadcast_product(node: Node, numel: int) -> bool:
+    """A product of tensors smaller than its `numel` (k_t (x) v_t, used by the update and by a readout's bonus
+    term, as RWKV's `kv = k[..., None] * v[..., None, :]`): computed anew at each step, not a carried state."""
+    is_product = node.target in _PRODUCTS if node.op == "call_function" else \
+        node.op == "call_method" and node.target == "mul"
+    values = [fake_tensor(a) for a in node.args if isinstance(a, Node)]
+    return is_product and bool(values) and all(v is not None and v.numel() < numel for v in values)
+
+
 def _shape(node: Node) -> tuple | None:
     value = fake_tensor(node)
     return tuple(value.shape) if value is not None else None

@@ -61,6 +61,9 @@ def lowering_error(gm: torch.fx.GraphModule, diagnostics: str) -> LoweringError:
     else:
         listed = "; ".join(f"node {u.node} ({u.op})" for u in found)
         message = f"torch-mlir cannot lower {len(found)} node(s): {listed}. torch-mlir said: {found[0].detail}"
+        if any(u.op.startswith("laplace.gla") for u in found):  # only the re-tiled forms are standard ops
+            message += (". laplace.gla is a GLA site the re-tiling pass did not re-tile: the report's GLA sites say "
+                        "why (retile_gla=False, a dynamic length)")
     return LoweringError(message, found)
 
 
