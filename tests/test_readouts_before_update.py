@@ -2,10 +2,11 @@
 
 Such a loop is GLA on k, v and the decay one token late, and its final state one update further (NOTE
 [readouts before the update] in laplace_passes/fx/readouts.py); RWKV's readout r_t . (S_{t-1} + u * k_t (x)
-v_t) adds a term that does not read the state (NOTE [a readout's bonus term]). Each loop becomes one GLA
-site whose outputs, final state and input gradients equal the loop's own, run eagerly; fla's own
-`naive_recurrent_rwkv6` too, over more than one chunk. A loop that adds the bonus of another token than it
-reads is declined and keeps its numbers.
+v_t) adds a term that does not read the state (NOTE [a readout's bonus term]), in any spelling of k_t (x)
+v_t. Each loop becomes one GLA site whose outputs, final state and input gradients equal the loop's own,
+run eagerly; fla's own `naive_recurrent_rwkv6` too, over more than one chunk; two loops whose readouts are
+summed, two sites. A loop whose bonus inside its readout reads another token than its update is declined
+and keeps its numbers.
 """
 
 import pytest
@@ -52,7 +53,8 @@ def rwkv6_bonus_inside(r, k, v, w, u):
 
 
 def rwkv6_bonus_apart(r, k, v, w, u):
-    """The bonus summed apart from the state's readout, over an index of its own."""
+    """The bonus summed apart from the state's readout, over an index of its own, and added to it: the readout
+    is the einsum, the bonus stays as written, per token."""
     S = r.new_zeros(B, H, K, V)
     outs = []
     for t in range(T):
@@ -60,6 +62,29 @@ def rwkv6_bonus_apart(r, k, v, w, u):
         outs.append(torch.einsum("bhk,bhkv->bhv", r[:, :, t], S) + bonus)
         S = S * w[:, :, t].exp()[..., None] + _outer(k[:, :, t], v[:, :, t])
     return torch.stack(outs, 2), S
+
+
+def rwkv6_kv_as_a_matmul(r, k, v, w, u):
+    """kv written as a matmul, used by the bonus and the update (it had been taken for a second state)."""
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        kv = k[:, :, t].unsqueeze(-1) @ v[:, :, t].unsqueeze(-2)
+        outs.append((r[:, :, t, :, None] * (S + u[None, :, :, None] * kv)).sum(-2))
+        S = S * w[:, :, t].exp()[..., None] + kv
+    return torch.stack(outs, 2), S
+
+
+def two_loops_read_out_together(r, k, v, w, u):
+    """Two recurrences whose readouts are summed, each token: two sites (the other loop's readout is not a
+    bonus term of this one's)."""
+    S, P = r.new_zeros(B, H, K, V), r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * w[:, :, t].exp()[..., None] + _outer(k[:, :, t], v[:, :, t])
+        P = P * 0.9 + _outer(u[None] * r[:, :, t], v[:, :, t])
+        outs.append(torch.einsum("bhk,bhkv->bhv", r[:, :, t], S) + torch.einsum("bhk,bhkv->bhv", k[:, :, t], P))
+    return torch.stack(outs, 2), S, P
 
 
 def outputs_and_grads(fn, args):
@@ -81,31 +106,35 @@ def relative_error(found, expected) -> float:
 DESCRIBED = {
     read_before_the_update: "each state read out before its update, state",
     rwkv6_bonus_inside: "each state read out before its update, a bonus term in the readout",
-    rwkv6_bonus_apart: "each state read out before its update, a bonus term in the readout",
+    rwkv6_bonus_apart: "each state read out before its update, state",  # the bonus added after: as written
 }
 
 
+DESCRIBED[rwkv6_kv_as_a_matmul] = DESCRIBED[rwkv6_bonus_inside]
+DESCRIBED[two_loops_read_out_together] = "token loop, 12 steps, per-key gates, state"
+
+
 @pytest.mark.parametrize("fn", list(DESCRIBED), ids=lambda f: f.__name__)
-def test_a_loop_reading_each_state_before_its_update_is_one_site_equal_to_eager(fn):
+def test_each_loop_is_a_site_equal_to_eager(fn):
     args = inputs()
     expected_out, expected_grads = outputs_and_grads(fn, args)
     out, grads = outputs_and_grads(compiled(fn), args)
     report = laplace_passes.last_report()
-    (row,) = report.recurrences
-    assert row.status == "GLA site" and row.steps == T, row
-    assert DESCRIBED[fn] in row.form, row.form
-    assert len(report.sites) == 1
+    rows = report.recurrences
+    assert [(r.status, r.steps) for r in rows] == [("GLA site", T)] * len(rows) and rows, rows
+    assert DESCRIBED[fn] in rows[0].form, rows[0].form
+    assert len(report.sites) == len(rows) == (2 if fn is two_loops_read_out_together else 1)
     for found, expected in zip([*out, *grads], [*expected_out, *expected_grads]):
         assert relative_error(found, expected) < 1e-5
 
 
 def bonus_of_the_previous_token(r, k, v, w, u):
-    """The bonus reads k one token earlier than the update: not RWKV's readout."""
+    """The bonus inside the readout reads k one token earlier than the update: not RWKV's readout."""
     S = r.new_zeros(B, H, K, V)
     outs = []
     for t in range(1, T):
-        bonus = (r[:, :, t] * u * k[:, :, t - 1]).sum(-1, keepdim=True) * v[:, :, t]
-        outs.append(torch.einsum("bhk,bhkv->bhv", r[:, :, t], S) + bonus)
+        bonus = u[None, :, :, None] * _outer(k[:, :, t - 1], v[:, :, t])
+        outs.append((r[:, :, t, :, None] * (S + bonus)).sum(-2))
         S = S * w[:, :, t].exp()[..., None] + _outer(k[:, :, t], v[:, :, t])
     return torch.stack(outs, 2), S
 
@@ -146,3 +175,27 @@ def test_fla_s_naive_rwkv6_over_three_chunks_is_one_site_equal_to_fla_s_own():
     assert site.status == "retiled" and (site.plan["chunk_size"], site.plan["n_chunks"]) == (32, 3), site
     for found, expected in zip([*out, *grads], [*expected_out, *expected_grads]):
         assert relative_error(found, expected) < 1e-5
+
+
+@pytest.mark.parametrize("gates_inside", [True, False], ids=["gates_proven", "gates_given"])
+def test_a_bonus_site_under_an_inner_compiler_that_lowers(gates_inside):
+    """With a lowering inner compiler a recognised loop's gates must be proven <= 0 (NOTE [unproven gates of a
+    recognised loop]): the proof reads the GLA call's gates, not its output, to which the bonus is added (it
+    had read the output's operands and raised). Gates computed as logsigmoid in the function: a site; gates
+    given as an input: kept as written, saying why."""
+    pytest.importorskip("torch_mlir")
+
+    def rwkv6(r, k, v, x, u):
+        return rwkv6_bonus_inside(r, k, v, F.logsigmoid(x) if gates_inside else x, u)
+
+    args = [a.detach() for a in inputs()]
+    expected = rwkv6(*args)
+    torch._dynamo.reset()
+    found = torch.compile(rwkv6, backend="laplace", options={"target": "cpu", "inner": "stablehlo"})(*args)
+    for f, e in zip(found, expected):
+        assert relative_error(f, e) < 1e-5
+    (row,) = laplace_passes.last_report().recurrences
+    if gates_inside:
+        assert row.status == "GLA site" and "a bonus term in the readout" in row.form, row
+    else:
+        assert row.status == "declined" and "are not shown to be <= 0" in row.reason, row

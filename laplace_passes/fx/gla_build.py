@@ -240,6 +240,7 @@ class GlaBuilder:
             last = [self.call(torch.select, x, 1, -1) for x in (k, v, gk)]
             k, v, gk = (self.call(F.pad, x, (0, 0, 0, 0, 1, -1)) for x in (k, v, gk))
         call = self.call(target, q, k, v, gk, h0, float(self.loop.coefs["scale"]), origin)
+        self.gates = gk  # for a check of its bound (`recognise._keep_unproven_gates_as_written`)
         o, state = self.call(operator.getitem, call, 0), self.call(operator.getitem, call, 1)
         bonus = self._bonus()
         if bonus is not None:

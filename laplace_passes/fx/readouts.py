@@ -16,6 +16,9 @@ A readout may add terms that do not read the state: RWKV's o_t = r_t . (S_{t-1} 
 the readout r_t . S_{t-1} plus (r_t . (u * k_t)) v_t, a product of the token's own inputs. Such terms are
 kept with the readout (`Readout.bonus`), in the state's indices (a term's one summed index, written apart
 from the state's, `(r * u * k).sum(-1)`, is the key's), and the GLA site adds them to its output per token.
+Only terms inside the readout's own sum are read so: a term added to a readout afterwards (`q . S_t + z_t`,
+the bonus summed apart among them) may be anything, another loop's readout or a running sum, and stays
+as written, per token.
 
 NOTE [k and v's dimensions chosen by the readout]
 An update whose decay reads neither of the state's two feature dimensions (one decay per head, as
@@ -35,6 +38,7 @@ import torch.fx
 
 from laplace_passes.fx.algebra import Expr, Factor, NotAlgebraic, Term, read
 from laplace_passes.fx.per_step import is_fill
+from laplace_passes.infra.fx_helpers import fake_tensor
 
 Node = torch.fx.Node
 # The chains and steps here are `laplace_passes.fx.recurrence`'s Chain and Step, which hold these readouts.
@@ -77,7 +81,7 @@ def _decay_over_the_kept_dimension(step) -> str:
     rank = len(step.shape)
     return (f"its decay reads dimension {step.key_axis % rank} of the state, which its readout keeps (the "
             f"readout sums over dimension {step.value_axis % rank}): GLA's decay is per key, the dimension the "
-            "readout sums over (S_t = diag(a_t) S_{t-1} + k_t (x) v_t, o_t = q_t . S_t)")
+            "readout sums over (S_t = diag(a_t) S_{t-1} + k_t (x) v_t, read out as q . S)")
 
 
 def _either_way(step) -> bool:
@@ -147,20 +151,25 @@ def _readouts_of(step, following: Node | None, chain_nodes: set, memo: dict) -> 
         if readout == "continue" and depth < MAX_READOUT_DEPTH:
             frontier += [(u, depth + 1) for u in node.users]
         elif isinstance(readout, Readout) and _bonus_of_the_token(readout, chain_nodes):
-            found.append(_extended(readout, step, memo, chain_nodes))
+            found.append(_extended(readout, step, memo))
     return found
 
 
 def _bonus_of_the_token(readout: Readout, chain_nodes: set) -> bool:
-    """A bonus term is the token's own inputs' (RWKV's u * k_t (x) v_t), not a running sum of the loop's
-    readouts (`total = total + q . S`, which reaches the loop's states) nor a fill it starts from."""
+    """A bonus term is the token's own inputs' (RWKV's u * k_t (x) v_t): not a running sum of the loop's
+    readouts (`total = total + q . S`, which reaches the loop's states), a fill it starts from, or a value of
+    the state's size (another loop's state)."""
+    size = fake_tensor(readout.state).numel()
     for node in {f.node for term in readout.bonus for f in term.factors}:
-        if is_fill(node) or _reaches_any(chain_nodes, node):
+        value = fake_tensor(node)
+        if is_fill(node) or value is None or value.numel() >= size or _reaches_any(chain_nodes, node):
             return False
     return True
 
 
 def _reaches_any(targets: set, node: Node, limit: int = 12) -> bool:
+    """Whether `node` reads one of `targets` within `limit` ops: a bonus term's factors are a token's inputs a
+    few ops away (`u * k[:, t]`), and a readout a running sum adds reaches the state in three or four."""
     frontier, seen = [node], set()
     for _ in range(limit):
         if any(n in targets for n in frontier):
@@ -220,15 +229,16 @@ def _bonus_terms(expr: Expr, others: list, key, state_indices: set) -> tuple | N
     return tuple(bonus)
 
 
-def _extended(readout: Readout, step, memo: dict, chain_nodes: set) -> Readout:
-    """Through the readout's one user while that is still a readout of the state (a scale, a transpose, a
-    bonus term added)."""
+def _extended(readout: Readout, step, memo: dict) -> Readout:
+    """Through the readout's one user while that is still a readout of the state (a scale, a transpose)."""
     while len(readout.node.users) == 1:
         (user,) = readout.node.users
         if user.op != "call_function" and user.op != "call_method":
             break
         longer = _as_readout(user, step, memo)
-        if not isinstance(longer, Readout) or not _bonus_of_the_token(longer, chain_nodes):
+        # Not through a term added after the readout (`q . S_t + z_t`): z_t may be anything, another loop's
+        # readout or state among them; a bonus summed apart stays as written, per token.
+        if not isinstance(longer, Readout) or len(longer.bonus) != len(readout.bonus):
             break
         readout = longer
     return readout

@@ -22,6 +22,7 @@ states instead, nodes of one shape read out and carried to the next step
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -33,8 +34,8 @@ from laplace_passes.fx.in_place_writes import storage_of, written_operands
 from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
 from laplace_passes.fx.update_tops import (
-    ResetSelect, SkipSelect, broadcast_product, is_update_node, reset_select, selects_against, skip_select,
-    within_an_update,
+    ResetSelect, SkipSelect, broadcast_product, is_update_node, next_steps, reset_select, selects_against,
+    skip_select, within_an_update, without_read_out_sums,
 )
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
@@ -107,7 +108,7 @@ def _state_like(node: Node, shape: tuple) -> bool:
     if value is None or not same_shape(value.shape, shape):
         return False
     if len(node.users) > 1:
-        return not broadcast_product(node, value.numel())
+        return True
     if not is_update_node(node):
         return False
     (user,) = node.users if node.users else (None,)
@@ -124,20 +125,11 @@ def read_step(node: Node, memo: dict) -> Step | None:
         return None  # a partial sum of a longer update
     select = skip_select(node)
     update = select.update if select is not None else node  # NOTE [steps a select skips]
-    try:
-        expr = read(update, lambda n: n is not update and _state_like(n, shape), memo.setdefault(("step", node), {}))
-    except NotAlgebraic:
+    read_update = _read_update(node, update, shape, memo)
+    if read_update is None:
         return None
-    # The update itself as a leaf (`S * a + k v + 0.5`: a number added) is no step; its loop is found by its
-    # states instead (`_opaque_steps`), with what the algebra could not read.
-    carried = [(t, f) for t in expr.terms for f in t.factors
-               if f.axes == expr.axes and same_shape(_shape(f.node), shape) and f.node is not update]
-    states = [(t, f) for t, f in carried if _state_like(f.node, shape)]
-    carried = states or (carried if len({f.node for _, f in carried}) == 1 else [])
-    if not carried:
-        return None
+    expr, carried, unread = read_update
     prev_nodes = {f.node for _, f in carried}
-    unread = memo[("step", node)].get(UNREAD, {})
     prev, reset, through = _state_read_through(carried[0][1].node, unread, shape) if len(prev_nodes) == 1 else \
         (carried[0][1].node, None, None)
     step = Step(node, prev, expr, unread=unread, skip=select, reset=reset, through=through)
@@ -152,6 +144,29 @@ def read_step(node: Node, memo: dict) -> Step | None:
     if step.reset is not None and step.rows is not None and not step.mismatch:
         step.mismatch = f"its chunked update reads a state that the select {step.reset.select.name} resets"
     return step
+
+
+def _read_update(node: Node, update: Node, shape: tuple, memo: dict, through: frozenset = frozenset()):
+    """(the update's form, its terms' factors that read a state of its shape whole, why the algebra took nodes
+    for leaves), or None when no factor carries a state. Of several such states, the products of smaller
+    tensors (`through`) are read through when one other state is left: RWKV's `kv = k[..., None] * v[...,
+    None, :]` is used twice, by the update and the readout's bonus, yet is the step's input, not a state."""
+    key = ("step", node) if not through else ("step, through", node)
+    try:
+        expr = read(update, lambda n: n is not update and n not in through and _state_like(n, shape),
+                    memo.setdefault(key, {}))
+    except NotAlgebraic:
+        return None
+    # The update itself as a leaf (`S * a + k v + 0.5`: a number added) is no step; its loop is found by its
+    # states instead (`_opaque_steps`), with what the algebra could not read.
+    carried = [(t, f) for t in expr.terms for f in t.factors
+               if f.axes == expr.axes and same_shape(_shape(f.node), shape) and f.node is not update]
+    states = [(t, f) for t, f in carried if _state_like(f.node, shape)]
+    products = frozenset(f.node for _, f in states if broadcast_product(f.node, math.prod(shape)))
+    if not through and len({f.node for _, f in states} - products) == 1 and products:
+        return _read_update(node, update, shape, memo, products)
+    carried = states or (carried if len({f.node for _, f in carried}) == 1 else [])
+    return (expr, carried, memo[key].get(UNREAD, {})) if carried else None
 
 
 def _state_read_through(carried: Node, unread: dict, shape: tuple) -> tuple[Node, ResetSelect | None, Node | None]:
@@ -531,40 +546,9 @@ def _over_positions(chain: Chain, memo: dict) -> bool:
     return len(reading) >= max(2, len(chain.steps) - 1) and len(set().union(*reading)) >= 2
 
 
-def _next_steps(steps: dict[Node, Step]) -> dict[Node, list[Step]]:
-    next_of: dict[Node, list[Step]] = {}
-    for step in steps.values():
-        if step.prev is not None:
-            next_of.setdefault(step.prev, []).append(step)
-    return next_of
-
-
-def _without_read_out_sums(steps: dict[Node, Step]) -> dict[Node, Step]:
-    """NOTE [a sum only a readout reads]: RWKV's readout r_t . (S_{t-1} + u * k_t (x) v_t) adds to the state
-    too, and reads like a second update of S_{t-1}. Where a state has several updates and one of them goes on
-    to later steps, the others that go nowhere are read as part of a readout, not as steps; at the last
-    state, where none goes on, the one that is not written like the updates that went on."""
-    next_of = _next_steps(steps)
-    dropped, kept = set(), set()
-    for nexts in next_of.values():
-        going_on = [s for s in nexts if s.node in next_of]
-        if len(nexts) > 1 and len(going_on) == 1:
-            dropped |= {s.node for s in nexts if s.node not in next_of}
-            kept.add(_written_as_sum(going_on[0]))
-    for nexts in next_of.values():
-        like = [s for s in nexts if _written_as_sum(s) in kept]
-        if len(nexts) > 1 and not any(s.node in next_of for s in nexts) and len(like) == 1:
-            dropped |= {s.node for s in nexts if s is not like[0]}
-    return {n: s for n, s in steps.items() if n not in dropped}
-
-
-def _written_as_sum(step: Step) -> tuple:
-    return tuple(sorted(len(t.factors) for t in step.expr.terms))
-
-
 def _link(steps: dict[Node, Step], memo: dict) -> list[Chain]:
-    steps = _without_read_out_sums(steps)
-    next_of = _next_steps(steps)
+    steps = without_read_out_sums(steps)
+    next_of = next_steps(steps)
     chains = []
     for step in steps.values():
         if step.prev is not None and step.prev in steps and not _branches(steps[step.prev], next_of):

@@ -279,7 +279,11 @@ def _set_coefficients(loop: TokenLoop) -> None:
                          *((f"bonus{i}", [r.bonus[i].coef for r in chain.readouts])
                            for i in range(len(chain.readouts[0].bonus) if chain.readouts else 0))):
         if len(set(values)) > 1:
-            raise Declined(f"its {name} coefficient changes from step to step ({values[0]}, {values[1]}, ...)")
+            what = "readout's bonus term" if name.startswith("bonus") else name
+            start = 1 if name == "decay" else 0  # step 0's decay reads the initial state: below
+            first = next(i for i, value in enumerate(values) if value != values[0])
+            raise Declined(f"its {what} coefficient changes from step to step ({values[0]} at step {start}, "
+                           f"{values[first]} at step {start + first})")
         loop.coefs[name] = values[0]
     if loop.coefs["decay"] <= 0:
         raise Declined(f"its decay coefficient {loop.coefs['decay']} is not positive (GLA decays lie in (0, 1])")

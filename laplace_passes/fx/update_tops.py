@@ -47,6 +47,15 @@ place holds what that wrote). A select at some steps only (a cached state reset 
 at one step) is read as before: a state the loop starts from, the chain cut there
 (`recurrence._split_at_some_resets`). One difference remains for non-finite values: a state that holds inf or NaN
 before a reset is multiplied by the decay 0 in GLA's forms (NaN after the reset), where the select drops it.
+
+NOTE [a sum only a readout reads]
+RWKV's readout r_t . (S_{t-1} + u * k_t (x) v_t) adds to the state too, and `S + u * kv` reads like a second
+update of S_{t-1}, beside the real one, `S * a + kv`. Where a state has several such updates and exactly one
+of them goes on to later steps, the others, which go nowhere, are parts of a readout, not steps
+(`without_read_out_sums`). At the last state none goes on: there the one written like the updates that
+went on (the same number of factors in each term) stays a step. The outer product `kv`, used by both, is
+computed from the token's inputs: the update reads through it (`broadcast_product`) when it would
+otherwise read two previous states.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from laplace_passes.fx.per_step import is_fill
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
 from laplace_passes.infra.op_facts import base_op_name
@@ -186,12 +196,41 @@ def _product_of_a_sum(node: Node) -> bool:
 
 
 def broadcast_product(node: Node, numel: int) -> bool:
-    """A product of tensors smaller than its `numel` (k_t (x) v_t, used by the update and by a readout's bonus
-    term, as RWKV's `kv = k[..., None] * v[..., None, :]`): computed anew at each step, not a carried state."""
-    is_product = node.target in _PRODUCTS if node.op == "call_function" else \
-        node.op == "call_method" and node.target == "mul"
-    values = [fake_tensor(a) for a in node.args if isinstance(a, Node)]
-    return is_product and bool(values) and all(v is not None and v.numel() < numel for v in values)
+    """A value of `numel` elements computed from smaller tensors only (k_t (x) v_t in any spelling, `k[...,
+    None] * v[..., None, :]`, `k.unsqueeze(-1) @ v.unsqueeze(-2)`, an einsum; RWKV's `kv`, used by the update
+    and by a readout's bonus term): the step's input, computed anew at each step, not a carried state."""
+    values = [fake_tensor(a) for a in node.all_input_nodes]
+    return node.op in ("call_function", "call_method") and bool(values) and not is_fill(node) \
+        and all(v is not None and v.numel() < numel for v in values)
+
+
+def next_steps(steps: dict) -> dict[Node, list]:
+    """Each previous state's updates (recurrence.Step's, by their `prev`)."""
+    next_of: dict[Node, list] = {}
+    for step in steps.values():
+        if step.prev is not None:
+            next_of.setdefault(step.prev, []).append(step)
+    return next_of
+
+
+def without_read_out_sums(steps: dict) -> dict:
+    """`steps` without the sums that only a readout reads (NOTE [a sum only a readout reads])."""
+    next_of = next_steps(steps)
+    dropped, kept = set(), set()
+    for nexts in next_of.values():
+        going_on = [s for s in nexts if s.node in next_of]
+        if len(nexts) > 1 and len(going_on) == 1:
+            dropped |= {s.node for s in nexts if s.node not in next_of}
+            kept.add(_written_as_sum(going_on[0]))
+    for nexts in next_of.values():
+        like = [s for s in nexts if _written_as_sum(s) in kept]
+        if len(nexts) > 1 and not any(s.node in next_of for s in nexts) and len(like) == 1:
+            dropped |= {s.node for s in nexts if s is not like[0]}
+    return {n: s for n, s in steps.items() if n not in dropped}
+
+
+def _written_as_sum(step) -> tuple:
+    return tuple(sorted(len(t.factors) for t in step.expr.terms))
 
 
 def _shape(node: Node) -> tuple | None:
