@@ -93,6 +93,7 @@ class GlaBuilder:
         self.device = fake_tensor(loop.like).device
         self.batch = loop.batch_axes
         self.sizes = loop.state_shape
+        self.gates: Node | None = None  # the GLA call's gk, once `gla` has built it
 
     def call(self, target, *args, **kwargs) -> Node:
         if target in _IDENTITY_WHEN and _IDENTITY_WHEN[target](fake_tensor(args[0]), *args[1:]):
@@ -240,7 +241,7 @@ class GlaBuilder:
             last = [self.call(torch.select, x, 1, -1) for x in (k, v, gk)]
             k, v, gk = (self.call(F.pad, x, (0, 0, 0, 0, 1, -1)) for x in (k, v, gk))
         call = self.call(target, q, k, v, gk, h0, float(self.loop.coefs["scale"]), origin)
-        self.gates = gk  # for a check of its bound (`recognise._keep_unproven_gates_as_written`)
+        self.gates = gk  # for the proof of its bound (`recognise._keep_unproven_gates_as_written`)
         o, state = self.call(operator.getitem, call, 0), self.call(operator.getitem, call, 1)
         bonus = self._bonus()
         if bonus is not None:
