@@ -3,9 +3,9 @@
 Such a loop is GLA on k, v and the decay one token late, and its final state one update further (NOTE
 [readouts before the update] in laplace_passes/fx/readouts.py); RWKV's readout r_t . (S_{t-1} + u * k_t (x)
 v_t) adds a term that does not read the state (NOTE [a readout's bonus term]), in any spelling of k_t (x)
-v_t. Each loop becomes one GLA site whose outputs, final state and input gradients equal the loop's own,
-run eagerly; fla's own `naive_recurrent_rwkv6` too, over more than one chunk; two loops whose readouts are
-summed, two sites. A loop whose bonus inside its readout reads another token than its update is declined
+v_t; over packed documents, the state reset before the token reads it. Each loop becomes one GLA site
+whose outputs, final state and input gradients equal the loop's own, run eagerly; fla's own
+`naive_recurrent_rwkv6` too, over more than one chunk; two loops whose readouts are summed, two sites. A loop whose bonus inside its readout reads another token than its update is declined
 and keeps its numbers.
 """
 
@@ -87,6 +87,24 @@ def two_loops_read_out_together(r, k, v, w, u):
     return torch.stack(outs, 2), S, P
 
 
+# Packed documents: where each sequence's documents start (a reset of the state before the token reads it).
+STARTS = torch.zeros(B, T, dtype=torch.bool)
+STARTS[0, 5] = STARTS[1, 0] = STARTS[1, 9] = STARTS[1, T - 1] = True
+
+
+def rwkv6_reset_before_its_readout(r, k, v, w, u):
+    """RWKV-6 over packed documents: the state reset at a document's first token, then read out and updated
+    (the select read twice: it had been no reset, and the loop no recurrence)."""
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.where(STARTS[:, t, None, None, None], 0.0, S)
+        kv = _outer(k[:, :, t], v[:, :, t])
+        outs.append((r[:, :, t, :, None] * (S + u[None, :, :, None] * kv)).sum(-2))
+        S = S * w[:, :, t].exp()[..., None] + kv
+    return torch.stack(outs, 2), S
+
+
 def outputs_and_grads(fn, args):
     out = fn(*args)
     weights = [torch.linspace(-1, 1, o.numel()).view_as(o) for o in out]
@@ -111,6 +129,8 @@ DESCRIBED = {
 
 
 DESCRIBED[rwkv6_kv_as_a_matmul] = DESCRIBED[rwkv6_bonus_inside]
+DESCRIBED[rwkv6_reset_before_its_readout] = ("states reset by a select, each state read out before its update, a "
+                                             "bonus term in the readout")
 DESCRIBED[two_loops_read_out_together] = "token loop, 12 steps, per-key gates, state"
 
 

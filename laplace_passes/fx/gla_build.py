@@ -93,7 +93,8 @@ class GlaBuilder:
         self.device = fake_tensor(loop.like).device
         self.batch = loop.batch_axes
         self.sizes = loop.state_shape
-        self.gates: Node | None = None  # the GLA call's gk, once `gla` has built it
+        self.call_gates: Node | None = None  # the GLA call's gk, once `gla` has built it
+        self.late_resets: Node | None = None  # resets applied after the one-token shift, set by `gla_inputs`
 
     def call(self, target, *args, **kwargs) -> Node:
         if target in _IDENTITY_WHEN and _IDENTITY_WHEN[target](fake_tensor(args[0]), *args[1:]):
@@ -171,7 +172,10 @@ class GlaBuilder:
         v = self.full(self.role("v", V), V, loop.coefs["input"])
         gk = self.gates()
         resets = self.reset_states()
-        if resets is not None:  # NOTE [states a select resets]: the gate -inf (a decay of 0) where a state resets
+        self.late_resets = resets if resets is not None and self._reads_before_updates("reads_reset_states") \
+            else None  # applied after the shift, in `gla` (NOTE [readouts before the update])
+        if resets is not None and self.late_resets is None:
+            # NOTE [states a select resets]: the gate -inf (a decay of 0) where a state resets
             gk = (self.call(torch.where, resets, -math.inf, gk[0]), gk[1])
         updates = self.updated_steps()
         if updates is not None:  # NOTE [steps a select skips]: gate 0, k = v = 0 where a step is skipped
@@ -240,8 +244,12 @@ class GlaBuilder:
         if late:  # NOTE [readouts before the update]: token t's state is S_{t-1}, then one update further
             last = [self.call(torch.select, x, 1, -1) for x in (k, v, gk)]
             k, v, gk = (self.call(F.pad, x, (0, 0, 0, 0, 1, -1)) for x in (k, v, gk))
+            if self.late_resets is not None:  # the state token t reads out is reset: nothing of token t - 1
+                resets = self._in_gla_layout(self.late_resets)
+                k = self.call(torch.where, resets, 0.0, k)
+                gk = self.call(torch.where, resets, -math.inf, gk)
         call = self.call(target, q, k, v, gk, h0, float(self.loop.coefs["scale"]), origin)
-        self.gates = gk  # for the proof of its bound (`recognise._keep_unproven_gates_as_written`)
+        self.call_gates = gk  # for the proof of its bound (`recognise._keep_unproven_gates_as_written`)
         o, state = self.call(operator.getitem, call, 0), self.call(operator.getitem, call, 1)
         bonus = self._bonus()
         if bonus is not None:
@@ -264,9 +272,17 @@ class GlaBuilder:
             total = summed if total is None else self.call(operator.add, total, summed)
         return None if total is None else self.to_gla_layout(self.full(total, V), V)
 
-    def _reads_before_updates(self) -> bool:
+    def _reads_before_updates(self, how: str = "read_before_update") -> bool:
         chain = getattr(self.loop, "chain", None)
-        return chain is not None and chain.read_before_update
+        return chain is not None and getattr(chain, how)
+
+    def _in_gla_layout(self, condition: Node) -> Node:
+        """A [T, *batch, 1] condition -> [B, T, H, 1], without a cast (`to_gla_layout` casts to the dtype)."""
+        batch = [self.sizes[p] for p in self.batch]
+        full = self.call(torch.Tensor.expand, condition, [self.steps, *batch, 1])  # one per sequence: per head too
+        moved = self.call(torch.movedim, full, 0, 1) if batch else full
+        B, H = (batch[0], math.prod(batch[1:])) if batch else (1, 1)
+        return self.call(torch.reshape, moved, [B, self.steps, H, 1])
 
     def _one_update(self, state: Node, k: Node, v: Node, gk: Node) -> Node:
         """exp(gk)[..., None] * state + k[..., None] * v[..., None, :], in GLA's layouts ([B, H, K, V], [B, H, F])."""

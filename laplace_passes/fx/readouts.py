@@ -10,6 +10,10 @@ linear attention that excludes the current token): the first token then reads th
 from, and the last state is returned, not read out. Such a chain's readouts are listed per token (the
 initial state's first) and marked `read_before_update`. That is GLA on k, v and the decay one token late
 (token t's state is then S_{t-1}), and the final state one update further (`laplace_passes.fx.gla_build`).
+A loop that resets the state at some tokens (NOTE [states a select resets] in `laplace_passes.fx.update_tops`)
+and reads out the state after the reset, `S = where(start_t, 0, S); o_t = q_t . S; S = a_t S + k_t v_t`,
+has readouts of the selects (`reads_reset_states`): in the late sequence the reset then acts on token t's
+own state, the gate -inf and the late k zero there, and the final update decays by the last token's own gate.
 
 NOTE [a readout's bonus term]
 A readout may add terms that do not read the state: RWKV's o_t = r_t . (S_{t-1} + diag(u) k_t (x) v_t) is
@@ -63,14 +67,14 @@ def attach_readouts(chain, memo: dict) -> None:
     if not chain.mismatch:
         return
     either_way = all(_either_way(s) for s in chain.steps)
-    first = chain.mismatch, chain.readouts, chain.read_before_update
+    first = chain.mismatch, chain.readouts, chain.read_before_update, chain.reads_reset_states
     _swap_key_and_value(chain)
-    chain.mismatch, chain.readouts, chain.read_before_update = "", [], False
+    chain.mismatch, chain.readouts, chain.read_before_update, chain.reads_reset_states = "", [], False, False
     _attach_readouts(chain, memo)
     if chain.mismatch or not either_way:  # the usual reading, and its reason
         read_out_the_other_way = not chain.mismatch
         _swap_key_and_value(chain)
-        chain.mismatch, chain.readouts, chain.read_before_update = first
+        chain.mismatch, chain.readouts, chain.read_before_update, chain.reads_reset_states = first
         if read_out_the_other_way:
             chain.mismatch = _decay_over_the_kept_dimension(chain.first)
 
@@ -106,7 +110,11 @@ def _attach_readouts(chain, memo: dict) -> None:
             chain.mismatch = f"the state {step.node.name} is read out {len(found)} times"
             return
         readouts.append(found[0] if found else None)
-    if readouts[-1] is not None and all(r is None for r in readouts[:-1]):
+    after_resets = _readouts_of_reset_states(chain, chain_nodes, memo) if not any(readouts) else None
+    if after_resets is not None:  # NOTE [readouts before the update]: a reset before the readout
+        chain.readouts, chain.read_before_update, chain.reads_reset_states = after_resets, True, True
+        readouts = [None] * len(readouts)
+    elif readouts[-1] is not None and all(r is None for r in readouts[:-1]):
         # Only the final state is read out (a classifier's last token): a loop that returns its final state,
         # whose readout then reads the GLA call's final state like any other use of it.
         readouts[-1] = None
@@ -115,10 +123,13 @@ def _attach_readouts(chain, memo: dict) -> None:
         missing = next(s.node.name for s, r in zip(chain.steps, readouts) if r is None)
         chain.mismatch = f"some states are read out and others ({missing}) are not"
         return
-    # NOTE [readouts before the update]: token t reads the state token t - 1 left, the first the initial one.
-    chain.readouts = [before, *readouts[:-1]] if before is not None else [r for r in readouts if r is not None]
-    chain.read_before_update = before is not None
-    for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], readouts):
+    if after_resets is None:
+        # NOTE [readouts before the update]: token t reads the state token t - 1 left, the first the initial one.
+        chain.readouts = [before, *readouts[:-1]] if before is not None else [r for r in readouts if r is not None]
+        chain.read_before_update = before is not None
+    # What reads each state besides its update: its own readout, or the next token's, of the state reset.
+    checked = readouts if after_resets is None else [*after_resets[1:], None]
+    for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], checked):
         extra = _other_uses(step, following, readout)
         if extra:
             key_dim = step.key_axis % len(step.shape)
@@ -126,6 +137,22 @@ def _attach_readouts(chain, memo: dict) -> None:
                               f"(not a readout q . S summed over the key dimension, {key_dim}: the one its decay "
                               "and k read)")
             return
+
+
+def _readouts_of_reset_states(chain, chain_nodes: set, memo: dict) -> list[Readout] | None:
+    """Per token, the readout of the state its update reads after the select that resets it, when every step
+    has one and each such state is read out once: packed documents, the state reset at each one's first
+    token, then read out and updated (RWKV's order)."""
+    if any(s.reset is None for s in chain.steps):
+        return None
+    found = []
+    for step in chain.steps:
+        reset = dataclasses.replace(step, node=step.reset.select)
+        readouts = _readouts_of(reset, step.node, chain_nodes, memo)
+        if len(readouts) != 1:
+            return None
+        found.append(readouts[0])
+    return found
 
 
 def _initial_readout(chain, readouts: list, chain_nodes: set, memo: dict) -> Readout | None:
@@ -245,11 +272,13 @@ def _extended(readout: Readout, step, memo: dict) -> Readout:
 
 
 def _other_uses(step, following, readout: Readout | None) -> Node | None:
-    """A user of an intermediate state outside the next update's ops and the readout's own ops."""
+    """A user of an intermediate state, or of the select that resets it for the next update, outside that
+    update's ops and the readout's own ops."""
     allowed = _between(step.node, following.node)
     if readout is not None:
         allowed |= _between(step.node, readout.node)
-    return next((u for u in step.node.users if u not in allowed), None)
+    users = list(step.node.users) + (list(following.reset.select.users) if following.reset is not None else [])
+    return next((u for u in users if u not in allowed), None)
 
 
 def _between(start: Node, end: Node) -> set[Node]:

@@ -273,7 +273,7 @@ def _replace(gm: torch.fx.GraphModule, loop: TokenLoop, memo: dict, origin: str,
         builder = GlaBuilder(gm.graph, loop, loop.T, memo)
         o, state = builder.gla(origin)
         if unproven_gates_stay:
-            _keep_unproven_gates_as_written(gm.graph, builder.gates, before_built, anchor)
+            _keep_unproven_gates_as_written(gm.graph, builder.call_gates, before_built, anchor)
         if readouts:
             over = builder.outputs_over_steps(o)
             if aggregate is not None:

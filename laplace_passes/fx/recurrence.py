@@ -83,6 +83,7 @@ class Chain:
     mismatch: str = ""
     unlinked: int = 0  # steps the loop runs before its first step here, not read as steps of it
     read_before_update: bool = False  # readouts of S_{t-1} per token (NOTE [readouts before the update])
+    reads_reset_states: bool = False  # ... of S_{t-1} after the select that resets it, same NOTE
 
     @property
     def tokens(self) -> int:

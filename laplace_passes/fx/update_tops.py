@@ -111,11 +111,12 @@ class ResetSelect:
 
 
 def reset_select(node: Node) -> ResetSelect | None:
-    """`node` as a select between a state and 0 that only one update reads, or None."""
+    """`node` as a select between a state and 0, or None. What else reads it besides the update (a readout
+    of the state after the reset) is the readouts' to allow (`readouts._other_uses`)."""
     if node.op != "call_function" or node.target not in _SELECTS or len(node.args) != 3 or node.kwargs:
         return None
     condition, first, second = node.args
-    if not isinstance(condition, Node) or not _is_bool(condition) or len(node.users) != 1:
+    if not isinstance(condition, Node) or not _is_bool(condition):
         return None
     readings = [(zero, state, resets_when) for zero, state, resets_when in ((first, second, True), (second, first, False))
                 if _is_zero(zero) and isinstance(state, Node) and same_shape(_shape(state), _shape(node))]
