@@ -132,11 +132,17 @@ def _attach_readouts(chain, memo: dict) -> None:
     for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], checked):
         extra = _other_uses(step, following, readout)
         if extra:
+            used, user = extra
+            state = step.node.name if used is step.node else f"{step.node.name} (reset by {used.name})"
             key_dim = step.key_axis % len(step.shape)
-            chain.mismatch = (f"the state {step.node.name} is also used by {extra.name}, outside the recurrence "
+            chain.mismatch = (f"the state {state} is also used by {user.name}, outside the recurrence "
                               f"(not a readout q . S summed over the key dimension, {key_dim}: the one its decay "
                               "and k read)")
             return
+    if chain.reads_reset_states and any(s.skip is not None for s in chain.steps):
+        chain.mismatch = ("a select skips some of its updates and another resets the state its readouts read: a "
+                          "skipped token keeps the state from before the reset, which GLA's late sequence cannot "
+                          "hold (NOTE [readouts before the update])")
 
 
 def _readouts_of_reset_states(chain, chain_nodes: set, memo: dict) -> list[Readout] | None:
@@ -271,14 +277,14 @@ def _extended(readout: Readout, step, memo: dict) -> Readout:
     return readout
 
 
-def _other_uses(step, following, readout: Readout | None) -> Node | None:
-    """A user of an intermediate state, or of the select that resets it for the next update, outside that
-    update's ops and the readout's own ops."""
+def _other_uses(step, following, readout: Readout | None) -> tuple[Node, Node] | None:
+    """(the state or the select that resets it for the next update, its user) for a user outside that update's
+    ops and the readout's own ops."""
     allowed = _between(step.node, following.node)
     if readout is not None:
         allowed |= _between(step.node, readout.node)
-    users = list(step.node.users) + (list(following.reset.select.users) if following.reset is not None else [])
-    return next((u for u in users if u not in allowed), None)
+    used = [step.node] + ([following.reset.select] if following.reset is not None else [])
+    return next(((n, u) for n in used for u in n.users if u not in allowed), None)
 
 
 def _between(start: Node, end: Node) -> set[Node]:

@@ -334,11 +334,16 @@ def _split_at_some_resets(chains: list[Chain], memo: dict) -> list[Chain]:
     cut there (NOTE [states a select resets] needs one at every step)."""
     out = []
     for chain in chains:
-        if all(s.reset is None for s in chain.steps) or all(s.reset is not None for s in chain.steps):
-            out.append(chain)
-            continue
-        for step in chain.steps:
-            if step.reset is not None:
+        cut = [s.reset is not None for s in chain.steps]
+        if all(cut) or not any(cut):
+            # Or where some of the selects are read by more than their update (a reset state also returned):
+            # a loop that reads out every reset state (NOTE [readouts before the update]) is cut nowhere.
+            cut = [s.reset is not None and len(s.reset.select.users) > 1 for s in chain.steps]
+            if all(cut) or not any(cut):
+                out.append(chain)
+                continue
+        for step, at in zip(chain.steps, cut):
+            if at:
                 step.prev, step.reset = step.reset.select, None
         out += _link({s.node: s for s in chain.steps}, memo)
     return out
