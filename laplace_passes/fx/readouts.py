@@ -113,22 +113,21 @@ def _attach_readouts(chain, memo: dict) -> None:
     after_resets = _readouts_of_reset_states(chain, chain_nodes, memo) if not any(readouts) else None
     if after_resets is not None:  # NOTE [readouts before the update]: a reset before the readout
         chain.readouts, chain.read_before_update, chain.reads_reset_states = after_resets, True, True
-        readouts = [None] * len(readouts)
-    elif readouts[-1] is not None and all(r is None for r in readouts[:-1]):
-        # Only the final state is read out (a classifier's last token): a loop that returns its final state,
-        # whose readout then reads the GLA call's final state like any other use of it.
-        readouts[-1] = None
-    before = _initial_readout(chain, readouts, chain_nodes, memo)
-    if before is None and any(r is None for r in readouts) and any(r is not None for r in readouts):
-        missing = next(s.node.name for s, r in zip(chain.steps, readouts) if r is None)
-        chain.mismatch = f"some states are read out and others ({missing}) are not"
-        return
-    if after_resets is None:
+        checked = [*after_resets[1:], None]  # what reads each state besides its update: the next token's readout
+    else:
+        if readouts[-1] is not None and all(r is None for r in readouts[:-1]):
+            # Only the final state is read out (a classifier's last token): a loop that returns its final state,
+            # whose readout then reads the GLA call's final state like any other use of it.
+            readouts[-1] = None
+        before = _initial_readout(chain, readouts, chain_nodes, memo)
+        if before is None and any(r is None for r in readouts) and any(r is not None for r in readouts):
+            missing = next(s.node.name for s, r in zip(chain.steps, readouts) if r is None)
+            chain.mismatch = f"some states are read out and others ({missing}) are not"
+            return
         # NOTE [readouts before the update]: token t reads the state token t - 1 left, the first the initial one.
         chain.readouts = [before, *readouts[:-1]] if before is not None else [r for r in readouts if r is not None]
         chain.read_before_update = before is not None
-    # What reads each state besides its update: its own readout, or the next token's, of the state reset.
-    checked = readouts if after_resets is None else [*after_resets[1:], None]
+        checked = readouts
     for step, following, readout in zip(chain.steps[:-1], chain.steps[1:], checked):
         extra = _other_uses(step, following, readout)
         if extra:
@@ -200,16 +199,10 @@ def _bonus_of_the_token(readout: Readout, chain_nodes: set) -> bool:
     return True
 
 
-def _reaches_any(targets: set, node: Node, limit: int = 12) -> bool:
-    """Whether `node` reads one of `targets` within `limit` ops: a bonus term's factors are a token's inputs a
-    few ops away (`u * k[:, t]`), and a readout a running sum adds reaches the state in three or four."""
-    frontier, seen = [node], set()
-    for _ in range(limit):
-        if any(n in targets for n in frontier):
-            return True
-        seen |= set(frontier)
-        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
-    return False
+def _reaches_any(targets: set, node: Node) -> bool:
+    """Whether `node` reads one of `targets` within 11 ops: a bonus term's factors are a token's inputs a few
+    ops away (`u * k[:, t]`), and a readout a running sum adds reaches the state in three or four."""
+    return _within(targets, node, levels=12)
 
 
 def _as_readout(node: Node, step, memo: dict):
@@ -300,10 +293,16 @@ def _between(start: Node, end: Node) -> set[Node]:
 
 
 def reaches(start: Node, node: Node, limit: int = 12) -> bool:
-    frontier, depth = [node], 0
-    while frontier and depth <= limit:
-        if start in frontier:
+    """Whether `node` reads `start` within `limit` ops."""
+    return _within({start}, node, levels=limit + 1)
+
+
+def _within(targets: set, node: Node, levels: int) -> bool:
+    """Whether one of `targets` is among `node` and its inputs up to `levels` - 1 ops back."""
+    frontier, seen = [node], set()
+    for _ in range(levels):
+        if any(n in targets for n in frontier):
             return True
-        frontier = [i for n in frontier for i in n.all_input_nodes]
-        depth += 1
+        seen |= set(frontier)
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
     return False
