@@ -335,6 +335,14 @@ def _split_at_some_resets(chains: list[Chain], memo: dict) -> list[Chain]:
     out = []
     for chain in chains:
         cut = [s.reset is not None for s in chain.steps]
+        if len(cut) > 2 and not cut[0] and all(cut[1:]):
+            # Resets from the second step on (`if t > 0:` a document boundary needs a token before it): the
+            # loop from its second step, on the state its first step leaves, which stays as written.
+            chain.steps = chain.steps[1:]
+            branched = chain.mismatch and chain.mismatch.endswith("updated by two different steps")
+            chain.mismatch = chain.mismatch if branched else _chain_reason(chain)
+            out.append(chain)
+            continue
         if all(cut) or not any(cut):
             # Or where some of the selects are read by more than their update (a reset state also returned):
             # a loop that reads out every reset state (NOTE [readouts before the update]) is cut nowhere.

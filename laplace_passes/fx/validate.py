@@ -67,7 +67,7 @@ def check_on_random_inputs(gm: torch.fx.GraphModule, loop, memo: dict, steps: in
     graph.output(tuple([env[n] for n in old] + new))
     module = torch.fx.GraphModule(gm, graph)
     with unset_fake_temporarily(), torch.no_grad():
-        inputs = [_input_value(n, sources, loop) for n in externals]
+        inputs = [_input_value(n, loop) for n in externals]
         results = module(*inputs)
     _compare(results[: len(old)], results[len(old):], old, _tolerance(region | set(old)))
 
@@ -124,16 +124,16 @@ def reading_region(outputs: list[Node], sources: set[Node]) -> set[Node]:
     return {n for n, reads in reads_source.items() if reads}
 
 
-def _input_value(node: Node, sources: set[Node], loop):
+def _input_value(node: Node, loop):
     constant = constant_value(node)
     if constant is not None:
         return constant
     value = fake_tensor(node)
     if value is None:
         raise Declined(f"the loop reads {node.name}, which is not a tensor of known shape")
-    if value.dtype == torch.bool and node in getattr(loop, "mask_sources", set)():
-        # Which steps a select skips (NOTE [steps a select skips]): any pattern is one the loop may see.
-        return torch.rand([int(d) for d in value.shape]) < 0.75
+    masks = getattr(loop, "mask_sources", set)()
+    if node in masks and (value.dtype == torch.bool or node not in loop.value_sources()):
+        return random_condition_source(value)
     if not value.dtype.is_floating_point:
         # A mask kept as a buffer or passed in: its values are not in the graph (nothing says it stays causal),
         # and random values would not be a mask. One built in the graph from sizes is a constant, read above.
@@ -144,6 +144,27 @@ def _input_value(node: Node, sources: set[Node], loop):
     shape = [int(d) for d in value.shape]
     low, high = random_range(node, loop.gate_sources(), getattr(loop, "gate_ranges", GATE_RANGES))
     return torch.empty(shape, dtype=value.dtype).uniform_(low, high)
+
+
+# NOTE [random sources of a select's condition]
+# Which steps a select skips or which states it resets (NOTE [steps a select skips]) comes from a condition
+# on a tensor the loop reads: a mask, or ids compared with a number (`positions[:, t] == 0`, `doc[:, t] !=
+# doc[:, t - 1]`, `t < lengths`). Any values are values the loop may see, so random ones stand for them, but
+# only values that make each condition true somewhere and false elsewhere check the rewrite of the select:
+# uniform floats never equal 0, so a reset by `positions == 0` would go unchecked. A mask is drawn True at 3
+# of 4 places; ids and positions that nothing but the conditions reads, integer or float, as whole numbers in
+# [0, 3], which equal 0, differ from their neighbours, and fall on either side of a step's index within the
+# first steps. (Ids the loop also reads as values keep the draw of values: a float's uniform one.)
+CONDITION_IDS = 4
+
+
+def random_condition_source(value: torch.Tensor) -> torch.Tensor:
+    """Random values of a tensor read only by a select's condition (NOTE [random sources of a select's
+    condition])."""
+    shape = [int(d) for d in value.shape]
+    if value.dtype == torch.bool:
+        return torch.rand(shape) < 0.75
+    return torch.randint(0, CONDITION_IDS, shape).to(value.dtype)
 
 
 # Where random gates are drawn, by kind, unless the computation checked asks for others (`gate_ranges`).
