@@ -6,7 +6,8 @@ The random-input check draws ids that only a condition reads as small whole numb
 rewrite that ignored the resets had passed it with float positions, and integer ones had been refused. A
 loop that resets from its second step on (`if t > 0`) is a site from there, its first step as written. A
 condition that reads two positions (`doc[:, t] != doc[:, t - 1]`) or the step's number (`t < lengths`) is
-declined with what to write instead, and that is recognised. Every loop is checked against itself run
+declined with what to write instead, and that is recognised. A bool mask multiplying the decay (a reset
+written as a product) is drawn at random like a select's. Every loop is checked against itself run
 eagerly: outputs, final state and the gradients of r, k, v and the gates.
 """
 
@@ -106,6 +107,29 @@ def valid_tokens_computed_before(r, k, v, w, u, lengths):
     return torch.stack(outs, 2), S
 
 
+STARTS = POSITIONS == 0
+
+
+def kept_by_a_mask_in_the_decay(r, k, v, w, u, starts):
+    """A reset written as a product: the decay times a bool mask, 0 where a document starts."""
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * (~starts[:, t])[:, None, None, None] * w[:, :, t].exp()[..., None] + _outer(k[:, :, t], v[:, :, t])
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
+def kept_by_a_mask_in_its_own_statement(r, k, v, w, u, starts):
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * (1 - starts[:, t, None, None, None].float())
+        S = _update(S, k, v, w, t)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
 def outputs_and_grads(fn, ids):
     """The loop's outputs and the gradients of r, k, v and the gates (u and the ids aside)."""
     args = inputs()
@@ -128,12 +152,19 @@ SITES = {
     reset_from_the_second_step: (DOCUMENTS, T - 1, "states reset by a select"),
     document_changes_computed_before: (DOCUMENTS, T, "states reset by a select"),
     valid_tokens_computed_before: (LENGTHS, T, "steps skipped by a select"),
+    kept_by_a_mask_in_the_decay: (STARTS, T, "per-key gates"),
+    kept_by_a_mask_in_its_own_statement: (STARTS, T, "per-key gates"),
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.float32], ids=["int64", "float32"])
-@pytest.mark.parametrize("fn", list(SITES), ids=lambda f: f.__name__)
+CASES = [(fn, dtype) for fn, (ids, _, _) in SITES.items()
+         for dtype in ([torch.bool] if ids.dtype == torch.bool else [torch.int64, torch.float32])]
+
+
+@pytest.mark.parametrize("fn, dtype", CASES, ids=[f"{fn.__name__}-{str(d)[6:]}" for fn, d in CASES])
 def test_a_loop_whose_condition_reads_ids_is_one_site_equal_to_eager(fn, dtype):
+    """A bool mask in the decay (a token loop reads it a token at a time, so random masks stand for it) had
+    been refused as "a mask held in a buffer or passed in"."""
     ids, steps, form = SITES[fn]
     assert_as_eager(fn, ids.to(dtype))
     (row,) = laplace_passes.last_report().recurrences

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.per_step import constant_value
+from laplace_passes.fx.token_loop import TokenLoop
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.ops.gla import gla_recurrence
@@ -131,8 +132,10 @@ def _input_value(node: Node, loop):
     value = fake_tensor(node)
     if value is None:
         raise Declined(f"the loop reads {node.name}, which is not a tensor of known shape")
-    masks = getattr(loop, "mask_sources", set)()
-    if node in masks and (value.dtype == torch.bool or node not in loop.value_sources()):
+    if isinstance(loop, TokenLoop) and (value.dtype == torch.bool or node in _read_by_conditions_only(loop)):
+        # A token loop reads a mask a token at a time (a select's condition, or `S * keep[:, t]` in a decay):
+        # any values are a mask it may see. (A quadratic form's T x T mask is refused below: its values are
+        # what makes it causal.)
         return random_condition_source(value)
     if not value.dtype.is_floating_point:
         # A mask kept as a buffer or passed in: its values are not in the graph (nothing says it stays causal),
@@ -144,6 +147,10 @@ def _input_value(node: Node, loop):
     shape = [int(d) for d in value.shape]
     low, high = random_range(node, loop.gate_sources(), getattr(loop, "gate_ranges", GATE_RANGES))
     return torch.empty(shape, dtype=value.dtype).uniform_(low, high)
+
+
+def _read_by_conditions_only(loop: TokenLoop) -> set[Node]:
+    return loop.mask_sources() - loop.value_sources()
 
 
 # NOTE [random sources of a select's condition]
