@@ -1,13 +1,16 @@
 """The tensors a select's condition comes from: document ids and positions given as integers or floats, a
 reset from the loop's second step on, and the conditions a step cannot be read from, with the reason.
 
-The random-input check draws ids that only a condition reads as small whole numbers, so that `positions ==
-0` resets somewhere (NOTE [random sources of a select's condition] in laplace_passes/fx/validate.py): a
-rewrite that ignored the resets had passed it with float positions, and integer ones had been refused. A
-loop that resets from its second step on (`if t > 0`) is a site from there, its first step as written. A
+The random-input check draws ids and positions (integer ones, and float ones a condition reads) as small
+whole numbers, so that `positions == 0` resets somewhere (NOTE [random sources of a select's condition] in laplace_passes/fx/validate.py): a
+rewrite that ignored the resets had passed it with float positions, and integer ones had been refused; the
+draws include the numbers a condition compares with (`ids == -100`) and -1 (an additive mask's `< 0`), and a
+condition no draw turns, or ids that index a table, decline the loop with the reason. A loop that resets
+from its second (or third) step on (`if t > 0`) is a site from there, the steps before as written. A
 condition that reads two positions (`doc[:, t] != doc[:, t - 1]`) or the step's number (`t < lengths`) is
 declined with what to write instead, and that is recognised. A bool mask multiplying the decay (a reset
-written as a product) is drawn at random like a select's. Every loop is checked against itself run
+written as a product) is drawn at random like a select's, an int64 attention mask there too, and
+`S.masked_fill(starts, 0)` is a reset select. Every loop is checked against itself run
 eagerly: outputs, final state and the gradients of r, k, v and the gates.
 """
 
@@ -59,6 +62,19 @@ def reset_from_the_second_step(r, k, v, w, u, documents):
     outs = []
     for t in range(T):
         if t > 0:
+            S = torch.where(starts[:, t, None, None, None], 0.0, S)
+        S = _update(S, k, v, w, t)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
+def reset_from_the_third_step(r, k, v, w, u, documents):
+    """Two steps before the first reset: both stay as written, and count as the loop's."""
+    starts = documents == 0
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        if t > 1:
             S = torch.where(starts[:, t, None, None, None], 0.0, S)
         S = _update(S, k, v, w, t)
         outs.append(_read(r, S, t))
@@ -130,6 +146,60 @@ def kept_by_a_mask_in_its_own_statement(r, k, v, w, u, starts):
     return torch.stack(outs, 2), S
 
 
+def reset_where(condition, scaled_by_positions=False):
+    """A reset where `condition(ids[:, t])`; k scaled by a function of the ids too, if asked."""
+    def loop(r, k, v, w, u, ids):
+        S = r.new_zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            k_t = k[:, :, t] * (ids[:, t, None, None] + 2).rsqrt() if scaled_by_positions else k[:, :, t]
+            S = torch.where(condition(ids[:, t])[:, None, None, None], 0.0, S)
+            S = S * w[:, :, t].exp()[..., None] + _outer(k_t, v[:, :, t])
+            outs.append(_read(r, S, t))
+        return torch.stack(outs, 2), S
+
+    return loop
+
+
+def skip_where(condition):
+    def loop(r, k, v, w, u, ids):
+        S = r.new_zeros(B, H, K, V)
+        outs = []
+        for t in range(T):
+            S = torch.where(condition(ids[:, t])[:, None, None, None], S, _update(S, k, v, w, t))
+            outs.append(_read(r, S, t))
+        return torch.stack(outs, 2), S
+
+    return loop
+
+
+reset_at_position_0_with_k_scaled_by_positions = reset_where(lambda p: p == 0, scaled_by_positions=True)
+reset_at_position_0_with_k_scaled_by_positions.__name__ = "reset_at_position_0_with_k_scaled_by_positions"
+
+
+ATTENTION_MASK = (torch.arange(T) < LENGTHS[:, None]).long()  # as tokenizers return it: int64 ones and zeros
+
+
+def kept_by_an_attention_mask(r, k, v, w, u, attention_mask):
+    """An integer mask scaling the decay (drawn never negative: no comparison asks for it)."""
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = S * attention_mask[:, t, None, None, None] * w[:, :, t].exp()[..., None] + _outer(k[:, :, t], v[:, :, t])
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
+def reset_by_masked_fill(r, k, v, w, u, positions):
+    """`S.masked_fill(starts, 0)`: the select `torch.where(starts, 0, S)` in another spelling."""
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = _update(S.masked_fill((positions[:, t] == 0)[:, None, None, None], 0.0), k, v, w, t)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
 def outputs_and_grads(fn, ids):
     """The loop's outputs and the gradients of r, k, v and the gates (u and the ids aside)."""
     args = inputs()
@@ -150,10 +220,14 @@ SITES = {
     reset_at_position_0: (POSITIONS, T, "states reset by a select"),
     rwkv6_reset_at_position_0: (POSITIONS, T, "states reset by a select, each state read out before its update"),
     reset_from_the_second_step: (DOCUMENTS, T - 1, "states reset by a select"),
+    reset_from_the_third_step: (DOCUMENTS, T - 2, "the loop's first 2 steps (up to S_2) are not part of it"),
     document_changes_computed_before: (DOCUMENTS, T, "states reset by a select"),
     valid_tokens_computed_before: (LENGTHS, T, "steps skipped by a select"),
     kept_by_a_mask_in_the_decay: (STARTS, T, "per-key gates"),
     kept_by_a_mask_in_its_own_statement: (STARTS, T, "per-key gates"),
+    reset_at_position_0_with_k_scaled_by_positions: (POSITIONS, T, "states reset by a select"),
+    kept_by_an_attention_mask: (ATTENTION_MASK, T, "per-key gates"),
+    reset_by_masked_fill: (POSITIONS, T, "states reset by a select"),
 }
 
 
@@ -172,22 +246,59 @@ def test_a_loop_whose_condition_reads_ids_is_one_site_equal_to_eager(fn, dtype):
     assert row.steps == T, row  # the loop's own steps, its first counted where it stays as written
 
 
-def test_a_rewrite_that_ignored_the_resets_is_caught_on_random_ids(monkeypatch):
-    """A builder that leaves the resets out makes a rewrite that is wrong wherever a document starts: the
-    random-input check must draw positions that equal 0, so the loop is kept as written, with the error."""
+ADDITIVE_MASK = torch.where(LENGTHS[:, None] > torch.arange(T), 0.0, -1e4)
+IGNORED = torch.where(LENGTHS[:, None] > torch.arange(T), POSITIONS, -100)
+UNCHECKED = {  # a condition, and the ids it reads: a rewrite that ignores its select must be caught
+    "positions_equal_0_int64": (reset_where(lambda p: p == 0), POSITIONS),
+    "positions_equal_0_float32": (reset_where(lambda p: p == 0), POSITIONS.float()),
+    "positions_equal_5": (reset_where(lambda p: p == 5), POSITIONS),
+    "positions_also_scale_k": (reset_where(lambda p: p == 0, scaled_by_positions=True), POSITIONS.float()),
+    "ids_equal_minus_100": (skip_where(lambda i: i == -100), IGNORED),
+    "an_additive_mask_below_0": (skip_where(lambda m: m < 0), ADDITIVE_MASK),
+    "a_masked_fill": (reset_by_masked_fill, POSITIONS),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", list(UNCHECKED))
+def test_a_rewrite_that_ignores_the_selects_is_caught_on_random_ids(monkeypatch, name, seed):
+    """A builder that leaves the resets and skips out makes a rewrite that is wrong wherever a select acts:
+    the random-input check must draw ids that make each condition true and false (NOTE [random sources of a
+    select's condition]), so the loop is kept as written, with the error. Uniform floats never equal 0 or 5
+    nor -100, integers had been refused, and draws from 0 to 3 made no additive mask negative; the verdict
+    does not depend on the random state the compile starts in."""
     monkeypatch.setattr(GlaBuilder, "reset_states", lambda self: None)
-    assert_as_eager(reset_at_position_0, POSITIONS.float())
+    monkeypatch.setattr(GlaBuilder, "updated_steps", lambda self: None)
+    fn, ids = UNCHECKED[name]
+    torch.manual_seed(seed)
+    assert_as_eager(fn, ids)
     (row,) = laplace_passes.last_report().recurrences
     assert row.status == "declined" and "on random inputs its GLA form differs from the loop" in row.reason, row
 
 
+def test_a_condition_no_draw_turns_and_ids_that_index_a_table_are_declined_with_the_reason():
+    """A select whose condition took one value on every draw would go unchecked; ids that index a table of
+    two entries fall outside it when drawn for a comparison. Both loops keep their numbers."""
+    assert_as_eager(reset_where(lambda p: p.abs() < 0), POSITIONS)
+    (row,) = laplace_passes.last_report().recurrences
+    assert row.status == "declined" and "on 4 draws of random inputs the condition of its reset select " in \
+        row.reason and "took one value only within the first 8 steps" in row.reason, row
+    flags = torch.tensor([True, False])
+    assert_as_eager(reset_where(lambda kind: flags[kind]), (POSITIONS > 0).long())
+    (row,) = laplace_passes.last_report().recurrences
+    assert row.status == "declined" and "its first steps raised on random ids (l_ids_: IndexError: index " in \
+        row.reason and "so its rewrite could not be checked" in row.reason, row
+
+
 @pytest.mark.parametrize("fn, ids, reason", [
-    (reset_where_the_document_changes, DOCUMENTS, "step 1's reset (getitem_19) reads positions 1 and 2 of "
-     "l_documents_, where a step reads one: computed for every token before the loop (`doc[:, 1:] != doc[:, "
-     ":-1]`, padded to T) and indexed at the step, it would be read"),
-    (skip_after_the_length, LENGTHS, "step 1's skip (gt_1) computes with the step's number, which is not read "
-     "as a position: computed for every token before the loop (`torch.arange(T) < lengths[:, None]`) and "
-     "indexed at the step, it would be read"),
+    (reset_where_the_document_changes, DOCUMENTS, "its reset (getitem_19) reads documents at positions 1 and 2 "
+     "in one step, where a step reads each input at one: the condition computed for every token before the loop "
+     "(`starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0))` for a change of document) and indexed at "
+     "the step is read"),
+    (skip_after_the_length, LENGTHS, "step 1's skip compares the step's number with a tensor (gt_1), which is "
+     "not read as a position: the same comparison made once before the loop, with torch.arange(T) in place of "
+     "the step's number (`valid = torch.arange(T) < lengths[:, None]`), and indexed at the step (`valid[:, t]`), "
+     "is read"),
 ], ids=["two_positions", "the_step_number"])
 def test_a_condition_a_step_cannot_be_read_from_is_declined_with_what_to_write(fn, ids, reason):
     """Before, the first loop got no row at all (cut at every reset into one-step pieces) and the second a

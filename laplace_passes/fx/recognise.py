@@ -117,8 +117,8 @@ class RecogniseGLA(GraphPass):
             record.form = describe(loop, _written_as(chain))
             check_on_random_inputs(gm, loop, memo, min(loop.T, self.validation_steps))
             _replace(gm, loop, memo, record.form, self.checks_become_clamps)
-            if chain.unlinked:  # `steps` counts the user's loop; the site, and so its form, one step fewer
-                record.form += f"; the loop's first step ({chain.first.prev.name}) is not part of it and runs as written"
+            if chain.unlinked:  # `steps` counts the user's loop; the site, and so its form, the steps after these
+                record.form += "; " + _steps_as_written(chain)
         except Declined as declined:
             record.reason = f"a {chain.tokens}-step loop carrying a {shape} state, but {declined.reason}"
             return record
@@ -130,6 +130,14 @@ class RecogniseGLA(GraphPass):
             return record
         record.status = "GLA site"
         return record
+
+
+def _steps_as_written(chain: Chain) -> str:
+    """The steps before a site's first, which stay as written (`Chain.unlinked`)."""
+    if chain.unlinked == 1:
+        return f"the loop's first step ({chain.first.prev.name}) is not part of it and runs as written"
+    return (f"the loop's first {chain.unlinked} steps (up to {chain.first.prev.name}) are not part of it and run "
+            "as written")
 
 
 def _rewrite_quadratic(gm: torch.fx.GraphModule, form: QuadraticForm | tuple) -> RecurrenceRecord:

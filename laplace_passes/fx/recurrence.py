@@ -323,7 +323,7 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
     opaque = [_without_its_start(c, memo) for c in _link(_opaque_steps(graph, steps, chained), memo)]
     chains += [c for c in opaque if len(c.steps) >= min_steps and _over_positions(c, memo)]
     for chain in chains:
-        chain.unlinked = _unlinked_first_step(chain, memo)
+        chain.unlinked = chain.unlinked or _unlinked_first_step(chain, memo)  # or set with the steps dropped
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(chains, key=lambda c: order[c.first.node])
 
@@ -331,18 +331,12 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
 def _split_at_some_resets(chains: list[Chain], memo: dict) -> list[Chain]:
     """A chain whose state a select resets at some steps only (a cached state reset once before the loop, a
     reset at one step) read as before resets were: each such select a state the loop starts from, the chain
-    cut there (NOTE [states a select resets] needs one at every step)."""
+    cut there (NOTE [states a select resets] needs one at every step). A chain reset at every step after its
+    first few (`if t > 0:`) is the loop from its first reset on, on the state the steps before leave."""
     out = []
     for chain in chains:
+        _from_the_first_reset(chain, memo)
         cut = [s.reset is not None for s in chain.steps]
-        if len(cut) > 2 and not cut[0] and all(cut[1:]):
-            # Resets from the second step on (`if t > 0:` a document boundary needs a token before it): the
-            # loop from its second step, on the state its first step leaves, which stays as written.
-            chain.steps = chain.steps[1:]
-            branched = chain.mismatch and chain.mismatch.endswith("updated by two different steps")
-            chain.mismatch = chain.mismatch if branched else _chain_reason(chain)
-            out.append(chain)
-            continue
         if all(cut) or not any(cut):
             # Or where some of the selects are read by more than their update (a reset state also returned):
             # a loop that reads out every reset state (NOTE [readouts before the update]) is cut nowhere.
@@ -355,6 +349,19 @@ def _split_at_some_resets(chains: list[Chain], memo: dict) -> list[Chain]:
                 step.prev, step.reset = step.reset.select, None
         out += _link({s.node: s for s in chain.steps}, memo)
     return out
+
+
+def _from_the_first_reset(chain: Chain, memo: dict) -> None:
+    """Drop the steps before the first reset when every later step (two or more) resets, `if t > 0:`: they
+    stay as written, counted as the loop's (`Chain.unlinked`); a reason that was theirs is read again."""
+    resets = [s.reset is not None for s in chain.steps]
+    before = resets.index(True) if True in resets else 0
+    if before == 0 or not all(resets[before:]) or len(resets) - before < 2:
+        return
+    dropped, chain.steps = chain.steps[:before], chain.steps[before:]
+    chain.unlinked = before + _unlinked_first_step(Chain(dropped), memo)
+    if chain.mismatch in {s.mismatch for s in dropped}:
+        chain.mismatch = _chain_reason(chain)
 
 
 def _through_chains(steps: dict[Node, Step], chains: list[Chain], min_steps: int, memo: dict) -> list[Chain]:

@@ -18,12 +18,12 @@ import torch
 import torch.fx
 
 from laplace_passes.fx.algebra import Factor
-from laplace_passes.fx.algebra_terms import SYMBOLIC_SIZE
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, gate_bound
 from laplace_passes.fx.per_step import pattern, positions_in_several_numbers, shared_by_steps, step_index
 from laplace_passes.fx.recurrence import Chain
+from laplace_passes.fx.unlike_steps import unlike_step_0
 from laplace_passes.fx.update_tops import SkipSelect
-from laplace_passes.infra.fx_helpers import fake_tensor, is_static
+from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.pass_base import Declined
 
 Node = torch.fx.Node
@@ -105,11 +105,9 @@ class TokenLoop:
             found.add(self.initial_state)
         return found
 
-    def value_sources(self) -> set[Node]:
-        """The nodes the loop reads values from: its sources less those only its selects' conditions read."""
-        found = {n for role, factors in self.roles.items() if role not in ("skip", "reset") for f in factors
-                 for n in _sources(f.nodes[0], self.patterns)}
-        return found | ({self.initial_state} if self.initial_state is not None else set())
+    def sources_of(self, node: Node) -> set[Node]:
+        """The nodes one of the loop's per-step values is computed from (`source_nodes`, for that value)."""
+        return _sources(node, self.patterns)
 
     def mask_sources(self) -> set[Node]:
         """The nodes the conditions of the selects that skip steps or reset states come from: masks, random
@@ -230,58 +228,6 @@ def _match_steps(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict
     return _line_up(role, per_step, memo)
 
 
-def _unlike_step_0(index: int, role: str, nodes: list[Node], first: list[Node]) -> str:
-    """Why step `index`'s `role` is not read like step 0's. A step that indexes a tensor of symbolic sizes (a
-    graph Dynamo made dynamic after a second length, T fixed again by the loop's `range(T)`) is not read as a
-    position along T: that reason names the symbolic size, so that the driver compiles the graph once per
-    shape (NOTE [loops declined at symbolic sizes] in `laplace_passes.driver.shapes`)."""
-    for node in nodes:
-        for source in node.all_input_nodes:
-            if fake_tensor(source) is not None and not is_static(fake_tensor(source)):
-                return f"step {index}'s {role} is not read as a position along {source.name}: {SYMBOLIC_SIZE}"
-    for node in nodes:
-        indices = sorted(_indices_read(node), key=lambda n: n.name)
-        positions = sorted({p for n in indices for p in step_index(n, {}).steps})
-        if len(positions) > 1:
-            return (f"step {index}'s {role} ({node.name}) reads positions {positions[0]} and {positions[-1]} of "
-                    f"{indices[0].args[0].name}, where a step reads one: computed for every token before the "
-                    "loop (`doc[:, 1:] != doc[:, :-1]`, padded to T) and indexed at the step, it would be read")
-    step_number = _the_step_number(first, nodes, index)
-    if step_number is not None:
-        return (f"step {index}'s {role} ({step_number.name}) computes with the step's number, which is not read as "
-                "a position: computed for every token before the loop (`torch.arange(T) < lengths[:, None]`) and "
-                "indexed at the step, it would be read")
-    return f"step {index}'s {role} is not computed like step 0's (another op, or other dimensions)"
-
-
-def _the_step_number(first: list[Node], nodes: list[Node], index: int) -> Node | None:
-    """The node of step `index` that takes a number where step 0's takes that number less `index` (`t <
-    lengths` with the loop's `t`), the rest alike; None when there is none."""
-    for a, b in zip(_ops_within(first), _ops_within(nodes)):
-        numbers = [(x, y) for x, y in zip(a.args, b.args) if isinstance(x, (int, float)) and type(x) is type(y)]
-        if a.target == b.target and len(a.args) == len(b.args) and any(y - x == index for x, y in numbers):
-            return b
-    return None
-
-
-def _ops_within(nodes: list[Node], depth: int = 4) -> list[Node]:
-    """`nodes` and the ops they compute from, within `depth` ops, breadth first."""
-    found, frontier = [], list(nodes)
-    for _ in range(depth):
-        found += [n for n in frontier if n.op in ("call_function", "call_method")]
-        frontier = [i for n in frontier for i in n.all_input_nodes]
-    return found
-
-
-def _indices_read(node: Node, depth: int = 4) -> set[Node]:
-    """The indices of a position (`x[:, t]`) that `node` computes from, within `depth` ops."""
-    if step_index(node, {}) is not None:
-        return {node}
-    if depth == 0:
-        return set()
-    return {i for arg in node.all_input_nodes for i in _indices_read(arg, depth - 1)}
-
-
 def _line_up(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
     def signature(factors):
         return sorted(((repr(pattern(n, memo).key), pos), n) for n, pos in factors)
@@ -292,7 +238,7 @@ def _line_up(role: str, per_step: list[list[tuple[Node, tuple]]], memo: dict):
     for index, factors in enumerate(per_step):
         found = signature(factors)
         if [key for key, _ in found] != [key for key, _ in reference]:
-            raise Declined(_unlike_step_0(index, role, [n for _, n in found], [n for _, n in reference]))
+            raise Declined(unlike_step_0(index, role, [n for _, n in found], [n for _, n in reference], memo))
         for column, (_, node) in enumerate(found):
             steps = set(pattern(node, memo).steps)
             if len(steps) > 1:

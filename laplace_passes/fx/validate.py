@@ -16,7 +16,9 @@ GLA ops compute, so a float64 loop is kept as written before any comparison.
 
 from __future__ import annotations
 
+import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -25,6 +27,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from laplace_passes.fx.gla_build import GlaBuilder
 from laplace_passes.fx.per_step import constant_value
 from laplace_passes.fx.token_loop import TokenLoop
+from laplace_passes.fx.unlike_steps import COMPARISONS
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.pass_base import Declined
 from laplace_passes.ops.gla import gla_recurrence
@@ -65,12 +68,70 @@ def check_on_random_inputs(gm: torch.fx.GraphModule, loop, memo: dict, steps: in
             env[node] = graph.node_copy(node, lambda n: env[n])
     builder = GlaBuilder(graph, loop, steps, memo, env=lambda n: env[n])
     new = loop.gla_results(builder, old, target=reference_gla)
-    graph.output(tuple([env[n] for n in old] + new))
+    conditions = [c for c in _conditions(loop, steps) if c.nodes[0] in region]
+    graph.output(tuple([env[n] for n in old] + new + [env[n] for c in conditions for n in c.nodes]))
     module = torch.fx.GraphModule(gm, graph)
     with unset_fake_temporarily(), torch.no_grad():
-        inputs = [_input_value(n, loop) for n in externals]
-        results = module(*inputs)
-    _compare(results[: len(old)], results[len(old):], old, _tolerance(region | set(old)))
+        results = _run_until_the_selects_act(module, externals, loop, conditions)
+    _compare(results[: len(old)], results[len(old): len(old) + len(new)], old, _tolerance(region | set(old)))
+
+
+@dataclass
+class Condition:
+    """A select's condition at each step checked, and the steps whose values must include either outcome."""
+
+    role: str
+    nodes: list[Node]
+    from_step: int  # a reset at step 0 of a zero state changes nothing: its resets must come later
+
+
+def _conditions(loop, steps: int) -> list[Condition]:
+    """The conditions computed from masks and ids alone, which the draws are made to turn both ways. One
+    computed from values (`x[:, t].abs().sum(-1) > 0`, padding told by its zeros) may keep one value on
+    random inputs, as before the draws were checked: its select is then left to the tests of its form."""
+    if not isinstance(loop, TokenLoop):
+        return []
+    return [Condition(role, f.nodes[:steps], int(role == "reset")) for role in ("skip", "reset")
+            for f in loop.roles.get(role, []) if all(_drawn_as_ids(n, loop) for n in loop.sources_of(f.nodes[0]))]
+
+
+DRAWS = 4  # random inputs drawn at most, until each select's condition is true and false within the steps
+
+
+def _run_until_the_selects_act(module, externals: list[Node], loop, conditions: list[Condition]) -> tuple:
+    """The loop and its GLA form run on random inputs (NOTE [random sources of a select's condition]): drawn
+    again while a select's condition takes one value only, which would leave its rewrite unchecked."""
+    for draw in range(DRAWS):
+        generator = torch.Generator().manual_seed(draw)  # the user's random state untouched, the check repeatable
+        inputs = [_input_value(n, loop, generator) for n in externals]
+        try:
+            results = module(*inputs)
+        except (IndexError, RuntimeError) as error:
+            drawn_ids = [n for n, i in zip(externals, inputs) if _drawn_as_ids(n, loop) and i.dtype != torch.bool]
+            if not drawn_ids:
+                raise
+            # Ids that index a table (`flags[ids[:, t]]`): numbers drawn for a comparison may fall outside it.
+            raise Declined(f"its first steps raised on random ids ({drawn_ids[0].name}: {type(error).__name__}: "
+                           f"{str(error).splitlines()[0][:200]}), so its rewrite could not be checked") from error
+        values = results[len(results) - sum(len(c.nodes) for c in conditions):]
+        idle = _idle_condition(conditions, values)
+        if idle is None:
+            return results
+    raise Declined(f"on {DRAWS} draws of random inputs the condition of its {idle.role} select "
+                   f"({idle.nodes[0].name}) took one value only within the first {len(idle.nodes)} steps, so the "
+                   "rewrite of that select could not be checked")
+
+
+def _idle_condition(conditions: list[Condition], values: tuple) -> Condition | None:
+    """The first condition that is not both true and false somewhere within its steps; None when each is."""
+    at = 0
+    for condition in conditions:
+        taken = values[at + condition.from_step: at + len(condition.nodes)]
+        at += len(condition.nodes)
+        outcomes = {bool(v) for value in taken for v in value.bool().flatten().tolist()}
+        if len(taken) and outcomes != {True, False}:
+            return condition
+    return None
 
 
 def _check_compute_dtype(results: list[Node]) -> None:
@@ -125,18 +186,15 @@ def reading_region(outputs: list[Node], sources: set[Node]) -> set[Node]:
     return {n for n, reads in reads_source.items() if reads}
 
 
-def _input_value(node: Node, loop):
+def _input_value(node: Node, loop, generator: torch.Generator):
     constant = constant_value(node)
     if constant is not None:
         return constant
     value = fake_tensor(node)
     if value is None:
         raise Declined(f"the loop reads {node.name}, which is not a tensor of known shape")
-    if isinstance(loop, TokenLoop) and (value.dtype == torch.bool or node in _read_by_conditions_only(loop)):
-        # A token loop reads a mask a token at a time (a select's condition, or `S * keep[:, t]` in a decay):
-        # any values are a mask it may see. (A quadratic form's T x T mask is refused below: its values are
-        # what makes it causal.)
-        return random_condition_source(value)
+    if _drawn_as_ids(node, loop):
+        return random_ids(value, _numbers_compared(node), generator)
     if not value.dtype.is_floating_point:
         # A mask kept as a buffer or passed in: its values are not in the graph (nothing says it stays causal),
         # and random values would not be a mask. One built in the graph from sizes is a constant, read above.
@@ -146,32 +204,74 @@ def _input_value(node: Node, loop):
                        "dtype=torch.bool).tril()) is read as the constant it is")
     shape = [int(d) for d in value.shape]
     low, high = random_range(node, loop.gate_sources(), getattr(loop, "gate_ranges", GATE_RANGES))
-    return torch.empty(shape, dtype=value.dtype).uniform_(low, high)
+    return torch.empty(shape, dtype=value.dtype).uniform_(low, high, generator=generator)
 
 
-def _read_by_conditions_only(loop: TokenLoop) -> set[Node]:
-    return loop.mask_sources() - loop.value_sources()
+def _drawn_as_ids(node: Node, loop) -> bool:
+    """A token loop's bool and integer inputs, and the float ones a select's condition reads (gates aside;
+    constants keep their values): NOTE [random sources of a select's condition]. A token loop reads them a
+    token at a time (a condition, `S * keep[:, t]` in a decay), so any values are values it may see. A
+    quadratic form's T x T mask is not drawn: its values are what makes it causal."""
+    value = fake_tensor(node)
+    if not isinstance(loop, TokenLoop) or value is None or constant_value(node) is not None:
+        return False
+    if not value.dtype.is_floating_point:
+        return True
+    gates = loop.gate_sources()
+    return node in loop.mask_sources() and random_range(node, gates, getattr(loop, "gate_ranges", GATE_RANGES)) \
+        == (-1.0, 1.0)
 
 
 # NOTE [random sources of a select's condition]
 # Which steps a select skips or which states it resets (NOTE [steps a select skips]) comes from a condition
-# on a tensor the loop reads: a mask, or ids compared with a number (`positions[:, t] == 0`, `doc[:, t] !=
-# doc[:, t - 1]`, `t < lengths`). Any values are values the loop may see, so random ones stand for them, but
-# only values that make each condition true somewhere and false elsewhere check the rewrite of the select:
-# uniform floats never equal 0, so a reset by `positions == 0` would go unchecked. A mask is drawn True at 3
-# of 4 places; ids and positions that nothing but the conditions reads, integer or float, as whole numbers in
-# [0, 3], which equal 0, differ from their neighbours, and fall on either side of a step's index within the
-# first steps. (Ids the loop also reads as values keep the draw of values: a float's uniform one.)
-CONDITION_IDS = 4
+# on a tensor the loop reads: a mask, or ids compared with a number (`positions[:, t] == 0`, `ids[:, t] !=
+# -100`, `mask[:, t] < 0` of an additive mask). Any values are values the loop may see, so random ones stand
+# for them, but only values that make each condition true somewhere and false elsewhere check the rewrite
+# of the select: uniform floats never equal 0, so a reset by `positions == 0` would go unchecked. A mask is
+# drawn True at 3 of 4 places; integer ids and positions, and float ones a condition reads (as a value
+# too: `(pos + 1).rsqrt()`), from the whole numbers 0 to 3 and each number a comparison reading them
+# compares with, and its neighbours (-1 for an additive mask's `< 0`). An integer mask that scales the
+# decay (`S * attention_mask[:, t]`) is drawn so too, never negative where no comparison asks for it. The check then reads each condition computed from such draws alone
+# over the steps it ran: one that took a single value (a reset that fired at no step after the first) is
+# drawn again from another seed, and after DRAWS the loop is declined, saying which select went
+# unchecked. Ids that index a table of fewer entries raise; the loop is declined, saying so. The draws
+# come from generators of their own, seeded by the draw: a compile leaves the user's random state as it
+# was, and the check gives the same verdict every time.
+SMALL_IDS = (0, 1, 2, 3)
 
 
-def random_condition_source(value: torch.Tensor) -> torch.Tensor:
-    """Random values of a tensor read only by a select's condition (NOTE [random sources of a select's
-    condition])."""
+def random_ids(value: torch.Tensor, numbers: set, generator: torch.Generator) -> torch.Tensor:
+    """Random values of a mask or ids (NOTE [random sources of a select's condition]), around the `numbers`
+    a condition compares them with."""
     shape = [int(d) for d in value.shape]
     if value.dtype == torch.bool:
-        return torch.rand(shape) < 0.75
-    return torch.randint(0, CONDITION_IDS, shape).to(value.dtype)
+        return torch.rand(shape, generator=generator) < 0.75
+    candidates = sorted(set(SMALL_IDS) | {n + d for n in numbers for d in (-1, 0, 1)})
+    if not value.dtype.is_floating_point:
+        candidates = [c for c in candidates if c == int(c) and _fits(c, value.dtype)]
+    picks = torch.randint(0, len(candidates), shape, generator=generator)
+    return torch.tensor(candidates, dtype=torch.float64)[picks].to(value.dtype)
+
+
+def _fits(number, dtype: torch.dtype) -> bool:
+    info = torch.iinfo(dtype)
+    return info.min <= number <= info.max
+
+
+COMPARED_WITHIN = 6  # ops from ids to a select's condition: an index, a cast, a comparison, a broadcast
+
+
+def _numbers_compared(source: Node) -> set:
+    """The numbers that comparisons reading `source` (within COMPARED_WITHIN ops) compare with (`== 0`)."""
+    found, frontier, seen = set(), [source], {source}
+    for _ in range(COMPARED_WITHIN):
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen.update(frontier)
+        for user in frontier:
+            if user.op in ("call_function", "call_method") and user.target in COMPARISONS:
+                found |= {a for a in user.args if isinstance(a, (int, float)) and not isinstance(a, bool)
+                          and math.isfinite(a)}
+    return found
 
 
 # Where random gates are drawn, by kind, unless the computation checked asks for others (`gate_ranges`).
