@@ -108,7 +108,7 @@ def shared_by_steps(per_step: list[list[Node]], memo: dict) -> bool:
     return True
 
 
-_INDEX_KINDS = frozenset({"unbind", "index", "index_select", "select"})  # a step index's `Pattern.key[0]`
+_INDEX_KINDS = frozenset({"unbind", "index", "slice", "index_select", "select"})  # a step index's `Pattern.key[0]`
 
 
 def step_index(node: Node, memo: dict) -> Pattern | None:
@@ -131,6 +131,8 @@ def step_index(node: Node, memo: dict) -> Pattern | None:
         return _getitem_index(node, memo)
     if target in _INDEX_SELECTS and isinstance(args[0], Node) and isinstance(_arg(node, 2, "index", None), Node):
         return _index_select(node, memo)
+    if _is_narrow(node) and isinstance(args[0], Node):
+        return _narrow_of_one(node, memo)
     if target in _SELECTS or (node.op == "call_method" and target == "select"):
         base, dim, index = args[0], _arg(node, 1, "dim", None), _arg(node, 2, "index", None)
         if isinstance(base, Node) and isinstance(dim, int) and isinstance(index, int):
@@ -146,6 +148,20 @@ def _index_select(node: Node, memo: dict) -> Pattern | None:
         return None
     found = _indexed(("index_select", base, _norm_dim(base, dim)), base, dim, int(value.reshape(())), memo)
     return found
+
+
+def _is_narrow(node: Node) -> bool:
+    return node.op == "call_function" and node.target in (torch.narrow, aten.narrow.default) or (
+        node.op == "call_method" and node.target == "narrow")
+
+
+def _narrow_of_one(node: Node, memo: dict) -> Pattern | None:
+    """x.narrow(d, t, 1): position t, its dimension kept (of size 1), as index_select's is."""
+    base, dim, start, length = (node.args[0], _arg(node, 1, "dim", None), _arg(node, 2, "start", None),
+                                _arg(node, 3, "length", None))
+    if not (isinstance(dim, int) and isinstance(start, int) and length == 1):
+        return None
+    return _indexed(("index_select", base, _norm_dim(base, dim)), base, dim, start, memo)
 
 
 def _is_unbind(node: Node) -> bool:
@@ -176,19 +192,29 @@ def _getitem_index(node: Node, memo: dict, slot: int | None = None) -> Pattern |
     numbers]; the others then stay as they are, the same at every step)."""
     base, index = node.args
     items = index if isinstance(index, tuple) else (index,)
-    ints = _int_items(items)
+    ints, units = _int_items(items), _unit_slices(items)
+    kind = "index"
     if slot is None:
-        if len(ints) != 1:
+        if len(ints) + len(units) != 1:
             return None
-        slot = ints[0]
+        slot = (ints or units)[0]
+        kind = "index" if ints else "slice"  # x[:, t:t + 1]: position t, its dimension kept
     if any(not (item is None or item is Ellipsis or item == slice(None))
-           for i, item in enumerate(items) if i not in ints):
+           for i, item in enumerate(items) if i not in ints and i != slot):
         return None
     dim = source_dim(items, slot, fake_tensor(base).dim() if fake_tensor(base) is not None else 0)
     if dim is None:
         return None
     rest = tuple(STEP if i == slot else _const_key(item) for i, item in enumerate(items))
-    return _indexed(("index", base, rest), base, dim, items[slot], memo)
+    position = items[slot] if kind == "index" else items[slot].start
+    return _indexed((kind, base, rest), base, dim, position, memo)
+
+
+def _unit_slices(items: tuple) -> list[int]:
+    """The items that slice one position, `t:t + 1` (a number start, its stop one past it)."""
+    return [i for i, item in enumerate(items) if isinstance(item, slice) and isinstance(item.start, int)
+            and isinstance(item.stop, int) and item.stop == item.start + 1 and item.start >= 0
+            and item.step in (None, 1)]
 
 
 def _int_items(items: tuple) -> list[int]:
@@ -256,6 +282,14 @@ def _read_again_after(changed: set[Node], memo: dict) -> None:
         if node not in changed and any(i in stale for i in node.all_input_nodes):
             stale.add(node)
             memo.pop(node, None)
+
+
+def _dims_before(items: tuple, position: int, ndim: int) -> int:
+    """The dimensions of a getitem's value before the one the item at `position` makes (a number makes none;
+    None, a slice, one each; an Ellipsis those of the indexed tensor it stands for)."""
+    consumed = sum(not (item is None or item is Ellipsis) for item in items)
+    made = {type(None): 1, slice: 1, type(Ellipsis): ndim - consumed}
+    return sum(made.get(type(item), 0) for item in items[:position])
 
 
 def source_dim(items: tuple, position: int, ndim: int) -> int | None:
@@ -382,21 +416,23 @@ class Lifter:
 
     def _lift_index(self, node: Node, index: Pattern) -> Node:
         kind, base = index.key[0], index.key[1]
-        if kind == "index":
+        kept = None  # where the step's own dimension stays, of size 1, in a step's value
+        if kind in ("index", "slice"):
             items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             position = index.key[2].index(STEP)
             dim = source_dim(items, position, fake_tensor(base).dim())
             rest = items[:position] + items[position + 1:]
+            kept = _dims_before(items, position, fake_tensor(base).dim()) if kind == "slice" else None
         else:
             dim, rest = index.key[2], ()
+            kept = dim if kind == "index_select" else None
         whole = self._call(torch.movedim, (self.env(base), dim, 0))
-        keep = kind == "index_select"  # the step's own dimension stays, of size 1
         if fake_tensor(base).shape[dim] != self.T or self.offset:
             whole = self._call(torch.narrow, (whole, 0, self.offset, self.T))
         if any(item is not None and item != slice(None) for item in rest) or None in rest:
             whole = self._call(operator.getitem, (whole, (slice(None), *rest)))
-        if keep:
-            whole = self._call(torch.unsqueeze, (whole, dim + 1))
+        if kept is not None:
+            whole = self._call(torch.unsqueeze, (whole, kept + 1))
         return whole
 
     def _lift_insertion(self, node: Node) -> Node:
