@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import laplace_passes
-from tests.test_condition_sources import ATTENTION_MASK, _outer, _read, _update, assert_as_eager
+from tests.test_condition_sources import ATTENTION_MASK, _read, _update, assert_as_eager
 from tests.test_readouts_before_update import B, H, K, T, V
 
 
