@@ -10,7 +10,8 @@ from its second (or third) step on (`if t > 0`) is a site from there, the steps 
 condition that reads two positions (`doc[:, t] != doc[:, t - 1]`) or the step's number (`t < lengths`) is
 declined with what to write instead, and that is recognised. A bool mask multiplying the decay (a reset
 written as a product) is drawn at random like a select's, an int64 attention mask there too, and
-`S.masked_fill(starts, 0)` is a reset select. Every loop is checked against itself run
+`S.masked_fill(starts, 0)` is a reset select; a reset to a state of its own, and two reset selects one
+after the other, are declined with the reason (they had no row). Every loop is checked against itself run
 eagerly: outputs, final state and the gradients of r, k, v and the gates.
 """
 
@@ -200,6 +201,39 @@ def reset_by_masked_fill(r, k, v, w, u, positions):
     return torch.stack(outs, 2), S
 
 
+def reset_to_an_initial_state(r, k, v, w, u, positions):
+    """A document starts from a state of its own, not from 0: not GLA's reset."""
+    h0 = u[None, :, :, None].expand(B, H, K, V)
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = _update(torch.where((positions[:, t] == 0)[:, None, None, None], h0, S), k, v, w, t)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
+def two_resets_one_after_the_other(r, k, v, w, u, positions):
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = torch.where((positions[:, t] == 0)[:, None, None, None], 0.0, S)
+        S = torch.where((positions[:, t] == 3)[:, None, None, None], 0.0, S)
+        S = _update(S, k, v, w, t)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
+def two_resets_in_one_select(r, k, v, w, u, positions):
+    """What the reason for the loop above asks for."""
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = _update(torch.where(((positions[:, t] == 0) | (positions[:, t] == 3))[:, None, None, None], 0.0, S),
+                    k, v, w, t)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
 def outputs_and_grads(fn, ids):
     """The loop's outputs and the gradients of r, k, v and the gates (u and the ids aside)."""
     args = inputs()
@@ -228,6 +262,7 @@ SITES = {
     reset_at_position_0_with_k_scaled_by_positions: (POSITIONS, T, "states reset by a select"),
     kept_by_an_attention_mask: (ATTENTION_MASK, T, "per-key gates"),
     reset_by_masked_fill: (POSITIONS, T, "states reset by a select"),
+    two_resets_in_one_select: (POSITIONS, T, "states reset by a select"),
 }
 
 
@@ -299,10 +334,15 @@ def test_a_condition_no_draw_turns_and_ids_that_index_a_table_are_declined_with_
      "not read as a position: the same comparison made once before the loop, with torch.arange(T) in place of "
      "the step's number (`valid = torch.arange(T) < lengths[:, None]`), and indexed at the step (`valid[:, t]`), "
      "is read"),
-], ids=["two_positions", "the_step_number"])
+    (reset_to_an_initial_state, POSITIONS, "its update reads its previous state through the select where_1, which "
+     "puts h0 in its place where it acts: a reset restarts GLA's state from 0, and a skip keeps it"),
+    (two_resets_one_after_the_other, POSITIONS, "selects reset its state one after the other (S_4, S_5): one "
+     "select on either condition (`torch.where(c1 | c2, 0, S)`) is read"),
+], ids=["two_positions", "the_step_number", "reset_to_h0", "two_resets"])
 def test_a_condition_a_step_cannot_be_read_from_is_declined_with_what_to_write(fn, ids, reason):
-    """Before, the first loop got no row at all (cut at every reset into one-step pieces) and the second a
-    reason that said only that step 1 differs from step 0."""
+    """Before, the first loop got no row at all (cut at every reset into one-step pieces), the second a
+    reason that said only that step 1 differs from step 0, and the last two no row (their steps did not link
+    through the selects)."""
     assert_as_eager(fn, ids)
     (row,) = laplace_passes.last_report().recurrences
-    assert row.status == "declined" and reason in row.reason, row
+    assert row.status == "declined" and reason in row.reason and row.steps == T, row

@@ -28,7 +28,7 @@ import torch.fx
 from laplace_passes.fx.aggregates import Aggregate, find_aggregate
 from laplace_passes.fx.algebra import Expr, Index, NotAlgebraic, read
 from laplace_passes.fx.per_step import step_index
-from laplace_passes.fx.recurrence import Chain
+from laplace_passes.fx.steps import Chain
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME, RoleFactors, _is_zero_fill
 from laplace_passes.infra.fx_helpers import ancestors, fake_tensor
 from laplace_passes.infra.pass_base import Declined

@@ -37,7 +37,8 @@ from laplace_passes.fx.in_place_statements import read_through_in_place_statemen
 from laplace_passes.fx.in_place_writes import written_from_outside, written_while_read
 from laplace_passes.fx.token_loop import CHUNKS, ROW, TIME
 from laplace_passes.fx.quadratic import QuadraticForm, describe_quadratic, find_quadratic_forms
-from laplace_passes.fx.recurrence import Chain, find_chains
+from laplace_passes.fx.recurrence import find_chains
+from laplace_passes.fx.steps import Chain
 from laplace_passes.fx.token_loop import TokenLoop, describe, plan_token_loop
 from laplace_passes.fx.unread_loops import in_place_state_rows, symbolic_size_hint
 from laplace_passes.fx.validate import check_on_random_inputs

@@ -24,17 +24,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
 from laplace_passes.fx.algebra import UNREAD, Expr, Factor, Index, NotAlgebraic, Term, read, why_unread
 from laplace_passes.fx.in_place_writes import storage_of, written_operands
-from laplace_passes.fx.readouts import Readout, attach_readouts, reaches
+from laplace_passes.fx.readouts import attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
+from laplace_passes.fx.steps import Chain, Step
 from laplace_passes.fx.update_tops import (
-    ResetSelect, SkipSelect, broadcast_product, is_update_node, next_steps, reset_select, selects_against,
+    ResetSelect, broadcast_product, is_update_node, next_steps, reset_select, selects_against,
     skip_select, within_an_update, without_read_out_sums,
 )
 from laplace_passes.infra.fx_helpers import fake_tensor
@@ -42,62 +42,6 @@ from laplace_passes.infra.guards import same_shape
 
 Node = torch.fx.Node
 aten = torch.ops.aten
-
-
-
-@dataclass
-class Step:
-    """One update S_t of a recurrence; `mismatch` says why it is not GLA's, when it is not."""
-
-    node: Node
-    prev: Node | None  # S_{t-1}; None: the step starts from a zero state
-    expr: Expr
-    decay: tuple[Factor, ...] = ()
-    decay_coef: float = 1.0
-    keys: tuple[Factor, ...] = ()
-    values: tuple[Factor, ...] = ()
-    input_coef: float = 1.0
-    key_axis: int = -2  # the state's dimension k writes and q reads
-    value_axis: int = -1
-    rows: Index | None = None  # a chunked update's summed rows (None: one token per step)
-    mismatch: str = ""
-    unread: dict = field(default_factory=dict)  # node -> why the algebra read it as a leaf (`why_unread`)
-    skip: SkipSelect | None = None  # the select that skips the update at some steps (NOTE [steps a select skips])
-    reset: ResetSelect | None = None  # the select that resets the state it reads (NOTE [states a select resets])
-    through: Node | None = None  # S_{t-1} when `prev` is an op of it the algebra does not read (`tanh(S)`)
-
-    @property
-    def state_read(self) -> Node | None:
-        """The node the update reads as its previous state: `prev`, or the select that resets it."""
-        return self.reset.select if self.reset is not None else self.prev
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(fake_tensor(self.node).shape)
-
-
-@dataclass
-class Chain:
-    steps: list[Step]
-    readouts: list[Readout] = field(default_factory=list)  # one per step, or none at all
-    mismatch: str = ""
-    unlinked: int = 0  # steps the loop runs before its first step here, not read as steps of it
-    read_before_update: bool = False  # readouts of S_{t-1} per token (NOTE [readouts before the update])
-    reads_reset_states: bool = False  # ... of S_{t-1} after the select that resets it, same NOTE
-
-    @property
-    def tokens(self) -> int:
-        """The steps the user's loop runs: the chain's, and a first step (from a zero state, say) written or
-        read differently, which a report that counted only the chain would leave out."""
-        return len(self.steps) + self.unlinked
-
-    @property
-    def first(self) -> Step:
-        return self.steps[0]
-
-    @property
-    def last(self) -> Step:
-        return self.steps[-1]
 
 
 def _state_like(node: Node, shape: tuple) -> bool:
@@ -312,6 +256,7 @@ def find_chains(graph: torch.fx.Graph, min_steps: int = 2) -> list[Chain]:
             steps[node] = step
     chains = _split_at_some_resets(_link(steps, memo), memo)
     chains += _through_chains(steps, chains, min_steps, memo)
+    chains += _chains_through_selects(steps, chains, min_steps, memo)
     chains = [c for c in chains if len(c.steps) >= min_steps and (not c.mismatch or _over_positions(c, memo))]
     for chain in chains:
         if not chain.mismatch:
@@ -376,6 +321,53 @@ def _through_chains(steps: dict[Node, Step], chains: list[Chain], min_steps: int
             reason = f"its update reads its previous state through {step.prev.name} ({step.unread[step.prev]})"
             through[node] = dataclasses.replace(step, prev=step.through, mismatch=reason)
     return [c for c in _link(through, memo) if len(c.steps) >= min_steps]
+
+
+def _chains_through_selects(steps: dict[Node, Step], chains: list[Chain], min_steps: int, memo: dict) -> list:
+    """Loops whose updates read the state through selects that neither reset it to 0 nor skip a step
+    (`torch.where(starts, h0, S)`; two reset selects one after the other): linked step to step through them,
+    so that the loop gets a row that says why, where it had none."""
+    chained = {s.node for c in chains if len(c.steps) >= min_steps for s in c.steps}
+    loose = {n: s for n, s in steps.items() if n not in chained and s.through is None}
+    linked = {}
+    for node, step in loose.items():
+        found = _earlier_through_selects(step.state_read, loose, MAX_UPDATE_DEPTH)
+        if found is not None:
+            earlier, selects = found
+            linked[node] = dataclasses.replace(step, prev=earlier, reset=None, mismatch=_why_selects(selects))
+    firsts = {s.prev for s in linked.values()} - set(linked)  # each from the state before the loop, through
+    linked |= {n: dataclasses.replace(loose[n], prev=None) for n in firsts if n in loose}  # its selects
+    return [c for c in _link(linked, memo) if len(c.steps) >= min_steps and _over_positions(c, memo)]
+
+
+def _earlier_through_selects(node: Node | None, steps: dict, depth: int) -> tuple[Node, list[Node]] | None:
+    """(the step `node` reads through selects, those selects, latest first), or None. A select between two
+    states (a skip whose update is read out too; at the first step, between the update and the zeros the loop
+    starts from) is not one: its own reason is found as an opaque loop's."""
+    if node is None or depth == 0 or not (node.op == "call_function" and node.target in (torch.where,)):
+        return None
+    branches = [a for a in node.args[1:] if isinstance(a, Node) and same_shape(_shape(a), _shape(node))]
+    if len(branches) > 1 and all(b in steps or b.target is torch.where or is_fill(b) for b in branches):
+        return None
+    for branch in branches:
+        if branch in steps:
+            return branch, [node]
+        found = _earlier_through_selects(branch, steps, depth - 1)
+        if found is not None:
+            return found[0], [node, *found[1]]
+    return None
+
+
+def _why_selects(selects: list[Node]) -> str:
+    if len(selects) > 1 and all(reset_select(s) is not None for s in selects):
+        names = ", ".join(s.name for s in reversed(selects))
+        return (f"selects reset its state one after the other ({names}): one select on either condition "
+                "(`torch.where(c1 | c2, 0, S)`) is read")
+    select = selects[0]
+    other = next((a for a in select.args[1:] if a not in selects[1:] and isinstance(a, Node)), None)
+    return (f"its update reads its previous state through the select {select.name}, which puts "
+            f"{other.name if other is not None else 'a number'} in its place where it acts: a reset restarts "
+            "GLA's state from 0, and a skip keeps it")
 
 
 def _written_after_its_update(chain: Chain, graph: torch.fx.Graph) -> str:

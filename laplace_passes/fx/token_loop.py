@@ -1,6 +1,6 @@
 """A chain of GLA steps checked to be one loop: the same computation at positions offset .. offset + T - 1.
 
-`plan_token_loop` turns a `Chain` (laplace_passes.fx.recurrence) into a
+`plan_token_loop` turns a `Chain` (laplace_passes.fx.steps) into a
 `TokenLoop`: for each of GLA's four inputs (q from the readouts, k, v and
 the decay from the updates) the factors of every step, matched across steps
 (`laplace_passes.fx.per_step.pattern`: the same computation, indexing the
@@ -20,7 +20,7 @@ import torch.fx
 from laplace_passes.fx.algebra import Factor
 from laplace_passes.fx.gate_bounds import NONNEGATIVE, gate_bound
 from laplace_passes.fx.per_step import pattern, positions_in_several_numbers, shared_by_steps, step_index
-from laplace_passes.fx.recurrence import Chain
+from laplace_passes.fx.steps import Chain
 from laplace_passes.fx.unlike_steps import unlike_step_0
 from laplace_passes.fx.update_tops import SkipSelect
 from laplace_passes.infra.fx_helpers import fake_tensor

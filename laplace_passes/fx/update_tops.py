@@ -215,7 +215,7 @@ def broadcast_product(node: Node, numel: int) -> bool:
 
 
 def next_steps(steps: dict) -> dict[Node, list]:
-    """Each previous state's updates (recurrence.Step's, by their `prev`)."""
+    """Each previous state's updates (`laplace_passes.fx.steps.Step`s, by their `prev`)."""
     next_of: dict[Node, list] = {}
     for step in steps.values():
         if step.prev is not None:
