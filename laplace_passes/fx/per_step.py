@@ -416,7 +416,7 @@ class Lifter:
 
     def _lift_index(self, node: Node, index: Pattern) -> Node:
         kind, base = index.key[0], index.key[1]
-        kept = None  # where the step's own dimension stays, of size 1, in a step's value
+        # `kept`: where the step's own dimension stays, of size 1, in a step's value (None: it does not)
         if kind in ("index", "slice"):
             items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             position = index.key[2].index(STEP)

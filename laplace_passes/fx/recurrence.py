@@ -34,7 +34,7 @@ from laplace_passes.fx.readouts import attach_readouts, reaches
 from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill, pattern, step_index
 from laplace_passes.fx.steps import Chain, Step
 from laplace_passes.fx.update_tops import (
-    ResetSelect, broadcast_product, is_update_node, next_steps, reset_select, selects_against,
+    ResetSelect, broadcast_product, is_masked_fill, is_update_node, next_steps, reset_select, selects_against,
     skip_select, within_an_update, without_read_out_sums,
 )
 from laplace_passes.infra.fx_helpers import fake_tensor
@@ -297,11 +297,12 @@ def _split_at_some_resets(chains: list[Chain], memo: dict) -> list[Chain]:
 
 
 def _from_the_first_reset(chain: Chain, memo: dict) -> None:
-    """Drop the steps before the first reset when every later step (two or more) resets, `if t > 0:`: they
-    stay as written, counted as the loop's (`Chain.unlinked`); a reason that was theirs is read again."""
+    """Drop the few steps before the first reset when every later step (more of them) resets, `if t > 0:`:
+    they stay as written, counted as the loop's (`Chain.unlinked`); a reason that was theirs is read again.
+    A longer run before the resets is a loop of its own, cut from them (`_split_at_some_resets`)."""
     resets = [s.reset is not None for s in chain.steps]
     before = resets.index(True) if True in resets else 0
-    if before == 0 or not all(resets[before:]) or len(resets) - before < 2:
+    if before == 0 or not all(resets[before:]) or len(resets) - before < max(2, before + 1):
         return
     dropped, chain.steps = chain.steps[:before], chain.steps[before:]
     chain.unlinked = before + _unlinked_first_step(Chain(dropped), memo)
@@ -326,15 +327,16 @@ def _through_chains(steps: dict[Node, Step], chains: list[Chain], min_steps: int
 def _chains_through_selects(steps: dict[Node, Step], chains: list[Chain], min_steps: int, memo: dict) -> list:
     """Loops whose updates read the state through selects that neither reset it to 0 nor skip a step
     (`torch.where(starts, h0, S)`; two reset selects one after the other): linked step to step through them,
-    so that the loop gets a row that says why, where it had none."""
+    so that the loop gets a row that says why, where it had none. One reset select is a step's own (the
+    steps it links are a chain's, or a readout's sum and the step before a chain)."""
     chained = {s.node for c in chains if len(c.steps) >= min_steps for s in c.steps}
     loose = {n: s for n, s in steps.items() if n not in chained and s.through is None}
     linked = {}
     for node, step in loose.items():
         found = _earlier_through_selects(step.state_read, loose, MAX_UPDATE_DEPTH)
-        if found is not None:
+        if found is not None and not (len(found[1]) == 1 and reset_select(found[1][0]) is not None):
             earlier, selects = found
-            linked[node] = dataclasses.replace(step, prev=earlier, reset=None, mismatch=_why_selects(selects))
+            linked[node] = dataclasses.replace(step, prev=earlier, reset=None, mismatch=_why_selects(selects, earlier))
     firsts = {s.prev for s in linked.values()} - set(linked)  # each from the state before the loop, through
     linked |= {n: dataclasses.replace(loose[n], prev=None) for n in firsts if n in loose}  # its selects
     return [c for c in _link(linked, memo) if len(c.steps) >= min_steps and _over_positions(c, memo)]
@@ -344,10 +346,8 @@ def _earlier_through_selects(node: Node | None, steps: dict, depth: int) -> tupl
     """(the step `node` reads through selects, those selects, latest first), or None. A select between two
     states (a skip whose update is read out too; at the first step, between the update and the zeros the loop
     starts from) is not one: its own reason is found as an opaque loop's."""
-    if node is None or depth == 0 or not (node.op == "call_function" and node.target in (torch.where,)):
-        return None
-    branches = [a for a in node.args[1:] if isinstance(a, Node) and same_shape(_shape(a), _shape(node))]
-    if len(branches) > 1 and all(b in steps or b.target is torch.where or is_fill(b) for b in branches):
+    branches = _select_branches(node) if node is not None and depth > 0 else []
+    if len(branches) > 1 and all(b in steps or _select_branches(b) or is_fill(b) for b in branches):
         return None
     for branch in branches:
         if branch in steps:
@@ -358,13 +358,21 @@ def _earlier_through_selects(node: Node | None, steps: dict, depth: int) -> tupl
     return None
 
 
-def _why_selects(selects: list[Node]) -> str:
+def _select_branches(node: Node) -> list[Node]:
+    """A `torch.where`'s branches of its shape, or `S.masked_fill(mask, x)`'s S; [] for any other node."""
+    if node.op == "call_function" and node.target is torch.where and len(node.args) == 3:
+        return [a for a in node.args[1:] if isinstance(a, Node) and same_shape(_shape(a), _shape(node))]
+    return [node.args[0]] if is_masked_fill(node) and isinstance(node.args[0], Node) else []
+
+
+def _why_selects(selects: list[Node], earlier: Node) -> str:
     if len(selects) > 1 and all(reset_select(s) is not None for s in selects):
         names = ", ".join(s.name for s in reversed(selects))
         return (f"selects reset its state one after the other ({names}): one select on either condition "
                 "(`torch.where(c1 | c2, 0, S)`) is read")
     select = selects[0]
-    other = next((a for a in select.args[1:] if a not in selects[1:] and isinstance(a, Node)), None)
+    followed = selects[1] if len(selects) > 1 else earlier
+    other = next((a for a in select.args[1:] if isinstance(a, Node) and a is not followed), None)
     return (f"its update reads its previous state through the select {select.name}, which puts "
             f"{other.name if other is not None else 'a number'} in its place where it acts: a reset restarts "
             "GLA's state from 0, and a skip keeps it")

@@ -105,6 +105,12 @@ class TokenLoop:
             found.add(self.initial_state)
         return found
 
+    def value_sources(self) -> set[Node]:
+        """The nodes the loop reads values from: its sources less those only its selects' conditions read."""
+        found = {n for role, factors in self.roles.items() if role not in ("skip", "reset") for f in factors
+                 for n in _sources(f.nodes[0], self.patterns)}
+        return found | ({self.initial_state} if self.initial_state is not None else set())
+
     def sources_of(self, node: Node) -> set[Node]:
         """The nodes one of the loop's per-step values is computed from (`source_nodes`, for that value)."""
         return _sources(node, self.patterns)

@@ -113,7 +113,7 @@ class ResetSelect:
 def reset_select(node: Node) -> ResetSelect | None:
     """`node` as a select between a state and 0, or None. What else reads it besides the update (a readout
     of the state after the reset) is the readouts' to allow (`readouts._other_uses`)."""
-    if _masked_fill(node) and len(node.args) == 3 and not node.kwargs:  # S.masked_fill(starts, 0)
+    if is_masked_fill(node) and len(node.args) == 3 and not node.kwargs:  # S.masked_fill(starts, 0)
         state, condition, fill = node.args
         resets = isinstance(condition, Node) and _is_bool(condition) and _is_zero(fill) and isinstance(state, Node)
         return ResetSelect(node, condition, state) if resets and same_shape(_shape(state), _shape(node)) else None
@@ -129,7 +129,7 @@ def reset_select(node: Node) -> ResetSelect | None:
     return ResetSelect(node, condition, readings[0][1], readings[0][2]) if readings else None
 
 
-def _masked_fill(node: Node) -> bool:
+def is_masked_fill(node: Node) -> bool:
     return node.op == "call_method" and node.target == "masked_fill" or \
         node.op == "call_function" and node.target in (torch.masked_fill, aten.masked_fill.Scalar)
 

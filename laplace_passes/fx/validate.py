@@ -16,6 +16,8 @@ GLA ops compute, so a float64 loop is kept as written before any comparison.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import operator
 from dataclasses import dataclass
@@ -72,7 +74,8 @@ def check_on_random_inputs(gm: torch.fx.GraphModule, loop, memo: dict, steps: in
     graph.output(tuple([env[n] for n in old] + new + [env[n] for c in conditions for n in c.nodes]))
     module = torch.fx.GraphModule(gm, graph)
     with unset_fake_temporarily(), torch.no_grad():
-        results = _run_until_the_selects_act(module, externals, loop, conditions)
+        results = _run_until_the_selects_act(module, _loop_alone(gm, externals, region, old), externals, loop,
+                                             conditions)
     _compare(results[: len(old)], results[len(old): len(old) + len(new)], old, _tolerance(region | set(old)))
 
 
@@ -96,9 +99,21 @@ def _conditions(loop, steps: int) -> list[Condition]:
 
 
 DRAWS = 4  # random inputs drawn at most, until each select's condition is true and false within the steps
+MIN_OUTCOMES = 4  # a condition of fewer values checked (one sequence, two steps) may keep one value on any draw
 
 
-def _run_until_the_selects_act(module, externals: list[Node], loop, conditions: list[Condition]) -> tuple:
+def _loop_alone(gm: torch.fx.GraphModule, externals: list[Node], region: set[Node], old: list[Node]):
+    """The loop's first steps alone, as the user wrote them, for telling its own errors from ours."""
+    graph = torch.fx.Graph()
+    env = {n: graph.placeholder(f"input_{i}") for i, n in enumerate(externals)}
+    for node in gm.graph.nodes:
+        if node in region or _switches_autocast(node):
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in old))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _run_until_the_selects_act(module, loop_alone, externals: list[Node], loop, conditions: list) -> tuple:
     """The loop and its GLA form run on random inputs (NOTE [random sources of a select's condition]): drawn
     again while a select's condition takes one value only, which would leave its rewrite unchecked."""
     for draw in range(DRAWS):
@@ -107,12 +122,8 @@ def _run_until_the_selects_act(module, externals: list[Node], loop, conditions: 
         try:
             results = module(*inputs)
         except (IndexError, RuntimeError) as error:
-            drawn_ids = [n for n, i in zip(externals, inputs) if _drawn_as_ids(n, loop) and i.dtype != torch.bool]
-            if not drawn_ids:
-                raise
-            # Ids that index a table (`flags[ids[:, t]]`): numbers drawn for a comparison may fall outside it.
-            raise Declined(f"its first steps raised on random ids ({drawn_ids[0].name}: {type(error).__name__}: "
-                           f"{str(error).splitlines()[0][:200]}), so its rewrite could not be checked") from error
+            _raise_the_loops_own(error, loop_alone, inputs)
+            raise
         values = results[len(results) - sum(len(c.nodes) for c in conditions):]
         idle = _idle_condition(conditions, values)
         if idle is None:
@@ -122,14 +133,26 @@ def _run_until_the_selects_act(module, externals: list[Node], loop, conditions: 
                    "rewrite of that select could not be checked")
 
 
+def _raise_the_loops_own(error: Exception, loop_alone, inputs: list) -> None:
+    """Decline when the user's loop raises on the random inputs by itself: ids drawn for a comparison that
+    index a table (`flags[ids[:, t]]`) may fall outside it. An error of the GLA form's is left to raise."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # torch.fx's print of the failing line: not the user's
+            loop_alone(*inputs)
+    except (IndexError, RuntimeError):
+        message = (str(error).splitlines() or [""])[0][:200]
+        raise Declined(f"its first steps raised on random ids ({type(error).__name__}: {message}), so its rewrite "
+                       "could not be checked") from error
+
+
 def _idle_condition(conditions: list[Condition], values: tuple) -> Condition | None:
     """The first condition that is not both true and false somewhere within its steps; None when each is."""
     at = 0
     for condition in conditions:
         taken = values[at + condition.from_step: at + len(condition.nodes)]
         at += len(condition.nodes)
-        outcomes = {bool(v) for value in taken for v in value.bool().flatten().tolist()}
-        if len(taken) and outcomes != {True, False}:
+        outcomes = [bool(v) for value in taken for v in value.bool().flatten().tolist()]
+        if len(outcomes) >= MIN_OUTCOMES and set(outcomes) != {True, False}:
             return condition
     return None
 
@@ -195,6 +218,8 @@ def _input_value(node: Node, loop, generator: torch.Generator):
         raise Declined(f"the loop reads {node.name}, which is not a tensor of known shape")
     if _drawn_as_ids(node, loop):
         return random_ids(value, _numbers_compared(node), generator)
+    if value.dtype.is_floating_point and _compared_and_read(node, loop):
+        return _half_ids(node, value, loop, generator)
     if not value.dtype.is_floating_point:
         # A mask kept as a buffer or passed in: its values are not in the graph (nothing says it stays causal),
         # and random values would not be a mask. One built in the graph from sizes is a constant, read above.
@@ -215,11 +240,31 @@ def _drawn_as_ids(node: Node, loop) -> bool:
     value = fake_tensor(node)
     if not isinstance(loop, TokenLoop) or value is None or constant_value(node) is not None:
         return False
-    if not value.dtype.is_floating_point:
+    if value.dtype == torch.bool or not (value.dtype.is_floating_point or value.dtype.is_complex):
         return True
+    return _compared(node, loop) and node not in loop.value_sources()
+
+
+def _compared(node: Node, loop: TokenLoop) -> bool:
+    """A float that a select's condition reads, not a gate."""
     gates = loop.gate_sources()
     return node in loop.mask_sources() and random_range(node, gates, getattr(loop, "gate_ranges", GATE_RANGES)) \
         == (-1.0, 1.0)
+
+
+def _compared_and_read(node: Node, loop) -> bool:
+    """A float that a select's condition reads and the loop reads as a value too (`k` in `k.abs().sum(-1) > 0`,
+    positions that scale k)."""
+    return isinstance(loop, TokenLoop) and constant_value(node) is None and _compared(node, loop) \
+        and node in loop.value_sources()
+
+
+def _half_ids(node: Node, value: torch.Tensor, loop, generator: torch.Generator) -> torch.Tensor:
+    """Uniform values with half of them ids (NOTE [random sources of a select's condition]), never negative:
+    positions that scale k (`(pos + 1).rsqrt()`) stay finite, and `pos == 0` fires somewhere."""
+    uniform = torch.empty(value.shape, dtype=value.dtype).uniform_(-1.0, 1.0, generator=generator)
+    ids = random_ids(value, _numbers_compared(node), generator).clamp_min(0)
+    return torch.where(torch.rand(value.shape, generator=generator) < 0.5, ids, uniform)
 
 
 # NOTE [random sources of a select's condition]
@@ -227,16 +272,21 @@ def _drawn_as_ids(node: Node, loop) -> bool:
 # on a tensor the loop reads: a mask, or ids compared with a number (`positions[:, t] == 0`, `ids[:, t] !=
 # -100`, `mask[:, t] < 0` of an additive mask). Any values are values the loop may see, so random ones stand
 # for them, but only values that make each condition true somewhere and false elsewhere check the rewrite
-# of the select: uniform floats never equal 0, so a reset by `positions == 0` would go unchecked. A mask is
-# drawn True at 3 of 4 places; integer ids and positions, and float ones a condition reads (as a value
-# too: `(pos + 1).rsqrt()`), from the whole numbers 0 to 3 and each number a comparison reading them
-# compares with, and its neighbours (-1 for an additive mask's `< 0`). An integer mask that scales the
-# decay (`S * attention_mask[:, t]`) is drawn so too, never negative where no comparison asks for it. The check then reads each condition computed from such draws alone
-# over the steps it ran: one that took a single value (a reset that fired at no step after the first) is
-# drawn again from another seed, and after DRAWS the loop is declined, saying which select went
-# unchecked. Ids that index a table of fewer entries raise; the loop is declined, saying so. The draws
-# come from generators of their own, seeded by the draw: a compile leaves the user's random state as it
-# was, and the check gives the same verdict every time.
+# of the select: uniform floats never equal 0, so a reset by `positions == 0` would go unchecked.
+# * A mask is drawn True at 3 of 4 places.
+# * Integer ids and positions, and float ones only a condition reads, are "ids": whole numbers from 0 to 3
+#   and around each number the comparisons reading them name, or add on the way (-1 for an additive
+#   mask's `< 0`, 10 for `(pos - 10) == 0`). An integer mask that scales the decay (`S * mask[:, t]`) is
+#   drawn so too, never negative where no comparison asks for it.
+# * A float that a condition reads and the loop reads as a value too (`k` in `k.abs().sum(-1) > 0`, or
+#   positions that scale k) is drawn uniform, half of it replaced by ids that are not negative, so that
+#   `(pos + 1).rsqrt()` stays finite.
+# The check then reads each condition computed from ids alone over the steps it ran: one that took a single
+# value (a reset that fired at no step after the first) is drawn again from another seed, and after DRAWS
+# the loop is declined, saying which select went unchecked; a condition read from values is left to the
+# tests of its form, as before ids were drawn. A loop that raises by itself on random ids (ids that index a
+# table of fewer entries) is declined, saying so. The draws come from generators of their own, seeded by
+# the draw: a compile leaves the user's random state as it was, and the check gives the same verdict.
 SMALL_IDS = (0, 1, 2, 3)
 
 
@@ -248,27 +298,29 @@ def random_ids(value: torch.Tensor, numbers: set, generator: torch.Generator) ->
         return torch.rand(shape, generator=generator) < 0.75
     candidates = sorted(set(SMALL_IDS) | {n + d for n in numbers for d in (-1, 0, 1)})
     if not value.dtype.is_floating_point:
-        candidates = [c for c in candidates if c == int(c) and _fits(c, value.dtype)]
+        info = torch.iinfo(value.dtype)
+        candidates = [c for c in candidates if c == int(c) and info.min <= c <= info.max]
     picks = torch.randint(0, len(candidates), shape, generator=generator)
     return torch.tensor(candidates, dtype=torch.float64)[picks].to(value.dtype)
-
-
-def _fits(number, dtype: torch.dtype) -> bool:
-    info = torch.iinfo(dtype)
-    return info.min <= number <= info.max
 
 
 COMPARED_WITHIN = 6  # ops from ids to a select's condition: an index, a cast, a comparison, a broadcast
 
 
+# Ops whose numbers say which ids make a comparison true: the comparison's own, and those added or taken
+# on the way to it (`(pos - 10) == 0` fires at 10).
+_NUMBERED = COMPARISONS | {operator.add, operator.sub, torch.add, torch.sub, "add", "sub"}
+
+
 def _numbers_compared(source: Node) -> set:
-    """The numbers that comparisons reading `source` (within COMPARED_WITHIN ops) compare with (`== 0`)."""
+    """The numbers that comparisons reading `source` (within COMPARED_WITHIN ops) compare with (`== 0`), and
+    those added or taken on the way."""
     found, frontier, seen = set(), [source], {source}
     for _ in range(COMPARED_WITHIN):
         frontier = [u for n in frontier for u in n.users if u not in seen]
         seen.update(frontier)
         for user in frontier:
-            if user.op in ("call_function", "call_method") and user.target in COMPARISONS:
+            if user.op in ("call_function", "call_method") and user.target in _NUMBERED:
                 found |= {a for a in user.args if isinstance(a, (int, float)) and not isinstance(a, bool)
                           and math.isfinite(a)}
     return found
