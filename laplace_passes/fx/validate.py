@@ -63,11 +63,7 @@ def check_on_random_inputs(gm: torch.fx.GraphModule, loop, memo: dict, steps: in
     region = reading_region(old, sources)
     externals = sorted({i for n in region for i in n.all_input_nodes if i not in region} | sources,
                        key=graph_order(gm.graph))
-    graph = torch.fx.Graph()
-    env = {n: graph.placeholder(f"input_{i}") for i, n in enumerate(externals)}
-    for node in gm.graph.nodes:
-        if node in region or _switches_autocast(node):
-            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph, env = _copy_of_the_loop(gm, externals, region)
     builder = GlaBuilder(graph, loop, steps, memo, env=lambda n: env[n])
     new = loop.gla_results(builder, old, target=reference_gla)
     conditions = [c for c in _conditions(loop, steps) if c.nodes[0] in region]
@@ -102,13 +98,20 @@ DRAWS = 4  # random inputs drawn at most, until each select's condition is true 
 MIN_OUTCOMES = 4  # a condition of fewer values checked (one sequence, two steps) may keep one value on any draw
 
 
-def _loop_alone(gm: torch.fx.GraphModule, externals: list[Node], region: set[Node], old: list[Node]):
-    """The loop's first steps alone, as the user wrote them, for telling its own errors from ours."""
+def _copy_of_the_loop(gm: torch.fx.GraphModule, externals: list[Node], region: set[Node]):
+    """A graph of the loop's first steps as the user wrote them, its inputs `externals`; and the map from the
+    loop's nodes to the copy's."""
     graph = torch.fx.Graph()
     env = {n: graph.placeholder(f"input_{i}") for i, n in enumerate(externals)}
     for node in gm.graph.nodes:
         if node in region or _switches_autocast(node):
             env[node] = graph.node_copy(node, lambda n: env[n])
+    return graph, env
+
+
+def _loop_alone(gm: torch.fx.GraphModule, externals: list[Node], region: set[Node], old: list[Node]):
+    """The loop's first steps alone, for telling its own errors from ours."""
+    graph, env = _copy_of_the_loop(gm, externals, region)
     graph.output(tuple(env[n] for n in old))
     return torch.fx.GraphModule(gm, graph)
 
@@ -219,7 +222,7 @@ def _input_value(node: Node, loop, generator: torch.Generator):
     if _drawn_as_ids(node, loop):
         return random_ids(value, _numbers_compared(node), generator)
     if value.dtype.is_floating_point and _compared_and_read(node, loop):
-        return _half_ids(node, value, loop, generator)
+        return _half_ids(node, value, generator)
     if not value.dtype.is_floating_point:
         # A mask kept as a buffer or passed in: its values are not in the graph (nothing says it stays causal),
         # and random values would not be a mask. One built in the graph from sizes is a constant, read above.
@@ -259,7 +262,7 @@ def _compared_and_read(node: Node, loop) -> bool:
         and node in loop.value_sources()
 
 
-def _half_ids(node: Node, value: torch.Tensor, loop, generator: torch.Generator) -> torch.Tensor:
+def _half_ids(node: Node, value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Uniform values with half of them ids (NOTE [random sources of a select's condition]), never negative:
     positions that scale k (`(pos + 1).rsqrt()`) stay finite, and `pos == 0` fires somewhere."""
     uniform = torch.empty(value.shape, dtype=value.dtype).uniform_(-1.0, 1.0, generator=generator)
