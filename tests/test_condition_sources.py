@@ -259,6 +259,26 @@ def two_resets_in_one_select(r, k, v, w, u, positions):
     return torch.stack(outs, 2), S
 
 
+def reset_by_masked_fill_with_its_value_named(r, k, v, w, u, positions):
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        S = _update(torch.masked_fill(S, (positions[:, t] == 0)[:, None, None, None], value=0.0), k, v, w, t)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
+def a_skipped_token_that_still_resets(r, k, v, w, u, positions):
+    """The skip keeps the state after the reset: GLA's skip (gate 0) would keep the one before it."""
+    S = r.new_zeros(B, H, K, V)
+    outs = []
+    for t in range(T):
+        R = torch.where((positions[:, t] == 0)[:, None, None, None], 0.0, S)
+        S = torch.where((positions[:, t] != 2)[:, None, None, None], _update(R, k, v, w, t), R)
+        outs.append(_read(r, S, t))
+    return torch.stack(outs, 2), S
+
+
 def outputs_and_grads(fn, ids):
     """The loop's outputs and the gradients of r, k, v and the gates (u and the ids aside)."""
     args = inputs()
@@ -289,6 +309,7 @@ SITES = {
     kept_by_an_attention_mask: (ATTENTION_MASK, T, "per-key gates"),
     reset_by_masked_fill: (POSITIONS, T, "states reset by a select"),
     two_resets_in_one_select: (POSITIONS, T, "states reset by a select"),
+    reset_by_masked_fill_with_its_value_named: (POSITIONS, T, "states reset by a select"),
 }
 
 
@@ -368,7 +389,10 @@ def test_a_condition_no_draw_turns_and_ids_that_index_a_table_are_declined_with_
     (two_resets_one_after_the_other, POSITIONS, "selects reset its state one after the other (S_4, S_5): one "
      "select on either condition (`torch.where(c1 | c2, 0, S)`) is read"),
     (a_masked_fill_after_a_reset, POSITIONS, "selects reset its state one after the other (S_3, masked_fill_1)"),
-], ids=["two_positions", "the_step_number", "reset_to_h0", "two_resets", "a_masked_fill_after_a_reset"])
+    (a_skipped_token_that_still_resets, POSITIONS, "keeps the state its reset select R leaves where it skips the "
+     "update, so a skipped token still resets, which GLA's skip (the gate 0) does not"),
+], ids=["two_positions", "the_step_number", "reset_to_h0", "two_resets", "a_masked_fill_after_a_reset",
+        "a_skipped_token_that_still_resets"])
 def test_a_condition_a_step_cannot_be_read_from_is_declined_with_what_to_write(fn, ids, reason):
     """Before, the first loop got no row at all (cut at every reset into one-step pieces), the second a
     reason that said only that step 1 differs from step 0, and the last two no row (their steps did not link

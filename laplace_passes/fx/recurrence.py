@@ -35,7 +35,7 @@ from laplace_passes.fx.per_step import ELEMENTWISE, ELEMENTWISE_METHODS, is_fill
 from laplace_passes.fx.steps import Chain, Step
 from laplace_passes.fx.update_tops import (
     ResetSelect, broadcast_product, is_masked_fill, is_update_node, next_steps, reset_select, selects_against,
-    skip_select, within_an_update, without_read_out_sums,
+    skip_select, why_kept, within_an_update, without_read_out_sums,
 )
 from laplace_passes.infra.fx_helpers import fake_tensor
 from laplace_passes.infra.guards import same_shape
@@ -79,8 +79,7 @@ def read_step(node: Node, memo: dict) -> Step | None:
         (carried[0][1].node, None, None)
     step = Step(node, prev, expr, unread=unread, skip=select, reset=reset, through=through)
     if select is not None and select.kept is not step.prev:
-        step.mismatch = (f"its select {node.name} keeps {select.kept.name} where it skips the update, not the "
-                         f"state the update decays ({step.prev.name})")
+        step.mismatch = why_kept(node, select.kept, step.prev, reset)
         return step
     if len(prev_nodes) > 1:
         step.mismatch = f"its update reads {len(prev_nodes)} earlier states ({', '.join(n.name for n in prev_nodes)})"

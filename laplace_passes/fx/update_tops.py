@@ -113,8 +113,9 @@ class ResetSelect:
 def reset_select(node: Node) -> ResetSelect | None:
     """`node` as a select between a state and 0, or None. What else reads it besides the update (a readout
     of the state after the reset) is the readouts' to allow (`readouts._other_uses`)."""
-    if is_masked_fill(node) and len(node.args) == 3 and not node.kwargs:  # S.masked_fill(starts, 0)
-        state, condition, fill = node.args
+    if is_masked_fill(node) and len(node.args) + len(node.kwargs) == 3 and set(node.kwargs) <= {"mask", "value"}:
+        # S.masked_fill(starts, 0), or with its mask and value named
+        state, condition, fill = (*node.args, *(node.kwargs[k] for k in ("mask", "value") if k in node.kwargs))
         resets = isinstance(condition, Node) and _is_bool(condition) and _is_zero(fill) and isinstance(state, Node)
         return ResetSelect(node, condition, state) if resets and same_shape(_shape(state), _shape(node)) else None
     if node.op != "call_function" or node.target not in _SELECTS or len(node.args) != 3 or node.kwargs:
@@ -179,6 +180,16 @@ def skip_select(node: Node) -> SkipSelect | None:
                 and (is_sum_node(update) or _product_of_a_sum(update)):  # the update's one user: this select
             return SkipSelect(condition, update, kept, updates_when)
     return None
+
+
+def why_kept(select: Node, kept: Node, prev: Node, reset: ResetSelect | None) -> str:
+    """Why a select that skips an update is not GLA's skip: it keeps another state than the one the update
+    decays (`prev`), or the state a reset select leaves, so that a skipped token still resets."""
+    if reset is not None and kept is reset.select:
+        return (f"its select {select.name} keeps the state its reset select {kept.name} leaves where it skips the "
+                "update, so a skipped token still resets, which GLA's skip (the gate 0) does not")
+    return f"its select {select.name} keeps {kept.name} where it skips the update, not the state the update " \
+        f"decays ({prev.name})"
 
 
 def selects_against(node: Node, state: Node | None) -> bool:
