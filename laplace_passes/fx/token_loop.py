@@ -97,18 +97,11 @@ class TokenLoop:
 
     def source_nodes(self) -> set[Node]:
         """The nodes the loop reads its inputs from (its readouts and updates aside)."""
-        found = set()
-        for factors in self.roles.values():
-            for factor in factors:
-                found |= _sources(factor.nodes[0], self.patterns)
-        if self.initial_state is not None:
-            found.add(self.initial_state)
-        return found
+        return self.mask_sources() | self.value_sources()
 
     def value_sources(self) -> set[Node]:
         """The nodes the loop reads values from: its sources less those only its selects' conditions read."""
-        found = {n for role, factors in self.roles.items() if role not in ("skip", "reset") for f in factors
-                 for n in _sources(f.nodes[0], self.patterns)}
+        found = self._sources_of_roles([r for r in self.roles if r not in _SELECT_ROLES])
         return found | ({self.initial_state} if self.initial_state is not None else set())
 
     def sources_of(self, node: Node) -> set[Node]:
@@ -118,8 +111,13 @@ class TokenLoop:
     def mask_sources(self) -> set[Node]:
         """The nodes the conditions of the selects that skip steps or reset states come from: masks, random
         ones stand for."""
-        return {n for role in ("skip", "reset") for f in self.roles.get(role, [])
-                for n in _sources(f.nodes[0], self.patterns)}
+        return self._sources_of_roles(_SELECT_ROLES)
+
+    def _sources_of_roles(self, roles) -> set[Node]:
+        return {n for role in roles for f in self.roles.get(role, []) for n in _sources(f.nodes[0], self.patterns)}
+
+
+_SELECT_ROLES = ("skip", "reset")
 
 
 def _sources(node: Node, memo: dict) -> set[Node]:
