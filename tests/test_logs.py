@@ -7,6 +7,7 @@ then unrolled).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import laplace_passes
@@ -140,8 +142,10 @@ def test_the_first_slow_compile_says_once_what_took_the_time(monkeypatch):
 
 
 def test_no_graph_is_printed_for_a_trace_torch_s_handler_has_no_folder_for(monkeypatch, tmp_path):
-    """torch's trace handler is installed without TORCH_TRACE too (folderless until its first write): the passes
-    print no graph for it. A handler with a folder gets each graph before and after each pass."""
+    """torch's trace handler is installed without TORCH_TRACE too (folderless until its first write), and pytest
+    attaches its log capture to torch's trace logger: the passes print no graph for either. A handler with a
+    folder, or one of the user's own, gets each graph before and after each pass."""
+    from _pytest.logging import LogCaptureHandler
     from torch._logging._internal import LazyTraceHandler, trace_log
 
     printed = []
@@ -152,10 +156,27 @@ def test_no_graph_is_printed_for_a_trace_torch_s_handler_has_no_folder_for(monke
 
     q, k, v, gk = (torch.randn(1, 100, 2, 8) for _ in range(4))
     folderless, with_folder = LazyTraceHandler(None), LazyTraceHandler(str(tmp_path))
-    for handler, expect_prints in ((folderless, False), (with_folder, True)):
-        monkeypatch.setattr(trace_log, "handlers", [handler])
-        assert logs.writing_a_trace() is expect_prints
+    users_own = logging.StreamHandler(io.StringIO())
+    cases = (([folderless], False), ([folderless, LogCaptureHandler()], False), ([with_folder], True),
+             ([LogCaptureHandler(), users_own], True))
+    for handlers, expect_prints in cases:
+        monkeypatch.setattr(trace_log, "handlers", handlers)
+        assert logs.writing_a_trace() is expect_prints, handlers
         printed.clear()
         laplace_passes.inspect(attention, q, k, v, -gk.abs(), target="cpu")
-        assert bool(printed) is expect_prints, (handler.root_dir, len(printed))
+        assert bool(printed) is expect_prints, (handlers, len(printed))
     with_folder.close()
+
+
+def test_a_compile_in_a_test_prints_no_graph_for_pytest_s_log_capture(monkeypatch):
+    """As this suite runs (pytest's logging plugin on): the trace logger holds only pytest's capture and torch's
+    folderless handler, and no pass prints a graph."""
+    from torch._logging._internal import trace_log
+
+    if not any(type(h).__module__ == "_pytest.logging" for h in trace_log.handlers) or os.environ.get("TORCH_TRACE"):
+        pytest.skip("pytest's logging plugin is off (-p no:logging), or a trace was asked for")
+    printed = []
+    monkeypatch.setattr(logs, "_readable", lambda gm: printed.append(gm) or "")
+    q, k, v, gk = (torch.randn(1, 100, 2, 8) for _ in range(4))
+    laplace_passes.inspect(lambda q, k, v, gk: laplace_passes.gla(q, k, v, gk)[0], q, k, v, -gk.abs(), target="cpu")
+    assert printed == [], [type(h).__name__ for h in trace_log.handlers]
