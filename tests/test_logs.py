@@ -170,13 +170,18 @@ def test_no_graph_is_printed_for_a_trace_torch_s_handler_has_no_folder_for(monke
 
 def test_a_compile_in_a_test_prints_no_graph_for_pytest_s_log_capture(monkeypatch):
     """As this suite runs (pytest's logging plugin on): the trace logger holds only pytest's capture and torch's
-    folderless handler, and no pass prints a graph."""
-    from torch._logging._internal import trace_log
+    folderless handler, and no pass writes a graph to the trace."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
 
-    if not any(type(h).__module__ == "_pytest.logging" for h in trace_log.handlers) or os.environ.get("TORCH_TRACE"):
-        pytest.skip("pytest's logging plugin is off (-p no:logging), or a trace was asked for")
-    printed = []
-    monkeypatch.setattr(logs, "_readable", lambda gm: printed.append(gm) or "")
+    handlers = list(trace_log.handlers)
+    if not any(type(h).__module__ == "_pytest.logging" for h in handlers):
+        pytest.skip("pytest's logging plugin is off (-p no:logging)")
+    if any(not isinstance(h, LazyTraceHandler) and type(h).__module__ != "_pytest.logging" or
+           isinstance(h, LazyTraceHandler) and h.root_dir is not None for h in handlers):
+        pytest.skip("a trace was asked for (TORCH_TRACE, TORCH_COMPILE_DEBUG or a handler of one's own)")
+    traced = []
+    monkeypatch.setattr(logs, "trace_structured", lambda *args, **kwargs: traced.append(kwargs))
+    assert not logs.writing_a_trace(), [type(h).__name__ for h in handlers]
     q, k, v, gk = (torch.randn(1, 100, 2, 8) for _ in range(4))
     laplace_passes.inspect(lambda q, k, v, gk: laplace_passes.gla(q, k, v, gk)[0], q, k, v, -gk.abs(), target="cpu")
-    assert printed == [], [type(h).__name__ for h in trace_log.handlers]
+    assert traced == [], [type(h).__name__ for h in handlers]

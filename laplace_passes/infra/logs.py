@@ -114,10 +114,11 @@ def writing_a_trace() -> bool:
     whenever a handler is installed; the handler finds out only when it first writes that it has no folder
     (no TORCH_TRACE) and removes itself. Until then each pass printed its graph twice for nothing.
 
-    pytest (9 and later) attaches its log-capturing handlers to every logger that does not propagate, torch's
-    trace logger included, for every test: they are not a trace anyone asked for, and counting them made
-    every pass print its graphs twice in any compile a test runs (4% of the CPU time of this package's own
-    test suite). A test that wants the trace sets TORCH_TRACE or adds a handler of its own.
+    Recent pytest (9.2 here) attaches its log-capturing handlers to every logger that does not propagate,
+    torch's trace logger included, for every test: they are not a trace anyone asked for, and counting them
+    made every pass print its graphs twice in any compile a test runs (4% of the CPU time of this package's
+    own test suite, profiled). A test that wants the trace (through caplog too) sets TORCH_TRACE (or
+    TORCH_COMPILE_DEBUG=1, which gives torch's handler a folder) or adds a handler of its own.
     """
     from torch._logging._internal import LazyTraceHandler, trace_log
 
