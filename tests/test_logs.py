@@ -176,6 +176,7 @@ def test_a_compile_in_a_test_prints_no_graph_for_pytest_s_log_capture(monkeypatc
     handlers = list(trace_log.handlers)
     if not any(type(h).__module__ == "_pytest.logging" for h in handlers):
         pytest.skip("pytest's logging plugin is off (-p no:logging)")
+    # Read here, not through logs._writes_a_trace: a wrong verdict of the code under test must fail, not skip.
     if any(not isinstance(h, LazyTraceHandler) and type(h).__module__ != "_pytest.logging" or
            isinstance(h, LazyTraceHandler) and h.root_dir is not None for h in handlers):
         pytest.skip("a trace was asked for (TORCH_TRACE, TORCH_COMPILE_DEBUG or a handler of one's own)")

@@ -17,10 +17,12 @@ GLA ops compute, so a float64 loop is kept as written before any comparison.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx
@@ -70,8 +72,8 @@ def check_on_random_inputs(gm: torch.fx.GraphModule, loop, memo: dict, steps: in
     graph.output(tuple([env[n] for n in old] + new + [env[n] for c in conditions for n in c.nodes]))
     module = torch.fx.GraphModule(gm, graph)
     with unset_fake_temporarily(), torch.no_grad():
-        results = _run_until_the_selects_act(module, _loop_alone(gm, externals, region, old), externals, loop,
-                                             conditions)
+        loop_alone = functools.partial(_loop_alone, gm, externals, region, old)  # built on an error only
+        results = _run_until_the_selects_act(module, loop_alone, externals, loop, conditions)
     _compare(results[: len(old)], results[len(old): len(old) + len(new)], old, _tolerance(region | set(old)))
 
 
@@ -116,7 +118,7 @@ def _loop_alone(gm: torch.fx.GraphModule, externals: list[Node], region: set[Nod
     return torch.fx.GraphModule(gm, graph)
 
 
-def _run_until_the_selects_act(module, loop_alone, externals: list[Node], loop, conditions: list) -> tuple:
+def _run_until_the_selects_act(module, loop_alone: Callable, externals: list[Node], loop, conditions: list) -> tuple:
     """The loop and its GLA form run on random inputs (NOTE [random sources of a select's condition]): drawn
     again while a select's condition takes one value only, which would leave its rewrite unchecked."""
     for draw in range(DRAWS):
@@ -136,12 +138,14 @@ def _run_until_the_selects_act(module, loop_alone, externals: list[Node], loop, 
                    "rewrite of that select could not be checked")
 
 
-def _raise_the_loops_own(error: Exception, loop_alone, inputs: list) -> None:
-    """Decline when the user's loop raises on the random inputs by itself: ids drawn for a comparison that
-    index a table (`flags[ids[:, t]]`) may fall outside it. An error of the GLA form's is left to raise."""
+def _raise_the_loops_own(error: Exception, loop_alone: Callable, inputs: list) -> None:
+    """Decline when the user's loop (`loop_alone()` builds it) raises on the random inputs by itself: ids drawn
+    for a comparison that index a table (`flags[ids[:, t]]`) may fall outside it. An error of the GLA form's
+    is left to raise."""
+    module = loop_alone()
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # torch.fx's print of the failing line: not the user's
-            loop_alone(*inputs)
+            module(*inputs)
     except (IndexError, RuntimeError):
         message = (str(error).splitlines() or [""])[0][:200]
         raise Declined(f"its first steps raised on random ids ({type(error).__name__}: {message}), so its rewrite "

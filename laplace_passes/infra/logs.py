@@ -30,6 +30,7 @@ from typing import Iterator
 
 import torch.fx
 from torch._logging import trace_structured
+from torch._logging._internal import LazyTraceHandler, trace_log
 
 from laplace_passes.infra.report import PassRecord
 
@@ -120,13 +121,11 @@ def writing_a_trace() -> bool:
     own test suite, profiled). A test that wants the trace (through caplog too) sets TORCH_TRACE (or
     TORCH_COMPILE_DEBUG=1, which gives torch's handler a folder) or adds a handler of its own.
     """
-    from torch._logging._internal import LazyTraceHandler, trace_log
-
-    return any(_writes_a_trace(handler, LazyTraceHandler) for handler in trace_log.handlers)
+    return any(_writes_a_trace(handler) for handler in trace_log.handlers)
 
 
-def _writes_a_trace(handler: logging.Handler, lazy_trace_handler: type) -> bool:
-    if isinstance(handler, lazy_trace_handler):
+def _writes_a_trace(handler: logging.Handler) -> bool:
+    if isinstance(handler, LazyTraceHandler):
         return handler.root_dir is not None or handler.stream is not None or _trace_folder_found_later()
     return type(handler).__module__ != "_pytest.logging"  # pytest's capture, on every logger (see above)
 
