@@ -5,6 +5,7 @@
     python -m benchmarks.bench_decode --gate-checks             # and the step that checks its gates, side by side
     python -m benchmarks.bench_decode --sequences 1 4 --steps 1 --repeats 1   # seconds: a smoke run
     python -m benchmarks.bench_decode --small-batch-first       # a step of 2 sequences first: the same figures
+    python -m benchmarks.bench_decode --ahead-of-time           # and generate's steps compiled by AOTInductor
 
 Decode of the `tiny` model at 1, 64 and 1280 concurrent sequences (one batch;
 each step feeds one token per sequence and carries the fp32 state), three ways,
@@ -13,7 +14,8 @@ the first two timed over `--steps` greedy steps as `model.generate` runs them:
 - eager:    ``decode="eager"``, the model's forward per step (the reference op per layer);
 - compiled: ``decode="compiled"`` (the default on CPU), one call per step of a
   `model_zoo.decode.DecodeStep`'s loop (``step.loop(buffers)``, as generate runs it:
-  the greedy choice in the graph, Dynamo's guards evaluated at the first step only),
+  the greedy choice in the graph, Dynamo's guards evaluated at the loop's first call only,
+  which is made before the clock starts),
   every layer in one graph through ``backend="laplace"``, the states
   in a buffer per layer updated in place. tiny's gates are logsigmoid(x) / 16, <= 0 by
   construction, so the step has no run-time gate check (NOTE [gates proven <= 0]);
@@ -22,6 +24,12 @@ the first two timed over `--steps` greedy steps as `model.generate` runs them:
   (``--generate-steps``, default 64): the prefill, the first step and the
   set-up cancel, so this is a step as a user's generate call runs it, with
   everything generate does around the step object;
+- ahead_of_time and generate_ahead_of_time (with ``--ahead-of-time``): the step
+  compiled by AOTInductor (`model_zoo.decode_ahead`; no Dynamo or Python between its
+  kernels), its loop's steps measured as compiled's and ``model.generate(...,
+  decode="ahead-of-time")``'s as generate's; its compile (15 to 40 s per batch class,
+  kept on disk) is not timed, and each is printed over its JIT-compiled counterpart
+  per repeat;
 - checked (with ``--gate-checks``): the same compiled step with ``gate_checks="always"``,
   which checks every layer's gates at run time; the speed-up of leaving the check out
   is printed per repeat.
@@ -87,6 +95,8 @@ CONTEXTS = (2048, 8192, 32768)
 FORMS = ("eager", "compiled", "generate")
 PROFILED_FORMS = ("eager", "compiled")  # a step of each, profiled alone (generate's would include its prefill)
 GENERATE = "generate"  # model.generate's steps: generate(N + 2) less generate(2), over N
+GENERATE_AHEAD = "generate_ahead_of_time"  # the same with decode="ahead-of-time" (--ahead-of-time)
+AHEAD = "ahead_of_time"  # the loop of the step compiled ahead of time (--ahead-of-time)
 MATMULS = "matmuls_alone"  # the step's matrix products alone, at their shapes
 MATMULS_AND_STATES = "matmuls_and_states"  # those and each layer's state update, nothing else
 CHECKED = "checked"  # the compiled step with gate_checks="always" (--gate-checks)
@@ -176,11 +186,13 @@ _compiled_update = torch.compile(_update_state, backend="inductor", dynamic=None
 class Decoder:
     """One batch size: a prompt prefilled once, then `steps` greedy steps timed in each form."""
 
-    def __init__(self, model, batch: int, prompt_len: int = 16, checked_step=None) -> None:
+    def __init__(self, model, batch: int, prompt_len: int = 16, checked_step=None, ahead_of_time=False) -> None:
         self.model = model
         self.steps = {"eager": None, "compiled": model.decode_step}
         if checked_step is not None:
             self.steps[CHECKED] = checked_step
+        if ahead_of_time:
+            self.steps[AHEAD] = model.ahead_of_time_step
         self.prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len),
                                     generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
@@ -188,14 +200,16 @@ class Decoder:
         self.first_token = logits[:, -1].argmax(-1)
         self.matmuls = step_matmuls(model, batch)
         self.state_updates = StateUpdates(model, batch)
-        for form in (*self.steps, GENERATE, MATMULS, MATMULS_AND_STATES):  # compile and warm up
+        self.forms = (*self.steps, GENERATE, *((GENERATE_AHEAD,) if ahead_of_time else ()), MATMULS,
+                      MATMULS_AND_STATES)
+        for form in self.forms:  # compile and warm up
             self.seconds(form, 2)
 
     def seconds(self, form: str, steps: int) -> float:
         """Wall time of `steps` greedy decode steps in `form` (MATMULS: the step's matmuls alone;
         MATMULS_AND_STATES: and the layers' state updates)."""
-        if form == GENERATE:
-            return self.generate_seconds(steps)
+        if form in (GENERATE, GENERATE_AHEAD):
+            return self.generate_seconds(steps, "ahead-of-time" if form == GENERATE_AHEAD else "compiled")
         if form == MATMULS:
             return matmuls_seconds(self.matmuls, steps)
         if form == MATMULS_AND_STATES:
@@ -204,11 +218,13 @@ class Decoder:
 
     @torch.no_grad()
     def loop_seconds(self, form: str, steps: int) -> float:
-        """Wall time of `steps` greedy decode steps, as generate() runs them."""
+        """Wall time of `steps` greedy decode steps, as generate() runs them; a loop's first call (where Dynamo's
+        guards are evaluated, once per loop) is made before the clock starts."""
         token, states = self.first_token, self.states
         step = self.steps[form]
         if step is not None:  # generate() makes the buffers and the loop once per call, before the steps
             decode_loop = step.loop(step.state_buffer(states))
+            _, token = decode_loop(token)
         start = time.perf_counter()
         for _ in range(steps):
             if step is not None:
@@ -218,15 +234,15 @@ class Decoder:
                 token = logits[:, -1].argmax(-1)
         return time.perf_counter() - start
 
-    def generate_seconds(self, steps: int) -> float:
-        """`model.generate`'s time for `steps` decode steps: generate(steps + 2) less generate(2).
+    def generate_seconds(self, steps: int, decode: str = "compiled") -> float:
+        """`model.generate`'s time for `steps` decode steps (``decode=``): generate(steps + 2) less generate(2).
 
         Both prefill the same prompt and take one step after it; the difference
         is `steps` further steps with everything generate does around each.
         """
         def timed(new_tokens: int) -> float:
             start = time.perf_counter()
-            self.model.generate(self.prompt, new_tokens, decode="compiled")
+            self.model.generate(self.prompt, new_tokens, decode=decode)
             return time.perf_counter() - start
 
         return timed(steps + 2) - timed(2)
@@ -285,10 +301,11 @@ def step_costs(model) -> tuple[int, int, int]:
 
 
 def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_checks: bool = False,
-            generate_steps: int = 64) -> dict:
+            generate_steps: int = 64, ahead_of_time: bool = False) -> dict:
     checked_step = DecodeStep(model, gate_checks="always") if gate_checks else None
-    decoders = {b: Decoder(model, b, checked_step=checked_step) for b in concurrency}
-    forms = (*FORMS, MATMULS, MATMULS_AND_STATES, *((CHECKED,) if gate_checks else ()))
+    decoders = {b: Decoder(model, b, checked_step=checked_step, ahead_of_time=ahead_of_time) for b in concurrency}
+    forms = (*FORMS, *((AHEAD, GENERATE_AHEAD) if ahead_of_time else ()), MATMULS, MATMULS_AND_STATES,
+             *((CHECKED,) if gate_checks else ()))
     weight_bytes, state_bytes, flops = step_costs(model)
     samples = {b: {k: [] for k in (*forms, "memory_roofline", "matmul_roofline", "state_traffic")}
                for b in concurrency}
@@ -298,7 +315,7 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
         rates.append(matmul_flops_per_s())
         for batch, decoder in decoders.items():
             for form in forms:
-                n = generate_steps if form == GENERATE else steps
+                n = generate_steps if form in (GENERATE, GENERATE_AHEAD) else steps
                 samples[batch][form].append(batch * n / decoder.seconds(form, n))
             step_bytes = weight_bytes + 2 * batch * state_bytes
             samples[batch]["memory_roofline"].append(batch * bandwidths[-1] / step_bytes)
@@ -316,7 +333,7 @@ def measure(model, steps: int, repeats: int, concurrency=CONCURRENCY, gate_check
 def _summary(samples: dict) -> dict:
     out = {k: stats(v) for k, v in samples.items()}
     binding = [min(m, f) for m, f in zip(samples["memory_roofline"], samples["matmul_roofline"])]
-    for form in FORMS:  # shares per repeat: the roofline measured beside the decode
+    for form in _timed_forms(samples):  # shares per repeat: the roofline measured beside the decode
         for roof in ("memory_roofline", "matmul_roofline"):
             out[f"{form}_share_of_{roof}"] = stats([a / r for a, r in zip(samples[form], samples[roof])])
         out[f"{form}_share_of_binding_roofline"] = stats([a / r for a, r in zip(samples[form], binding)])
@@ -326,9 +343,16 @@ def _summary(samples: dict) -> dict:
         out[f"{form}_share_of_binding_roofline"] = stats([m / r for m, r in zip(samples[form], binding)])
     out["sequential_share_of_binding_roofline"] = stats([q / r for q, r in zip(sequential, binding)])
     out["compiled_over_eager"] = stats([c / e for c, e in zip(samples["compiled"], samples["eager"])])
+    if GENERATE_AHEAD in samples:  # per repeat: the steps compiled ahead of time, against the JIT-compiled ones
+        out["ahead_of_time_over_compiled"] = stats([a / c for a, c in zip(samples[AHEAD], samples["compiled"])])
+        out["ahead_of_time_over_generate"] = stats([a / g for a, g in zip(samples[GENERATE_AHEAD], samples[GENERATE])])
     if CHECKED in samples:  # per repeat: leaving the gate check out, against keeping it
         out["compiled_over_checked"] = stats([c / g for c, g in zip(samples["compiled"], samples[CHECKED])])
     return out
+
+
+def _timed_forms(samples: dict) -> tuple[str, ...]:
+    return (*FORMS, *((AHEAD, GENERATE_AHEAD) if GENERATE_AHEAD in samples else ()))
 
 
 def state_table() -> list[dict]:
@@ -366,6 +390,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--gate-checks", action="store_true",
                         help="also time the compiled step with gate_checks='always', in the same repeats")
+    parser.add_argument("--ahead-of-time", action="store_true",
+                        help="also time generate's steps with decode='ahead-of-time' (AOTInductor), in the same "
+                             "repeats; compiles one library per batch class (15 to 40 s each, kept on disk)")
     parser.add_argument("--small-batch-first", action="store_true",
                         help="first take one step of 2 sequences, as a machine whose first decode was small: "
                              "the figures at 64 sequences and more should match a run without it (NOTE [batch "
@@ -382,7 +409,8 @@ def main(argv=None) -> dict:
         print(json.dumps(table, indent=2) if args.json else _profile_text(table))
         return table
     load_before = os.getloadavg()
-    results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks, args.generate_steps)
+    results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks, args.generate_steps,
+                      args.ahead_of_time)
     results.update(generate_steps=args.generate_steps, load_average_before=load_before, load_average_after=os.getloadavg(),
                    threads=torch.get_num_threads(), steps=args.steps, repeats=args.repeats, state=state_table())
     if args.json:
@@ -407,7 +435,7 @@ def _text(results: dict) -> str:
         binding = "memory" if memory < matmul else "matmul"  # the lower roofline is the one a step can reach
         lines.append(f"  {batch:5d} sequences: memory roofline {memory:12,.0f} tokens/s, "
                      f"matmul roofline {matmul:12,.0f} tokens/s ({binding} binds)")
-        for form in FORMS:
+        for form in _timed_forms(row):
             lines.append(f"        {form:<8} {spread(row[form], '11,.0f')} tokens/s = "
                          f"{spread(row[f'{form}_share_of_binding_roofline'], '.2%')} of the binding roofline "
                          f"(memory {spread(row[f'{form}_share_of_memory_roofline'], '.2%')}, "
@@ -420,6 +448,10 @@ def _text(results: dict) -> str:
                      f"tokens/s = {spread(row[f'{MATMULS_AND_STATES}_share_of_binding_roofline'], '.2%')} of the "
                      f"binding roofline (nothing else a step does)")
         lines.append(f"        compiled / eager {spread(row['compiled_over_eager'], '.2f')}x")
+        if "ahead_of_time_over_generate" in row:
+            lines.append(f"        ahead of time / compiled: the loop's steps "
+                         f"{spread(row['ahead_of_time_over_compiled'], '.2f')}x, generate's steps "
+                         f"{spread(row['ahead_of_time_over_generate'], '.2f')}x")
         if "compiled_over_checked" in row:
             lines.append(f"        {CHECKED:<8} {spread(row[CHECKED], '11,.0f')} tokens/s (gate_checks='always'); "
                          f"compiled / checked {spread(row['compiled_over_checked'], '.2f')}x")

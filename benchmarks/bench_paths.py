@@ -24,7 +24,11 @@ path, the figure measured, the goal, and whether it is met. Rows (`--rows`):
   same repeat; `benchmarks.bench_decode`'s); goal >= 60%. Beside it, the
   step's matmuls alone (`benchmarks.bench_decode`'s, one per `nn.Linear` at
   the step's shapes) over the same roofline, timed in each repeat: what a
-  step whose other kernels and call cost nothing would reach.
+  step whose other kernels and call cost nothing would reach. A second
+  row, measured in the same repeats (the two alternate): the same steps
+  through ``generate(..., decode="ahead-of-time")``, the step compiled by
+  AOTInductor (`model_zoo.decode_ahead`; its compile, 15 to 40 s, is not
+  timed); not in --quick.
 - gla: GLA forward + backward, B=1, T=2048, H=4, K=128, V=256, chunk 128,
   backend="laplace" with inner inductor, its FLOPs (the chunked algorithm's)
   per second over the dense matmul rate measured in the same rounds
@@ -79,7 +83,7 @@ ROWS = ("prefill", "decode", "gla", "compile")
 # Shapes per row: the goal table's, and --quick's.
 FULL = {
     "prefill": {"batch": 8, "length": 1024, "repeats": 5},
-    "decode": {"sequences": 1280, "steps": 64, "prompt": 16, "repeats": 7},
+    "decode": {"sequences": 1280, "steps": 64, "prompt": 16, "repeats": 7, "ahead_of_time": True},
     "gla": {"shape": {"B": 1, "T": 2048, "H": 4, "K": 128, "V": 256}, "chunk_size": 128, "repeats": 5},
     "compile": {"seq_len": 2048, "repeats": 3},
     "reference_repeats": 3,
@@ -87,7 +91,7 @@ FULL = {
 }
 QUICK = {
     "prefill": {"batch": 2, "length": 100, "repeats": 1},
-    "decode": {"sequences": 4, "steps": 8, "prompt": 8, "repeats": 1},
+    "decode": {"sequences": 4, "steps": 8, "prompt": 8, "repeats": 1, "ahead_of_time": False},
     "gla": {"shape": {"B": 1, "T": 128, "H": 1, "K": 16, "V": 32}, "chunk_size": 64, "repeats": 1},
     "compile": {"seq_len": 64, "repeats": 1},
     "reference_repeats": 1,
@@ -241,40 +245,54 @@ def measure_prefill(sizes: dict) -> list[Row]:
 def measure_decode(sizes: dict) -> list[Row]:
     s = sizes["decode"]
     model = tiny(sizes["inner"])
-    result = decode_steps_through_generate(model, s["sequences"], s["steps"], s["prompt"], s["repeats"])
-    share = result["share_of_binding_roofline"]
-    path = (f"decode: tiny {s['sequences']} sequences, generate's steps / {result['binding']} roofline")
+    modes = ("auto", "ahead-of-time") if s["ahead_of_time"] else ("auto",)
+    result = decode_steps_through_generate(model, s["sequences"], s["steps"], s["prompt"], s["repeats"], modes)
     ceiling = statistics.median(result["matmuls_alone_share"])
-    figure = (f"{_figure(stats(share), '.1%')} ({statistics.median(result['tokens_per_s']):,.0f} tok/s; "
-              f"its matmuls alone {ceiling:.0%})")
-    return [row(path, statistics.median(share), figure, ">=", 0.60, "%")]
+    rows = []
+    for mode in modes:
+        share = result[mode]["share_of_binding_roofline"]
+        how = "generate's steps" if mode == "auto" else "generate(decode='ahead-of-time')'s steps"
+        path = f"decode: tiny {s['sequences']} sequences, {how} / {result['binding']} roofline"
+        figure = (f"{_figure(stats(share), '.1%')} ({statistics.median(result[mode]['tokens_per_s']):,.0f} tok/s; "
+                  f"its matmuls alone {ceiling:.0%})")
+        if mode != "auto":  # side by side with the default, repeat by repeat
+            ratios = [a / d for a, d in zip(result[mode]["tokens_per_s"], result["auto"]["tokens_per_s"])]
+            figure += f"; {_figure(stats(ratios), '.2f', 'x')} the default's tokens/s"
+        rows.append(row(path, statistics.median(share), figure, ">=", 0.60, "%"))
+    return rows
 
 
-def decode_steps_through_generate(model, sequences: int, steps: int, prompt_len: int, repeats: int) -> dict:
-    """Tokens/s of generate's decode steps: (generate of steps + 2 tokens - generate of 2) / steps per step
-    (generate of n tokens runs n - 1 steps; the prefill cancels), beside both rooflines measured in each repeat."""
+def decode_steps_through_generate(model, sequences: int, steps: int, prompt_len: int, repeats: int,
+                                  modes: tuple[str, ...] = ("auto",)) -> dict:
+    """Tokens/s of generate's decode steps with each of `modes` (its ``decode=``): (generate of steps + 2 tokens -
+    generate of 2) / steps per step (generate of n tokens runs n - 1 steps; the prefill and a loop's first, guarded
+    step cancel), beside both rooflines measured in each repeat; the modes alternate within each repeat."""
     prompt = torch.randint(1, model.config.vocab_size, (sequences, prompt_len),
                            generator=torch.Generator().manual_seed(sequences))
-    short, long = (lambda: model.generate(prompt, 2)), (lambda: model.generate(prompt, steps + 2))
-    say("decode: first calls of generate (the decode step compiles) ...")
-    short(), long()
+    say("decode: first calls of generate (the decode steps compile) ...")
+    for mode in modes:
+        model.generate(prompt, 2, decode=mode), model.generate(prompt, steps + 2, decode=mode)
     matmuls = step_matmuls(model, sequences)
     weight_bytes, state_bytes, flops = step_costs(model)
-    out = {key: [] for key in ("tokens_per_s", "memory_roofline", "matmul_roofline", "share_of_binding_roofline",
-                               "matmuls_alone_share")}
+    out = {key: [] for key in ("memory_roofline", "matmul_roofline", "matmuls_alone_share")}
+    out.update({mode: {"tokens_per_s": [], "share_of_binding_roofline": []} for mode in modes})
     for repeat in range(repeats):
         bandwidth, rate = copy_bytes_per_s(), matmul_flops_per_s()
-        seconds_short, seconds_long = _seconds(short), _seconds(long)
-        tokens_per_s = sequences * steps / (seconds_long - seconds_short)
         memory = sequences * bandwidth / (weight_bytes + 2 * sequences * state_bytes)
         matmul = rate / flops
         binding = min(memory, matmul)
+        for mode in modes:
+            seconds_short = _seconds(lambda: model.generate(prompt, 2, decode=mode))
+            seconds_long = _seconds(lambda: model.generate(prompt, steps + 2, decode=mode))
+            tokens_per_s = sequences * steps / (seconds_long - seconds_short)
+            out[mode]["tokens_per_s"].append(tokens_per_s)
+            out[mode]["share_of_binding_roofline"].append(tokens_per_s / binding)
         matmuls_alone = sequences * steps / matmuls_seconds(matmuls, steps)
-        for key, value in (("tokens_per_s", tokens_per_s), ("memory_roofline", memory), ("matmul_roofline", matmul),
-                           ("share_of_binding_roofline", tokens_per_s / binding),
+        for key, value in (("memory_roofline", memory), ("matmul_roofline", matmul),
                            ("matmuls_alone_share", matmuls_alone / binding)):
             out[key].append(value)
-        say(f"  repeat {repeat + 1}/{repeats}: {tokens_per_s:,.0f} tokens/s")
+        say(f"  repeat {repeat + 1}/{repeats}: " + ", ".join(
+            f"{mode} {out[mode]['tokens_per_s'][-1]:,.0f} tokens/s" for mode in modes))
     out["binding"] = ("memory" if statistics.median(out["memory_roofline"]) < statistics.median(out["matmul_roofline"])
                       else "matmul")
     return out

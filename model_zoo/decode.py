@@ -72,7 +72,13 @@ of progress bars and laplace_passes' own background threads, which build
 kernels and read pipes (`laplace_passes.infra.threads`; the kernel-batch
 builder stays alive after a compile), do not count; with any other thread
 alive, every step evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
-(or a step built with it) never skips them.
+(or a step built with it) never skips them. The later calls pass views of
+the tokens and buffers, as the first call does: the guards that still run
+are those on the inputs' tensors, and they may read a view's base (Dynamo
+keeps what it learnt about sizes per source location, so a step compiled
+after another step's graph at another batch size can get guards on the
+bases' sizes); a tensor that is not a view has no base, and that guard
+would fail, which under the stance is an error, not a recompile.
 
 Batch sizes: three classes, a graph each, compiled at the first call that
 needs it: B = 1 (torch specialises sizes 0 and 1), 2 <= B < LARGE_BATCH
@@ -188,6 +194,13 @@ class DecodeStep:
         mark_batch_class(tokens.shape[0], (tokens, *states))
         return self._compiled(tokens, states)
 
+    def _unguarded(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """A later step of a loop whose first step was fully guarded (NOTE [guards once per loop])."""
+        if not _only_thread():  # another thread may enter compiled code (NOTE [guards once per loop])
+            return self.logits_and_greedy(tokens, states)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # views, as the guarded call passed them
+            return self._compiled(tokens.view(tokens.shape), [buffer[...] for buffer in states])
+
     def loop(self, states: Sequence[Tensor]) -> DecodeLoop:
         """One decode loop over the buffers `states` (`state_buffer`); see NOTE [guards once per loop]."""
         return DecodeLoop(self, states)
@@ -222,10 +235,7 @@ class DecodeLoop:
             shape, dtype = self.tokens_like
             raise ValueError(f"a decode loop's tokens keep the first step's shape and dtype, {tuple(shape)} "
                              f"{dtype}; got {tuple(tokens.shape)} {tokens.dtype}: start a new loop (step.loop)")
-        if not _only_thread():  # another thread may enter compiled code (NOTE [guards once per loop])
-            return self.step.logits_and_greedy(tokens, self.states)
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.step._compiled(_with_stride_one(tokens), self.states)
+        return self.step._unguarded(_with_stride_one(tokens), self.states)
 
 
 def _with_stride_one(tokens: Tensor) -> Tensor:

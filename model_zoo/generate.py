@@ -31,6 +31,13 @@ Decode (``decode=``):
   not at every step. The step is
   kept on the model (``model.decode_step``), so later calls reuse its
   graphs: one for a single sequence, one for every larger batch.
+- "ahead-of-time": the same step compiled by AOTInductor into a library
+  that each step calls without Dynamo or Python between its kernels
+  (`model_zoo.decode_ahead.AheadOfTimeStep`, kept on the model as
+  ``model.ahead_of_time_step``): faster steps for long decodes of many
+  sequences, for a first compile of 15 to 40 s per batch class (kept on
+  disk, so later processes load it) and a first step of each call run op
+  by op, where Dynamo's guards are evaluated. fp32 on the CPU.
 - "eager": the model's forward per step, the reference op per layer.
 - "auto" (default): "compiled" for an fp32 model on the CPU with a
   ``decode_step`` (`model_zoo.GLALM`), outside another compile; else "eager"
@@ -97,8 +104,10 @@ def generate(
     )
 
 
-DECODE_MODES = ("auto", "compiled", "eager")
-PREFILL_MODES = DECODE_MODES
+DECODE_MODES = ("auto", "compiled", "ahead-of-time", "eager")
+PREFILL_MODES = ("auto", "compiled", "eager")
+# Decode modes -> the model's property holding that step.
+_STEPS = {"compiled": "decode_step", "ahead-of-time": "ahead_of_time_step"}
 
 
 def _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits) -> None:
@@ -131,15 +140,16 @@ def _decode_step(model: torch.nn.Module, decode: str, device: torch.device, dtyp
     """The model's compiled `DecodeStep`, or None for the eager loop (see the module docstring)."""
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-    has_step = hasattr(type(model), "decode_step")
-    if decode == "compiled" and not has_step:
-        raise ValueError(f"decode='compiled' needs a model with a decode_step (model_zoo.GLALM); "
+    step_property = _STEPS.get(decode, "decode_step")
+    has_step = hasattr(type(model), step_property)
+    if decode in _STEPS and not has_step:
+        raise ValueError(f"decode={decode!r} needs a model with a {step_property} (model_zoo.GLALM); "
                          f"{type(model).__name__} has none: use decode='eager'")
     if decode == "eager" or not has_step:
         return None
     if decode == "auto" and not _auto_compiles(device, dtype):
         return None
-    return model.decode_step
+    return getattr(model, step_property)
 
 
 def _prefill(model: torch.nn.Module, prefill, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:

@@ -25,7 +25,7 @@ from model_zoo.inputs import check_hidden_states, check_token_ids, check_token_m
 
 FP32_BYTES = 4
 # Compiled callables kept on a model that hold the model itself: a copy must not call the original.
-_COMPILED_HELPERS = ("_decode_step", "_compiled_prefill")
+_COMPILED_HELPERS = ("_decode_step", "_ahead_of_time_step", "_compiled_prefill")
 
 
 @dataclass(frozen=True)
@@ -340,6 +340,19 @@ class GLALM(nn.Module):
 
             step = DecodeStep(self)
             self.__dict__["_decode_step"] = step
+        return step
+
+    @property
+    def ahead_of_time_step(self):
+        """This model's decode step compiled ahead of time (`model_zoo.decode_ahead.AheadOfTimeStep`), made at
+        first use and kept."""
+        step = self.__dict__.get("_ahead_of_time_step")
+        if step is None:
+            self._require_no_shift_keys("ahead_of_time_step")
+            from model_zoo.decode_ahead import AheadOfTimeStep  # imports laplace_passes' compile stack
+
+            step = AheadOfTimeStep(self)
+            self.__dict__["_ahead_of_time_step"] = step
         return step
 
     @property

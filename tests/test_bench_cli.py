@@ -349,6 +349,40 @@ def test_bench_paths_judges_the_gla_row_by_the_share_it_prints(monkeypatch):
     assert gla_row.value == 0.47 and not gla_row.met, gla_row
 
 
+def test_bench_paths_prints_the_ahead_of_time_decode_beside_the_default_repeat_by_repeat(monkeypatch):
+    """Two decode rows where the full table asks for the ahead-of-time step: each mode's median share of the
+    roofline, and the ahead-of-time one's ratio to the default taken per repeat, not of the two medians."""
+    from benchmarks import bench_paths
+
+    def measured(model, sequences, steps, prompt_len, repeats, modes):
+        assert modes == ("auto", "ahead-of-time")
+        return {"auto": {"tokens_per_s": [100.0, 300.0, 200.0], "share_of_binding_roofline": [0.5, 0.6, 0.55]},
+                "ahead-of-time": {"tokens_per_s": [150.0, 240.0, 260.0], "share_of_binding_roofline": [0.7, 0.5, 0.65]},
+                "matmuls_alone_share": [0.9], "binding": "matmul"}
+
+    monkeypatch.setattr(bench_paths, "decode_steps_through_generate", measured)
+    monkeypatch.setattr(bench_paths, "tiny", lambda inner: None)
+    sizes = {**bench_paths.QUICK, "decode": {**bench_paths.QUICK["decode"], "ahead_of_time": True}}
+    default, ahead = bench_paths.measure_decode(sizes)
+    assert "generate's steps" in default.path and default.value == 0.55 and not default.met
+    assert "decode='ahead-of-time'" in ahead.path and ahead.value == 0.65 and ahead.met
+    assert ahead.figure.endswith("; 1.30x [0.80x-1.50x] the default's tokens/s"), ahead.figure
+
+
+def test_bench_decode_ratio_of_the_ahead_of_time_step_is_per_repeat():
+    from benchmarks.bench_decode import AHEAD, GENERATE, GENERATE_AHEAD, _summary
+
+    samples = {form: [1.0, 2.0, 4.0] for form in ("eager", "compiled", "matmuls_alone", "matmuls_and_states",
+                                                   "memory_roofline", "matmul_roofline", "state_traffic")}
+    samples.update({GENERATE: [2.0, 4.0, 1.0], GENERATE_AHEAD: [3.0, 4.0, 2.0], AHEAD: [3.0, 8.0, 4.0]})
+    row = _summary(samples)
+    assert row["ahead_of_time_over_generate"]["median"] == pytest.approx(1.5)  # of 1.5, 1.0 and 2.0
+    assert row["ahead_of_time_over_compiled"]["median"] == pytest.approx(3.0)  # of 3, 4 and 1
+    assert row[f"{GENERATE_AHEAD}_share_of_binding_roofline"]["median"] == pytest.approx(2.0)  # of 3, 2 and 0.5
+    without = _summary({k: v for k, v in samples.items() if k not in (AHEAD, GENERATE_AHEAD)})
+    assert "ahead_of_time_over_generate" not in without and "ahead_of_time_over_compiled" not in without
+
+
 def test_bench_paths_says_in_the_table_why_the_freed_memory_row_is_not_measured(monkeypatch):
     """Where keep_freed_memory is refused (a C library other than glibc), the row is in the table, saying so."""
     import laplace_passes

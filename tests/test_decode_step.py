@@ -131,6 +131,22 @@ def test_a_loop_gives_the_guarded_steps_tokens_logits_and_states_and_skips_guard
     assert stances == [{"skip_guard_eval_unsafe": True}] * 3  # the first call evaluated every guard
 
 
+def test_a_loop_after_another_steps_graph_at_another_batch_size_skips_guards_without_error(model, monkeypatch):
+    """NOTE [guards once per loop]: a step compiled after another step's graph at 64 sequences got guards on its
+    inputs' bases' sizes; the loop's later calls pass views, so those guards still find a base."""
+    monkeypatch.setattr(model_zoo.decode, "_only_thread", lambda: True)
+    earlier = DecodeStep(model, inner="eager")  # the eager inner: the compile that left those guards behind
+    with torch.no_grad():
+        for step, batch in ((earlier, LARGE_BATCH), (DecodeStep(model), 3)):
+            ids = prompt(batch, 3, seed=batch)
+            logits, states = model(ids, output_final_states=True)
+            decode_loop, token = step.loop(step.state_buffer(states)), logits[:, -1].argmax(-1)
+            for _ in range(3):
+                _, token = decode_loop(token)
+            expected = model.generate(ids, 4, decode="eager").tokens[:, -1]
+            assert torch.equal(token, expected)
+
+
 def test_each_loop_starts_with_every_guard():
     """A loop's first call compiles when no graph fits (one sequence after a batch); a change of tokens inside a
     loop is refused, not run on a graph made for other inputs."""

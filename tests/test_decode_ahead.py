@@ -1,0 +1,212 @@
+"""The decode step compiled ahead of time (AOTInductor): the JIT step's tokens, logits and states; each loop's
+first call guarded and the rest in the library; weights looked up again per loop; libraries kept on disk; and a
+failed export or compile declined with the reason, its steps run through the JIT step."""
+
+import os
+
+import pytest
+import torch
+
+import model_zoo
+from model_zoo import decode_ahead
+from model_zoo.decode import DecodeStep
+from model_zoo.decode_ahead import AheadOfTimeStep, _library_key, _resolve, _role
+
+TIGHT = {"rtol": 1e-5, "atol": 1e-5}
+BATCH = 64  # the large batch class: the library's batch is dynamic from 64 sequences up
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return model_zoo.build("tiny").eval()
+
+
+@pytest.fixture(scope="module")
+def library_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("aot_libraries"))
+
+
+@pytest.fixture(scope="module")
+def step(model, library_dir):
+    """The model's own ahead-of-time step (what generate uses), its libraries in a folder of this module."""
+    step = model.ahead_of_time_step
+    step.cache_dir = library_dir
+    return step
+
+
+def prompt(batch, length, seed=0):
+    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def decode(step, model, ids, steps, fed=None):
+    """Greedy tokens, logits and final buffers of `steps` steps of one loop after prefilling `ids` (the tokens
+    fed to the steps appended to `fed`)."""
+    logits, states = model(ids, output_final_states=True)
+    buffers = step.state_buffer(states)
+    loop, token = step.loop(buffers), logits[:, -1].argmax(-1)
+    tokens, all_logits = [], []
+    for _ in range(steps):
+        if fed is not None:
+            fed.append(token)
+        step_logits, token = loop(token)
+        tokens.append(token)
+        all_logits.append(step_logits)
+    return torch.stack(tokens, 1), torch.stack(all_logits, 1), buffers
+
+
+def test_steps_equal_the_jit_steps_and_the_eager_reference(model, step):
+    ids, fed = prompt(BATCH, 6), []
+    tokens, logits, buffers = decode(step, model, ids, 10, fed)
+    assert step.libraries_built() == 1 and not step.report.notes
+    jit_tokens, jit_logits, jit_buffers = decode(DecodeStep(model), model, ids, 10)
+    assert torch.equal(tokens, jit_tokens)
+    torch.testing.assert_close(logits, jit_logits, **TIGHT)
+    for state, jit_state in zip(buffers, jit_buffers, strict=True):
+        torch.testing.assert_close(state, jit_state, **TIGHT)
+    with torch.no_grad():  # the reference: the whole sequence through the model eagerly
+        full_logits, _ = model(torch.cat([ids, torch.stack(fed, 1)], 1), output_final_states=True)
+    torch.testing.assert_close(logits, full_logits[:, ids.shape[1]:], **TIGHT)
+
+
+def test_a_loops_first_call_is_guarded_and_its_later_calls_run_the_library(model, step, monkeypatch):
+    guarded, library_calls = [], []
+    compiled, run = step._compiled, decode_ahead._Library.run
+    monkeypatch.setattr(step, "_compiled", lambda *a: guarded.append(1) or compiled(*a))
+    monkeypatch.setattr(decode_ahead._Library, "run", lambda self, *a: library_calls.append(1) or run(self, *a))
+    for _ in range(2):
+        decode(step, model, prompt(BATCH + 5, 3, seed=1), 4)
+    assert (len(guarded), len(library_calls)) == (2, 6)  # per loop: one guarded call, three in the library
+    assert step.libraries_built() == 1  # 69 sequences: the same batch class, the same library
+
+
+def test_weights_changed_or_replaced_between_loops_are_the_ones_used(model, step):
+    ids = prompt(BATCH, 4, seed=2)
+    _, before, _ = decode(step, model, ids, 6)
+    head = model.layers[0].mlp.down_proj
+    original = head.weight
+    try:
+        with torch.no_grad():
+            model.embeddings.weight.mul_(1.5)  # trained in place
+        head.weight = torch.nn.Parameter(original.detach().flip(0) * 3)  # replaced by a new tensor
+        tokens, logits, _ = decode(step, model, ids, 6)
+        jit_tokens, jit_logits, _ = decode(DecodeStep(model), model, ids, 6)
+    finally:
+        with torch.no_grad():
+            model.embeddings.weight.div_(1.5)
+        head.weight = original
+    assert (logits - before).abs().max() > 0.1  # the new weights give other logits
+    assert torch.equal(tokens, jit_tokens)
+    torch.testing.assert_close(logits, jit_logits, **TIGHT)
+
+
+def test_a_weight_that_no_longer_fits_the_library_rebuilds_it(model, step, monkeypatch):
+    decode(step, model, prompt(BATCH, 2), 1)
+    (library,) = [lib for key, lib in step._libraries.items() if key[0][0] == BATCH]
+    assert library.refresh(step)
+    original = model.norm.weight
+    try:
+        model.norm.weight = torch.nn.Parameter(original.detach().double())
+        assert not library.refresh(step)  # its dtype is not the library's
+    finally:
+        model.norm.weight = original
+    built = []
+    monkeypatch.setattr(decode_ahead._Library, "refresh", lambda self, step: False)
+    monkeypatch.setattr(decode_ahead._Library, "build", classmethod(lambda cls, *a: built.append(a) or library))
+    decode(step, model, prompt(BATCH, 2), 1)
+    assert len(built) == 1  # a loop whose weights no longer fit rebuilds before its later calls
+
+
+def test_a_library_on_disk_is_loaded_not_compiled(model, step, library_dir, monkeypatch):
+    decode(step, model, prompt(BATCH, 3), 2)  # the library is on disk (built by an earlier test or now)
+    libraries = sorted(os.listdir(library_dir))
+    monkeypatch.setattr(decode_ahead, "_compile_package", lambda *a: pytest.fail("compiled again"))
+    fresh = AheadOfTimeStep(model, cache_dir=library_dir)
+    tokens, logits, _ = decode(fresh, model, prompt(BATCH, 3, seed=4), 5)
+    expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, prompt(BATCH, 3, seed=4), 5)
+    assert fresh.libraries_built() == 1 and sorted(os.listdir(library_dir)) == libraries
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, **TIGHT)
+
+
+def test_generate_ahead_of_time_gives_the_compiled_decodes_tokens(model, step):
+    ids = prompt(BATCH, 5, seed=3)
+    ahead = model.generate(ids, 7, decode="ahead-of-time", return_logits=True)
+    assert model.ahead_of_time_step is step
+    compiled = model.generate(ids, 7, decode="compiled", return_logits=True)
+    assert torch.equal(ahead.tokens, compiled.tokens)
+    torch.testing.assert_close(ahead.logits, compiled.logits, **TIGHT)
+
+
+def test_one_sequence_has_a_library_of_its_own(model, step):
+    ids = prompt(1, 4, seed=5)
+    tokens, logits, buffers = decode(step, model, ids, 5)
+    expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 5)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, **TIGHT)
+    assert isinstance(step._libraries[_library_key(1, buffers)], decode_ahead._Library)
+
+
+def test_a_failed_compile_is_declined_with_its_reason_and_the_jit_step_decodes(model, tmp_path, monkeypatch):
+    def no_compile(*args):
+        raise RuntimeError("AOTInductor is not available here")
+
+    monkeypatch.setattr(decode_ahead, "_compile_package", no_compile)
+    monkeypatch.delenv("LAPLACE_PASSES_STRICT")
+    declined = AheadOfTimeStep(model, cache_dir=str(tmp_path))
+    ids = prompt(3, 4, seed=6)
+    tokens, logits, _ = decode(declined, model, ids, 4)
+    expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 4)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, **TIGHT)
+    (note,) = declined.report.notes
+    assert note.startswith("decode step for 3 sequences not compiled ahead of time (RuntimeError: AOTInductor is "
+                           "not available here); its batch class runs through a DecodeStep")
+    monkeypatch.setenv("LAPLACE_PASSES_STRICT", "1")
+    with pytest.raises(RuntimeError, match="AOTInductor is not available here"):
+        decode(AheadOfTimeStep(model, cache_dir=str(tmp_path)), model, ids, 2)
+
+
+def test_a_step_dynamo_broke_into_pieces_is_declined_and_decodes_through_the_jit_step(model, tmp_path, monkeypatch):
+    """Where Dynamo made more than one graph of a call (a graph break), no one graph is the step."""
+    graphs_of_this_call = AheadOfTimeStep._graphs_of_this_call
+    monkeypatch.setattr(AheadOfTimeStep, "_graphs_of_this_call", lambda self: graphs_of_this_call(self) * 2)
+    broken = AheadOfTimeStep(model, cache_dir=str(tmp_path))
+    ids = prompt(3, 4, seed=7)
+    tokens, logits, _ = decode(broken, model, ids, 3)
+    expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 3)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, **TIGHT)
+    assert broken.libraries_built() == 0 and not os.listdir(tmp_path)
+    (note,) = broken.report.notes
+    assert note.startswith("decode step for 3 sequences not compiled ahead of time (Dynamo split the step into 2 "
+                           "graphs)"), note
+
+
+def test_a_graph_without_every_buffer_is_not_the_step():
+    decode_ahead._Inputs([("tokens",), ("state", 0), ("state", 1), ("batch",)]).check_whole(2)
+    with pytest.raises(ValueError, match=r"does not take \[\('state', 1\)\]: it is not the whole step"):
+        decode_ahead._Inputs([("tokens",), ("state", 0), ("weight", ".model.w")]).check_whole(2)
+
+
+def test_inputs_are_read_from_the_steps_arguments_and_the_model_only(model, step):
+    assert _role("L['args'][0]", "t") == ("tokens",)
+    assert _role("L['args'][1][3]", "s") == ("state", 3)
+    assert _role("L['args'][1][0].size()[0]", "b") == ("batch",)
+    path = ".model._modules['layers']._modules['1']._modules['mlp_norm']._parameters['weight']"
+    assert _role("L['model_or_fn'].__self__" + path, "w") == ("weight", path)
+    assert _resolve(step, path) is not None and torch.equal(_resolve(step, path), model.layers[1].mlp_norm.weight)
+    with pytest.raises(ValueError, match=r"comes from G\['DECAY'\], neither the step's arguments nor the model"):
+        _role("G['DECAY']", "decay")
+    with pytest.raises(ValueError, match="has no module, parameter or buffer 'missing'"):
+        _resolve(step, ".model._modules['missing']._parameters['weight']")
+    with pytest.raises(ValueError, match="is not a tensor reached by attributes"):
+        _resolve(step, ".model._modules['layers'][0]")
+
+
+def test_libraries_are_per_batch_class_and_buffer_layout():
+    k_innermost = DecodeStep.state_buffer([torch.zeros(70, 2, 16, 32)])
+    assert _library_key(70, k_innermost) == _library_key(1000, DecodeStep.state_buffer([torch.zeros(1000, 2, 16, 32)]))
+    assert _library_key(70, k_innermost) != _library_key(70, [torch.zeros(70, 2, 16, 32)])
+    assert _library_key(70, k_innermost) != _library_key(3, DecodeStep.state_buffer([torch.zeros(3, 2, 16, 32)]))
