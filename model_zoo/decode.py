@@ -235,7 +235,11 @@ class DecodeLoop:
             shape, dtype = self.tokens_like
             raise ValueError(f"a decode loop's tokens keep the first step's shape and dtype, {tuple(shape)} "
                              f"{dtype}; got {tuple(tokens.shape)} {tokens.dtype}: start a new loop (step.loop)")
-        return self.step._unguarded(_with_stride_one(tokens), self.states)
+        return self._later(_with_stride_one(tokens))
+
+    def _later(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """A call after the loop's first (NOTE [guards once per loop])."""
+        return self.step._unguarded(tokens, self.states)
 
 
 def _with_stride_one(tokens: Tensor) -> Tensor:

@@ -15,31 +15,36 @@ the model's weights (docs/benchmarks.md has the figures).
 
 Nothing guards that library, so the step keeps Dynamo for what guards are
 for, once per loop: a loop's first call is a fully guarded `DecodeStep`
-call whose graph runs op by op (the eager inner compiler). When Dynamo
-compiles a new graph there (the first call of a batch class, or a model
-changed in a way its guards see), that graph is exported with
+call whose graph runs op by op (the eager inner compiler, which also
+records which of the step's Dynamo graphs ran). The library is the one
+compiled from that graph: the first loop that runs a graph exports it with
 `torch.export` (the batch dimension dynamic within its class: NOTE [batch
-classes] in `model_zoo.decode`) and compiled by AOTInductor; later calls
-of the loop run the library. The weights are inputs of the library, not
-constants in it: each loop's first call looks them up again on the model
-by the path Dynamo read them from, so weights trained or loaded between
-loops are the ones used, and a weight whose shape, dtype, layout or device
-changed rebuilds the library. The state buffers' layout is part of the
-library's key too.
+classes] in `model_zoo.decode`) and compiles it with AOTInductor; later
+calls of the loop run that library. A model changed in a way Dynamo's
+guards see (a hook added, a dtype changed) runs another graph, so another
+library; changed back, it runs the first graph and its library again.
+The weights are inputs of the library, not constants in it: each loop's
+first call looks them up on the model by the path Dynamo read them from,
+so weights trained, loaded or replaced between loops are the ones used.
+
+A loop declines the library, and runs every later call through a
+`DecodeStep` with all its guards (slower, never wrong), where the library
+could not serve it: Dynamo split the step into several graphs or ran none
+(its recompile limit), a tensor is not on the CPU, a state buffer is not
+dense in its layout (the library is compiled for dense buffers), or the
+export or compile failed (data-dependent control flow, an op AOTInductor
+cannot compile). The step's report says why in its notes; with
+LAPLACE_PASSES_STRICT=1 a failed export or compile raises.
 
 Libraries are kept on disk, under Inductor's cache directory
 (``TORCHINDUCTOR_CACHE_DIR``), keyed by the graph's code, every input's
-dtype, shape and layout, the batch class, torch's version and the CPU's
-vector ISA: a new process (or a new model of the same architecture) loads
-one in well under a second instead of compiling it again (13 to 36 s for
-`tiny` on 2 cores). Inductor's own settings are not part of the key: a
-program that changes them should use a cache directory of its own.
-
-When the export or the compile fails (a graph with data-dependent control
-flow, an op AOTInductor cannot compile), the step says why in its report's
-notes and runs that batch class through a `DecodeStep` instead, every call
-guarded: slower, never wrong. With LAPLACE_PASSES_STRICT=1 the error is
-raised.
+dtype, shape, strides and device, the batch class, torch's version, the
+source of laplace_passes and model_zoo, and the CPU (its model and flags:
+Inductor compiles for the machine it runs on): a new process, or a new
+model of the same architecture, loads one in seconds instead of compiling
+it again (15 to 40 s for `tiny` on 2 cores). Inductor's own settings are
+not part of the key: a program that changes them should use a cache
+directory of its own.
 """
 
 from __future__ import annotations
@@ -47,20 +52,26 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pathlib
+import platform
 import re
 import tempfile
+import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+from functorch.compile import make_boxed_func
 from torch import Tensor
 
+from laplace_passes.infra.inner import EagerCompiler
 from laplace_passes.infra.logs import progress
+from laplace_passes.infra.report import GraphRecord
 from laplace_passes.infra.strict import strict_mode
-from model_zoo.decode import _LARGEST_BATCH, DecodeStep, batch_class
+from model_zoo.decode import _LARGEST_BATCH, DecodeLoop, DecodeStep, batch_class
 
 # Bumped when what a library takes or returns changes: older libraries on disk are then never loaded.
-PACKAGE_FORMAT = "laplace-decode-aot/1"
+PACKAGE_FORMAT = "laplace-decode-aot/2"
 CACHE_SUBDIR = "laplace_decode_aot"
 _STEP = "L['model_or_fn'].__self__"  # Dynamo's source for the DecodeStep whose `_step` it traced
 _TOKENS = "L['args'][0]"
@@ -71,52 +82,51 @@ _ATTRIBUTE = re.compile(r"\._(?:modules|parameters|buffers)\['([\w.]+)'\]|\.(\w+
 
 class AheadOfTimeStep(DecodeStep):
     """A decode step whose loops run an AOTInductor library after their first, guarded call (see the module
-    docstring). `target` and `options` are the laplace backend's, as for `DecodeStep`; `cache_dir` (default:
-    a folder under Inductor's cache directory) is where the libraries are kept."""
+    docstring). `target` and `options` are the laplace backend's, as for `DecodeStep`, but for `inner` (the
+    first call runs op by op) and `guards_once_per_loop` (a loop's later calls evaluate no guard at all);
+    `cache_dir` (default: a folder under Inductor's cache directory) is where the libraries are kept."""
 
     def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", cache_dir: str | None = None,
                  **options: Any) -> None:
-        super().__init__(model, target=target, inner="eager", **options)
+        for name in ("inner", "guards_once_per_loop"):
+            if name in options:
+                raise TypeError(f"AheadOfTimeStep takes no {name}= (see its docstring); DecodeStep does")
+        self._calls = threading.local()  # per thread: the graphs a guarded call ran, the library it chose
+        super().__init__(model, target=target, inner=_RecordingEager(self), **options)
         self.cache_dir = cache_dir
-        self._libraries: dict[tuple, _Library | None] = {}  # (batch class, buffer layout) -> library; None: declined
+        self._libraries: dict[tuple, _Library | None] = {}  # (graph, batch class, layout, tokens) -> library
         self._fallback: DecodeStep | None = None
         self._target, self._options = target, options
-        self._graphs_seen = 0
         self._built = 0
 
     @torch.no_grad()
     def logits_and_greedy(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """A fully checked and guarded step (its graph run op by op); then this batch's library is made, loaded
-        or refreshed for the calls that follow (see the module docstring)."""
+        """A fully checked and guarded step (its graph run op by op); then the library for the graph it ran is
+        made, loaded or looked up for the calls that follow (see the module docstring)."""
+        self._calls.ran = []
         out = super().logits_and_greedy(tokens, states)
-        key = _library_key(tokens.shape[0], states)
-        graphs = self._graphs_of_this_call()
-        library = self._libraries.get(key)
-        if len(graphs) > 1:  # a graph break: no one graph is the step
-            self._libraries[key] = self._declined(tokens, f"Dynamo split the step into {len(graphs)} graphs")
-        elif graphs:  # Dynamo compiled a graph for this call: its library replaces any earlier one
-            self._libraries[key] = self._build(graphs[0], tokens, states, key)
-        elif key not in self._libraries:  # cannot happen while Dynamo guards on the batch and the layout
-            self._libraries[key] = self._declined(tokens, "Dynamo ran a graph this step did not see compiled")
-        elif library is not None and not library.refresh(self):
-            self._libraries[key] = self._build(library.graph, tokens, states, key)
+        self._calls.library = self._library_for(self._calls.ran, tokens, states)
         return out
 
-    def _unguarded(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        library = self._libraries.get(_library_key(tokens.shape[0], states))
-        if library is None:  # declined (the reason is in the report's notes): every call guarded
-            return self._jit_step().logits_and_greedy(tokens, states)
-        return library.run(tokens, states)
+    def loop(self, states: Sequence[Tensor]) -> AheadOfTimeLoop:
+        return AheadOfTimeLoop(self, states)
 
-    def libraries_built(self) -> int:
-        """Libraries made or loaded so far (one per batch class and buffer layout, and one per rebuild)."""
+    def libraries_ready(self) -> int:
+        """Libraries compiled or loaded from disk so far (one per graph, batch class and layout)."""
         return self._built
 
-    def _graphs_of_this_call(self) -> list[torch.fx.GraphModule]:
-        """The Dynamo graphs (after the passes) that the call just made compiled: none, or the step's one graph,
-        or its pieces where Dynamo broke it."""
-        seen, self._graphs_seen = self._graphs_seen, self.graphs_compiled()
-        return [g.after for g in self.report.graphs if g.kind == "dynamo"][seen:]
+    def _library_for(self, ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor]) -> _Library | None:
+        why = _why_no_library(ran, tokens, states)
+        if why is not None:
+            return self._declined(tokens, why)
+        (record,) = ran
+        key = (record.name, _library_key(tokens.shape[0], states), tokens.dtype)
+        if key not in self._libraries:
+            self._libraries[key] = self._build(record.after, tokens, states, key[1])
+        library = self._libraries[key]
+        if library is not None and not library.refresh(self):  # Dynamo's guards on the weights make this rare
+            return self._declined(tokens, "a weight no longer fits the library compiled for this graph")
+        return library
 
     def _build(self, graph: torch.fx.GraphModule, tokens: Tensor, states: Sequence[Tensor],
                key: tuple) -> _Library | None:
@@ -130,13 +140,70 @@ class AheadOfTimeStep(DecodeStep):
         return library
 
     def _declined(self, tokens: Tensor, reason: str) -> None:
-        self.report.notes.append(f"decode step for {tokens.shape[0]} sequences not compiled ahead of time "
-                                 f"({reason}); its batch class runs through a DecodeStep, every call guarded")
+        note = (f"decode step for {tokens.shape[0]} sequences not compiled ahead of time ({reason}); its loop runs "
+                "through a DecodeStep, every call guarded")
+        if note not in self.report.notes:
+            self.report.notes.append(note)
 
     def _jit_step(self) -> DecodeStep:
         if self._fallback is None:
             self._fallback = DecodeStep(self.model, target=self._target, **self._options)
         return self._fallback
+
+
+class AheadOfTimeLoop(DecodeLoop):
+    """A loop of an `AheadOfTimeStep`: its first call guarded, the later ones in the library that call chose
+    (or, where it declined one, through a `DecodeStep` with every guard)."""
+
+    def __init__(self, step: AheadOfTimeStep, states: Sequence[Tensor]) -> None:
+        super().__init__(step, states)
+        self.library: _Library | None = None
+
+    def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        first = self.tokens_like is None
+        out = super().__call__(tokens)
+        if first:
+            self.library = self.step._calls.library
+        return out
+
+    def _later(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        if self.library is None:
+            return self.step._jit_step().logits_and_greedy(tokens, self.states)
+        return self.library.run(tokens, self.states)
+
+
+class _RecordingEager(EagerCompiler):
+    """The eager inner compiler, which also records in the step's ``_calls.ran`` the Dynamo graph each call
+    runs."""
+
+    def __init__(self, step: AheadOfTimeStep) -> None:
+        self.step = step
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+        # Called while the backend compiles the newest Dynamo graph, whose record is the report's last.
+        record = [g for g in self.step.report.graphs if g.kind == "dynamo"][-1]
+        calls = self.step._calls
+
+        def run(*args):
+            if hasattr(calls, "ran"):
+                calls.ran.append(record)
+            return gm.forward(*args)
+
+        return make_boxed_func(run)
+
+
+def _why_no_library(ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor]) -> str | None:
+    """Why no library can serve this loop (see the module docstring), or None."""
+    if len(ran) != 1:
+        return f"Dynamo split the step into {len(ran)} graphs" if ran else "Dynamo ran no graph of its own"
+    if tokens.shape[0] == 0:
+        return "no sequences"
+    devices = {t.device.type for t in (tokens, *states)}
+    if devices != {"cpu"}:
+        return f"libraries are built for the CPU here, and the step's tensors are on {sorted(devices)}"
+    if any(s.stride() != _like(s, s.shape[0]).stride() for s in states):
+        return "a state buffer is not dense in its layout (state_buffer makes dense ones)"
+    return None
 
 
 def _library_key(batch: int, states: Sequence[Tensor]) -> tuple:
@@ -216,14 +283,15 @@ def _member(module: Any, key: str) -> Any:
 
 
 def _spec(tensor: Tensor) -> tuple:
+    """What a library's code depends on in a tensor: dtype, shape, strides and device."""
     return tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.device
 
 
 class _Library:
     """One AOTInductor library of the step's graph and the weights it runs on."""
 
-    def __init__(self, runner: Any, graph: torch.fx.GraphModule, inputs: _Inputs, weights: list[Tensor]) -> None:
-        self.runner, self.graph, self.inputs, self.weights = runner, graph, inputs, weights
+    def __init__(self, runner: Any, inputs: _Inputs, weights: list[Tensor]) -> None:
+        self.runner, self.inputs, self.weights = runner, inputs, weights
         self.weight_specs = [_spec(w) for w in weights]
 
     def run(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -234,7 +302,7 @@ class _Library:
         """The model's weights looked up again (once per loop); False when one no longer fits the library."""
         try:
             weights = self.inputs.weights(step)
-        except ValueError:
+        except (ValueError, AttributeError):
             return False
         if [_spec(w) for w in weights] != self.weight_specs:
             return False
@@ -246,20 +314,33 @@ class _Library:
               key: tuple, cache_dir: str | None) -> _Library:
         inputs = _Inputs.of(graph)
         inputs.check_whole(len(states))
+        _check_outputs(graph)
         weights = inputs.weights(step)
         (low, high, hint), _ = key
-        examples = (torch.zeros(hint, dtype=tokens.dtype), [_like(s, hint) for s in states], weights)
+        examples = (torch.empty(hint, dtype=tokens.dtype), [_like(s, hint) for s in states], weights)
         path = _package_path(graph, examples, key, cache_dir)
-        if not os.path.exists(path):
-            _compile_package(graph, inputs, examples, (low, high), path)
-        return cls(torch._inductor.aoti_load_package(path), graph, inputs, weights)
+        if os.path.exists(path):
+            try:
+                return cls(torch._inductor.aoti_load_package(path), inputs, weights)
+            except Exception:  # a file another build of torch wrote, or a damaged one: compiled again below
+                os.remove(path)
+        _compile_package(graph, inputs, examples, (low, high), path)
+        return cls(torch._inductor.aoti_load_package(path), inputs, weights)
+
+
+def _check_outputs(graph: torch.fx.GraphModule) -> None:
+    """The graph returns the step's two results, the logits and the greedy tokens."""
+    (output,) = graph.graph.find_nodes(op="output")
+    results = output.args[0]
+    if not isinstance(results, (tuple, list)) or len(results) != 2:
+        raise ValueError(f"the step's graph returns {results!r}, not (logits, greedy tokens): it is not the step")
 
 
 def _like(buffer: Tensor, batch: int) -> Tensor:
-    """A zero buffer of `batch` sequences with `buffer`'s other sizes and its layout (dimension order)."""
+    """An empty dense buffer of `batch` sequences with `buffer`'s other sizes and its layout (dimension order)."""
     order = _dim_order(buffer)
     shape = (batch, *buffer.shape[1:])
-    dense = torch.zeros([shape[d] for d in order], dtype=buffer.dtype, device=buffer.device)
+    dense = torch.empty([shape[d] for d in order], dtype=buffer.dtype, device=buffer.device)
     return dense.permute([order.index(d) for d in range(buffer.dim())])
 
 
@@ -274,7 +355,8 @@ class _StepGraph(torch.nn.Module):
         return self.graph_module(*self.inputs.arguments(tokens, states, weights))
 
 
-def _compile_package(graph, inputs: _Inputs, examples: tuple, batches: tuple[int, int], path: str) -> None:
+def _compile_package(graph: torch.fx.GraphModule, inputs: _Inputs, examples: tuple, batches: tuple[int, int],
+                     path: str) -> None:
     tokens, states, weights = examples
     low, high = batches
     if low == high:  # a single sequence: torch specialises the size
@@ -288,7 +370,7 @@ def _compile_package(graph, inputs: _Inputs, examples: tuple, batches: tuple[int
         program = torch.export.export(_StepGraph(graph, inputs), examples, dynamic_shapes=dynamic, strict=False)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # Written whole or not at all: another process may be loading the same path.
-        handle, staged = tempfile.mkstemp(suffix=".pt2", dir=os.path.dirname(path))
+        handle, staged = tempfile.mkstemp(prefix=".partial-", suffix=".pt2", dir=os.path.dirname(path))
         os.close(handle)
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=staged)
@@ -300,13 +382,13 @@ def _compile_package(graph, inputs: _Inputs, examples: tuple, batches: tuple[int
 
 
 def _package_path(graph: torch.fx.GraphModule, examples: tuple, key: tuple, cache_dir: str | None) -> str:
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
 
     tokens, states, weights = examples
     digest = hashlib.sha256()
-    for part in (PACKAGE_FORMAT, torch.__version__, str(pick_vec_isa()), graph.code, repr(key),
-                 repr([_spec(t)[:3] for t in (tokens, *states, *weights)])):
+    codes = [m.code for m in graph.modules() if isinstance(m, torch.fx.GraphModule)]  # sub-graphs' too
+    for part in (PACKAGE_FORMAT, torch.__version__, _machine(), _source_digest(), *codes, repr(key),
+                 repr([_spec(t) for t in (tokens, *states, *weights)])):
         digest.update(part.encode())
         digest.update(b"\0")
     for node in graph.graph.find_nodes(op="get_attr"):  # constants the passes made: their values are in the library
@@ -316,3 +398,29 @@ def _package_path(graph: torch.fx.GraphModule, examples: tuple, key: tuple, cach
             digest.update(constant.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     folder = cache_dir or os.path.join(inductor_cache_dir(), CACHE_SUBDIR)
     return os.path.join(folder, digest.hexdigest()[:32] + ".pt2")
+
+
+@functools.cache
+def _machine() -> str:
+    """The CPU a library is compiled for (Inductor compiles for the machine it runs on): its model and flags."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    described = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join([platform.machine(), platform.processor(), str(pick_vec_isa()), *described])
+
+
+@functools.cache
+def _source_digest() -> str:
+    """The source of laplace_passes and model_zoo: the ops and passes a graph's code names can change under it."""
+    import laplace_passes
+
+    digest = hashlib.sha256()
+    for package in (pathlib.Path(laplace_passes.__file__).parent, pathlib.Path(__file__).parent):
+        for source in sorted(package.rglob("*.py")):
+            digest.update(str(source.relative_to(package.parent)).encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()

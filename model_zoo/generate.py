@@ -37,7 +37,8 @@ Decode (``decode=``):
   ``model.ahead_of_time_step``): faster steps for long decodes of many
   sequences, for a first compile of 15 to 40 s per batch class (kept on
   disk, so later processes load it) and a first step of each call run op
-  by op, where Dynamo's guards are evaluated. fp32 on the CPU.
+  by op, where Dynamo's guards are evaluated. On the CPU; a loop the
+  library cannot serve runs through the JIT step, its report saying why.
 - "eager": the model's forward per step, the reference op per layer.
 - "auto" (default): "compiled" for an fp32 model on the CPU with a
   ``decode_step`` (`model_zoo.GLALM`), outside another compile; else "eager"

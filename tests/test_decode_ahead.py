@@ -59,7 +59,7 @@ def decode(step, model, ids, steps, fed=None):
 def test_steps_equal_the_jit_steps_and_the_eager_reference(model, step):
     ids, fed = prompt(BATCH, 6), []
     tokens, logits, buffers = decode(step, model, ids, 10, fed)
-    assert step.libraries_built() == 1 and not step.report.notes
+    assert step.libraries_ready() == 1 and not step.report.notes
     jit_tokens, jit_logits, jit_buffers = decode(DecodeStep(model), model, ids, 10)
     assert torch.equal(tokens, jit_tokens)
     torch.testing.assert_close(logits, jit_logits, **TIGHT)
@@ -70,52 +70,70 @@ def test_steps_equal_the_jit_steps_and_the_eager_reference(model, step):
     torch.testing.assert_close(logits, full_logits[:, ids.shape[1]:], **TIGHT)
 
 
-def test_a_loops_first_call_is_guarded_and_its_later_calls_run_the_library(model, step, monkeypatch):
-    guarded, library_calls = [], []
-    compiled, run = step._compiled, decode_ahead._Library.run
+@pytest.fixture
+def library_calls(monkeypatch):
+    """The libraries each later step of a loop ran, in order."""
+    calls, run = [], decode_ahead._Library.run
+    monkeypatch.setattr(decode_ahead._Library, "run", lambda self, *a: calls.append(self) or run(self, *a))
+    return calls
+
+
+def test_a_loops_first_call_is_guarded_and_its_later_calls_run_the_library(model, step, monkeypatch, library_calls):
+    guarded, compiled = [], step._compiled
     monkeypatch.setattr(step, "_compiled", lambda *a: guarded.append(1) or compiled(*a))
-    monkeypatch.setattr(decode_ahead._Library, "run", lambda self, *a: library_calls.append(1) or run(self, *a))
     for _ in range(2):
         decode(step, model, prompt(BATCH + 5, 3, seed=1), 4)
     assert (len(guarded), len(library_calls)) == (2, 6)  # per loop: one guarded call, three in the library
-    assert step.libraries_built() == 1  # 69 sequences: the same batch class, the same library
+    assert step.libraries_ready() == 1  # 69 sequences: the same batch class, the same library
 
 
-def test_weights_changed_or_replaced_between_loops_are_the_ones_used(model, step):
+def test_weights_changed_or_replaced_between_loops_are_the_ones_used(model, step, library_calls):
     ids = prompt(BATCH, 4, seed=2)
     _, before, _ = decode(step, model, ids, 6)
-    head = model.layers[0].mlp.down_proj
-    original = head.weight
+    graphs, ready = step.graphs_compiled(), step.libraries_ready()
+    down_proj = model.layers[0].mlp.down_proj
+    original = down_proj.weight
     try:
         with torch.no_grad():
             model.embeddings.weight.mul_(1.5)  # trained in place
-        head.weight = torch.nn.Parameter(original.detach().flip(0) * 3)  # replaced by a new tensor
+        down_proj.weight = torch.nn.Parameter(original.detach().flip(0) * 3)  # replaced by a new tensor
+        library_calls.clear()
         tokens, logits, _ = decode(step, model, ids, 6)
         jit_tokens, jit_logits, _ = decode(DecodeStep(model), model, ids, 6)
     finally:
         with torch.no_grad():
             model.embeddings.weight.div_(1.5)
-        head.weight = original
+        down_proj.weight = original
+    assert len(library_calls) == 5  # the same graph and library, with the weights looked up again
+    assert (step.graphs_compiled(), step.libraries_ready()) == (graphs, ready)
     assert (logits - before).abs().max() > 0.1  # the new weights give other logits
     assert torch.equal(tokens, jit_tokens)
     torch.testing.assert_close(logits, jit_logits, **TIGHT)
 
 
-def test_a_weight_that_no_longer_fits_the_library_rebuilds_it(model, step, monkeypatch):
-    decode(step, model, prompt(BATCH, 2), 1)
-    (library,) = [lib for key, lib in step._libraries.items() if key[0][0] == BATCH]
-    assert library.refresh(step)
-    original = model.norm.weight
-    try:
-        model.norm.weight = torch.nn.Parameter(original.detach().double())
-        assert not library.refresh(step)  # its dtype is not the library's
-    finally:
-        model.norm.weight = original
-    built = []
-    monkeypatch.setattr(decode_ahead._Library, "refresh", lambda self, step: False)
-    monkeypatch.setattr(decode_ahead._Library, "build", classmethod(lambda cls, *a: built.append(a) or library))
-    decode(step, model, prompt(BATCH, 2), 1)
-    assert len(built) == 1  # a loop whose weights no longer fit rebuilds before its later calls
+@torch.no_grad()
+def decode_int32(step, model, ids, steps):
+    """As `decode`, each step fed its tokens as int32: Dynamo guards on the dtype, so another graph runs."""
+    logits, states = model(ids, output_final_states=True)
+    loop, token, out = step.loop(step.state_buffer(states)), logits[:, -1].argmax(-1), []
+    for _ in range(steps):
+        step_logits, token = loop(token.int())
+        out.append(step_logits)
+    return torch.stack(out, 1)
+
+
+def test_tokens_of_another_dtype_run_another_graphs_library_and_then_the_first_again(model, step, library_calls):
+    """Each loop runs the library of the graph its first call ran, not the library last compiled."""
+    ids = prompt(BATCH, 3, seed=8)
+    decode(step, model, ids, 2)
+    (first,) = library_calls
+    int32 = decode_int32(step, model, ids, 4)
+    torch.testing.assert_close(int32, decode_int32(DecodeStep(model), model, ids, 4), **TIGHT)
+    _, int64, _ = decode(step, model, ids, 4)
+    torch.testing.assert_close(int64, decode(DecodeStep(model), model, ids, 4)[1], **TIGHT)
+    other, again = library_calls[1:4], library_calls[4:]
+    assert all(lib is other[0] for lib in other) and other[0] is not first
+    assert again == [first] * 3
 
 
 def test_a_library_on_disk_is_loaded_not_compiled(model, step, library_dir, monkeypatch):
@@ -125,15 +143,15 @@ def test_a_library_on_disk_is_loaded_not_compiled(model, step, library_dir, monk
     fresh = AheadOfTimeStep(model, cache_dir=library_dir)
     tokens, logits, _ = decode(fresh, model, prompt(BATCH, 3, seed=4), 5)
     expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, prompt(BATCH, 3, seed=4), 5)
-    assert fresh.libraries_built() == 1 and sorted(os.listdir(library_dir)) == libraries
+    assert fresh.libraries_ready() == 1 and sorted(os.listdir(library_dir)) == libraries
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, **TIGHT)
 
 
-def test_generate_ahead_of_time_gives_the_compiled_decodes_tokens(model, step):
+def test_generate_ahead_of_time_gives_the_compiled_decodes_tokens(model, step, library_calls):
     ids = prompt(BATCH, 5, seed=3)
     ahead = model.generate(ids, 7, decode="ahead-of-time", return_logits=True)
-    assert model.ahead_of_time_step is step
+    assert model.ahead_of_time_step is step and len(library_calls) == 5  # 6 steps: the first guarded
     compiled = model.generate(ids, 7, decode="compiled", return_logits=True)
     assert torch.equal(ahead.tokens, compiled.tokens)
     torch.testing.assert_close(ahead.logits, compiled.logits, **TIGHT)
@@ -145,7 +163,8 @@ def test_one_sequence_has_a_library_of_its_own(model, step):
     expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 5)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, **TIGHT)
-    assert isinstance(step._libraries[_library_key(1, buffers)], decode_ahead._Library)
+    (library,) = [lib for (graph, key, dtype), lib in step._libraries.items() if key == _library_key(1, buffers)]
+    assert isinstance(library, decode_ahead._Library)
 
 
 def test_a_failed_compile_is_declined_with_its_reason_and_the_jit_step_decodes(model, tmp_path, monkeypatch):
@@ -162,26 +181,43 @@ def test_a_failed_compile_is_declined_with_its_reason_and_the_jit_step_decodes(m
     torch.testing.assert_close(logits, expected_logits, **TIGHT)
     (note,) = declined.report.notes
     assert note.startswith("decode step for 3 sequences not compiled ahead of time (RuntimeError: AOTInductor is "
-                           "not available here); its batch class runs through a DecodeStep")
+                           "not available here); its loop runs through a DecodeStep")
     monkeypatch.setenv("LAPLACE_PASSES_STRICT", "1")
     with pytest.raises(RuntimeError, match="AOTInductor is not available here"):
         decode(AheadOfTimeStep(model, cache_dir=str(tmp_path)), model, ids, 2)
 
 
-def test_a_step_dynamo_broke_into_pieces_is_declined_and_decodes_through_the_jit_step(model, tmp_path, monkeypatch):
-    """Where Dynamo made more than one graph of a call (a graph break), no one graph is the step."""
-    graphs_of_this_call = AheadOfTimeStep._graphs_of_this_call
-    monkeypatch.setattr(AheadOfTimeStep, "_graphs_of_this_call", lambda self: graphs_of_this_call(self) * 2)
-    broken = AheadOfTimeStep(model, cache_dir=str(tmp_path))
+def test_a_buffer_that_is_not_dense_is_declined_and_decodes_through_the_jit_step(model, tmp_path, library_calls):
     ids = prompt(3, 4, seed=7)
-    tokens, logits, _ = decode(broken, model, ids, 3)
+    with torch.no_grad():
+        logits, states = model(ids, output_final_states=True)
     expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 3)
-    assert torch.equal(tokens, expected_tokens)
-    torch.testing.assert_close(logits, expected_logits, **TIGHT)
-    assert broken.libraries_built() == 0 and not os.listdir(tmp_path)
-    (note,) = broken.report.notes
-    assert note.startswith("decode step for 3 sequences not compiled ahead of time (Dynamo split the step into 2 "
-                           "graphs)"), note
+    sparse = AheadOfTimeStep(model, cache_dir=str(tmp_path))
+    wide = [torch.zeros(3, 4, 16, 32).transpose(-1, -2).transpose(-1, -2) for _ in states]
+    buffers = [w[:, :2].copy_(s) for w, s in zip(wide, states)]  # two heads of four: not dense
+    loop, token, tokens, all_logits = sparse.loop(buffers), logits[:, -1].argmax(-1), [], []
+    with torch.no_grad():
+        for _ in range(3):
+            step_logits, token = loop(token)
+            tokens.append(token)
+            all_logits.append(step_logits)
+    assert torch.equal(torch.stack(tokens, 1), expected_tokens)
+    torch.testing.assert_close(torch.stack(all_logits, 1), expected_logits, **TIGHT)
+    assert sparse.libraries_ready() == 0 and not os.listdir(tmp_path) and not library_calls
+    (note,) = sparse.report.notes
+    assert note.startswith("decode step for 3 sequences not compiled ahead of time (a state buffer is not dense in "
+                           "its layout"), note
+
+
+def test_what_keeps_a_loop_from_a_library():
+    why = decode_ahead._why_no_library
+    tokens, buffers = torch.zeros(2, dtype=torch.long), [torch.zeros(2, 2, 16, 32)]
+    assert why(["graph"], tokens, buffers) is None
+    assert why([], tokens, buffers) == "Dynamo ran no graph of its own"
+    assert why(["a", "b"], tokens, buffers) == "Dynamo split the step into 2 graphs"
+    assert why(["graph"], tokens[:0], [b[:0] for b in buffers]) == "no sequences"
+    assert "on ['cpu', 'meta']" in why(["graph"], tokens, [torch.zeros(2, 2, 16, 32, device="meta")])
+    assert "not dense" in why(["graph"], tokens, [torch.zeros(2, 4, 16, 32)[:, 1:3]])
 
 
 def test_a_graph_without_every_buffer_is_not_the_step():
@@ -203,6 +239,9 @@ def test_inputs_are_read_from_the_steps_arguments_and_the_model_only(model, step
         _resolve(step, ".model._modules['missing']._parameters['weight']")
     with pytest.raises(ValueError, match="is not a tensor reached by attributes"):
         _resolve(step, ".model._modules['layers'][0]")
+    for option in ("inner", "guards_once_per_loop"):
+        with pytest.raises(TypeError, match=f"AheadOfTimeStep takes no {option}="):
+            AheadOfTimeStep(model, **{option: "eager"})
 
 
 def test_libraries_are_per_batch_class_and_buffer_layout():
