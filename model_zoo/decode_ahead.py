@@ -8,9 +8,11 @@ NOTE [steps compiled ahead of time]: a `DecodeStep` call goes through
 Dynamo (its cache lookup and the guards that choose between graphs), AOT
 Autograd's runtime wrapper and Inductor's Python wrapper, which launches
 each kernel from Python. At 1280 sequences of `tiny` those cost about a
-tenth of a step. This step runs the same graph, after the same passes,
-compiled by AOTInductor into a shared library whose C++ runner launches
-the kernels: a step is one call into C++ with the tokens, the buffers and
+tenth of a step. This step runs the same graph, after the same passes on
+Dynamo's graph (the passes on ATen graphs, unrolling and the graph-size
+budget, change nothing in a decode step for the cpu target and are not
+run), compiled by AOTInductor into a shared library whose C++ runner
+launches the kernels: a step is one call into C++ with the tokens, the buffers and
 the model's weights (docs/benchmarks.md has the figures).
 
 Nothing guards that library, so the step keeps Dynamo for what guards are
@@ -30,10 +32,11 @@ so weights trained, loaded or replaced between loops are the ones used.
 A loop declines the library, and runs every later call through a
 `DecodeStep` with all its guards (slower, never wrong), where the library
 could not serve it: Dynamo split the step into several graphs or ran none
-(its recompile limit), a tensor is not on the CPU, a state buffer is not
-dense in its layout (the library is compiled for dense buffers), or the
-export or compile failed (data-dependent control flow, an op AOTInductor
-cannot compile). The step's report says why in its notes; with
+(its recompile limit), the batch is empty, the tokens, a buffer or a
+weight is not on the CPU, a state buffer is not dense in its layout (the
+library is compiled for dense buffers), a weight no longer has the
+library's dtype, shape or strides, or the export or compile failed
+(data-dependent control flow, an op AOTInductor cannot compile). The step's report says why in its notes; with
 LAPLACE_PASSES_STRICT=1 a failed export or compile raises.
 
 Libraries are kept on disk, under Inductor's cache directory
@@ -65,7 +68,7 @@ from functorch.compile import make_boxed_func
 from torch import Tensor
 
 from laplace_passes.infra.inner import EagerCompiler
-from laplace_passes.infra.logs import progress
+from laplace_passes.infra.logs import progress, progress_log
 from laplace_passes.infra.report import GraphRecord
 from laplace_passes.infra.strict import strict_mode
 from model_zoo.decode import _LARGEST_BATCH, DecodeLoop, DecodeStep, batch_class
@@ -94,7 +97,9 @@ class AheadOfTimeStep(DecodeStep):
         self._calls = threading.local()  # per thread: the graphs a guarded call ran, the library it chose
         super().__init__(model, target=target, inner=_RecordingEager(self), **options)
         self.cache_dir = cache_dir
-        self._libraries: dict[tuple, _Library | None] = {}  # (graph, batch class, layout, tokens) -> library
+        # (id of the graph's record, batch class, layout, tokens' dtype) -> (the record, kept alive so that its id
+        # is not reused, and its library or None where declined)
+        self._libraries: dict[tuple, tuple[GraphRecord, _Library | None]] = {}
         self._fallback: DecodeStep | None = None
         self._target, self._options = target, options
         self._built = 0
@@ -104,9 +109,26 @@ class AheadOfTimeStep(DecodeStep):
         """A fully checked and guarded step (its graph run op by op); then the library for the graph it ran is
         made, loaded or looked up for the calls that follow (see the module docstring)."""
         self._calls.ran = []
-        out = super().logits_and_greedy(tokens, states)
-        self._calls.library = self._library_for(self._calls.ran, tokens, states)
+        try:
+            out = super().logits_and_greedy(tokens, states)
+            self._calls.chosen = self._library_for(self._calls.ran, tokens, states)
+        finally:
+            del self._calls.ran
         return out
+
+    def _unguarded(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        return self.logits_and_greedy(tokens, states)  # a loop of this step runs its library (AheadOfTimeLoop)
+
+    @property
+    def guards_once_per_loop(self) -> bool:
+        """Always True: a loop's later calls run a library, which evaluates no guard."""
+        return True
+
+    @guards_once_per_loop.setter
+    def guards_once_per_loop(self, value: bool) -> None:
+        if not value:
+            raise ValueError("an AheadOfTimeStep's loops evaluate guards at their first call only; a DecodeStep "
+                             "built with guards_once_per_loop=False evaluates them at every call")
 
     def loop(self, states: Sequence[Tensor]) -> AheadOfTimeLoop:
         return AheadOfTimeLoop(self, states)
@@ -115,18 +137,22 @@ class AheadOfTimeStep(DecodeStep):
         """Libraries compiled or loaded from disk so far (one per graph, batch class and layout)."""
         return self._built
 
-    def _library_for(self, ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor]) -> _Library | None:
+    def _library_for(self, ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor]) -> tuple | None:
+        """(library, the model's weights now) for a loop whose first call ran the graphs `ran`, or None."""
         why = _why_no_library(ran, tokens, states)
         if why is not None:
             return self._declined(tokens, why)
         (record,) = ran
-        key = (record.name, _library_key(tokens.shape[0], states), tokens.dtype)
+        key = (id(record), _library_key(tokens.shape[0], states), tokens.dtype)
         if key not in self._libraries:
-            self._libraries[key] = self._build(record.after, tokens, states, key[1])
-        library = self._libraries[key]
-        if library is not None and not library.refresh(self):  # Dynamo's guards on the weights make this rare
+            self._libraries[key] = (record, self._build(record.after, tokens, states, key[1]))
+        library = self._libraries[key][1]
+        if library is None:
+            return None
+        weights = library.current_weights(self)
+        if weights is None:  # Dynamo's guards on the weights make this rare
             return self._declined(tokens, "a weight no longer fits the library compiled for this graph")
-        return library
+        return library, weights
 
     def _build(self, graph: torch.fx.GraphModule, tokens: Tensor, states: Sequence[Tensor],
                key: tuple) -> _Library | None:
@@ -157,19 +183,20 @@ class AheadOfTimeLoop(DecodeLoop):
 
     def __init__(self, step: AheadOfTimeStep, states: Sequence[Tensor]) -> None:
         super().__init__(step, states)
-        self.library: _Library | None = None
+        self.chosen: tuple | None = None  # (library, weights) the first call chose; None: declined
 
     def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         first = self.tokens_like is None
         out = super().__call__(tokens)
         if first:
-            self.library = self.step._calls.library
+            self.chosen = self.step._calls.chosen
         return out
 
     def _later(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        if self.library is None:
+        if self.chosen is None:
             return self.step._jit_step().logits_and_greedy(tokens, self.states)
-        return self.library.run(tokens, self.states)
+        library, weights = self.chosen
+        return library.run(tokens, self.states, weights)
 
 
 class _RecordingEager(EagerCompiler):
@@ -182,10 +209,11 @@ class _RecordingEager(EagerCompiler):
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> Callable:
         # Called while the backend compiles the newest Dynamo graph, whose record is the report's last.
         record = [g for g in self.step.report.graphs if g.kind == "dynamo"][-1]
-        calls = self.step._calls
+        calls, recorded = self.step._calls, kind in ("inference", "forward")
 
         def run(*args):
-            if hasattr(calls, "ran"):
+            # A graph cut into partitions runs one compiled piece per partition: its record counts once.
+            if recorded and hasattr(calls, "ran") and not any(r is record for r in calls.ran):
                 calls.ran.append(record)
             return gm.forward(*args)
 
@@ -201,7 +229,7 @@ def _why_no_library(ran: list[GraphRecord], tokens: Tensor, states: Sequence[Ten
     devices = {t.device.type for t in (tokens, *states)}
     if devices != {"cpu"}:
         return f"libraries are built for the CPU here, and the step's tensors are on {sorted(devices)}"
-    if any(s.stride() != _like(s, s.shape[0]).stride() for s in states):
+    if any(s.stride() != _like(s, s.shape[0], "meta").stride() for s in states):
         return "a state buffer is not dense in its layout (state_buffer makes dense ones)"
     return None
 
@@ -291,31 +319,30 @@ class _Library:
     """One AOTInductor library of the step's graph and the weights it runs on."""
 
     def __init__(self, runner: Any, inputs: _Inputs, weights: list[Tensor]) -> None:
-        self.runner, self.inputs, self.weights = runner, inputs, weights
+        self.runner, self.inputs = runner, inputs
         self.weight_specs = [_spec(w) for w in weights]
 
-    def run(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        logits, greedy = self.runner(tokens, list(states), self.weights)
+    def run(self, tokens: Tensor, states: Sequence[Tensor], weights: list[Tensor]) -> tuple[Tensor, Tensor]:
+        logits, greedy = self.runner(tokens, list(states), weights)
         return logits, greedy
 
-    def refresh(self, step: DecodeStep) -> bool:
-        """The model's weights looked up again (once per loop); False when one no longer fits the library."""
+    def current_weights(self, step: DecodeStep) -> list[Tensor] | None:
+        """The model's weights, looked up again (once per loop), or None when one no longer fits the library."""
         try:
             weights = self.inputs.weights(step)
         except (ValueError, AttributeError):
-            return False
-        if [_spec(w) for w in weights] != self.weight_specs:
-            return False
-        self.weights = weights
-        return True
+            return None
+        return weights if [_spec(w) for w in weights] == self.weight_specs else None
 
     @classmethod
     def build(cls, graph: torch.fx.GraphModule, step: DecodeStep, tokens: Tensor, states: Sequence[Tensor],
               key: tuple, cache_dir: str | None) -> _Library:
         inputs = _Inputs.of(graph)
         inputs.check_whole(len(states))
-        _check_outputs(graph)
+        _check_outputs(graph, inputs)
         weights = inputs.weights(step)
+        if any(w.device.type != "cpu" for w in weights):
+            raise ValueError("libraries are built for the CPU here, and a weight of the model is not on it")
         (low, high, hint), _ = key
         examples = (torch.empty(hint, dtype=tokens.dtype), [_like(s, hint) for s in states], weights)
         path = _package_path(graph, examples, key, cache_dir)
@@ -328,19 +355,28 @@ class _Library:
         return cls(torch._inductor.aoti_load_package(path), inputs, weights)
 
 
-def _check_outputs(graph: torch.fx.GraphModule) -> None:
-    """The graph returns the step's two results, the logits and the greedy tokens."""
+def _check_outputs(graph: torch.fx.GraphModule, inputs: _Inputs) -> None:
+    """The graph is the whole step: it writes every layer's buffer and returns the logits [B, vocab] and the
+    greedy tokens [B] (a graph Dynamo cut short before the rest of the step ran as Python would not)."""
     (output,) = graph.graph.find_nodes(op="output")
     results = output.args[0]
-    if not isinstance(results, (tuple, list)) or len(results) != 2:
-        raise ValueError(f"the step's graph returns {results!r}, not (logits, greedy tokens): it is not the step")
+    shapes = [getattr(r.meta.get("example_value"), "shape", None) if isinstance(r, torch.fx.Node) else None
+              for r in (results if isinstance(results, (tuple, list)) else [results])]
+    if len(shapes) != 2 or shapes[0] is None or len(shapes[0]) != 2 or shapes[1] is None or len(shapes[1]) != 1:
+        raise ValueError(f"the step's graph returns {shapes}, not logits [B, vocab] and tokens [B]: it is not the "
+                         "whole step")
+    placeholders = list(graph.graph.find_nodes(op="placeholder"))
+    written = {n.args[0] for n in graph.graph.nodes if n.op == "call_method" and n.target == "copy_"}
+    unwritten = [i for i, role in enumerate(inputs.roles) if role[0] == "state" and placeholders[i] not in written]
+    if unwritten:
+        raise ValueError("the step's graph does not write every state buffer: it is not the whole step")
 
 
-def _like(buffer: Tensor, batch: int) -> Tensor:
+def _like(buffer: Tensor, batch: int, device: Any = None) -> Tensor:
     """An empty dense buffer of `batch` sequences with `buffer`'s other sizes and its layout (dimension order)."""
     order = _dim_order(buffer)
     shape = (batch, *buffer.shape[1:])
-    dense = torch.empty([shape[d] for d in order], dtype=buffer.dtype, device=buffer.device)
+    dense = torch.empty([shape[d] for d in order], dtype=buffer.dtype, device=device or buffer.device)
     return dense.permute([order.index(d) for d in range(buffer.dim())])
 
 
@@ -366,6 +402,9 @@ def _compile_package(graph: torch.fx.GraphModule, inputs: _Inputs, examples: tup
         dynamic = ({0: batch}, [{0: batch}] * len(states), [None] * len(weights))
     sequences = "1 sequence" if low == high else f"{low} to {high} sequences" if high < _LARGEST_BATCH else \
         f"{low} or more sequences"
+    # Shown with no logging set up: the wait is long (15 to 40 s on 2 cores) and happens once per library.
+    progress_log.warning("compiling the decode step for %s ahead of time (AOTInductor), once; the library is kept "
+                         "in %s", sequences, os.path.dirname(path))
     with progress(f"decode step for {sequences}: export and AOTInductor compile"):
         program = torch.export.export(_StepGraph(graph, inputs), examples, dynamic_shapes=dynamic, strict=False)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -391,11 +430,14 @@ def _package_path(graph: torch.fx.GraphModule, examples: tuple, key: tuple, cach
                  repr([_spec(t) for t in (tokens, *states, *weights)])):
         digest.update(part.encode())
         digest.update(b"\0")
-    for node in graph.graph.find_nodes(op="get_attr"):  # constants the passes made: their values are in the library
-        constant = functools.reduce(getattr, node.target.split("."), graph)
-        if isinstance(constant, Tensor):
-            digest.update(node.target.encode())
-            digest.update(constant.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for module in graph.modules():  # constants the passes made: their values are in the library
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.find_nodes(op="get_attr"):
+            constant = functools.reduce(getattr, node.target.split("."), module)
+            if isinstance(constant, Tensor):
+                digest.update(f"{node.target} {_spec(constant)}".encode())
+                digest.update(constant.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     folder = cache_dir or os.path.join(inductor_cache_dir(), CACHE_SUBDIR)
     return os.path.join(folder, digest.hexdigest()[:32] + ".pt2")
 

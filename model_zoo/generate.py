@@ -35,7 +35,7 @@ Decode (``decode=``):
   that each step calls without Dynamo or Python between its kernels
   (`model_zoo.decode_ahead.AheadOfTimeStep`, kept on the model as
   ``model.ahead_of_time_step``): faster steps for long decodes of many
-  sequences, for a first compile of 15 to 40 s per batch class (kept on
+  sequences, for a first compile of 15 to 40 s per graph and batch class (kept on
   disk, so later processes load it) and a first step of each call run op
   by op, where Dynamo's guards are evaluated. On the CPU; a loop the
   library cannot serve runs through the JIT step, its report saying why.

@@ -56,10 +56,15 @@ def decode(step, model, ids, steps, fed=None):
     return torch.stack(tokens, 1), torch.stack(all_logits, 1), buffers
 
 
-def test_steps_equal_the_jit_steps_and_the_eager_reference(model, step):
+def test_steps_equal_the_jit_steps_and_the_eager_reference(model, step, library_dir, caplog):
     ids, fed = prompt(BATCH, 6), []
-    tokens, logits, buffers = decode(step, model, ids, 10, fed)
-    assert step.libraries_ready() == 1 and not step.report.notes
+    ready = step.libraries_ready()
+    with caplog.at_level("WARNING", logger="laplace.progress"):
+        tokens, logits, buffers = decode(step, model, ids, 10, fed)
+    assert step.libraries_ready() == ready + 1 and not step.report.notes
+    assert [r.getMessage() for r in caplog.records if r.name == "laplace.progress"] == [
+        f"compiling the decode step for 64 or more sequences ahead of time (AOTInductor), once; the library is kept "
+        f"in {library_dir}"]
     jit_tokens, jit_logits, jit_buffers = decode(DecodeStep(model), model, ids, 10)
     assert torch.equal(tokens, jit_tokens)
     torch.testing.assert_close(logits, jit_logits, **TIGHT)
@@ -81,10 +86,13 @@ def library_calls(monkeypatch):
 def test_a_loops_first_call_is_guarded_and_its_later_calls_run_the_library(model, step, monkeypatch, library_calls):
     guarded, compiled = [], step._compiled
     monkeypatch.setattr(step, "_compiled", lambda *a: guarded.append(1) or compiled(*a))
+    decode(step, model, prompt(BATCH, 3, seed=1), 1)
+    ready, guarded[:] = step.libraries_ready(), []
     for _ in range(2):
         decode(step, model, prompt(BATCH + 5, 3, seed=1), 4)
     assert (len(guarded), len(library_calls)) == (2, 6)  # per loop: one guarded call, three in the library
-    assert step.libraries_ready() == 1  # 69 sequences: the same batch class, the same library
+    assert step.libraries_ready() == ready  # 69 sequences: the same batch class, the same library
+    assert len(set(map(id, library_calls))) == 1
 
 
 def test_weights_changed_or_replaced_between_loops_are_the_ones_used(model, step, library_calls):
@@ -157,14 +165,15 @@ def test_generate_ahead_of_time_gives_the_compiled_decodes_tokens(model, step, l
     torch.testing.assert_close(ahead.logits, compiled.logits, **TIGHT)
 
 
-def test_one_sequence_has_a_library_of_its_own(model, step):
-    ids = prompt(1, 4, seed=5)
-    tokens, logits, buffers = decode(step, model, ids, 5)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_sequence_and_the_small_batch_class_have_libraries_of_their_own(model, step, library_calls, batch):
+    ids = prompt(batch, 4, seed=5)
+    ready = step.libraries_ready()
+    tokens, logits, _ = decode(step, model, ids, 5)
     expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 5)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, **TIGHT)
-    (library,) = [lib for (graph, key, dtype), lib in step._libraries.items() if key == _library_key(1, buffers)]
-    assert isinstance(library, decode_ahead._Library)
+    assert step.libraries_ready() == ready + 1 and len(library_calls) == 4 and not step.report.notes
 
 
 def test_a_failed_compile_is_declined_with_its_reason_and_the_jit_step_decodes(model, tmp_path, monkeypatch):
@@ -172,7 +181,7 @@ def test_a_failed_compile_is_declined_with_its_reason_and_the_jit_step_decodes(m
         raise RuntimeError("AOTInductor is not available here")
 
     monkeypatch.setattr(decode_ahead, "_compile_package", no_compile)
-    monkeypatch.delenv("LAPLACE_PASSES_STRICT")
+    monkeypatch.delenv("LAPLACE_PASSES_STRICT", raising=False)
     declined = AheadOfTimeStep(model, cache_dir=str(tmp_path))
     ids = prompt(3, 4, seed=6)
     tokens, logits, _ = decode(declined, model, ids, 4)
@@ -193,7 +202,7 @@ def test_a_buffer_that_is_not_dense_is_declined_and_decodes_through_the_jit_step
         logits, states = model(ids, output_final_states=True)
     expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 3)
     sparse = AheadOfTimeStep(model, cache_dir=str(tmp_path))
-    wide = [torch.zeros(3, 4, 16, 32).transpose(-1, -2).transpose(-1, -2) for _ in states]
+    wide = [torch.zeros(3, 4, 16, 32) for _ in states]
     buffers = [w[:, :2].copy_(s) for w, s in zip(wide, states)]  # two heads of four: not dense
     loop, token, tokens, all_logits = sparse.loop(buffers), logits[:, -1].argmax(-1), [], []
     with torch.no_grad():
@@ -239,6 +248,8 @@ def test_inputs_are_read_from_the_steps_arguments_and_the_model_only(model, step
         _resolve(step, ".model._modules['missing']._parameters['weight']")
     with pytest.raises(ValueError, match="is not a tensor reached by attributes"):
         _resolve(step, ".model._modules['layers'][0]")
+    with pytest.raises(ValueError, match="evaluate guards at their first call only"):
+        step.guards_once_per_loop = False
     for option in ("inner", "guards_once_per_loop"):
         with pytest.raises(TypeError, match=f"AheadOfTimeStep takes no {option}="):
             AheadOfTimeStep(model, **{option: "eager"})
