@@ -13,6 +13,7 @@ recurrent state of one layer is ``[B, H, K, V]`` in fp32 (docs/DESIGN.md section
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -333,39 +334,29 @@ class GLALM(nn.Module):
     @property
     def decode_step(self):
         """This model's compiled decode step (`model_zoo.decode.DecodeStep`), made at first use and kept."""
-        step = self.__dict__.get("_decode_step")
-        if step is None:
-            self._require_no_shift_keys("decode_step")
-            from model_zoo.decode import DecodeStep  # imports laplace_passes' compile stack: only when decoding
-
-            step = DecodeStep(self)
-            self.__dict__["_decode_step"] = step
-        return step
+        return self._kept_helper("_decode_step", "decode_step", "model_zoo.decode", "DecodeStep")
 
     @property
     def ahead_of_time_step(self):
         """This model's decode step compiled ahead of time (`model_zoo.decode_ahead.AheadOfTimeStep`), made at
         first use and kept."""
-        step = self.__dict__.get("_ahead_of_time_step")
-        if step is None:
-            self._require_no_shift_keys("ahead_of_time_step")
-            from model_zoo.decode_ahead import AheadOfTimeStep  # imports laplace_passes' compile stack
-
-            step = AheadOfTimeStep(self)
-            self.__dict__["_ahead_of_time_step"] = step
-        return step
+        return self._kept_helper("_ahead_of_time_step", "ahead_of_time_step", "model_zoo.decode_ahead",
+                                 "AheadOfTimeStep")
 
     @property
     def compiled_prefill(self):
         """This model's compiled prefill (`model_zoo.prefill.CompiledPrefill`), made at first use and kept."""
-        prefill = self.__dict__.get("_compiled_prefill")
-        if prefill is None:
-            self._require_no_shift_keys("compiled_prefill")
-            from model_zoo.prefill import CompiledPrefill  # imports laplace_passes' compile stack: only when used
+        return self._kept_helper("_compiled_prefill", "compiled_prefill", "model_zoo.prefill", "CompiledPrefill")
 
-            prefill = CompiledPrefill(self)
-            self.__dict__["_compiled_prefill"] = prefill
-        return prefill
+    def _kept_helper(self, attribute: str, what: str, module: str, name: str):
+        """The compiled helper `module.name` built on this model at first use and kept in `attribute`; the module
+        is imported only then, as it imports laplace_passes' compile stack."""
+        helper = self.__dict__.get(attribute)
+        if helper is None:
+            self._require_no_shift_keys(what)
+            helper = getattr(importlib.import_module(module), name)(self)
+            self.__dict__[attribute] = helper
+        return helper
 
     def __getstate__(self):
         """Copies and pickles leave the compiled step and prefill behind (they hold this model); they make their own."""
