@@ -67,6 +67,7 @@ import torch
 from functorch.compile import make_boxed_func
 from torch import Tensor
 
+from laplace_passes.infra.fx_helpers import input_source
 from laplace_passes.infra.inner import EagerCompiler
 from laplace_passes.infra.logs import progress, progress_log
 from laplace_passes.infra.report import GraphRecord
@@ -76,11 +77,11 @@ from model_zoo.decode import _LARGEST_BATCH, DecodeLoop, DecodeStep, batch_class
 # Bumped when what a library takes or returns changes: older libraries on disk are then never loaded.
 PACKAGE_FORMAT = "laplace-decode-aot/2"
 CACHE_SUBDIR = "laplace_decode_aot"
-_STEP = "L['model_or_fn'].__self__"  # Dynamo's source for the DecodeStep whose `_step` it traced
-_TOKENS = "L['args'][0]"
-_STATE = re.compile(r"L\['args'\]\[1\]\[(\d+)\]$")
-_BATCH_SIZE = re.compile(r"L\['args'\](\[0\]|\[1\]\[\d+\])\.size\(\)\[0\]$")
-_ATTRIBUTE = re.compile(r"\._(?:modules|parameters|buffers)\['([\w.]+)'\]|\.(\w+)")
+# Where the step's graph inputs come from, as `input_source` names them (the step's `_step(tokens, states)`).
+_STEP = "model_or_fn.__self__."  # the DecodeStep whose `_step` Dynamo traced: its model's tensors lie below
+_TOKENS = "args[0]"
+_STATE = re.compile(r"args\[1\]\[(\d+)\]$")
+_BATCH_SIZE = re.compile(r"args(\[0\]|\[1\]\[\d+\])\.size\(\)\[0\]$")
 
 
 class AheadOfTimeStep(DecodeStep):
@@ -102,7 +103,6 @@ class AheadOfTimeStep(DecodeStep):
         self._libraries: dict[tuple, tuple[GraphRecord, _Library | None]] = {}
         self._fallback: DecodeStep | None = None
         self._target, self._options = target, options
-        self._built = 0
 
     @torch.no_grad()
     def logits_and_greedy(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -135,7 +135,7 @@ class AheadOfTimeStep(DecodeStep):
 
     def libraries_ready(self) -> int:
         """Libraries compiled or loaded from disk so far (one per graph, batch class and layout)."""
-        return self._built
+        return sum(library is not None for _, library in self._libraries.values())
 
     def _library_for(self, ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor]) -> tuple | None:
         """(library, the model's weights now) for a loop whose first call ran the graphs `ran`, or None."""
@@ -157,13 +157,11 @@ class AheadOfTimeStep(DecodeStep):
     def _build(self, graph: torch.fx.GraphModule, tokens: Tensor, states: Sequence[Tensor],
                key: tuple) -> _Library | None:
         try:
-            library = _Library.build(graph, self, tokens, states, key, self.cache_dir)
+            return _Library.build(graph, self, tokens, states, key, self.cache_dir)
         except Exception as error:
             if strict_mode():
                 raise
             return self._declined(tokens, f"{type(error).__name__}: {error}")
-        self._built += 1
-        return library
 
     def _declined(self, tokens: Tensor, reason: str) -> None:
         note = (f"decode step for {tokens.shape[0]} sequences not compiled ahead of time ({reason}); its loop runs "
@@ -248,17 +246,13 @@ def _dim_order(tensor: Tensor) -> tuple[int, ...]:
 @dataclass
 class _Inputs:
     """Where each input of the traced graph comes from: "tokens", ("state", i), "batch" (a batch size), or
-    ("weight", path on the step) for a tensor of the model."""
+    ("weight", its path on the step: "model.norm.weight") for a tensor of the model."""
 
     roles: list
 
     @classmethod
     def of(cls, graph: torch.fx.GraphModule) -> _Inputs:
-        roles = []
-        for node in graph.graph.find_nodes(op="placeholder"):
-            source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
-            roles.append(_role(source, node.name))
-        return cls(roles)
+        return cls([_role(input_source(node)) for node in graph.graph.find_nodes(op="placeholder")])
 
     def check_whole(self, layers: int) -> None:
         """The graph takes the tokens and every layer's buffer: it is the whole step, not a piece of it."""
@@ -278,36 +272,32 @@ class _Inputs:
         return [by_role[role[0]](role) for role in self.roles]
 
 
-def _role(source: Any, name: str) -> tuple:
-    if not isinstance(source, str):
-        raise ValueError(f"graph input {name} has no source Dynamo recorded")
+def _role(source: str) -> tuple:
+    """The role of a graph input that Dynamo took from `source` (`input_source`'s name for it)."""
     if source == _TOKENS:
         return ("tokens",)
     if (state := _STATE.match(source)) is not None:
         return ("state", int(state.group(1)))
     if _BATCH_SIZE.match(source):
         return ("batch",)
-    if source.startswith(_STEP + "."):
-        return ("weight", source[len(_STEP):])
-    raise ValueError(f"graph input {name} comes from {source}, neither the step's arguments nor the model")
+    if source.startswith(_STEP):
+        return ("weight", source.removeprefix(_STEP))
+    raise ValueError(f"a graph input comes from {source}, neither the step's arguments nor the model")
 
 
 def _resolve(step: DecodeStep, path: str) -> Tensor:
-    """The tensor at `path` (Dynamo's source below the step: ".model._modules['norm']._parameters['weight']")."""
+    """The tensor at `path` below the step ("model.layers.0.mlp_norm.weight"): modules, parameters and buffers are
+    attributes of their module."""
     value: Any = step
-    for key, attribute in _ATTRIBUTE.findall(path):
-        value = getattr(value, attribute) if attribute else _member(value, key)
-    if "".join(m.group(0) for m in _ATTRIBUTE.finditer(path)) != path or not isinstance(value, Tensor):
+    for name in path.split("."):
+        if not name.isidentifier() and not name.isdigit():
+            raise ValueError(f"model input {path} is not a tensor reached by attributes, modules and parameters")
+        if not hasattr(value, name):
+            raise ValueError(f"{type(value).__name__} has no module, parameter or buffer {name!r}")
+        value = getattr(value, name)
+    if not isinstance(value, Tensor):
         raise ValueError(f"model input {path} is not a tensor reached by attributes, modules and parameters")
     return value.detach()
-
-
-def _member(module: Any, key: str) -> Any:
-    for table in ("_modules", "_parameters", "_buffers"):
-        members = getattr(module, table, {})
-        if key in members:
-            return members[key]
-    raise ValueError(f"{type(module).__name__} has no module, parameter or buffer {key!r}")
 
 
 def _spec(tensor: Tensor) -> tuple:

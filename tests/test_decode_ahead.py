@@ -236,18 +236,26 @@ def test_a_graph_without_every_buffer_is_not_the_step():
 
 
 def test_inputs_are_read_from_the_steps_arguments_and_the_model_only(model, step):
-    assert _role("L['args'][0]", "t") == ("tokens",)
-    assert _role("L['args'][1][3]", "s") == ("state", 3)
-    assert _role("L['args'][1][0].size()[0]", "b") == ("batch",)
-    path = ".model._modules['layers']._modules['1']._modules['mlp_norm']._parameters['weight']"
-    assert _role("L['model_or_fn'].__self__" + path, "w") == ("weight", path)
+    assert _role("args[0]") == ("tokens",)
+    assert _role("args[1][3]") == ("state", 3)
+    assert _role("args[1][0].size()[0]") == ("batch",)
+    path = "model.layers.1.mlp_norm.weight"
+    assert _role("model_or_fn.__self__." + path) == ("weight", path)
     assert _resolve(step, path) is not None and torch.equal(_resolve(step, path), model.layers[1].mlp_norm.weight)
-    with pytest.raises(ValueError, match=r"comes from G\['DECAY'\], neither the step's arguments nor the model"):
-        _role("G['DECAY']", "decay")
+    # What Dynamo records, as input_source names it: the role of each input of the step's graph.
+    decode(step, model, prompt(BATCH, 2), 1)
+    graph = [g.after for g in step.report.graphs if g.kind == "dynamo"][0]
+    roles = decode_ahead._Inputs.of(graph).roles
+    assert roles[:2] == [("batch",), ("tokens",)] and ("state", 1) in roles
+    assert ("weight", "model.embeddings.weight") in roles
+    with pytest.raises(ValueError, match=r"comes from DECAY, neither the step's arguments nor the model"):
+        _role("DECAY")
     with pytest.raises(ValueError, match="has no module, parameter or buffer 'missing'"):
-        _resolve(step, ".model._modules['missing']._parameters['weight']")
+        _resolve(step, "model.missing.weight")
     with pytest.raises(ValueError, match="is not a tensor reached by attributes"):
-        _resolve(step, ".model._modules['layers'][0]")
+        _resolve(step, "model.layers[0]")
+    with pytest.raises(ValueError, match="is not a tensor reached by attributes"):
+        _resolve(step, "model.layers")
     with pytest.raises(ValueError, match="evaluate guards at their first call only"):
         step.guards_once_per_loop = False
     for option in ("inner", "guards_once_per_loop"):
