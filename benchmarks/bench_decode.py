@@ -200,9 +200,8 @@ class Decoder:
         self.first_token = logits[:, -1].argmax(-1)
         self.matmuls = step_matmuls(model, batch)
         self.state_updates = StateUpdates(model, batch)
-        self.forms = (*self.steps, GENERATE, *((GENERATE_AHEAD,) if ahead_of_time else ()), MATMULS,
-                      MATMULS_AND_STATES)
-        for form in self.forms:  # compile and warm up
+        for form in (*self.steps, GENERATE, *((GENERATE_AHEAD,) if ahead_of_time else ()), MATMULS,
+                     MATMULS_AND_STATES):  # compile and warm up
             self.seconds(form, 2)
 
     def seconds(self, form: str, steps: int) -> float:

@@ -334,28 +334,27 @@ class GLALM(nn.Module):
     @property
     def decode_step(self):
         """This model's compiled decode step (`model_zoo.decode.DecodeStep`), made at first use and kept."""
-        return self._kept_helper("_decode_step", "decode_step", "model_zoo.decode", "DecodeStep")
+        return self._kept_helper("decode_step", "model_zoo.decode", "DecodeStep")
 
     @property
     def ahead_of_time_step(self):
         """This model's decode step compiled ahead of time (`model_zoo.decode_ahead.AheadOfTimeStep`), made at
         first use and kept."""
-        return self._kept_helper("_ahead_of_time_step", "ahead_of_time_step", "model_zoo.decode_ahead",
-                                 "AheadOfTimeStep")
+        return self._kept_helper("ahead_of_time_step", "model_zoo.decode_ahead", "AheadOfTimeStep")
 
     @property
     def compiled_prefill(self):
         """This model's compiled prefill (`model_zoo.prefill.CompiledPrefill`), made at first use and kept."""
-        return self._kept_helper("_compiled_prefill", "compiled_prefill", "model_zoo.prefill", "CompiledPrefill")
+        return self._kept_helper("compiled_prefill", "model_zoo.prefill", "CompiledPrefill")
 
-    def _kept_helper(self, attribute: str, what: str, module: str, name: str):
-        """The compiled helper `module.name` built on this model at first use and kept in `attribute`; the module
-        is imported only then, as it imports laplace_passes' compile stack."""
-        helper = self.__dict__.get(attribute)
+    def _kept_helper(self, what: str, module: str, name: str):
+        """The compiled helper `module.name`, this model's `what`, built at first use and kept (in `_COMPILED_HELPERS`
+        as "_" + what); the module is imported only then, as it imports laplace_passes' compile stack."""
+        helper = self.__dict__.get("_" + what)
         if helper is None:
             self._require_no_shift_keys(what)
             helper = getattr(importlib.import_module(module), name)(self)
-            self.__dict__[attribute] = helper
+            self.__dict__["_" + what] = helper
         return helper
 
     def __getstate__(self):
