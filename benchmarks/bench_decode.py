@@ -12,7 +12,8 @@ each step feeds one token per sequence and carries the fp32 state), three ways,
 the first two timed over `--steps` greedy steps as `model.generate` runs them:
 
 - eager:    ``decode="eager"``, the model's forward per step (the reference op per layer);
-- compiled: ``decode="compiled"`` (the default on CPU), one call per step of a
+- compiled: ``decode="compiled"`` (the JIT step, generate's default on CPU where no
+  library compiled ahead of time exists: the table says which the default runs), one call per step of a
   `model_zoo.decode.DecodeStep`'s loop (``step.loop(buffers)``, as generate runs it:
   the greedy choice in the graph, Dynamo's guards evaluated at the loop's first call only,
   which is made before the clock starts),
@@ -368,6 +369,17 @@ def state_table() -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def default_decode_runs(model, prompt: torch.Tensor) -> str:
+    """What generate's default decode ("auto") runs for `prompt`'s batch now: a library compiled ahead of time (in
+    this process or on disk) or the JIT-compiled step (model_zoo/generate.py)."""
+    step = model.ahead_of_time_step
+    logits, states = model(prompt, output_final_states=True)
+    loop = step.loop(step.state_buffer(states), compile_missing=False)
+    loop(logits[:, -1].argmax(-1))
+    return "the library compiled ahead of time" if loop.chosen is not None else "the JIT-compiled step"
+
+
 def step_two_sequences(model) -> None:
     """One compiled decode step of 2 sequences: the graph of the step's small batch class, compiled first."""
     with torch.no_grad():
@@ -410,6 +422,8 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()
     results = measure(model, args.steps, args.repeats, args.sequences, args.gate_checks, args.generate_steps,
                       args.ahead_of_time)
+    for batch in args.sequences if args.ahead_of_time else ():  # the step compiled ahead of time exists then
+        results["decode"][batch]["default_runs"] = default_decode_runs(model, torch.ones(batch, 2, dtype=torch.long))
     results.update(generate_steps=args.generate_steps, load_average_before=load_before, load_average_after=os.getloadavg(),
                    threads=torch.get_num_threads(), steps=args.steps, repeats=args.repeats, state=state_table())
     if args.json:
@@ -447,6 +461,8 @@ def _text(results: dict) -> str:
                      f"tokens/s = {spread(row[f'{MATMULS_AND_STATES}_share_of_binding_roofline'], '.2%')} of the "
                      f"binding roofline (nothing else a step does)")
         lines.append(f"        compiled / eager {spread(row['compiled_over_eager'], '.2f')}x")
+        if "default_runs" in row:
+            lines.append(f"        generate's default (decode='auto') runs {row['default_runs']} at this batch")
         if "ahead_of_time_over_generate" in row:
             lines.append(f"        ahead of time / compiled: the loop's steps "
                          f"{spread(row['ahead_of_time_over_compiled'], '.2f')}x, generate's steps "

@@ -1,7 +1,7 @@
 """Decode through a step compiled ahead of time by AOTInductor: no Dynamo and no Python wrapper between steps.
 
     step = AheadOfTimeStep(model)                 # or model.ahead_of_time_step; generate(..., decode="ahead-of-time")
-    loop = step.loop(step.state_buffer(prefill_states))
+    loop = step.loop(step.state_buffer(prefill_states))   # compile_missing=False: only a library compiled already
     logits, greedy = loop(next_tokens)            # as DecodeStep's loop: the buffers advanced in place
 
 NOTE [steps compiled ahead of time]: a `DecodeStep` call goes through
@@ -17,26 +17,31 @@ the model's weights (docs/benchmarks.md has the figures).
 
 Nothing guards that library, so the step keeps Dynamo for what guards are
 for, once per loop: a loop's first call is a fully guarded `DecodeStep`
-call whose graph runs op by op (the eager inner compiler, which also
-records which of the step's Dynamo graphs ran). The library is the one
-compiled from that graph: the first loop that runs a graph exports it with
-`torch.export` (the batch dimension dynamic within its class: NOTE [batch
-classes] in `model_zoo.decode`) and compiles it with AOTInductor; later
-calls of the loop run that library. A model changed in a way Dynamo's
-guards see (a hook added, a dtype changed) runs another graph, so another
-library; changed back, it runs the first graph and its library again.
-The weights are inputs of the library, not constants in it: each loop's
-first call looks them up on the model by the path Dynamo read them from,
-so weights trained, loaded or replaced between loops are the ones used.
+call of the JIT-compiled graph (Inductor, as the JIT step; its inner
+compiler also records which of the step's Dynamo graphs ran). The library
+is the one compiled from that graph: the first loop that runs a graph
+exports it with `torch.export` (the batch dimension dynamic within its
+class: NOTE [batch classes] in `model_zoo.decode`) and compiles it with
+AOTInductor; later calls of the loop run that library. A model changed in
+a way Dynamo's guards see (a hook added, a dtype changed) runs another
+graph, so another library; changed back, it runs the first graph and its
+library again. The weights are inputs of the library, not constants in
+it: each loop's first call looks them up on the model by the path Dynamo
+read them from, so weights trained, loaded or replaced between loops are
+the ones used. A loop made with ``compile_missing=False`` (generate's
+"auto") compiles nothing: it runs a library already compiled for its
+graph and batch class, in this process or on disk, and otherwise the
+JIT-compiled graph, the step's report saying so.
 
-A loop declines the library, and runs every later call through a
-`DecodeStep` with all its guards (slower, never wrong), where the library
-could not serve it: Dynamo split the step into several graphs or ran none
-(its recompile limit), the batch is empty, the tokens, a buffer or a
-weight is not on the CPU, a state buffer is not dense in its layout (the
-library is compiled for dense buffers), a weight no longer has the
-library's dtype, shape or strides, or the export or compile failed
-(data-dependent control flow, an op AOTInductor cannot compile). The step's report says why in its notes; with
+A loop declines the library, and runs every later call through the
+step's JIT-compiled graph (as a `DecodeStep`'s loop does: slower, never
+wrong), where the library could not serve it: Dynamo split the step into
+several graphs or ran none (its recompile limit), the batch is empty, the
+tokens, a buffer or a weight is not on the CPU, a state buffer is not
+dense in its layout (the library is compiled for dense buffers), a weight
+no longer has the library's dtype, shape or strides, or the export or
+compile failed (data-dependent control flow, an op AOTInductor cannot
+compile). The step's report says why in its notes; with
 LAPLACE_PASSES_STRICT=1 a failed export or compile raises.
 
 Libraries are kept on disk, under Inductor's cache directory
@@ -64,11 +69,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from functorch.compile import make_boxed_func
 from torch import Tensor
 
 from laplace_passes.infra.fx_helpers import input_source
-from laplace_passes.infra.inner import EagerCompiler
+from laplace_passes.infra.inner import InductorCompiler
 from laplace_passes.infra.logs import progress, progress_log
 from laplace_passes.infra.report import GraphRecord
 from laplace_passes.infra.strict import strict_mode
@@ -86,42 +90,26 @@ _BATCH_SIZE = re.compile(r"args(\[0\]|\[1\]\[\d+\])\.size\(\)\[0\]$")
 
 class AheadOfTimeStep(DecodeStep):
     """A decode step whose loops run an AOTInductor library after their first, guarded call (see the module
-    docstring). `target` and `options` are the laplace backend's, as for `DecodeStep`, but for `inner` (the
-    first call runs op by op) and `guards_once_per_loop` (a loop's later calls evaluate no guard at all);
-    `cache_dir` (default: a folder under Inductor's cache directory) is where the libraries are kept."""
+    docstring). `target` and `options` are the laplace backend's, as for `DecodeStep`, but for `inner` (always
+    Inductor, which also records the graph each call runs) and `guards_once_per_loop` (always True); `cache_dir`
+    (default: a folder under Inductor's cache directory) is where the libraries are kept."""
 
     def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", cache_dir: str | None = None,
                  **options: Any) -> None:
         for name in ("inner", "guards_once_per_loop"):
             if name in options:
                 raise TypeError(f"AheadOfTimeStep takes no {name}= (see its docstring); DecodeStep does")
-        self._calls = threading.local()  # per thread: the graphs a guarded call ran, the library it chose
-        super().__init__(model, target=target, inner=_RecordingEager(self), **options)
+        self._calls = threading.local()  # per thread: the graphs a loop's guarded first call ran
+        super().__init__(model, target=target, inner=_RecordingInductor(self), **options)
         self.cache_dir = cache_dir
         # (id of the graph's record, batch class, layout, tokens' dtype) -> (the record, kept alive so that its id
         # is not reused, and its library or None where declined)
         self._libraries: dict[tuple, tuple[GraphRecord, _Library | None]] = {}
-        self._fallback: DecodeStep | None = None
-        self._target, self._options = target, options
-
-    @torch.no_grad()
-    def logits_and_greedy(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """A fully checked and guarded step (its graph run op by op); then the library for the graph it ran is
-        made, loaded or looked up for the calls that follow (see the module docstring)."""
-        self._calls.ran = []
-        try:
-            out = super().logits_and_greedy(tokens, states)
-            self._calls.chosen = self._library_for(self._calls.ran, tokens, states)
-        finally:
-            del self._calls.ran
-        return out
-
-    def _unguarded(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        return self.logits_and_greedy(tokens, states)  # a loop of this step runs its library (AheadOfTimeLoop)
 
     @property
     def guards_once_per_loop(self) -> bool:
-        """Always True: a loop's later calls run a library, which evaluates no guard."""
+        """Always True: a loop's later calls run a library, which evaluates no guard, or the JIT graph with the
+        guards that choose between graphs (NOTE [guards once per loop] in model_zoo.decode)."""
         return True
 
     @guards_once_per_loop.setter
@@ -130,14 +118,27 @@ class AheadOfTimeStep(DecodeStep):
             raise ValueError("an AheadOfTimeStep's loops evaluate guards at their first call only; a DecodeStep "
                              "built with guards_once_per_loop=False evaluates them at every call")
 
-    def loop(self, states: Sequence[Tensor]) -> AheadOfTimeLoop:
-        return AheadOfTimeLoop(self, states)
+    def loop(self, states: Sequence[Tensor], *, compile_missing: bool = True) -> AheadOfTimeLoop:
+        """A loop over the buffers `states`; `compile_missing=False` runs a library only where one is already
+        compiled (in this process or on disk), and the JIT-compiled graph otherwise (generate's "auto")."""
+        return AheadOfTimeLoop(self, states, compile_missing)
 
     def libraries_ready(self) -> int:
         """Libraries compiled or loaded from disk so far (one per graph, batch class and layout)."""
         return sum(library is not None for _, library in self._libraries.values())
 
-    def _library_for(self, ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor]) -> tuple | None:
+    def first_call(self, tokens: Tensor, states: Sequence[Tensor], compile_missing: bool) -> tuple[tuple, Any]:
+        """A loop's first call, fully checked and guarded (the JIT-compiled graph), and (library, weights) for
+        the loop's later calls: the library of the graph this call ran, or None (see the module docstring)."""
+        self._calls.ran = []
+        try:
+            out = self.logits_and_greedy(tokens, states)
+            return out, self._library_for(self._calls.ran, tokens, states, compile_missing)
+        finally:
+            del self._calls.ran
+
+    def _library_for(self, ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor],
+                     compile_missing: bool) -> tuple | None:
         """(library, the model's weights now) for a loop whose first call ran the graphs `ran`, or None."""
         why = _why_no_library(ran, tokens, states)
         if why is not None:
@@ -145,7 +146,10 @@ class AheadOfTimeStep(DecodeStep):
         (record,) = ran
         key = (id(record), _library_key(tokens.shape[0], states), tokens.dtype)
         if key not in self._libraries:
-            self._libraries[key] = (record, self._build(record.after, tokens, states, key[1]))
+            library = self._build(record.after, tokens, states, key[1], compile_missing)
+            if library is _NOT_ON_DISK:  # not remembered: a later loop may find one compiled by then
+                return None
+            self._libraries[key] = (record, library)
         library = self._libraries[key][1]
         if library is None:
             return None
@@ -154,52 +158,55 @@ class AheadOfTimeStep(DecodeStep):
             return self._declined(tokens, "a weight no longer fits the library compiled for this graph")
         return library, weights
 
-    def _build(self, graph: torch.fx.GraphModule, tokens: Tensor, states: Sequence[Tensor],
-               key: tuple) -> _Library | None:
+    def _build(self, graph: torch.fx.GraphModule, tokens: Tensor, states: Sequence[Tensor], key: tuple,
+               compile_missing: bool) -> Any:
         try:
-            return _Library.build(graph, self, tokens, states, key, self.cache_dir)
+            return _Library.build(graph, self, tokens, states, key, self.cache_dir, compile_missing)
+        except _NotOnDisk:
+            self._note(tokens, "runs its JIT-compiled graph: no library compiled ahead of time for it on disk "
+                       "(generate(..., decode=\"ahead-of-time\") compiles one)")
+            return _NOT_ON_DISK
         except Exception as error:
             if strict_mode():
                 raise
             return self._declined(tokens, f"{type(error).__name__}: {error}")
 
     def _declined(self, tokens: Tensor, reason: str) -> None:
-        note = (f"decode step for {tokens.shape[0]} sequences not compiled ahead of time ({reason}); its loop runs "
-                "through a DecodeStep, every call guarded")
+        self._note(tokens, f"not compiled ahead of time ({reason}); its loop runs the JIT-compiled graph")
+
+    def _note(self, tokens: Tensor, what: str) -> None:
+        note = f"decode step for {tokens.shape[0]} sequences {what}"
         if note not in self.report.notes:
             self.report.notes.append(note)
-
-    def _jit_step(self) -> DecodeStep:
-        if self._fallback is None:
-            self._fallback = DecodeStep(self.model, target=self._target, **self._options)
-        return self._fallback
 
 
 class AheadOfTimeLoop(DecodeLoop):
     """A loop of an `AheadOfTimeStep`: its first call guarded, the later ones in the library that call chose
-    (or, where it declined one, through a `DecodeStep` with every guard)."""
+    (or, where there is none, through the step's JIT-compiled graph, as a `DecodeStep`'s loop runs)."""
 
-    def __init__(self, step: AheadOfTimeStep, states: Sequence[Tensor]) -> None:
+    def __init__(self, step: AheadOfTimeStep, states: Sequence[Tensor], compile_missing: bool = True) -> None:
         super().__init__(step, states)
-        self.chosen: tuple | None = None  # (library, weights) the first call chose; None: declined
+        self.compile_missing = compile_missing
+        self.chosen: tuple | None = None  # (library, weights) the first call chose; None: the JIT graph
 
+    @torch.no_grad()
     def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        first = self.tokens_like is None
-        out = super().__call__(tokens)
-        if first:
-            self.chosen = self.step._calls.chosen
+        if self.tokens_like is not None:
+            return super().__call__(tokens)  # checks the tokens against the first call's, then `_later`
+        out, self.chosen = self.step.first_call(tokens, self.states, self.compile_missing)
+        self.tokens_like = (tokens.shape, tokens.dtype)
         return out
 
     def _later(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         if self.chosen is None:
-            return self.step._jit_step().logits_and_greedy(tokens, self.states)
+            return super()._later(tokens)
         library, weights = self.chosen
         return library.run(tokens, self.states, weights)
 
 
-class _RecordingEager(EagerCompiler):
-    """The eager inner compiler, which also records in the step's ``_calls.ran`` the Dynamo graph each call
-    runs."""
+class _RecordingInductor(InductorCompiler):
+    """Inductor, as a `DecodeStep` compiles its graphs, recording in the step's ``_calls.ran`` the Dynamo graph
+    each guarded first call of a loop runs."""
 
     def __init__(self, step: AheadOfTimeStep) -> None:
         self.step = step
@@ -208,14 +215,16 @@ class _RecordingEager(EagerCompiler):
         # Called while the backend compiles the newest Dynamo graph, whose record is the report's last.
         record = [g for g in self.step.report.graphs if g.kind == "dynamo"][-1]
         calls, recorded = self.step._calls, kind in ("inference", "forward")
+        compiled = super().compile(gm, example_inputs, kind)
 
-        def run(*args):
+        def run(args):
             # A graph cut into partitions runs one compiled piece per partition: its record counts once.
             if recorded and hasattr(calls, "ran") and not any(r is record for r in calls.ran):
                 calls.ran.append(record)
-            return gm.forward(*args)
+            return compiled(args)
 
-        return make_boxed_func(run)
+        run._boxed_call = True  # Inductor's callable takes its inputs as one list, which it may clear
+        return run
 
 
 def _why_no_library(ran: list[GraphRecord], tokens: Tensor, states: Sequence[Tensor]) -> str | None:
@@ -305,6 +314,13 @@ def _spec(tensor: Tensor) -> tuple:
     return tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.device
 
 
+class _NotOnDisk(Exception):
+    """No library of the graph on disk, and none to be compiled."""
+
+
+_NOT_ON_DISK = object()  # what `AheadOfTimeStep._build` gives for it
+
+
 class _Library:
     """One AOTInductor library of the step's graph and the weights it runs on."""
 
@@ -326,7 +342,9 @@ class _Library:
 
     @classmethod
     def build(cls, graph: torch.fx.GraphModule, step: DecodeStep, tokens: Tensor, states: Sequence[Tensor],
-              key: tuple, cache_dir: str | None) -> _Library:
+              key: tuple, cache_dir: str | None, compile_missing: bool = True) -> _Library:
+        """The library of `graph` for the batch class and layout `key`: loaded from disk, or compiled (raises
+        `_NotOnDisk` where there is none and `compile_missing` is False)."""
         inputs = _Inputs.of(graph)
         inputs.check_whole(len(states))
         _check_outputs(graph, inputs)
@@ -341,6 +359,8 @@ class _Library:
                 return cls(torch._inductor.aoti_load_package(path), inputs, weights)
             except Exception:  # a file another build of torch wrote, or a damaged one: compiled again below
                 os.remove(path)
+        if not compile_missing:
+            raise _NotOnDisk(path)
         _compile_package(graph, inputs, examples, (low, high), path)
         return cls(torch._inductor.aoti_load_package(path), inputs, weights)
 

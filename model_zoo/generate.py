@@ -35,15 +35,20 @@ Decode (``decode=``):
   that each step calls without Dynamo or Python between its kernels
   (`model_zoo.decode_ahead.AheadOfTimeStep`, kept on the model as
   ``model.ahead_of_time_step``): faster steps for long decodes of many
-  sequences, for a first compile of 15 to 40 s per graph and batch class (kept on
-  disk, so later processes load it) and a first step of each call run op
-  by op, where Dynamo's guards are evaluated. On the CPU; a loop the
-  library cannot serve runs through the JIT step, its report saying why.
+  sequences, for a first compile of 15 to 40 s per graph and batch class
+  (kept on disk, so later processes load it; a deployment compiles it
+  once, ahead of serving). The first step of each call is the JIT step's,
+  where Dynamo's guards are evaluated. On the CPU; a loop the library
+  cannot serve runs the JIT-compiled graph, its report saying why.
 - "eager": the model's forward per step, the reference op per layer.
-- "auto" (default): "compiled" for an fp32 model on the CPU with a
-  ``decode_step`` (`model_zoo.GLALM`), outside another compile; else "eager"
-  (in bf16 or fp16, fused kernels round differently from the eager ops, and
-  greedy tokens could part on near ties).
+- "auto" (default): for an fp32 model on the CPU with a decode step
+  (`model_zoo.GLALM`), outside another compile, the library of
+  "ahead-of-time" where one was already compiled for the step's graph
+  and batch class (in this process or on disk: never compiled here), and
+  otherwise the JIT-compiled step, as "compiled" (the step's report says
+  which it ran); else "eager" (in bf16 or fp16, fused kernels round
+  differently from the eager ops, and greedy tokens could part on near
+  ties).
 """
 
 from __future__ import annotations
@@ -77,11 +82,11 @@ def generate(
 ) -> Generation:
     """Greedy (temperature 0) or sampled continuation of every sequence in `input_ids`."""
     _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits)
-    step = _decode_step(model, decode, input_ids.device, _dtype(model))
+    step, step_property = _decode_step(model, decode, input_ids.device, _dtype(model))
     logits, states = _prefill(model, prefill, input_ids)
     state_bytes = sum(s[0].numel() * s.element_size() for s in states)
     if step is not None:
-        decode_loop = step.loop(step.state_buffer(states))  # NOTE [guards once per loop] in model_zoo.decode
+        decode_loop = _loop(step, step_property, decode, states)
     step_logits, greedy = logits[:, -1], None
     tokens, chosen_from = [input_ids], []
     for _ in range(max_new_tokens):
@@ -108,7 +113,7 @@ def generate(
 DECODE_MODES = ("auto", "compiled", "ahead-of-time", "eager")
 PREFILL_MODES = ("auto", "compiled", "eager")
 # Decode modes -> the model's property holding that step.
-_STEPS = {"compiled": "decode_step", "ahead-of-time": "ahead_of_time_step"}
+_STEPS = {"compiled": "decode_step", "ahead-of-time": "ahead_of_time_step", "auto": "ahead_of_time_step"}
 
 
 def _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits) -> None:
@@ -138,19 +143,31 @@ def _dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 
 def _decode_step(model: torch.nn.Module, decode: str, device: torch.device, dtype: torch.dtype | None):
-    """The model's compiled `DecodeStep`, or None for the eager loop (see the module docstring)."""
+    """The model's compiled step and the property holding it, or (None, None) for the eager loop (see the module
+    docstring)."""
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
     step_property = _STEPS.get(decode, "decode_step")
+    if decode == "auto" and not hasattr(type(model), step_property):
+        step_property = "decode_step"  # a model with a JIT step only
     has_step = hasattr(type(model), step_property)
-    if decode in _STEPS and not has_step:
+    if decode in _STEPS and decode != "auto" and not has_step:
         raise ValueError(f"decode={decode!r} needs a model with a {step_property} (model_zoo.GLALM); "
                          f"{type(model).__name__} has none: use decode='eager'")
     if decode == "eager" or not has_step:
-        return None
+        return None, None
     if decode == "auto" and not _auto_compiles(device, dtype):
-        return None
-    return getattr(model, step_property)
+        return None, None
+    return getattr(model, step_property), step_property
+
+
+def _loop(step, step_property: str, decode: str, states: list[Tensor]):
+    """One decode loop of `step` over buffers holding `states` (NOTE [guards once per loop] in model_zoo.decode):
+    "auto" runs a library compiled ahead of time only where one is compiled already."""
+    buffers = step.state_buffer(states)
+    if decode == "auto" and step_property == "ahead_of_time_step":
+        return step.loop(buffers, compile_missing=False)
+    return step.loop(buffers)
 
 
 def _prefill(model: torch.nn.Module, prefill, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:

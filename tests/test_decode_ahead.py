@@ -1,6 +1,7 @@
 """The decode step compiled ahead of time (AOTInductor): the JIT step's tokens, logits and states; each loop's
-first call guarded and the rest in the library; weights looked up again per loop; libraries kept on disk; and a
-failed export or compile declined with the reason, its steps run through the JIT step."""
+first call guarded and the rest in the library; weights looked up again per loop; libraries kept on disk and run
+by generate's default without a compile of its own; and a failed export or compile declined with the reason, its
+steps run through the JIT-compiled graph."""
 
 import os
 
@@ -190,7 +191,7 @@ def test_a_failed_compile_is_declined_with_its_reason_and_the_jit_step_decodes(m
     torch.testing.assert_close(logits, expected_logits, **TIGHT)
     (note,) = declined.report.notes
     assert note.startswith("decode step for 3 sequences not compiled ahead of time (RuntimeError: AOTInductor is "
-                           "not available here); its loop runs through a DecodeStep")
+                           "not available here); its loop runs the JIT-compiled graph")
     monkeypatch.setenv("LAPLACE_PASSES_STRICT", "1")
     with pytest.raises(RuntimeError, match="AOTInductor is not available here"):
         decode(AheadOfTimeStep(model, cache_dir=str(tmp_path)), model, ids, 2)
@@ -268,3 +269,52 @@ def test_libraries_are_per_batch_class_and_buffer_layout():
     assert _library_key(70, k_innermost) == _library_key(1000, DecodeStep.state_buffer([torch.zeros(1000, 2, 16, 32)]))
     assert _library_key(70, k_innermost) != _library_key(70, [torch.zeros(70, 2, 16, 32)])
     assert _library_key(70, k_innermost) != _library_key(3, DecodeStep.state_buffer([torch.zeros(3, 2, 16, 32)]))
+
+
+def test_a_loop_that_compiles_nothing_runs_the_jit_graph_until_a_library_is_on_disk(model, tmp_path, monkeypatch,
+                                                                                    library_calls):
+    ids = prompt(BATCH, 3, seed=9)
+    expected_tokens, expected_logits, _ = decode(DecodeStep(model), model, ids, 4)
+    compiles, compile_package = [], decode_ahead._compile_package
+    monkeypatch.setattr(decode_ahead, "_compile_package", lambda *a: compiles.append(1) or compile_package(*a))
+    load_only = AheadOfTimeStep(model, cache_dir=str(tmp_path))
+    guarded, compiled = [], load_only._compiled
+    monkeypatch.setattr(load_only, "_compiled", lambda *a: guarded.append(1) or compiled(*a))
+
+    def decode_load_only():
+        with torch.no_grad():
+            logits, states = model(ids, output_final_states=True)
+        loop, token, tokens, all_logits = load_only.loop(load_only.state_buffer(states), compile_missing=False), \
+            logits[:, -1].argmax(-1), [], []
+        with torch.no_grad():
+            for _ in range(4):
+                step_logits, token = loop(token)
+                tokens.append(token)
+                all_logits.append(step_logits)
+        assert torch.equal(torch.stack(tokens, 1), expected_tokens)
+        torch.testing.assert_close(torch.stack(all_logits, 1), expected_logits, **TIGHT)
+
+    decode_load_only()  # nothing on disk: every step through the JIT-compiled graph, nothing compiled
+    assert (len(guarded), len(library_calls), compiles, os.listdir(tmp_path)) == (4, 0, [], [])
+    (note,) = load_only.report.notes
+    assert note == ("decode step for 64 sequences runs its JIT-compiled graph: no library compiled ahead of time for "
+                    "it on disk (generate(..., decode=\"ahead-of-time\") compiles one)")
+    decode(AheadOfTimeStep(model, cache_dir=str(tmp_path)), model, ids, 2)  # another step compiles its library
+    assert len(compiles) == 1 and len(os.listdir(tmp_path)) == 1
+    guarded.clear(), library_calls.clear()
+    decode_load_only()  # the library on disk now: loaded, and the later steps run it
+    assert (len(guarded), len(library_calls), len(compiles), load_only.libraries_ready()) == (1, 3, 1, 1)
+
+
+def test_generates_default_runs_a_library_compiled_already_and_decode_compiled_never(model, step, library_calls):
+    ids = prompt(BATCH, 4, seed=10)
+    ahead = model.generate(ids, 6, decode="ahead-of-time", return_logits=True)  # compiles or loads the library
+    library_calls.clear()
+    default = model.generate(ids, 6, return_logits=True)
+    assert len(library_calls) == 4  # 5 steps: the first guarded
+    library_calls.clear()
+    jit = model.generate(ids, 6, decode="compiled", return_logits=True)
+    assert not library_calls
+    for other in (default, jit):
+        assert torch.equal(other.tokens, ahead.tokens)
+        torch.testing.assert_close(other.logits, ahead.logits, **TIGHT)
