@@ -57,7 +57,9 @@ directory of its own.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import hashlib
 import os
 import pathlib
@@ -65,6 +67,7 @@ import platform
 import re
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -327,6 +330,7 @@ class _Library:
     def __init__(self, runner: Any, inputs: _Inputs, weights: list[Tensor]) -> None:
         self.runner, self.inputs = runner, inputs
         self.weight_specs = [_spec(w) for w in weights]
+        _LOADED.add(self)
 
     def run(self, tokens: Tensor, states: Sequence[Tensor], weights: list[Tensor]) -> tuple[Tensor, Tensor]:
         logits, greedy = self.runner(tokens, list(states), weights)
@@ -363,6 +367,19 @@ class _Library:
             raise _NotOnDisk(path)
         _compile_package(graph, inputs, examples, (low, high), path)
         return cls(torch._inductor.aoti_load_package(path), inputs, weights)
+
+
+# The libraries this process loaded. A loader unpacks its package into a folder of its own in the temp directory
+# and removes it when destroyed, which the interpreter's shutdown does not always do: released at exit, so that
+# no run leaves a folder behind.
+_LOADED: weakref.WeakSet[_Library] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_loaded_libraries() -> None:
+    for library in list(_LOADED):
+        library.runner = None
+    gc.collect()
 
 
 def _check_outputs(graph: torch.fx.GraphModule, inputs: _Inputs) -> None:

@@ -4,6 +4,9 @@ by generate's default without a compile of its own; and a failed export or compi
 steps run through the JIT-compiled graph."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -318,3 +321,31 @@ def test_generates_default_runs_a_library_compiled_already_and_decode_compiled_n
     for other in (default, jit):
         assert torch.equal(other.tokens, ahead.tokens)
         torch.testing.assert_close(other.logits, ahead.logits, **TIGHT)
+
+
+LOAD_AND_EXIT = textwrap.dedent("""
+    import sys, torch, model_zoo
+    from model_zoo.decode_ahead import AheadOfTimeStep
+    torch.manual_seed(0)
+    model = model_zoo.build("tiny").eval()
+    step = AheadOfTimeStep(model, cache_dir=sys.argv[1])
+    ids = torch.randint(1, 128, (64, 3))
+    with torch.no_grad():
+        logits, states = model(ids, output_final_states=True)
+        loop, token = step.loop(step.state_buffer(states), compile_missing=False), logits[:, -1].argmax(-1)
+        for _ in range(3):
+            _, token = loop(token)
+    assert step.libraries_ready() == 1
+""")
+
+
+def test_a_process_that_loaded_a_library_leaves_no_folder_in_the_temp_directory(model, step, library_dir, tmp_path):
+    """A loader unpacks its library into a folder of the temp directory, removed only when the loader is
+    destroyed: the step releases its libraries at exit."""
+    decode(step, model, prompt(BATCH, 3), 2)  # the library on disk (built by an earlier test or now)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_EXIT, library_dir], env={**os.environ, "TMPDIR": str(temp)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("aotinductor")]
