@@ -104,6 +104,19 @@ as fast as, or faster than, with hints 2 and 32). The class is part of
 the graph's guards (its batch dimension's range), and the class and the
 hint are part of the FX graph cache's key, so neither Dynamo nor the cache
 hands one class the other's graph.
+
+NOTE [a forward with a graph break]: a model whose forward breaks Dynamo's
+graph (a hook that prints, data-dependent Python) is resumed by Dynamo in
+frames that take the first graph's outputs as new inputs with static sizes,
+beside the buffers marked dynamic within their class: copying a state into
+its buffer then fails in Dynamo ("expand: attempting to expand a dimension
+of length 3 -> s3"), inside the user's `generate`. So a step's guarded call
+is traced with ``error_on_graph_break``, which raises at the break, before
+anything has run; the step then drops the batch classes for good (its report
+says why), and runs that call and every later one unmarked, each fully
+guarded: Dynamo compiles per batch size until it makes the batch dynamic
+itself, and frames it skipped at the break are skipped again at each call
+(under the loop's skipped guards they would ask for a compile, an error).
 """
 
 from __future__ import annotations
@@ -157,6 +170,7 @@ class DecodeStep:
         self._compiled = laplace_passes.compile(
             fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report, **options
         )
+        self.graph_break: str | None = None  # why the model's forward breaks Dynamo's graph, once seen
 
     def _step(self, tokens: Tensor, states: list[Tensor]) -> tuple[Tensor, Tensor]:
         """What the graph computes: logits of the next token and their argmax; each buffer replaced by its
@@ -191,12 +205,29 @@ class DecodeStep:
         # add up on a tensor, and Dynamo would pick one of them).
         tokens = _with_stride_one(tokens).view(tokens.shape)
         states = [buffer[...] for buffer in states]
-        mark_batch_class(tokens.shape[0], (tokens, *states))
+        if self.graph_break is None:  # NOTE [a forward with a graph break]
+            mark_batch_class(tokens.shape[0], (tokens, *states))
+            try:
+                with torch._dynamo.error_on_graph_break(True):
+                    return self._compiled(tokens, states)
+            except torch._dynamo.exc.Unsupported as error:
+                self._without_batch_classes(error)
+            tokens, states = tokens.view(tokens.shape), [buffer[...] for buffer in states]  # views with no mark
         return self._compiled(tokens, states)
+
+    def _without_batch_classes(self, error: Exception) -> None:
+        """The model's forward breaks Dynamo's graph: the step's later calls mark no batch class (NOTE [a forward
+        with a graph break])."""
+        self.graph_break = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.report.notes.append(f"the model's forward breaks Dynamo's graph ({self.graph_break}): the decode step "
+                                 "runs Dynamo's graphs without batch classes, compiled per batch size until Dynamo "
+                                 "makes the batch dynamic")
 
     def _unguarded(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """A later step of a loop whose first step was fully guarded (NOTE [guards once per loop])."""
-        if not _only_thread():  # another thread may enter compiled code (NOTE [guards once per loop])
+        # Another thread may enter compiled code (NOTE [guards once per loop]); a forward with a graph break runs
+        # frames Dynamo compiles, or skips, at each call (NOTE [a forward with a graph break]).
+        if self.graph_break is not None or not _only_thread():
             return self.logits_and_greedy(tokens, states)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # views, as the guarded call passed them
             return self._compiled(tokens.view(tokens.shape), [buffer[...] for buffer in states])

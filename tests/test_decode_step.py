@@ -148,6 +148,30 @@ def test_a_loop_after_another_steps_graph_at_another_batch_size_skips_guards_wit
             assert torch.equal(token, expected)
 
 
+def test_a_forward_with_a_graph_break_decodes_each_batch_as_the_eager_loop_does(stances):
+    """NOTE [a forward with a graph break]: Dynamo's resumed frames met the buffers' batch classes and failed
+    ("expand ... 3 -> s3") inside generate. The step drops the classes, guards every call, and decodes."""
+    torch.manual_seed(0)
+    model = model_zoo.build("tiny").eval()
+    model.layers[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    step = DecodeStep(model, inner="eager")
+    with torch.no_grad():
+        for batch in (3, LARGE_BATCH + 6, 1, 5):
+            ids = prompt(batch, 3, seed=batch)
+            logits, states = model(ids, output_final_states=True)
+            decode_loop, token = step.loop(step.state_buffer(states)), logits[:, -1].argmax(-1)
+            for _ in range(3):
+                _, token = decode_loop(token)
+            assert torch.equal(token, model.generate(ids, 4, decode="eager").tokens[:, -1]), batch
+    assert step.graph_break == "Call to `torch._dynamo.graph_break()`"
+    assert step.report.notes == ["the model's forward breaks Dynamo's graph (Call to `torch._dynamo.graph_break()`): "
+                                 "the decode step runs Dynamo's graphs without batch classes, compiled per batch size "
+                                 "until Dynamo makes the batch dynamic"]
+    assert not [k for k in stances if k.get("skip_guard_eval_unsafe")]  # every call guarded
+    ids = prompt(3, 4, seed=9)  # generate's default, as a user calls it
+    assert torch.equal(model.generate(ids, 5).tokens, model.generate(ids, 5, decode="eager", prefill="eager").tokens)
+
+
 def test_each_loop_starts_with_every_guard():
     """A loop's first call compiles when no graph fits (one sequence after a batch); a change of tokens inside a
     loop is refused, not run on a graph made for other inputs."""
