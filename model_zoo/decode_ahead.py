@@ -108,6 +108,7 @@ class AheadOfTimeStep(DecodeStep):
         # (id of the graph's record, batch class, layout, tokens' dtype) -> (the record, kept alive so that its id
         # is not reused, and its library or None where declined)
         self._libraries: dict[tuple, tuple[GraphRecord, _Library | None]] = {}
+        self._not_on_disk: dict[tuple, str] = {}  # the same keys -> the path where no library was found
 
     @property
     def guards_once_per_loop(self) -> bool:
@@ -149,8 +150,11 @@ class AheadOfTimeStep(DecodeStep):
         (record,) = ran
         key = (id(record), _library_key(tokens.shape[0], states), tokens.dtype)
         if key not in self._libraries:
+            if not compile_missing and key in self._not_on_disk and not os.path.exists(self._not_on_disk[key]):
+                return None  # still none: looked up by its path alone, not the graph hashed again
             library = self._build(record.after, tokens, states, key[1], compile_missing)
-            if library is _NOT_ON_DISK:  # not remembered: a later loop may find one compiled by then
+            if isinstance(library, _NotOnDisk):  # a later loop may find one compiled by then
+                self._not_on_disk[key] = library.path
                 return None
             self._libraries[key] = (record, library)
         library = self._libraries[key][1]
@@ -165,10 +169,10 @@ class AheadOfTimeStep(DecodeStep):
                compile_missing: bool) -> Any:
         try:
             return _Library.build(graph, self, tokens, states, key, self.cache_dir, compile_missing)
-        except _NotOnDisk:
+        except _NotOnDisk as missing:
             self._note(tokens, "runs its JIT-compiled graph: no library compiled ahead of time for it on disk "
                        "(generate(..., decode=\"ahead-of-time\") compiles one)")
-            return _NOT_ON_DISK
+            return missing
         except Exception as error:
             if strict_mode():
                 raise
@@ -318,10 +322,11 @@ def _spec(tensor: Tensor) -> tuple:
 
 
 class _NotOnDisk(Exception):
-    """No library of the graph on disk, and none to be compiled."""
+    """No library of the graph on disk, at `path`, and none to be compiled."""
 
-
-_NOT_ON_DISK = object()  # what `AheadOfTimeStep._build` gives for it
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
 
 
 class _Library:
