@@ -72,7 +72,9 @@ of progress bars and laplace_passes' own background threads, which build
 kernels and read pipes (`laplace_passes.infra.threads`; the kernel-batch
 builder stays alive after a compile), do not count; with any other thread
 alive, every step evaluates every guard. ``model.decode_step.guards_once_per_loop = False``
-(or a step built with it) never skips them. The later calls pass views of
+(or a step built with it) never skips them; for generate's default,
+``model.ahead_of_time_step.guards_once_per_loop = False`` (a library it runs
+evaluates no guard, and no stance is set). The later calls pass views of
 the tokens and buffers, as the first call does: the guards that still run
 are those on the inputs' tensors, and they may read a view's base (Dynamo
 keeps what it learnt about sizes per source location, so a step compiled
@@ -111,16 +113,21 @@ frames that take the first graph's outputs as new inputs with static sizes,
 beside the buffers marked dynamic within their class: copying a state into
 its buffer then fails in Dynamo ("expand: attempting to expand a dimension
 of length 3 -> s3"), inside the user's `generate`. So a step's guarded call
-is traced with ``error_on_graph_break``, which raises at the break, before
-anything has run; the step then drops the batch classes for good (its report
-says why), and runs that call and every later one unmarked, each fully
-guarded: Dynamo compiles per batch size until it makes the batch dynamic
-itself, and frames it skipped at the break are skipped again at each call
-(under the loop's skipped guards they would ask for a compile, an error).
+is compiled whole (``fullgraph``, for that compile only), so Dynamo raises
+at the break while it traces, before anything has run; the step then drops
+the batch classes for the rest of its life (its report says why), and runs
+that call and every later one through a compile that takes graph breaks,
+unmarked and fully guarded: Dynamo compiles per batch size until it makes
+the batch dynamic itself, and frames it skipped at the break are skipped
+again at each call (under the loop's skipped guards they would ask for a
+compile, an error). Past Dynamo's recompile limit, the whole graph's
+compile raises too, where the step had run the call uncompiled: it still
+does, its report saying so.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from typing import Any, Sequence
@@ -165,11 +172,12 @@ class DecodeStep:
         self.model = model
         self.guards_once_per_loop = guards_once_per_loop
         self.report = laplace_passes.Report()
+        self._compile = functools.partial(laplace_passes.compile, target=target, inner=inner, dynamic=None,
+                                          report=self.report, **options)
         # A code object of its own: Dynamo's cache and its limit of 8 compiles per code object
-        # would otherwise be shared by the steps of every model (the 9th would run uncompiled).
-        self._compiled = laplace_passes.compile(
-            fresh_code(self._step), target=target, inner=inner, dynamic=None, report=self.report, **options
-        )
+        # would otherwise be shared by the steps of every model (the 9th would run uncompiled). One whole graph:
+        # a graph break raises while Dynamo traces, before anything runs (NOTE [a forward with a graph break]).
+        self._compiled = self._compile(fresh_code(self._step), fullgraph=True)
         self.graph_break: str | None = None  # why the model's forward breaks Dynamo's graph, once seen
 
     def _step(self, tokens: Tensor, states: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -205,23 +213,33 @@ class DecodeStep:
         # add up on a tensor, and Dynamo would pick one of them).
         tokens = _with_stride_one(tokens).view(tokens.shape)
         states = [buffer[...] for buffer in states]
-        if self.graph_break is None:  # NOTE [a forward with a graph break]
-            mark_batch_class(tokens.shape[0], (tokens, *states))
-            try:
-                with torch._dynamo.error_on_graph_break(True):
-                    return self._compiled(tokens, states)
-            except torch._dynamo.exc.Unsupported as error:
-                self._without_batch_classes(error)
-            tokens, states = tokens.view(tokens.shape), [buffer[...] for buffer in states]  # views with no mark
-        return self._compiled(tokens, states)
+        if self.graph_break is not None:  # NOTE [a forward with a graph break]
+            return self._compiled(tokens, states)
+        mark_batch_class(tokens.shape[0], (tokens, *states))
+        written = [buffer._version for buffer in states]
+        try:
+            return self._compiled(tokens, states)
+        except torch._dynamo.exc.Unsupported as error:  # raised while tracing: nothing has run
+            if [buffer._version for buffer in states] != written:
+                raise
+            self._without_batch_classes(error)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # as Dynamo runs a frame past its limit: uncompiled
+            self._add_note("Dynamo's recompile limit was reached: a step no compiled graph fits runs uncompiled")
+            return self._step(tokens, states)
+        return self._compiled(tokens.view(tokens.shape), [buffer[...] for buffer in states])  # views with no mark
 
     def _without_batch_classes(self, error: Exception) -> None:
-        """The model's forward breaks Dynamo's graph: the step's later calls mark no batch class (NOTE [a forward
-        with a graph break])."""
+        """The model's forward breaks Dynamo's graph: this step's calls, this one included, run a compile that
+        takes graph breaks and marks no batch class (NOTE [a forward with a graph break])."""
         self.graph_break = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        self.report.notes.append(f"the model's forward breaks Dynamo's graph ({self.graph_break}): the decode step "
-                                 "runs Dynamo's graphs without batch classes, compiled per batch size until Dynamo "
-                                 "makes the batch dynamic")
+        self._compiled = self._compile(fresh_code(self._step))
+        self._add_note(f"the model's forward breaks Dynamo's graph ({self.graph_break}): the decode step runs Dynamo's "
+                   "graphs without batch classes, each call fully guarded, compiled per batch size until Dynamo "
+                   "makes the batch dynamic")
+
+    def _add_note(self, note: str) -> None:
+        if note not in self.report.notes:
+            self.report.notes.append(note)
 
     def _unguarded(self, tokens: Tensor, states: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """A later step of a loop whose first step was fully guarded (NOTE [guards once per loop])."""
@@ -258,8 +276,8 @@ class DecodeLoop:
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        if self.tokens_like is None or not self.step.guards_once_per_loop:
-            out = self.step.logits_and_greedy(tokens, self.states)  # every check and every guard
+        if self.tokens_like is None or not self._later_calls_skip_guards():
+            out = self._guarded(tokens)  # every check and every guard
             self.tokens_like = (tokens.shape, tokens.dtype)
             return out
         if (tokens.shape, tokens.dtype) != self.tokens_like:
@@ -267,6 +285,13 @@ class DecodeLoop:
             raise ValueError(f"a decode loop's tokens keep the first step's shape and dtype, {tuple(shape)} "
                              f"{dtype}; got {tuple(tokens.shape)} {tokens.dtype}: start a new loop (step.loop)")
         return self._later(_with_stride_one(tokens))
+
+    def _guarded(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The loop's first call, and each later one where guards are not skipped."""
+        return self.step.logits_and_greedy(tokens, self.states)
+
+    def _later_calls_skip_guards(self) -> bool:
+        return self.step.guards_once_per_loop
 
     def _later(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """A call after the loop's first (NOTE [guards once per loop])."""

@@ -94,33 +94,22 @@ _BATCH_SIZE = re.compile(r"args(\[0\]|\[1\]\[\d+\])\.size\(\)\[0\]$")
 class AheadOfTimeStep(DecodeStep):
     """A decode step whose loops run an AOTInductor library after their first, guarded call (see the module
     docstring). `target` and `options` are the laplace backend's, as for `DecodeStep`, but for `inner` (always
-    Inductor, which also records the graph each call runs) and `guards_once_per_loop` (always True); `cache_dir`
-    (default: a folder under Inductor's cache directory) is where the libraries are kept."""
+    Inductor, which also records the graph each call runs); `guards_once_per_loop` applies to the loops that run
+    the JIT-compiled graph (a library evaluates no guard); `cache_dir` (default: a folder under Inductor's cache
+    directory) is where the libraries are kept."""
 
     def __init__(self, model: torch.nn.Module, *, target: Any = "cpu", cache_dir: str | None = None,
                  **options: Any) -> None:
-        for name in ("inner", "guards_once_per_loop"):
-            if name in options:
-                raise TypeError(f"AheadOfTimeStep takes no {name}= (see its docstring); DecodeStep does")
+        if "inner" in options:
+            raise TypeError("AheadOfTimeStep takes no inner= (see its docstring); DecodeStep does")
         self._calls = threading.local()  # per thread: the graphs a loop's guarded first call ran
         super().__init__(model, target=target, inner=_RecordingInductor(self), **options)
         self.cache_dir = cache_dir
         # (id of the graph's record, batch class, layout, tokens' dtype) -> (the record, kept alive so that its id
         # is not reused, and its library or None where declined)
         self._libraries: dict[tuple, tuple[GraphRecord, _Library | None]] = {}
-        self._not_on_disk: dict[tuple, str] = {}  # the same keys -> the path where no library was found
-
-    @property
-    def guards_once_per_loop(self) -> bool:
-        """Always True: a loop's later calls run a library, which evaluates no guard, or the JIT graph with the
-        guards that choose between graphs (NOTE [guards once per loop] in model_zoo.decode)."""
-        return True
-
-    @guards_once_per_loop.setter
-    def guards_once_per_loop(self, value: bool) -> None:
-        if not value:
-            raise ValueError("an AheadOfTimeStep's loops evaluate guards at their first call only; a DecodeStep "
-                             "built with guards_once_per_loop=False evaluates them at every call")
+        # The same keys -> (cache_dir, the path) where no library was found.
+        self._not_on_disk: dict[tuple, tuple[str | None, str]] = {}
 
     def loop(self, states: Sequence[Tensor], *, compile_missing: bool = True) -> AheadOfTimeLoop:
         """A loop over the buffers `states`; `compile_missing=False` runs a library only where one is already
@@ -150,11 +139,13 @@ class AheadOfTimeStep(DecodeStep):
         (record,) = ran
         key = (id(record), _library_key(tokens.shape[0], states), tokens.dtype)
         if key not in self._libraries:
-            if not compile_missing and key in self._not_on_disk and not os.path.exists(self._not_on_disk[key]):
+            missing = self._not_on_disk.get(key)
+            if not compile_missing and missing is not None and missing[0] == self.cache_dir and \
+                    not os.path.exists(missing[1]):
                 return None  # still none: looked up by its path alone, not the graph hashed again
             library = self._build(record.after, tokens, states, key[1], compile_missing)
             if isinstance(library, _NotOnDisk):  # a later loop may find one compiled by then
-                self._not_on_disk[key] = library.path
+                self._not_on_disk[key] = (self.cache_dir, library.path)
                 return None
             self._libraries[key] = (record, library)
         library = self._libraries[key][1]
@@ -174,7 +165,7 @@ class AheadOfTimeStep(DecodeStep):
                        "(generate(..., decode=\"ahead-of-time\") compiles one)")
             return missing
         except Exception as error:
-            if strict_mode():
+            if strict_mode() and compile_missing:  # a loop that compiles nothing has nothing to fail loudly
                 raise
             return self._declined(tokens, f"{type(error).__name__}: {error}")
 
@@ -182,9 +173,7 @@ class AheadOfTimeStep(DecodeStep):
         self._note(tokens, f"not compiled ahead of time ({reason}); its loop runs the JIT-compiled graph")
 
     def _note(self, tokens: Tensor, what: str) -> None:
-        note = f"decode step for {tokens.shape[0]} sequences {what}"
-        if note not in self.report.notes:
-            self.report.notes.append(note)
+        self._add_note(f"decode step for {tokens.shape[0]} sequences {what}")
 
 
 class AheadOfTimeLoop(DecodeLoop):
@@ -196,13 +185,14 @@ class AheadOfTimeLoop(DecodeLoop):
         self.compile_missing = compile_missing
         self.chosen: tuple | None = None  # (library, weights) the first call chose; None: the JIT graph
 
-    @torch.no_grad()
-    def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        if self.tokens_like is not None:
-            return super().__call__(tokens)  # checks the tokens against the first call's, then `_later`
+    def _guarded(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        if self.tokens_like is not None:  # a later call of a loop that runs the JIT graph with every guard
+            return super()._guarded(tokens)
         out, self.chosen = self.step.first_call(tokens, self.states, self.compile_missing)
-        self.tokens_like = (tokens.shape, tokens.dtype)
         return out
+
+    def _later_calls_skip_guards(self) -> bool:
+        return self.chosen is not None or self.step.guards_once_per_loop
 
     def _later(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         if self.chosen is None:
@@ -367,6 +357,8 @@ class _Library:
             try:
                 return cls(torch._inductor.aoti_load_package(path), inputs, weights)
             except Exception:  # a file another build of torch wrote, or a damaged one: compiled again below
+                if not compile_missing:  # perhaps a passing failure (a full temp directory): left for others
+                    raise
                 os.remove(path)
         if not compile_missing:
             raise _NotOnDisk(path)

@@ -260,11 +260,8 @@ def test_inputs_are_read_from_the_steps_arguments_and_the_model_only(model, step
         _resolve(step, "model.layers[0]")
     with pytest.raises(ValueError, match="is not a tensor reached by attributes"):
         _resolve(step, "model.layers")
-    with pytest.raises(ValueError, match="evaluate guards at their first call only"):
-        step.guards_once_per_loop = False
-    for option in ("inner", "guards_once_per_loop"):
-        with pytest.raises(TypeError, match=f"AheadOfTimeStep takes no {option}="):
-            AheadOfTimeStep(model, **{option: "eager"})
+    with pytest.raises(TypeError, match="AheadOfTimeStep takes no inner="):
+        AheadOfTimeStep(model, inner="eager")
 
 
 def test_libraries_are_per_batch_class_and_buffer_layout():
@@ -297,8 +294,12 @@ def test_a_loop_that_compiles_nothing_runs_the_jit_graph_until_a_library_is_on_d
         assert torch.equal(torch.stack(tokens, 1), expected_tokens)
         torch.testing.assert_close(torch.stack(all_logits, 1), expected_logits, **TIGHT)
 
-    decode_load_only()  # nothing on disk: every step through the JIT-compiled graph, nothing compiled
-    assert (len(guarded), len(library_calls), compiles, os.listdir(tmp_path)) == (4, 0, [], [])
+    hashed, package_path = [], decode_ahead._package_path
+    monkeypatch.setattr(decode_ahead, "_package_path", lambda *a: hashed.append(1) or package_path(*a))
+    for _ in range(2):  # nothing on disk: every step through the JIT-compiled graph, nothing compiled
+        decode_load_only()
+    assert (len(guarded), len(library_calls), compiles, os.listdir(tmp_path)) == (8, 0, [], [])
+    assert len(hashed) == 1  # the second loop looked at the path it remembered, not hashing the graph again
     (note,) = load_only.report.notes
     assert note == ("decode step for 64 sequences runs its JIT-compiled graph: no library compiled ahead of time for "
                     "it on disk (generate(..., decode=\"ahead-of-time\") compiles one)")
@@ -349,3 +350,24 @@ def test_a_process_that_loaded_a_library_leaves_no_folder_in_the_temp_directory(
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not [p.name for p in temp.iterdir() if p.name.startswith("aotinductor")]
+
+
+def test_guards_once_per_loop_off_guards_each_jit_call_and_leaves_a_library_alone(model, step, tmp_path, monkeypatch,
+                                                                                 library_calls):
+    stances, set_stance = [], torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    monkeypatch.setattr(step, "guards_once_per_loop", False)
+    decode(step, model, prompt(BATCH, 3, seed=11), 4)  # the library (on disk from an earlier test, or compiled)
+    assert len(library_calls) == 3
+    no_library = AheadOfTimeStep(model, cache_dir=str(tmp_path), guards_once_per_loop=False)
+    guarded, compiled = [], no_library._compiled
+    monkeypatch.setattr(no_library, "_compiled", lambda *a: guarded.append(1) or compiled(*a))
+    ids = prompt(BATCH, 3, seed=11)
+    with torch.no_grad():
+        logits, states = model(ids, output_final_states=True)
+        loop, token = no_library.loop(no_library.state_buffer(states), compile_missing=False), \
+            logits[:, -1].argmax(-1)
+        for _ in range(4):
+            _, token = loop(token)
+    assert len(guarded) == 4 and len(library_calls) == 3
+    assert not [k for k in stances if k.get("skip_guard_eval_unsafe")]  # every JIT call fully guarded

@@ -37,7 +37,8 @@ def test_default_generate_is_compiled_and_equals_the_eager_reference(model):
     ids = prompt(3, 5)
     compiled = model.generate(ids, 8, return_logits=True)  # decode="auto": compiled on the CPU
     # The ahead-of-time step, whose loops run the JIT-compiled graph where no library is compiled already.
-    assert model.ahead_of_time_step.graphs_compiled() == 1
+    assert model.ahead_of_time_step.graphs_compiled() == 1 and model.ahead_of_time_step.graph_break is None
+    assert all("no library compiled ahead of time" in note for note in model.ahead_of_time_step.report.notes)
     (site, *_) = model.ahead_of_time_step.report.sites
     assert site.status == "retiled" and site.form.startswith("recurrent: T = 1")
     eager = model.generate(ids, 8, return_logits=True, decode="eager")
@@ -165,8 +166,8 @@ def test_a_forward_with_a_graph_break_decodes_each_batch_as_the_eager_loop_does(
             assert torch.equal(token, model.generate(ids, 4, decode="eager").tokens[:, -1]), batch
     assert step.graph_break == "Call to `torch._dynamo.graph_break()`"
     assert step.report.notes == ["the model's forward breaks Dynamo's graph (Call to `torch._dynamo.graph_break()`): "
-                                 "the decode step runs Dynamo's graphs without batch classes, compiled per batch size "
-                                 "until Dynamo makes the batch dynamic"]
+                                 "the decode step runs Dynamo's graphs without batch classes, each call fully "
+                                 "guarded, compiled per batch size until Dynamo makes the batch dynamic"]
     assert not [k for k in stances if k.get("skip_guard_eval_unsafe")]  # every call guarded
     ids = prompt(3, 4, seed=9)  # generate's default, as a user calls it
     assert torch.equal(model.generate(ids, 5).tokens, model.generate(ids, 5, decode="eager", prefill="eager").tokens)
