@@ -121,8 +121,8 @@ unmarked and fully guarded: Dynamo compiles per batch size until it makes
 the batch dynamic itself, and frames it skipped at the break are skipped
 again at each call (under the loop's skipped guards they would ask for a
 compile, an error). Past Dynamo's recompile limit, the whole graph's
-compile raises too, where the step had run the call uncompiled: it still
-does, its report saying so.
+compile raises too, where Dynamo had run the call uncompiled: the step
+still does (the report notes the limit).
 """
 
 from __future__ import annotations
@@ -223,9 +223,8 @@ class DecodeStep:
             if [buffer._version for buffer in states] != written:
                 raise
             self._without_batch_classes(error)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:  # as Dynamo runs a frame past its limit: uncompiled
-            self._add_note("Dynamo's recompile limit was reached: a step no compiled graph fits runs uncompiled")
-            return self._step(tokens, states)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # as Dynamo runs a frame past its limit (the report
+            return self._step(tokens, states)  # notes the limit): uncompiled
         return self._compiled(tokens.view(tokens.shape), [buffer[...] for buffer in states])  # views with no mark
 
     def _without_batch_classes(self, error: Exception) -> None:

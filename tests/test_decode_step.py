@@ -173,6 +173,25 @@ def test_a_forward_with_a_graph_break_decodes_each_batch_as_the_eager_loop_does(
     assert torch.equal(model.generate(ids, 5).tokens, model.generate(ids, 5, decode="eager", prefill="eager").tokens)
 
 
+def test_a_step_past_dynamos_recompile_limit_runs_uncompiled_as_dynamo_would():
+    """The step compiles its graph whole (NOTE [a forward with a graph break]), and Dynamo then raises past its
+    recompile limit where it had run the frame uncompiled: the step runs the call uncompiled, its report noting
+    the limit."""
+    torch.manual_seed(0)
+    model = model_zoo.build("tiny").eval()
+    step = DecodeStep(model, inner="eager")
+    ids = prompt(3, 3, seed=12)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for dtype in (torch.long, torch.int32):  # a dtype Dynamo guards on: the second call needs a recompile
+            _, states = model(ids, output_final_states=True)
+            logits, _ = step.logits_and_greedy(ids[:, -1].to(dtype), step.state_buffer(states))
+            expected, _ = model(ids[:, -1:], initial_states=states, output_final_states=True)
+            torch.testing.assert_close(logits, expected[:, -1], **TIGHT)
+    assert step.graphs_compiled() == 1
+    (note,) = step.report.notes
+    assert "a later call ran uncompiled, as will every call after it: Dynamo hit config.recompile_limit (1)" in note
+
+
 def test_each_loop_starts_with_every_guard():
     """A loop's first call compiles when no graph fits (one sequence after a batch); a change of tokens inside a
     loop is refused, not run on a graph made for other inputs."""
