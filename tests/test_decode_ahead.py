@@ -49,7 +49,12 @@ def decode(step, model, ids, steps, fed=None):
     fed to the steps appended to `fed`)."""
     logits, states = model(ids, output_final_states=True)
     buffers = step.state_buffer(states)
-    loop, token = step.loop(buffers), logits[:, -1].argmax(-1)
+    return (*run_loop(step.loop(buffers), logits[:, -1].argmax(-1), steps, fed), buffers)
+
+
+@torch.no_grad()
+def run_loop(loop, token, steps, fed=None):
+    """Greedy tokens and logits of `steps` calls of `loop` from `token` (the tokens fed appended to `fed`)."""
     tokens, all_logits = [], []
     for _ in range(steps):
         if fed is not None:
@@ -57,7 +62,7 @@ def decode(step, model, ids, steps, fed=None):
         step_logits, token = loop(token)
         tokens.append(token)
         all_logits.append(step_logits)
-    return torch.stack(tokens, 1), torch.stack(all_logits, 1), buffers
+    return torch.stack(tokens, 1), torch.stack(all_logits, 1)
 
 
 def test_steps_equal_the_jit_steps_and_the_eager_reference(model, step, library_dir, caplog):
@@ -208,14 +213,9 @@ def test_a_buffer_that_is_not_dense_is_declined_and_decodes_through_the_jit_step
     sparse = AheadOfTimeStep(model, cache_dir=str(tmp_path))
     wide = [torch.zeros(3, 4, 16, 32) for _ in states]
     buffers = [w[:, :2].copy_(s) for w, s in zip(wide, states)]  # two heads of four: not dense
-    loop, token, tokens, all_logits = sparse.loop(buffers), logits[:, -1].argmax(-1), [], []
-    with torch.no_grad():
-        for _ in range(3):
-            step_logits, token = loop(token)
-            tokens.append(token)
-            all_logits.append(step_logits)
-    assert torch.equal(torch.stack(tokens, 1), expected_tokens)
-    torch.testing.assert_close(torch.stack(all_logits, 1), expected_logits, **TIGHT)
+    tokens, all_logits = run_loop(sparse.loop(buffers), logits[:, -1].argmax(-1), 3)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(all_logits, expected_logits, **TIGHT)
     assert sparse.libraries_ready() == 0 and not os.listdir(tmp_path) and not library_calls
     (note,) = sparse.report.notes
     assert note.startswith("decode step for 3 sequences not compiled ahead of time (a state buffer is not dense in "
@@ -284,15 +284,10 @@ def test_a_loop_that_compiles_nothing_runs_the_jit_graph_until_a_library_is_on_d
     def decode_load_only():
         with torch.no_grad():
             logits, states = model(ids, output_final_states=True)
-        loop, token, tokens, all_logits = load_only.loop(load_only.state_buffer(states), compile_missing=False), \
-            logits[:, -1].argmax(-1), [], []
-        with torch.no_grad():
-            for _ in range(4):
-                step_logits, token = loop(token)
-                tokens.append(token)
-                all_logits.append(step_logits)
-        assert torch.equal(torch.stack(tokens, 1), expected_tokens)
-        torch.testing.assert_close(torch.stack(all_logits, 1), expected_logits, **TIGHT)
+        loop = load_only.loop(load_only.state_buffer(states), compile_missing=False)
+        tokens, all_logits = run_loop(loop, logits[:, -1].argmax(-1), 4)
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(all_logits, expected_logits, **TIGHT)
 
     hashed, package_path = [], decode_ahead._package_path
     monkeypatch.setattr(decode_ahead, "_package_path", lambda *a: hashed.append(1) or package_path(*a))
@@ -365,9 +360,6 @@ def test_guards_once_per_loop_off_guards_each_jit_call_and_leaves_a_library_alon
     ids = prompt(BATCH, 3, seed=11)
     with torch.no_grad():
         logits, states = model(ids, output_final_states=True)
-        loop, token = no_library.loop(no_library.state_buffer(states), compile_missing=False), \
-            logits[:, -1].argmax(-1)
-        for _ in range(4):
-            _, token = loop(token)
+    run_loop(no_library.loop(no_library.state_buffer(states), compile_missing=False), logits[:, -1].argmax(-1), 4)
     assert len(guarded) == 4 and len(library_calls) == 3
     assert not [k for k in stances if k.get("skip_guard_eval_unsafe")]  # every JIT call fully guarded
