@@ -275,7 +275,8 @@ def decode_steps_through_generate(model, sequences: int, steps: int, prompt_len:
     """Tokens/s of generate's decode steps with each of `modes` (its ``decode=``): (generate of steps + 2 tokens -
     generate of 2) / steps per step (generate of n tokens runs n - 1 steps; the prefill and a loop's first, guarded
     step cancel), beside both rooflines measured in each repeat; the modes alternate within each repeat, after
-    first calls with each of `warm_up` (default: `modes`). "default_ran": what the default ("auto") runs then."""
+    first calls with each of `warm_up` (default: `modes`). "default_ran", where "auto" is among `modes`: what the
+    default runs then."""
     prompt = torch.randint(1, model.config.vocab_size, (sequences, prompt_len),
                            generator=torch.Generator().manual_seed(sequences))
     say("decode: first calls of generate (the decode steps compile) ...")

@@ -108,21 +108,24 @@ hint are part of the FX graph cache's key, so neither Dynamo nor the cache
 hands one class the other's graph.
 
 NOTE [a forward with a graph break]: a model whose forward breaks Dynamo's
-graph (a hook that prints, data-dependent Python) is resumed by Dynamo in
+graph (a hook that prints, `torch._dynamo.graph_break()`) is resumed by Dynamo in
 frames that take the first graph's outputs as new inputs with static sizes,
 beside the buffers marked dynamic within their class: copying a state into
 its buffer then fails in Dynamo ("expand: attempting to expand a dimension
 of length 3 -> s3"), inside the user's `generate`. So a step's guarded call
 is compiled whole (``fullgraph``, for that compile only), so Dynamo raises
-at the break while it traces, before anything has run; the step then drops
+at the break while it traces, before anything has run (as it does for
+data-dependent Python a whole graph cannot take, a branch on ``.item()``,
+which a compile with breaks would have split at); the step then drops
 the batch classes for the rest of its life (its report says why), and runs
 that call and every later one through a compile that takes graph breaks,
 unmarked and fully guarded: Dynamo compiles per batch size until it makes
 the batch dynamic itself, and frames it skipped at the break are skipped
 again at each call (under the loop's skipped guards they would ask for a
-compile, an error). Past Dynamo's recompile limit, the whole graph's
-compile raises too, where Dynamo had run the call uncompiled: the step
-still does (the report notes the limit).
+compile, an error). Past Dynamo's recompile limit, a compile of the whole
+graph raises too, where Dynamo had run the frame "run only" (the graphs
+compiled so far, the rest uncompiled): the step runs it so from then on,
+each call fully guarded (the report notes the limit once).
 """
 
 from __future__ import annotations
@@ -178,7 +181,8 @@ class DecodeStep:
         # would otherwise be shared by the steps of every model (the 9th would run uncompiled). One whole graph:
         # a graph break raises while Dynamo traces, before anything runs (NOTE [a forward with a graph break]).
         self._compiled = self._compile(fresh_code(self._step), fullgraph=True)
-        self.graph_break: str | None = None  # why the model's forward breaks Dynamo's graph, once seen
+        self.graph_break: str | None = None  # why Dynamo could not compile the step whole, once seen
+        self._past_recompile_limit = False
 
     def _step(self, tokens: Tensor, states: list[Tensor]) -> tuple[Tensor, Tensor]:
         """What the graph computes: logits of the next token and their argmax; each buffer replaced by its
@@ -216,25 +220,33 @@ class DecodeStep:
         if self.graph_break is not None:  # NOTE [a forward with a graph break]
             return self._compiled(tokens, states)
         mark_batch_class(tokens.shape[0], (tokens, *states))
-        written = [buffer._version for buffer in states]
         try:
             return self._compiled(tokens, states)
-        except torch._dynamo.exc.Unsupported as error:  # raised while tracing: nothing has run
-            if [buffer._version for buffer in states] != written:
-                raise
+        # Raised while Dynamo traces the whole step, before anything has run: a graph break, or data-dependent
+        # Python that a whole graph cannot take.
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as error:
             self._without_batch_classes(error)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:  # as Dynamo runs a frame past its limit (the report
-            return self._step(tokens, states)  # notes the limit): uncompiled
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            if torch._dynamo.config.fail_on_recompile_limit_hit:
+                raise
+            return self._past_the_recompile_limit(tokens, states)
         return self._compiled(tokens.view(tokens.shape), [buffer[...] for buffer in states])  # views with no mark
 
     def _without_batch_classes(self, error: Exception) -> None:
-        """The model's forward breaks Dynamo's graph: this step's calls, this one included, run a compile that
-        takes graph breaks and marks no batch class (NOTE [a forward with a graph break])."""
+        """Dynamo cannot compile the step whole: this step's calls, this one included, run a compile that takes
+        graph breaks and marks no batch class (NOTE [a forward with a graph break])."""
         self.graph_break = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self._compiled = self._compile(fresh_code(self._step))
-        self._add_note(f"the model's forward breaks Dynamo's graph ({self.graph_break}): the decode step runs Dynamo's "
-                   "graphs without batch classes, each call fully guarded, compiled per batch size until Dynamo "
-                   "makes the batch dynamic")
+        self._add_note(f"Dynamo could not compile the decode step as one graph ({self.graph_break}): it runs "
+                       "Dynamo's graphs without batch classes, each call fully guarded, compiled per batch size until "
+                       "Dynamo makes the batch dynamic")
+
+    def _past_the_recompile_limit(self, tokens: Tensor, states: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """As Dynamo runs a frame past its recompile limit (the report notes the limit): the graphs compiled so far
+        where they fit, the rest uncompiled, nothing compiled again, and each call fully guarded."""
+        self._compiled = torch._dynamo.run(self._compiled)
+        self._past_recompile_limit = True
+        return self._compiled(tokens, states)
 
     def _add_note(self, note: str) -> None:
         if note not in self.report.notes:
@@ -244,7 +256,7 @@ class DecodeStep:
         """A later step of a loop whose first step was fully guarded (NOTE [guards once per loop])."""
         # Another thread may enter compiled code (NOTE [guards once per loop]); a forward with a graph break runs
         # frames Dynamo compiles, or skips, at each call (NOTE [a forward with a graph break]).
-        if self.graph_break is not None or not _only_thread():
+        if self.graph_break is not None or self._past_recompile_limit or not _only_thread():
             return self.logits_and_greedy(tokens, states)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # views, as the guarded call passed them
             return self._compiled(tokens.view(tokens.shape), [buffer[...] for buffer in states])
