@@ -108,8 +108,8 @@ class AheadOfTimeStep(DecodeStep):
         # (id of the graph's record, batch class, layout, tokens' dtype) -> (the record, kept alive so that its id
         # is not reused, and its library or None where declined)
         self._libraries: dict[tuple, tuple[GraphRecord, _Library | None]] = {}
-        # The same keys -> (cache_dir, the path) where no library was found.
-        self._not_on_disk: dict[tuple, tuple[str | None, str]] = {}
+        # (the same key, cache_dir) -> the path where no library was found.
+        self._not_on_disk: dict[tuple, str] = {}
 
     def loop(self, states: Sequence[Tensor], *, compile_missing: bool = True) -> AheadOfTimeLoop:
         """A loop over the buffers `states`; `compile_missing=False` runs a library only where one is already
@@ -139,13 +139,12 @@ class AheadOfTimeStep(DecodeStep):
         (record,) = ran
         key = (id(record), _library_key(tokens.shape[0], states), tokens.dtype)
         if key not in self._libraries:
-            missing = self._not_on_disk.get(key)
-            if not compile_missing and missing is not None and missing[0] == self.cache_dir and \
-                    not os.path.exists(missing[1]):
+            missing = self._not_on_disk.get((key, self.cache_dir))
+            if not compile_missing and missing is not None and not os.path.exists(missing):
                 return None  # still none: looked up by its path alone, not the graph hashed again
             library = self._build(record.after, tokens, states, key[1], compile_missing)
             if isinstance(library, _NotOnDisk):  # a later loop may find one compiled by then
-                self._not_on_disk[key] = (self.cache_dir, library.path)
+                self._not_on_disk[key, self.cache_dir] = library.path
                 return None
             self._libraries[key] = (record, library)
         library = self._libraries[key][1]

@@ -82,11 +82,11 @@ def generate(
 ) -> Generation:
     """Greedy (temperature 0) or sampled continuation of every sequence in `input_ids`."""
     _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits)
-    step, step_property = _decode_step(model, decode, input_ids.device, _dtype(model))
+    step, loop_options = _decode_step(model, decode, input_ids.device, _dtype(model))
     logits, states = _prefill(model, prefill, input_ids)
     state_bytes = sum(s[0].numel() * s.element_size() for s in states)
     if step is not None:
-        decode_loop = _loop(step, step_property, decode, states)
+        decode_loop = step.loop(step.state_buffer(states), **loop_options)  # NOTE [guards once per loop]
     step_logits, greedy = logits[:, -1], None
     tokens, chosen_from = [input_ids], []
     for _ in range(max_new_tokens):
@@ -112,8 +112,9 @@ def generate(
 
 DECODE_MODES = ("auto", "compiled", "ahead-of-time", "eager")
 PREFILL_MODES = ("auto", "compiled", "eager")
-# Decode modes -> the model's property holding that step.
-_STEPS = {"compiled": "decode_step", "ahead-of-time": "ahead_of_time_step", "auto": "ahead_of_time_step"}
+# Decode modes -> the model's property holding that step, and the options of its loops.
+_STEPS = {"compiled": ("decode_step", {}), "ahead-of-time": ("ahead_of_time_step", {}),
+          "auto": ("ahead_of_time_step", {"compile_missing": False})}
 
 
 def _check_arguments(input_ids, max_new_tokens, prefill, temperature, generator, return_logits) -> None:
@@ -143,31 +144,21 @@ def _dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 
 def _decode_step(model: torch.nn.Module, decode: str, device: torch.device, dtype: torch.dtype | None):
-    """The model's compiled step and the property holding it, or (None, None) for the eager loop (see the module
+    """The model's compiled step and the options of its loops, or (None, {}) for the eager loop (see the module
     docstring)."""
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-    step_property = _STEPS.get(decode, "decode_step")
-    if decode == "auto" and not hasattr(type(model), step_property):
-        step_property = "decode_step"  # a model with a JIT step only
-    has_step = hasattr(type(model), step_property)
-    if decode in _STEPS and decode != "auto" and not has_step:
-        raise ValueError(f"decode={decode!r} needs a model with a {step_property} (model_zoo.GLALM); "
-                         f"{type(model).__name__} has none: use decode='eager'")
-    if decode == "eager" or not has_step:
-        return None, None
-    if decode == "auto" and not _auto_compiles(device, dtype):
-        return None, None
-    return getattr(model, step_property), step_property
-
-
-def _loop(step, step_property: str, decode: str, states: list[Tensor]):
-    """One decode loop of `step` over buffers holding `states` (NOTE [guards once per loop] in model_zoo.decode):
-    "auto" runs a library compiled ahead of time only where one is compiled already."""
-    buffers = step.state_buffer(states)
-    if decode == "auto" and step_property == "ahead_of_time_step":
-        return step.loop(buffers, compile_missing=False)
-    return step.loop(buffers)
+    if decode == "eager" or (decode == "auto" and not _auto_compiles(device, dtype)):
+        return None, {}
+    step_property, loop_options = _STEPS[decode]
+    if not hasattr(type(model), step_property):
+        if decode != "auto":
+            raise ValueError(f"decode={decode!r} needs a model with a {step_property} (model_zoo.GLALM); "
+                             f"{type(model).__name__} has none: use decode='eager'")
+        if not hasattr(type(model), "decode_step"):
+            return None, {}
+        step_property, loop_options = _STEPS["compiled"]  # a model with a JIT step only
+    return getattr(model, step_property), loop_options
 
 
 def _prefill(model: torch.nn.Module, prefill, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
