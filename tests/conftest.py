@@ -45,29 +45,33 @@ os.environ.pop("NEURON_LOGICAL_NC_CONFIG", None)
 # order is from `--durations=0` summed per module (seconds on two workers,
 # this 2-core machine); a module missing from it only runs later.
 SLOWEST_MODULES_FIRST = (
-    "test_fla_family_models.py",  # 180
-    "test_readme.py",  # 178
-    "test_bench_cli.py",  # 173
-    "test_lowering.py",  # 125
-    "test_demo_distributed.py",  # 119
-    "test_dynamic_shapes.py",  # 111
-    "test_sharded_muon.py",  # 106
-    "test_recognise.py",  # 106
-    "test_fla_model.py",  # 92
-    "test_compiled_bodies.py",  # 90
-    "test_cli.py",  # 89
-    "test_fla_zoo.py",  # 78
-    "test_backend.py",  # 70
-    "test_muon_rewrite.py",  # 61
-    "test_xla_consumer.py",  # 54
-    "test_chunked_gla.py",  # 47
-    "test_recognise_mamba2.py",  # 46
-    "test_generate.py",  # 46
-    "test_muon_user_steps.py",  # 41
-    "test_checkpointed_regions.py",  # 39
-    "test_gate_bounds.py",  # 34
-    "test_inductor_fast.py",  # 31
-    "test_partition.py",  # 31
+    "test_bench_cli.py",  # 186
+    "test_decode_ahead.py",  # 139
+    "test_fla_family_models.py",  # 127
+    "test_dynamic_shapes.py",  # 116
+    "test_backend.py",  # 114
+    "test_demo_distributed.py",  # 106
+    "test_readme.py",  # 90
+    "test_recognise.py",  # 88
+    "test_sharded_muon.py",  # 82
+    "test_cli.py",  # 66
+    "test_lowering.py",  # 65
+    "test_kernel_batches.py",  # 64
+    "test_compiled_bodies.py",  # 61
+    "test_muon_rewrite.py",  # 57
+    "test_fla_model.py",  # 55
+    "test_condition_sources.py",  # 54
+    "test_generate.py",  # 53
+    "test_decode_step.py",  # 47
+    "test_muon_user_steps.py",  # 43
+    "test_xla_consumer.py",  # 43
+    "test_fla_zoo.py",  # 42
+    "test_chunked_gla.py",  # 39
+    "test_inductor_fast.py",  # 38
+    "test_body_helper.py",  # 37
+    "test_gate_bounds.py",  # 31
+    "test_recognise_mamba2.py",  # 31
+    "test_checkpointed_regions.py",  # 28
 )
 
 

@@ -43,7 +43,14 @@ _SHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # Imported once by the fork server that locally launched ranks are forked from.
 # A name that fails to import is skipped (multiprocessing's forkserver ignores it).
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "laplace_passes", "model_zoo", "model_zoo.muon")
+# Beside the project, what a rank's first compile imports otherwise: AOT Autograd
+# and Inductor (imported by Dynamo's backend lookup and AOT Autograd's call, not
+# by `import torch._dynamo`), and Dynamo's debug wrapper of the backend. With them,
+# a rank's first Inductor compile of a small function took 1.9 s instead of 5.7 s
+# (two ranks, 2 cores); none of them starts a thread, which a fork would not copy.
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "laplace_passes", "model_zoo", "model_zoo.muon",
+                   "torch._functorch.aot_autograd", "torch._inductor.compile_fx", "torch._inductor.debug",
+                   "torch._dynamo.repro.after_dynamo")
 
 
 class LaunchError(RuntimeError):
