@@ -46,8 +46,11 @@ _SHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # Beside the project, what a rank's first compile imports otherwise: AOT Autograd
 # and Inductor (imported by Dynamo's backend lookup and AOT Autograd's call, not
 # by `import torch._dynamo`), and Dynamo's debug wrapper of the backend. With them,
-# a rank's first Inductor compile of a small function took 1.9 s instead of 5.7 s
-# (two ranks, 2 cores); none of them starts a thread, which a fork would not copy.
+# a rank's first Inductor compile of a small function (its kernels cached) took 1.4
+# to 1.8 s and 0.6 s of CPU instead of 2.2 to 2.5 s and 1.2 to 1.4 s (two ranks, 2
+# cores). A single launch gains nothing (the server's start takes what the ranks
+# save); every later launch of the process does. None of them starts a thread, which
+# a fork would not copy.
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "laplace_passes", "model_zoo", "model_zoo.muon",
                    "torch._functorch.aot_autograd", "torch._inductor.compile_fx", "torch._inductor.debug",
                    "torch._dynamo.repro.after_dynamo")
