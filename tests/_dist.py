@@ -26,8 +26,8 @@ exited is noticed at once: its connections close).
 
 Ranks start as `laplace_passes.demo.distributed.launch_local` starts them (its
 defaults): forked from a fork server, a fresh process (never a fork of the
-test runner) that imported torch, torch._dynamo and the project's packages
-once (several seconds of CPU), so a rank starts in milliseconds instead of
+test runner) that imported torch, torch._dynamo, AOT Autograd, Inductor and the
+project's packages once (several seconds of CPU), so a rank starts in milliseconds instead of
 re-importing everything; on a 2-core machine that is most of a
 multi-process test's runtime. The preload list is fixed when the fork
 server starts (the first launch in a test session).

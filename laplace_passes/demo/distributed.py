@@ -13,7 +13,7 @@ launcher (torchelastic):
   in W processes, each of which sees the torchrun environment above and
   calls :func:`join_process_group` itself; the return values come back in
   rank order. The processes are forked from a fork server that imported
-  torch, torch._dynamo and this project once (``preload``): a spawned
+  torch, torch._dynamo, AOT Autograd, Inductor and this project once (``preload``): a spawned
   process would spend seconds of CPU importing them, W times over on a
   machine with fewer cores than ranks.
 
